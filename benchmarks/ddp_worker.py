@@ -1,0 +1,401 @@
+"""One benchmark run: the workloads, the instrumentation and the hand-written DDP loop.
+
+``bench_ddp.py`` starts this file once per run, in a fresh interpreter, so that
+start-up is measured from launch::
+
+    python benchmarks/ddp_worker.py --impl handwritten --workload small \
+        --world-size 2 --steps 200 --out-dir /tmp/run
+
+``--impl lightning`` and ``--impl ours`` are handled by ``lightning_worker.py``,
+which is imported only for them, so the hand-written loop never imports
+Lightning (its start-up and memory are those of plain PyTorch).
+
+Each rank writes ``<out-dir>/rank<N>.json`` (see :meth:`StepRecorder.finish`).
+
+Environment read here (set by ``bench_ddp.py``):
+    BENCH_LAUNCH_TIME: ``time.time()`` of the launch, in seconds since the epoch.
+    MASTER_ADDR, MASTER_PORT: the rendezvous address (127.0.0.1 and a free port).
+    OMP_NUM_THREADS: intra-op threads per rank (cores // world size for all impls).
+"""
+
+
+import argparse
+import json
+import os
+import resource
+import threading
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+IMPLS = ("handwritten", "lightning", "ours")
+
+
+# --------------------------------------------------------------------------- workloads
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One model + data set + optimizer configuration, identical for every implementation.
+
+    Attributes:
+        name: short name used on the command line and in the table.
+        kind: ``"mlp"`` (input (B, features)) or ``"cnn"`` (input (B, 3, image, image)).
+        features: MLP input width, or CNN image side in pixels.
+        hidden: MLP hidden width, or CNN channel count of the widest layer.
+        classes: number of target classes.
+        batch: per-device batch size B, samples.
+        samples: data set size, samples (a multiple of 2 * batch so every rank
+            gets only full batches at world size 1 and 2).
+        steps: default number of timed-plus-warm-up optimizer steps.
+        lr: SGD learning rate (momentum 0.9).
+    """
+
+    name: str
+    kind: str
+    features: int
+    hidden: int
+    classes: int
+    batch: int
+    samples: int
+    steps: int
+    lr: float = 0.01
+
+
+WORKLOADS: dict[str, Workload] = {
+    # ~54k parameters (~210 KiB of fp32 gradients): a step is a few milliseconds,
+    # so framework overhead and the all-reduce latency dominate.
+    "small": Workload("small", "mlp", features=64, hidden=192, classes=10, batch=32, samples=2048, steps=300),
+    # small CNN on 32x32 images, ~0.1M parameters but ~20x more compute per step.
+    "heavy": Workload("heavy", "cnn", features=32, hidden=64, classes=10, batch=32, samples=1024, steps=40),
+}
+
+
+def build_model(w: Workload) -> nn.Module:
+    """Build the workload's network; call after ``torch.manual_seed`` for identical weights."""
+    if w.kind == "mlp":
+        return nn.Sequential(
+            nn.Linear(w.features, w.hidden),
+            nn.ReLU(),
+            nn.Linear(w.hidden, w.hidden),
+            nn.ReLU(),
+            nn.Linear(w.hidden, w.classes),
+        )
+    if w.kind == "cnn":
+        c = w.hidden
+        return nn.Sequential(
+            nn.Conv2d(3, c // 2, 3, padding=1),
+            nn.ReLU(),
+            nn.Conv2d(c // 2, c, 3, padding=1),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Conv2d(c, c, 3, padding=1),
+            nn.ReLU(),
+            nn.AdaptiveAvgPool2d(1),
+            nn.Flatten(),
+            nn.Linear(c, w.classes),
+        )
+    raise ValueError(f"unknown workload kind {w.kind!r}; expected 'mlp' or 'cnn'")
+
+
+def build_dataset(w: Workload, seed: int) -> TensorDataset:
+    """Synthetic data from a fixed seed: inputs float32 (N, ...) on CPU, int64 labels (N,)."""
+    g = torch.Generator().manual_seed(seed)
+    if w.kind == "mlp":
+        x = torch.randn(w.samples, w.features, generator=g)
+    else:
+        x = torch.randn(w.samples, 3, w.features, w.features, generator=g)
+    y = torch.randint(0, w.classes, (w.samples,), generator=g)
+    return TensorDataset(x, y)
+
+
+def make_optimizer(params: Any, w: Workload) -> torch.optim.Optimizer:
+    """SGD with momentum 0.9, the same for every implementation."""
+    return torch.optim.SGD(params, lr=w.lr, momentum=0.9)
+
+
+# --------------------------------------------------------------------------- instrumentation
+
+_tls = threading.local()
+
+_COLLECTIVES = (
+    "all_reduce", "broadcast", "reduce", "all_gather", "all_gather_into_tensor", "gather", "scatter",
+    "reduce_scatter", "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "barrier",
+    "monitored_barrier", "broadcast_object_list", "all_gather_object", "gather_object", "scatter_object_list",
+)  # fmt: skip
+
+
+def _tensor_bytes(obj: Any) -> int:
+    """Bytes held by a tensor or a (nested) list of tensors; 0 for anything else."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, (list, tuple)):
+        return sum(_tensor_bytes(o) for o in obj)
+    return 0
+
+
+class CommCounter:
+    """Counts what goes over the process group.
+
+    Two sources:
+      * gradient buckets, via :func:`counting_allreduce_hook` registered as the DDP
+        comm hook (wraps PyTorch's default ``allreduce_hook``, so results are unchanged);
+      * every other collective called through ``torch.distributed.<name>`` (Lightning's
+        ``reduce_boolean_decision``, barriers, ...), via :meth:`install` which wraps
+        those functions. Calls made from inside the comm hook are not counted twice.
+
+    Counts are cumulative; :class:`StepRecorder` snapshots them at the first step's
+    start and the last step's end so set-up and teardown collectives are excluded.
+    """
+
+    def __init__(self) -> None:
+        self.process_group: dist.ProcessGroup | None = None
+        self.grad_bytes = 0
+        self.grad_buckets = 0
+        self.hook_registered = False
+        self.other_bytes: dict[str, int] = {}
+        self.other_calls: dict[str, int] = {}
+
+    def install(self) -> None:
+        """Wrap the ``torch.distributed`` collectives to count calls and tensor bytes."""
+        for name in _COLLECTIVES:
+            fn = getattr(dist, name, None)
+            if fn is None or getattr(fn, "_bench_wrapped", False):
+                continue
+            setattr(dist, name, self._wrap(name, fn))
+
+    def _wrap(self, name: str, fn: Any) -> Any:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            if not getattr(_tls, "in_hook", False):
+                nbytes = _tensor_bytes(args[0]) if args else _tensor_bytes(kwargs.get("tensor"))
+                self.other_calls[name] = self.other_calls.get(name, 0) + 1
+                self.other_bytes[name] = self.other_bytes.get(name, 0) + nbytes
+            return fn(*args, **kwargs)
+
+        wrapper._bench_wrapped = True  # type: ignore[attr-defined]
+        return wrapper
+
+    def snapshot(self) -> dict[str, Any]:
+        """Current cumulative counts (bytes and calls)."""
+        return {
+            "grad_bytes": self.grad_bytes,
+            "grad_buckets": self.grad_buckets,
+            "other_bytes": dict(self.other_bytes),
+            "other_calls": dict(self.other_calls),
+        }
+
+
+def counting_allreduce_hook(state: CommCounter, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP comm hook: add the bucket's size (bytes) to ``state``, then PyTorch's ``allreduce_hook``."""
+    buf = bucket.buffer()
+    state.grad_bytes += buf.numel() * buf.element_size()
+    state.grad_buckets += 1
+    _tls.in_hook = True
+    try:
+        return default_hooks.allreduce_hook(state.process_group, bucket)
+    finally:
+        _tls.in_hook = False
+
+
+def register_counting_hook(ddp_model: nn.Module, counter: CommCounter) -> None:
+    """Register :func:`counting_allreduce_hook` on a DDP module; must precede the first backward."""
+    if isinstance(ddp_model, DistributedDataParallel):
+        ddp_model.register_comm_hook(counter, counting_allreduce_hook)
+        counter.hook_registered = True
+
+
+class StepRecorder:
+    """Per-rank timings of every optimizer step, plus memory and communication.
+
+    Call :meth:`step_start` when a step begins (batch in hand) and :meth:`step_end`
+    after ``optimizer.step()``. Step durations are end-to-end: step i (i >= 1)
+    lasts from the end of step i-1 to the end of step i, so data loading and
+    framework bookkeeping between steps are included.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.launch_time = float(os.environ.get("BENCH_LAUNCH_TIME", time.time()))
+        self.starts: list[float] = []  # time.perf_counter(), seconds
+        self.ends: list[float] = []
+        self.first_start_wall: float | None = None  # time.time(), seconds since the epoch
+        self.first_end_wall: float | None = None
+        self.comm = CommCounter()
+        self.comm_at_start: dict[str, Any] | None = None
+        self.final_loss: float | None = None
+
+    def step_start(self) -> None:
+        """Record the start of a step."""
+        if not self.starts:
+            self.first_start_wall = time.time()
+            self.comm_at_start = self.comm.snapshot()
+        self.starts.append(time.perf_counter())
+
+    def step_end(self, loss: torch.Tensor | None = None, last: bool = False) -> None:
+        """Record the end of a step; on CUDA waits for the device first. ``loss`` is read only if ``last``."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.ends.append(time.perf_counter())
+        if self.first_end_wall is None:
+            self.first_end_wall = time.time()
+        if last and loss is not None:
+            self.final_loss = float(loss.detach())
+
+    def finish(self, rank: int, world_size: int, out_dir: str | Path, extra: dict[str, Any]) -> None:
+        """Write ``rank<rank>.json`` to ``out_dir``.
+
+        Fields: ``step_s`` (seconds per step, end-to-end, all steps), ``startup_s``
+        (launch to the end of the first step, seconds), ``launch_to_first_start_s``,
+        ``peak_rss_mib`` (ru_maxrss of this process, MiB), ``peak_cuda_mib``,
+        ``comm`` (counts over the training steps only), ``threads``, ``final_loss``.
+        """
+        assert self.first_end_wall is not None and self.first_start_wall is not None, "no step was recorded"
+        step_s = [self.ends[0] - self.starts[0]] + [b - a for a, b in zip(self.ends, self.ends[1:])]
+        end = self.comm.snapshot()
+        start = self.comm_at_start or {}
+        steps = len(step_s)
+        other_calls = {k: v - start.get("other_calls", {}).get(k, 0) for k, v in end["other_calls"].items()}
+        other_bytes = {k: v - start.get("other_bytes", {}).get(k, 0) for k, v in end["other_bytes"].items()}
+        other_calls = {k: v for k, v in other_calls.items() if v}
+        record = {
+            "rank": rank,
+            "world_size": world_size,
+            "steps": steps,
+            "step_s": step_s,
+            "startup_s": self.first_end_wall - self.launch_time,
+            "launch_to_first_start_s": self.first_start_wall - self.launch_time,
+            "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,  # KiB on Linux
+            "peak_cuda_mib": (torch.cuda.max_memory_allocated(self.device) / 2**20)
+            if self.device.type == "cuda"
+            else None,
+            "threads": torch.get_num_threads(),
+            "final_loss": self.final_loss,
+            "comm": {
+                "hook_registered": self.comm.hook_registered,
+                "grad_bytes_per_step": (end["grad_bytes"] - start.get("grad_bytes", 0)) / steps,
+                "grad_buckets_per_step": (end["grad_buckets"] - start.get("grad_buckets", 0)) / steps,
+                "other_all_reduce_bytes_per_step": other_bytes.get("all_reduce", 0) / steps,
+                "other_calls_per_step": sum(other_calls.values()) / steps,
+                "other_calls": other_calls,
+            },
+            **extra,
+        }
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+        tmp = Path(out_dir) / f".rank{rank}.json.tmp"
+        tmp.write_text(json.dumps(record))
+        tmp.replace(Path(out_dir) / f"rank{rank}.json")
+
+
+# --------------------------------------------------------------------------- hand-written DDP
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Everything a rank needs; plain data so it pickles for ``mp.spawn``."""
+
+    impl: str
+    workload: str
+    world_size: int
+    steps: int
+    seed: int
+    device: str  # "cpu" or "cuda"
+    out_dir: str
+    pg_timeout_s: float
+
+
+def _handwritten_rank(rank: int, cfg: RunConfig) -> None:
+    """One rank of the tutorial-style loop (PyTorch "Getting started with DDP").
+
+    init_process_group -> DDP -> DistributedSampler + set_epoch -> plain loop.
+    Must run on every rank; each writes ``rank<rank>.json``.
+    """
+    w = WORKLOADS[cfg.workload]
+    use_cuda = cfg.device == "cuda"
+    device = torch.device("cuda", rank) if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+    recorder = StepRecorder(device)
+    recorder.comm.install()
+    dist.init_process_group(
+        "nccl" if use_cuda else "gloo",
+        rank=rank,
+        world_size=cfg.world_size,
+        timeout=timedelta(seconds=cfg.pg_timeout_s),
+    )
+    try:
+        torch.manual_seed(cfg.seed)
+        model = build_model(w).to(device)
+        ddp_model = DistributedDataParallel(model, device_ids=[rank] if use_cuda else None)
+        register_counting_hook(ddp_model, recorder.comm)
+        dataset = build_dataset(w, cfg.seed)
+        sampler = DistributedSampler(dataset, num_replicas=cfg.world_size, rank=rank, shuffle=True, seed=cfg.seed)
+        loader = DataLoader(dataset, batch_size=w.batch, sampler=sampler)
+        optimizer = make_optimizer(ddp_model.parameters(), w)
+        ddp_model.train()
+
+        step, epoch = 0, 0
+        while step < cfg.steps:
+            sampler.set_epoch(epoch)
+            for x, y in loader:
+                recorder.step_start()
+                x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+                optimizer.zero_grad(set_to_none=True)
+                loss = F.cross_entropy(ddp_model(x), y)
+                loss.backward()
+                optimizer.step()
+                step += 1
+                recorder.step_end(loss, last=step == cfg.steps)
+                if step == cfg.steps:
+                    break
+            epoch += 1
+        recorder.finish(rank, cfg.world_size, cfg.out_dir, {"impl": cfg.impl, "epochs": epoch})
+    finally:
+        dist.destroy_process_group()
+
+
+def run_handwritten(cfg: RunConfig) -> None:
+    """Launch ``cfg.world_size`` ranks with ``mp.spawn``, as the PyTorch DDP tutorial does."""
+    mp.spawn(_handwritten_rank, args=(cfg,), nprocs=cfg.world_size, join=True)
+
+
+# --------------------------------------------------------------------------- entry point
+
+
+def _parse(argv: list[str] | None = None) -> RunConfig:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--impl", choices=IMPLS, required=True)
+    p.add_argument("--workload", choices=sorted(WORKLOADS), required=True)
+    p.add_argument("--world-size", type=int, required=True)
+    p.add_argument("--steps", type=int, required=True, help="optimizer steps, warm-up included")
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--out-dir", required=True)
+    p.add_argument("--pg-timeout", type=float, default=60.0, help="process-group timeout, seconds")
+    a = p.parse_args(argv)
+    return RunConfig(a.impl, a.workload, a.world_size, a.steps, a.seed, a.device, a.out_dir, a.pg_timeout)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Run one configuration (see the module docstring)."""
+    cfg = _parse(argv)
+    if cfg.impl == "handwritten":
+        run_handwritten(cfg)
+    else:
+        import lightning_worker  # imported only here: the hand-written loop stays Lightning-free
+
+        lightning_worker.run(cfg)
+
+
+if __name__ == "__main__":
+    main()

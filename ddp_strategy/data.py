@@ -1,0 +1,107 @@
+"""The reference data: scikit-learn's bundled handwritten digits, as a LightningDataModule.
+
+``sklearn.datasets.load_digits`` ships 1,797 real 8x8 grey-scale images of the digits 0-9 (UCI ML
+hand-written digits, test set) inside scikit-learn, so no download is needed.
+"""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from sklearn.datasets import load_digits
+from torch.utils.data import DataLoader, TensorDataset
+
+NUM_FEATURES = 64
+NUM_CLASSES = 10
+
+
+def load_digits_tensors() -> tuple[torch.Tensor, torch.Tensor]:
+    """All 1,797 digits as tensors.
+
+    Returns:
+        ``(x, y)``: ``x`` float32 of shape (1797, 64), pixel intensities scaled from 0..16 to 0..1;
+        ``y`` int64 of shape (1797,), the digit 0-9.
+    """
+    data = load_digits()
+    x = torch.tensor(data.data, dtype=torch.float32) / 16.0
+    y = torch.tensor(data.target, dtype=torch.int64)
+    return x, y
+
+
+def split_indices(n: int, val_fraction: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A seeded random train/validation split of ``range(n)``.
+
+    Args:
+        n: number of samples.
+        val_fraction: share of samples for validation, ``0 < val_fraction < 1``.
+        seed: the split's seed; the same seed gives the same split on every rank and every run.
+
+    Returns:
+        ``(train_idx, val_idx)``, int64, disjoint, together ``range(n)``; ``len(val_idx) = round(n * val_fraction)``.
+
+    Raises:
+        ValueError: ``val_fraction`` is outside (0, 1).
+    """
+    if not 0.0 < val_fraction < 1.0:
+        raise ValueError(f"val_fraction must be between 0 and 1 (exclusive), got {val_fraction}.")
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
+    n_val = round(n * val_fraction)
+    return perm[n_val:], perm[:n_val]
+
+
+class DigitsDataModule(pl.LightningDataModule):
+    """Digits, split 80/20 into train (1,437 images) and validation (360) with a fixed seed.
+
+    Args:
+        batch_size: the per-device batch size B (default 32). Under DDP each rank loads B samples per
+            step, so the global batch is ``B * world_size``; do not multiply it by the device count.
+        val_fraction: validation share (default 0.2).
+        split_seed: seed of the train/validation split (default 1234), independent of training seeds.
+        num_workers: DataLoader worker processes per rank (default 0).
+
+    Raises:
+        ValueError: ``batch_size < 1`` or ``num_workers < 0``.
+    """
+
+    def __init__(self, batch_size: int = 32, val_fraction: float = 0.2, split_seed: int = 1234,
+                 num_workers: int = 0) -> None:
+        super().__init__()
+        if batch_size < 1:
+            raise ValueError(f"batch_size is the per-device batch size and must be >= 1, got {batch_size}.")
+        if num_workers < 0:
+            raise ValueError(f"num_workers must be >= 0, got {num_workers}.")
+        self.save_hyperparameters()
+        self.batch_size = batch_size
+        self.val_fraction = val_fraction
+        self.split_seed = split_seed
+        self.num_workers = num_workers
+        self.train_set: TensorDataset | None = None
+        self.val_set: TensorDataset | None = None
+
+    def setup(self, stage: str | None = None) -> None:
+        """Load the digits and split them (same split on every rank)."""
+        x, y = load_digits_tensors()
+        train_idx, val_idx = split_indices(len(y), self.val_fraction, self.split_seed)
+        self.train_set = TensorDataset(x[train_idx], y[train_idx])
+        self.val_set = TensorDataset(x[val_idx], y[val_idx])
+
+    def _world_size(self) -> int:
+        return self.trainer.world_size if self.trainer is not None else 1
+
+    def train_dataloader(self) -> DataLoader:
+        """Shuffled training batches of the per-device batch size; the strategy shards them."""
+        assert self.train_set is not None, "call setup() first"
+        world = self._world_size()
+        rank_zero_info(f"Digits: per-device batch size {self.batch_size} x world size {world}"
+                       f" = global batch size {self.batch_size * world}")
+        return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=True, num_workers=self.num_workers)
+
+    def val_dataloader(self) -> DataLoader:
+        """Validation batches in data-set order."""
+        assert self.val_set is not None, "call setup() first"
+        return DataLoader(self.val_set, batch_size=self.batch_size, shuffle=False, num_workers=self.num_workers)
+
+    def test_dataloader(self) -> DataLoader:
+        """The validation split (digits has no separate test split here)."""
+        return self.val_dataloader()

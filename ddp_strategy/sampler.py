@@ -1,0 +1,176 @@
+"""Distributed sampler injection and per-epoch seeding.
+
+Each rank must read a disjoint shard of the data set, and the shuffle must change every epoch. PyTorch's
+:class:`~torch.utils.data.distributed.DistributedSampler` does the sharding; it reshuffles only when
+``set_epoch`` is called before each epoch's iterator is made
+(https://pytorch.org/docs/stable/data.html#torch.utils.data.distributed.DistributedSampler). Forgetting that
+call is the classic DDP bug (the same order every epoch), so the sampler below reads the epoch from the
+trainer itself each time an iterator is created.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from torch.utils.data import DataLoader, Dataset, IterableDataset, RandomSampler, SequentialSampler
+from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
+from torch.utils.data.distributed import DistributedSampler
+
+from ddp_strategy import _lightning_private as _pl
+
+#: Seed used for shuffling when neither the strategy nor ``seed_everything`` set one.
+DEFAULT_SEED = 0
+
+
+def shared_seed(seed: int | None = None) -> int:
+    """Return the shuffle seed: ``seed`` if given, else ``seed_everything``'s (``PL_GLOBAL_SEED``), else 0.
+
+    Args:
+        seed: an explicit seed, or ``None``.
+
+    Returns:
+        The seed as an int. The strategy broadcasts rank 0's value so every rank uses the same one.
+    """
+    if seed is not None:
+        return int(seed)
+    return int(os.environ.get("PL_GLOBAL_SEED", DEFAULT_SEED))
+
+
+class EpochSeededDistributedSampler(DistributedSampler):
+    """A :class:`~torch.utils.data.distributed.DistributedSampler` that sets its own epoch.
+
+    Sharding is PyTorch's: with ``shuffle=True`` the permutation of ``range(len(dataset))`` is drawn from a
+    generator seeded with ``seed + epoch``; the list is padded by repeating its head to a multiple of
+    ``num_replicas``; rank ``r`` takes positions ``r, r + num_replicas, ...``. For 5 samples, 2 ranks and
+    ``shuffle=False``: rank 0 gets ``[0, 2, 4]`` and rank 1 gets ``[1, 3, 0]`` (index 0 is padding).
+
+    When ``epoch_fn`` is given, ``__iter__`` calls ``set_epoch(epoch_fn())`` first, so the epoch used is the
+    trainer's current epoch whenever an iterator is created (also on the first epoch after a resume, and
+    with persistent workers, since sampling happens in the main process). Explicit ``set_epoch`` calls with
+    the same value, as Lightning's loops make, are harmless.
+
+    Args:
+        dataset: a map-style data set of length N.
+        num_replicas: world size W.
+        rank: this process's global rank, ``0 <= rank < W``.
+        shuffle: reshuffle each epoch (True) or keep the data set's order (False).
+        seed: shuffle seed, identical on every rank.
+        drop_last: drop the tail instead of padding (each rank then gets ``N // W`` samples).
+        epoch_fn: returns the current epoch (0-based); ``None`` leaves ``set_epoch`` to the caller.
+
+    Raises:
+        ValueError: from :class:`DistributedSampler` when ``rank`` is outside ``[0, W)``.
+    """
+
+    def __init__(
+        self,
+        dataset: Dataset,
+        num_replicas: int,
+        rank: int,
+        shuffle: bool = True,
+        seed: int = DEFAULT_SEED,
+        drop_last: bool = False,
+        epoch_fn: Callable[[], int] | None = None,
+    ) -> None:
+        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed,
+                         drop_last=drop_last)
+        self.epoch_fn = epoch_fn
+
+    def __iter__(self) -> Iterator[int]:
+        if self.epoch_fn is not None:
+            self.set_epoch(int(self.epoch_fn()))
+        return super().__iter__()
+
+
+def loader_shuffles(dataloader: DataLoader) -> bool:
+    """Whether ``dataloader`` was built to shuffle (``shuffle=True`` makes a ``RandomSampler``).
+
+    Args:
+        dataloader: a :class:`~torch.utils.data.DataLoader`.
+
+    Returns:
+        True for a ``RandomSampler``, False for a ``SequentialSampler`` or any other sampler.
+    """
+    return isinstance(dataloader.sampler, RandomSampler)
+
+
+def distributed_sampler_for(
+    dataloader: DataLoader,
+    num_replicas: int,
+    rank: int,
+    seed: int,
+    epoch_fn: Callable[[], int] | None = None,
+) -> Any:
+    """Build the distributed sampler that replaces ``dataloader``'s sampler, keeping its shuffle setting.
+
+    ``RandomSampler`` and ``SequentialSampler`` (what ``shuffle=True/False`` create) become an
+    :class:`EpochSeededDistributedSampler` over the data set; any other sampler is wrapped in Lightning's
+    ``DistributedSamplerWrapper``, which shards the sampler's output by position.
+
+    Args:
+        dataloader: the user's loader.
+        num_replicas: world size W.
+        rank: global rank.
+        seed: shuffle seed shared by all ranks.
+        epoch_fn: see :class:`EpochSeededDistributedSampler`.
+
+    Returns:
+        A sampler with ``set_epoch``.
+    """
+    if isinstance(dataloader.sampler, (RandomSampler, SequentialSampler)):
+        return EpochSeededDistributedSampler(
+            dataloader.dataset, num_replicas=num_replicas, rank=rank, shuffle=loader_shuffles(dataloader),
+            seed=seed, epoch_fn=epoch_fn,
+        )
+    return DistributedSamplerWrapper(dataloader.sampler, num_replicas=num_replicas, rank=rank, shuffle=False,
+                                     seed=seed)
+
+
+def needs_distributed_sampler(dataloader: object) -> bool:
+    """Whether :func:`inject_distributed_sampler` would replace ``dataloader``'s sampler.
+
+    Args:
+        dataloader: anything a ``*_dataloader`` hook returned.
+
+    Returns:
+        False for non-``DataLoader`` objects, iterable-style data sets (which have no indices to shard) and
+        loaders whose sampler is already a ``DistributedSampler`` (the user's own is respected).
+    """
+    return (
+        isinstance(dataloader, DataLoader)
+        and not isinstance(dataloader.dataset, IterableDataset)
+        and not isinstance(dataloader.sampler, DistributedSampler)
+        and not isinstance(getattr(dataloader.batch_sampler, "sampler", None), DistributedSampler)
+    )
+
+
+def inject_distributed_sampler(
+    dataloader: object,
+    num_replicas: int,
+    rank: int,
+    seed: int,
+    epoch_fn: Callable[[], int] | None = None,
+) -> object:
+    """Return ``dataloader`` rebuilt with a distributed sampler, or unchanged when it needs none.
+
+    The loader is re-created with Lightning's own re-instantiation logic, so its batch size, workers,
+    collate function and ``DataLoader`` subclass arguments are kept. ``batch_size`` stays the per-device
+    batch size B: the global batch is ``B * num_replicas``.
+
+    Args:
+        dataloader: the user's loader (see :func:`needs_distributed_sampler` for what is left alone).
+        num_replicas: world size W.
+        rank: global rank.
+        seed: shuffle seed shared by all ranks.
+        epoch_fn: see :class:`EpochSeededDistributedSampler`.
+
+    Returns:
+        The new loader, or ``dataloader`` itself.
+    """
+    if not needs_distributed_sampler(dataloader):
+        return dataloader
+    assert isinstance(dataloader, DataLoader)
+    sampler = distributed_sampler_for(dataloader, num_replicas, rank, seed, epoch_fn)
+    return _pl.update_dataloader(dataloader, sampler)

@@ -1,0 +1,125 @@
+"""Wrapping the LightningModule in DistributedDataParallel, and unwrapping it.
+
+:class:`torch.nn.parallel.DistributedDataParallel` broadcasts rank 0's parameters and buffers when it is
+built, then all-reduces (averages) gradients bucket by bucket while backward runs, so every rank applies
+the same update (https://pytorch.org/docs/stable/notes/ddp.html).
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from contextlib import nullcontext
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from ddp_strategy import _lightning_private as _pl
+
+log = logging.getLogger(__name__)
+
+#: ``DistributedDataParallel`` arguments the strategy sets itself; users may pass any other one.
+_SET_BY_STRATEGY = ("self", "module", "device_ids", "output_device")
+#: Keyword options accepted by ``MyDDPStrategy(**ddp_kwargs)``: those of the installed PyTorch's DDP.
+DDP_OPTIONS: tuple[str, ...] = tuple(
+    name for name in inspect.signature(DistributedDataParallel.__init__).parameters if name not in _SET_BY_STRATEGY
+)
+#: Defaults this package changes from DDP's: a bucket view saves one gradient-sized copy per parameter.
+DDP_DEFAULTS: dict[str, Any] = {"gradient_as_bucket_view": True}
+
+
+def validate_ddp_kwargs(ddp_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Check DDP keyword options by name and fill in this package's defaults.
+
+    Args:
+        ddp_kwargs: options for :class:`~torch.nn.parallel.DistributedDataParallel`, such as
+            ``find_unused_parameters=True`` or ``bucket_cap_mb=25`` (MiB).
+
+    Returns:
+        A new dict: :data:`DDP_DEFAULTS` updated with ``ddp_kwargs``.
+
+    Raises:
+        TypeError: an option is not a ``DistributedDataParallel`` argument, or is one the strategy sets
+            itself (``device_ids``, ``output_device``).
+    """
+    unknown = sorted(set(ddp_kwargs) - set(DDP_OPTIONS))
+    if unknown:
+        raise TypeError(
+            f"MyDDPStrategy got unknown DistributedDataParallel option(s) {unknown}. The strategy sets"
+            f" device_ids and output_device itself; valid options are {sorted(DDP_OPTIONS)}."
+        )
+    return {**DDP_DEFAULTS, **ddp_kwargs}
+
+
+def ddp_device_ids(device: torch.device) -> list[int] | None:
+    """``device_ids`` for DDP: ``[index]`` for a CUDA device, ``None`` for CPU (as DDP requires)."""
+    return [device.index if device.index is not None else 0] if device.type == "cuda" else None
+
+
+def wrap_module(module: nn.Module, device: torch.device, ddp_kwargs: dict[str, Any]) -> DistributedDataParallel:
+    """Wrap ``module`` (already on ``device``) in ``DistributedDataParallel``.
+
+    A collective: every rank must call it (DDP broadcasts rank 0's parameters and buffers here). On CUDA
+    the wrapper is built on a side stream, as PyTorch's CUDA-semantics notes advise.
+
+    Args:
+        module: the LightningModule, on this rank's device.
+        device: this rank's device.
+        ddp_kwargs: options from :func:`validate_ddp_kwargs`.
+
+    Returns:
+        The wrapped module; ``wrapper.module is module``.
+
+    Raises:
+        RuntimeError: from DDP when no process group is initialised.
+    """
+    device_ids = ddp_device_ids(device)
+    log.debug("wrapping %s in DDP: device_ids=%s options=%s", type(module).__name__, device_ids, ddp_kwargs)
+    ctx = torch.cuda.stream(torch.cuda.Stream()) if device_ids is not None else nullcontext()
+    with ctx:
+        return DistributedDataParallel(module, device_ids=device_ids, **ddp_kwargs)
+
+
+def unwrap_module(model: nn.Module) -> nn.Module:
+    """Return the module inside a ``DistributedDataParallel`` wrapper, or ``model`` itself."""
+    return model.module if isinstance(model, DistributedDataParallel) else model
+
+
+def broadcast_module_states(module: nn.Module, src: int = 0) -> None:
+    """Copy rank ``src``'s parameters and buffers to every rank, in place.
+
+    Used when evaluating without the DDP wrapper (validate, test, predict), so all ranks evaluate the
+    same weights. A collective: every rank must call it with the same module structure. A no-op
+    without a process group.
+    """
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return
+    with torch.no_grad():
+        for tensor in [*module.parameters(), *module.buffers()]:
+            dist.broadcast(tensor.data, src=src)
+
+
+class DDPForwardRedirection(_pl.ForwardRedirection):
+    """Routes ``training_step`` through DDP's ``forward``, with manual optimization handled.
+
+    Under manual optimization ``training_step`` calls ``manual_backward`` inside the forward call, so DDP
+    must not prepare its reducer after forward; the strategy's ``pre_backward`` does it instead. This is
+    the same behaviour as Lightning's own DDP strategy.
+    """
+
+    def on_after_inner_forward(self, wrapper_module: nn.Module, original_module: Any) -> None:
+        if isinstance(wrapper_module, DistributedDataParallel) and not original_module.automatic_optimization:
+            wrapper_module.require_backward_grad_sync = False
+
+    def on_after_outer_forward(self, wrapper_module: nn.Module, original_module: Any) -> None:
+        if isinstance(wrapper_module, DistributedDataParallel) and not original_module.automatic_optimization:
+            wrapper_module.require_backward_grad_sync = True
+
+
+def prepare_manual_backward(model: nn.Module, loss: torch.Tensor) -> None:
+    """Prepare DDP's reducer before a ``manual_backward`` (manual optimization only); no-op otherwise."""
+    if isinstance(model, DistributedDataParallel):
+        _pl.prepare_for_backward(model, loss)
