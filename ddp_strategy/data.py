@@ -51,7 +51,7 @@ def split_indices(n: int, val_fraction: float, seed: int) -> tuple[torch.Tensor,
 
 
 class DigitsDataModule(pl.LightningDataModule):
-    """Digits, split 80/20 into train (1,437 images) and validation (360) with a fixed seed.
+    """Digits, split 80/20 into train (1,438 images) and validation (359) with a fixed seed.
 
     Args:
         batch_size: the per-device batch size B (default 32). Under DDP each rank loads B samples per

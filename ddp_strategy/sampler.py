@@ -14,6 +14,7 @@ import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, RandomSampler, SequentialSampler
 from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
 from torch.utils.data.distributed import DistributedSampler
@@ -46,6 +47,10 @@ class EpochSeededDistributedSampler(DistributedSampler):
     ``num_replicas``; rank ``r`` takes positions ``r, r + num_replicas, ...``. For 5 samples, 2 ranks and
     ``shuffle=False``: rank 0 gets ``[0, 2, 4]`` and rank 1 gets ``[1, 3, 0]`` (index 0 is padding).
 
+    With ``pad=False`` (used for evaluation) nothing is repeated: rank ``r`` takes positions
+    ``r, r + W, ...`` of the unpadded list, so every sample is evaluated exactly once across ranks and ranks
+    may get one sample less than others (rank 0 ``[0, 2, 4]``, rank 1 ``[1, 3]`` in the example above).
+
     When ``epoch_fn`` is given, ``__iter__`` calls ``set_epoch(epoch_fn())`` first, so the epoch used is the
     trainer's current epoch whenever an iterator is created (also on the first epoch after a resume, and
     with persistent workers, since sampling happens in the main process). Explicit ``set_epoch`` calls with
@@ -59,9 +64,12 @@ class EpochSeededDistributedSampler(DistributedSampler):
         seed: shuffle seed, identical on every rank.
         drop_last: drop the tail instead of padding (each rank then gets ``N // W`` samples).
         epoch_fn: returns the current epoch (0-based); ``None`` leaves ``set_epoch`` to the caller.
+        pad: repeat samples so all ranks get the same count (True, needed for training: every rank must
+            take the same number of optimizer steps), or not (False, for exact evaluation).
 
     Raises:
-        ValueError: from :class:`DistributedSampler` when ``rank`` is outside ``[0, W)``.
+        ValueError: from :class:`DistributedSampler` when ``rank`` is outside ``[0, W)``, or when
+            ``pad=False`` is combined with ``drop_last=True``.
     """
 
     def __init__(
@@ -73,15 +81,30 @@ class EpochSeededDistributedSampler(DistributedSampler):
         seed: int = DEFAULT_SEED,
         drop_last: bool = False,
         epoch_fn: Callable[[], int] | None = None,
+        pad: bool = True,
     ) -> None:
         super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed,
                          drop_last=drop_last)
+        if not pad and drop_last:
+            raise ValueError("pad=False keeps every sample exactly once; it cannot be combined with drop_last=True.")
         self.epoch_fn = epoch_fn
+        self.pad = pad
+        if not pad:
+            self.num_samples = len(range(rank, len(dataset), num_replicas))  # type: ignore[arg-type]
+            self.total_size = len(dataset)  # type: ignore[arg-type]
 
     def __iter__(self) -> Iterator[int]:
         if self.epoch_fn is not None:
             self.set_epoch(int(self.epoch_fn()))
-        return super().__iter__()
+        if self.pad:
+            return super().__iter__()
+        # Same permutation as the padded case, without the padding: each index lands on exactly one rank.
+        if self.shuffle:
+            generator = torch.Generator().manual_seed(self.seed + self.epoch)
+            indices = torch.randperm(len(self.dataset), generator=generator).tolist()  # type: ignore[arg-type]
+        else:
+            indices = list(range(len(self.dataset)))  # type: ignore[arg-type]
+        return iter(indices[self.rank::self.num_replicas])
 
 
 def loader_shuffles(dataloader: DataLoader) -> bool:
@@ -102,6 +125,7 @@ def distributed_sampler_for(
     rank: int,
     seed: int,
     epoch_fn: Callable[[], int] | None = None,
+    pad: bool = True,
 ) -> Any:
     """Build the distributed sampler that replaces ``dataloader``'s sampler, keeping its shuffle setting.
 
@@ -114,7 +138,7 @@ def distributed_sampler_for(
         num_replicas: world size W.
         rank: global rank.
         seed: shuffle seed shared by all ranks.
-        epoch_fn: see :class:`EpochSeededDistributedSampler`.
+        epoch_fn, pad: see :class:`EpochSeededDistributedSampler`.
 
     Returns:
         A sampler with ``set_epoch``.
@@ -122,7 +146,7 @@ def distributed_sampler_for(
     if isinstance(dataloader.sampler, (RandomSampler, SequentialSampler)):
         return EpochSeededDistributedSampler(
             dataloader.dataset, num_replicas=num_replicas, rank=rank, shuffle=loader_shuffles(dataloader),
-            seed=seed, epoch_fn=epoch_fn,
+            seed=seed, epoch_fn=epoch_fn, pad=pad,
         )
     return DistributedSamplerWrapper(dataloader.sampler, num_replicas=num_replicas, rank=rank, shuffle=False,
                                      seed=seed)
@@ -152,6 +176,7 @@ def inject_distributed_sampler(
     rank: int,
     seed: int,
     epoch_fn: Callable[[], int] | None = None,
+    pad: bool = True,
 ) -> object:
     """Return ``dataloader`` rebuilt with a distributed sampler, or unchanged when it needs none.
 
@@ -164,7 +189,7 @@ def inject_distributed_sampler(
         num_replicas: world size W.
         rank: global rank.
         seed: shuffle seed shared by all ranks.
-        epoch_fn: see :class:`EpochSeededDistributedSampler`.
+        epoch_fn, pad: see :class:`EpochSeededDistributedSampler`; pass ``pad=False`` for evaluation loaders.
 
     Returns:
         The new loader, or ``dataloader`` itself.
@@ -172,5 +197,5 @@ def inject_distributed_sampler(
     if not needs_distributed_sampler(dataloader):
         return dataloader
     assert isinstance(dataloader, DataLoader)
-    sampler = distributed_sampler_for(dataloader, num_replicas, rank, seed, epoch_fn)
+    sampler = distributed_sampler_for(dataloader, num_replicas, rank, seed, epoch_fn, pad)
     return _pl.update_dataloader(dataloader, sampler)

@@ -27,7 +27,7 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
-from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
@@ -263,7 +263,10 @@ class MyDDPStrategy(ParallelStrategy):
     def process_dataloader(self, dataloader: object) -> object:
         """Give ``dataloader`` a distributed sampler that keeps its shuffle setting and tracks the epoch.
 
-        Predict loaders are left to Lightning, whose sampler evaluates each sample exactly once.
+        Training loaders are padded so every rank takes the same number of steps; validation and test
+        loaders are not, so each sample is evaluated exactly once (evaluation runs without the DDP
+        wrapper, see :meth:`validation_step`). Predict loaders are left to Lightning, whose sampler also
+        evaluates each sample exactly once.
         """
         trainer = self._trainer
         if trainer is None or trainer.state.fn == TrainerFn.PREDICTING:
@@ -274,7 +277,22 @@ class MyDDPStrategy(ParallelStrategy):
             rank=self.global_rank,
             seed=self._sampler_seed,
             epoch_fn=lambda: trainer.fit_loop.epoch_progress.current.processed,
+            pad=trainer.state.stage == RunningStage.TRAINING,
         )
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        """Call the LightningModule directly, not through DDP: evaluation needs no per-step collective."""
+        assert self.lightning_module is not None
+        with self.precision_plugin.val_step_context():
+            return self.lightning_module.validation_step(*args, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        """Call the LightningModule directly, as :meth:`validation_step` does."""
+        assert self.lightning_module is not None
+        with self.precision_plugin.test_step_context():
+            return self.lightning_module.test_step(*args, **kwargs)
 
     # ------------------------------------------------------------------------------------- collectives
     @override

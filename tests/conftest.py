@@ -1,0 +1,54 @@
+"""Shared fixtures: every test leaves no process group, no changed environment, no child process, no stray file."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+# Child processes that may outlive a test by design: multiprocessing's resource tracker and forkserver.
+_LONG_LIVED_HELPERS = ("resource_tracker", "forkserver", "semaphore_tracker")
+
+
+def _child_pids() -> dict[int, str]:
+    """Live (non-zombie) child processes of this process: pid -> command line."""
+    me = os.getpid()
+    children: dict[int, str] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()
+        state, ppid = fields[0], int(fields[1])
+        if ppid == me and state != "Z" and not any(h in cmdline for h in _LONG_LIVED_HELPERS):
+            children[int(entry.name)] = cmdline
+    return children
+
+
+@pytest.fixture(autouse=True)
+def clean_process_state():
+    """Destroy any process group, restore os.environ, and fail on leftover children or files in the cwd."""
+    env_before = dict(os.environ)
+    cwd = Path.cwd()
+    files_before = set(os.listdir(cwd))
+    threads_before = torch.get_num_threads()
+    yield
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    os.environ.clear()
+    os.environ.update(env_before)
+    torch.set_num_threads(threads_before)
+    deadline = time.monotonic() + 10.0
+    while (left := _child_pids()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not left, f"test left child processes alive: {left}"
+    stray = set(os.listdir(cwd)) - files_before
+    assert not stray, f"test left files in {cwd}: {sorted(stray)}"

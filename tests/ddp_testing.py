@@ -1,0 +1,76 @@
+"""Test doubles shared by the multi-process tests: they must live in a module so spawned ranks can import them."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils.data import TensorDataset
+
+from ddp_strategy import DigitsClassifier, DigitsDataModule
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class IndexedDigits(DigitsDataModule):
+    """Digits whose training samples also carry their index in the training set: (x, y, idx)."""
+
+    def setup(self, stage: str | None = None) -> None:
+        super().setup(stage)
+        x, y = self.train_set.tensors
+        self.train_set = TensorDataset(x, y, torch.arange(len(y)))
+
+
+class RecordingClassifier(DigitsClassifier):
+    """Records, per rank: indices seen per epoch, first batch, initial weights, first gradients, final weights."""
+
+    def __init__(self, out_dir: str, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.out_dir = out_dir
+        self.seen: dict[int, list[int]] = {}
+        self.record: dict[str, Any] = {}
+
+    def on_train_start(self) -> None:
+        self.record["initial"] = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+
+    def training_step(self, batch, batch_idx):
+        x, y, idx = batch
+        self.seen.setdefault(self.current_epoch, []).extend(idx.tolist())
+        if "first_batch" not in self.record:
+            self.record["first_batch"] = idx.tolist()
+        return super().training_step((x, y), batch_idx)
+
+    def on_after_backward(self) -> None:
+        if "first_grads" not in self.record:
+            self.record["first_grads"] = {n: p.grad.detach().clone() for n, p in self.model.named_parameters()}
+
+    def on_train_end(self) -> None:
+        self.record["seen"] = self.seen
+        self.record["final"] = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        self.record["world_size"] = self.trainer.world_size
+        torch.save(self.record, Path(self.out_dir) / f"rank{self.global_rank}.pt")
+
+
+def run_cli(args: list[str], cwd: Path, timeout: float = 240.0) -> subprocess.CompletedProcess:
+    """Run ``python -m ddp_strategy ARGS`` in its own session; kill the whole group if it overruns."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "ddp_strategy", *args], cwd=cwd, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        raise AssertionError(f"ddp_strategy {args} did not finish in {timeout} s; output:\n{out[-4000:]}") from None
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, None)
