@@ -77,14 +77,13 @@ def resolve_backend(device: torch.device, backend: str | None) -> str:
         ValueError: the name is unknown or unavailable (see :func:`validate_backend_name`), or ``"nccl"``
             was asked for on a non-CUDA device (NCCL only moves CUDA tensors).
     """
-    validate_backend_name(backend)
-    chosen = backend or default_backend(device)
-    if chosen == "nccl" and device.type != "cuda":
+    if backend == "nccl" and device.type != "cuda":
         raise ValueError(
             f"process_group_backend='nccl' needs CUDA devices, but this rank runs on {device}."
             " Use process_group_backend='gloo' (or None) for CPU training, or Trainer(accelerator='cuda')."
         )
-    return chosen
+    validate_backend_name(backend)
+    return backend or default_backend(device)
 
 
 def as_timedelta(timeout: float | timedelta) -> timedelta:

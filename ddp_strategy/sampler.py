@@ -15,8 +15,8 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, Dataset, IterableDataset, RandomSampler, SequentialSampler
 from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
+from torch.utils.data import DataLoader, Dataset, IterableDataset, RandomSampler, SequentialSampler
 from torch.utils.data.distributed import DistributedSampler
 
 from ddp_strategy import _lightning_private as _pl

@@ -1,0 +1,38 @@
+"""The reference data and model, in one process."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ddp_strategy import DigitsClassifier, DigitsDataModule, DigitsNet
+from ddp_strategy.data import split_indices
+
+
+def test_digits_split_is_fixed_disjoint_and_complete():
+    """1,797 real digits split into 1,438 train / 359 validation, the same on every call."""
+    dm = DigitsDataModule()
+    dm.setup("fit")
+    assert len(dm.train_set) == 1438 and len(dm.val_set) == 359
+    train, val = split_indices(1797, 0.2, 1234)
+    assert set(train.tolist()).isdisjoint(val.tolist()) and len(train) + len(val) == 1797
+    assert torch.equal(split_indices(1797, 0.2, 1234)[1], val)
+    x, y = dm.train_set.tensors
+    assert x.shape == (1438, 64) and 0.0 <= x.min() and x.max() <= 1.0 and set(y.tolist()) == set(range(10))
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [({"batch_size": 0}, "per-device batch size"),
+                                                 ({"num_workers": -1}, "num_workers"),
+                                                 ({"val_fraction": 1.0}, "val_fraction")])
+def test_bad_data_arguments(kwargs, message):
+    """Bad sizes are refused with a ValueError that says which argument."""
+    with pytest.raises(ValueError, match=message):
+        dm = DigitsDataModule(**kwargs)
+        dm.setup("fit")
+
+
+def test_lightning_module_keys_are_the_plain_model_keys_under_model():
+    """DigitsClassifier's state dict is DigitsNet's under ``model.``, and the outputs have shape (B, 10)."""
+    lm, net = DigitsClassifier(), DigitsNet()
+    assert set(lm.state_dict()) == {f"model.{k}" for k in net.state_dict()}
+    assert lm(torch.rand(5, 64)).shape == (5, 10)

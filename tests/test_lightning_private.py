@@ -1,0 +1,50 @@
+"""Guards every private Lightning name we use: a Lightning upgrade that changes one fails here, loudly."""
+
+from __future__ import annotations
+
+import lightning
+import torch
+from lightning.pytorch import Trainer
+from torch.utils.data import DataLoader, TensorDataset
+
+from ddp_strategy import _lightning_private as _pl
+
+
+def test_tested_lightning_minor():
+    """We test Lightning 2.6; setup.cfg pins >=2.6,<2.7 because of the names below."""
+    assert lightning.__version__.startswith("2.6.")
+
+
+def test_launchers_keep_their_signatures():
+    """The launchers we construct take the arguments we pass."""
+    assert _pl.signature_of(_pl.SubprocessScriptLauncher) == ["cluster_environment", "num_processes", "num_nodes"]
+    assert _pl.signature_of(_pl.MultiProcessingLauncher) == ["strategy", "start_method"]
+
+
+def test_forward_redirection_hooks_exist():
+    """Our DDP forward redirection overrides these two hooks of Lightning's base class."""
+    for hook in ("on_after_inner_forward", "on_after_outer_forward", "__call__"):
+        assert callable(getattr(_pl.ForwardRedirection, hook))
+    assert _pl.signature_of(_pl.prepare_for_backward) == ["model", "output"]
+
+
+def test_update_dataloader_replaces_the_sampler():
+    """Lightning's loader re-instantiation still keeps batch_size and takes our sampler."""
+    loader = DataLoader(TensorDataset(torch.arange(6)), batch_size=3)
+    sampler = list(reversed(range(6)))
+    new = _pl.update_dataloader(loader, sampler)
+    assert new.batch_size == 3 and [b[0].tolist() for b in new] == [[5, 4, 3], [2, 1, 0]]
+
+
+def test_sampler_injection_flag_lives_on_the_accelerator_connector():
+    """Turning Lightning's own sampler injection off and back on restores the user's value."""
+    trainer = Trainer(accelerator="cpu", devices=1, use_distributed_sampler=True, logger=False)
+    assert _pl.set_lightning_sampler_injection(trainer, enabled=False) is True
+    assert trainer._accelerator_connector.use_distributed_sampler is False
+    _pl.set_lightning_sampler_injection(trainer, enabled=True)
+    assert trainer._accelerator_connector.use_distributed_sampler is True
+
+
+def test_is_interactive_is_false_under_pytest():
+    """pytest is not an interactive session."""
+    assert _pl.is_interactive() is False

@@ -1,0 +1,46 @@
+"""DDP option handling and wrapping helpers, in one process."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from ddp_strategy import wrapping
+
+
+def test_known_options_pass_through_with_bucket_view_default():
+    """DDP options pass through; gradient_as_bucket_view defaults to True and can be turned off."""
+    assert wrapping.validate_ddp_kwargs({}) == {"gradient_as_bucket_view": True}
+    opts = wrapping.validate_ddp_kwargs({"find_unused_parameters": True, "bucket_cap_mb": 5,
+                                         "gradient_as_bucket_view": False})
+    assert opts == {"find_unused_parameters": True, "bucket_cap_mb": 5, "gradient_as_bucket_view": False}
+    assert {"static_graph", "broadcast_buffers", "process_group"} <= set(wrapping.DDP_OPTIONS)
+
+
+@pytest.mark.parametrize("name", ["find_unused_parameter", "device_ids", "output_device"])
+def test_unknown_or_reserved_options_are_refused(name):
+    """A misspelt option, or one the strategy sets itself, raises TypeError naming it and the valid ones."""
+    with pytest.raises(TypeError, match=rf"unknown DistributedDataParallel option\(s\) \['{name}'\].*find_unused"):
+        wrapping.validate_ddp_kwargs({name: 1})
+
+
+def test_device_ids_are_for_cuda_only():
+    """CUDA devices give [index] (checked without a GPU); CPU gives None as DDP requires."""
+    assert wrapping.ddp_device_ids(torch.device("cuda", 3)) == [3]
+    assert wrapping.ddp_device_ids(torch.device("cuda")) == [0]
+    assert wrapping.ddp_device_ids(torch.device("cpu")) is None
+
+
+def test_wrap_and_unwrap_in_a_one_rank_group():
+    """wrap_module returns a DDP around the same module with our options; unwrap_module gives it back."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    module = nn.Linear(3, 2)
+    wrapped = wrapping.wrap_module(module, torch.device("cpu"), wrapping.validate_ddp_kwargs({"bucket_cap_mb": 1}))
+    assert isinstance(wrapped, DistributedDataParallel) and wrapped.module is module
+    assert wrapped.gradient_as_bucket_view and wrapped.device_ids is None
+    assert wrapping.unwrap_module(wrapped) is module and wrapping.unwrap_module(module) is module
+    wrapping.broadcast_module_states(module)  # world size 1: a no-op that must not fail
+    dist.destroy_process_group()
