@@ -4,7 +4,17 @@
     trainer = lightning.Trainer(accelerator="cpu", devices=2, strategy=MyDDPStrategy())
 """
 
-from ddp_strategy.checkpoint_io import DDPCheckpointIO, load_plain_state_dict, strip_ddp_prefix
+from ddp_strategy.checkpoint_convert import export_weights, import_plain_checkpoint
+from ddp_strategy.checkpoint_io import (
+    DamagedCheckpointError,
+    DDPCheckpointIO,
+    StateDictMismatchError,
+    UnsafeCheckpointError,
+    load_plain_state_dict,
+    match_state_dict,
+    strip_ddp_prefix,
+    unwrapped_state_dict,
+)
 from ddp_strategy.data import DigitsDataModule
 from ddp_strategy.model import DigitsClassifier, DigitsNet
 from ddp_strategy.sampler import EpochSeededDistributedSampler
@@ -14,11 +24,18 @@ __version__ = "0.1.0"
 
 __all__ = [
     "DDPCheckpointIO",
+    "DamagedCheckpointError",
     "DigitsClassifier",
     "DigitsDataModule",
     "DigitsNet",
     "EpochSeededDistributedSampler",
     "MyDDPStrategy",
+    "StateDictMismatchError",
+    "UnsafeCheckpointError",
+    "export_weights",
+    "import_plain_checkpoint",
     "load_plain_state_dict",
+    "match_state_dict",
     "strip_ddp_prefix",
+    "unwrapped_state_dict",
 ]

@@ -1,39 +1,140 @@
-"""Checkpoint IO: model state dicts without DDP's ``module.`` prefix, on save and on load.
+"""Checkpoint IO: wrapper-free model keys, crash-safe writes and safe, clearly failing loads.
 
-``DistributedDataParallel.state_dict()`` names every key ``module.<name>``; a checkpoint saved that way
-does not load into the plain model (``load_state_dict`` reports every key missing). Lightning's own
-checkpoints are taken from the unwrapped LightningModule, but hand-written DDP scripts and wrapped
-sub-modules produce prefixed keys. This module normalises keys in both directions and gives one function
-that brings a checkpoint's weights into the plain ``nn.Module``. All functions are rank-agnostic; the
-strategy makes only global rank 0 write.
+Keys. ``DistributedDataParallel`` names every key ``module.<name>`` and ``torch.compile``'s
+``OptimizedModule`` inserts an ``_orig_mod.`` segment wherever it wraps a module (a compiled sub-module
+inside the LightningModule, a compiled whole model, also stacked with DDP in either order). Checkpoints
+are written without those segments (:func:`unwrapped_state_dict`, exact: it walks the module tree, so a
+real sub-module called ``module`` keeps its name), and loading renames a file's keys to the model's own
+(:func:`match_state_dict`, exact against the model's keys), with one error listing missing and unexpected
+keys (:class:`StateDictMismatchError`).
+
+Writes. :func:`atomic_save` writes to a hidden temporary file in the target's own folder (the system temp
+folder may be another file system, where ``os.replace`` is not atomic), flushes and fsyncs it, renames it
+over the target with :func:`os.replace` (atomic on POSIX and Windows) and fsyncs the folder, so a crash
+leaves either the old or the new complete file. Temporary files of writers that died are removed by
+:func:`remove_stale_temp_files` before the next write to that folder and when a fit starts.
+
+Loads. :func:`load_file` uses ``torch.load(weights_only=True)`` by default (an untrusted file cannot run
+code; https://pytorch.org/docs/stable/generated/torch.load.html) and turns a truncated or corrupt file into
+:class:`DamagedCheckpointError` naming the file.
+
+All functions are rank-agnostic; the strategy makes only global rank 0 write.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import pickle
+import re
+import socket
+import tempfile
 import zipfile
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+from lightning.fabric.utilities.cloud_io import get_filesystem
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+log = logging.getLogger(__name__)
 
 #: The key prefix ``DistributedDataParallel`` adds to its module's state dict.
 DDP_PREFIX = "module."
+#: The attribute under which ``torch.compile``'s ``OptimizedModule`` keeps the original module.
+COMPILE_SEGMENT = "_orig_mod"
+#: At most this many keys of each kind are listed in a :class:`StateDictMismatchError` message.
+MAX_LISTED_KEYS = 10
+_TMP_SUFFIX = ".tmp"
+
+
+# ----------------------------------------------------------------------------------------------- keys
+def _is_compiled(module: nn.Module) -> bool:
+    """Whether ``module`` is a ``torch.compile`` wrapper (``OptimizedModule``), without importing dynamo."""
+    return type(module).__name__ == "OptimizedModule" and COMPILE_SEGMENT in module._modules
+
+
+def _wrapped_child(module: nn.Module) -> str | None:
+    """The attribute name of the module a DDP or ``torch.compile`` wrapper holds, or None for other modules."""
+    if isinstance(module, DistributedDataParallel):
+        return "module"
+    if _is_compiled(module):
+        return COMPILE_SEGMENT
+    return None
+
+
+def unwrapped_name(module: nn.Module, key: str) -> str:
+    """``key`` of ``module.state_dict()`` without the segments DDP and ``torch.compile`` wrappers add.
+
+    Exact: the key is followed through the module tree and a segment is dropped only where the parent
+    really is a ``DistributedDataParallel`` (``module``) or an ``OptimizedModule`` (``_orig_mod``).
+
+    Example:
+        For ``DDP(torch.compile(net))``: ``"module._orig_mod.fc.weight"`` -> ``"fc.weight"``; for a model
+        with a real child called ``module``: ``"module.weight"`` stays ``"module.weight"``.
+    """
+    parts = key.split(".")
+    kept: list[str] = []
+    current: nn.Module | None = module
+    for i, part in enumerate(parts[:-1]):
+        if current is None:
+            kept.extend(parts[i:-1])
+            break
+        if part != _wrapped_child(current):
+            kept.append(part)
+        current = current._modules.get(part)
+    kept.append(parts[-1])
+    return ".".join(kept)
+
+
+def unwrapped_state_dict(module: nn.Module) -> dict[str, Any]:
+    """``module.state_dict()`` with every DDP ``module.`` and ``torch.compile`` ``_orig_mod.`` segment removed.
+
+    A compiled sub-module inside a LightningModule, a compiled whole model and DDP/compile stacks in either
+    order all give the keys of the plain, uncompiled module. See :func:`unwrapped_name`.
+
+    Args:
+        module: any module, wrapped or not.
+
+    Returns:
+        Clean name -> tensor (the same tensors as ``module.state_dict()``, in the same order).
+
+    Raises:
+        RuntimeError: two keys map to the same clean name (a sub-module literally called ``_orig_mod``).
+    """
+    clean: dict[str, Any] = {}
+    for key, value in module.state_dict().items():
+        name = unwrapped_name(module, key)
+        if name in clean:
+            raise RuntimeError(f"Two state_dict keys of {type(module).__name__} map to {name!r} once wrapper"
+                               f" segments are removed (one is {key!r}); rename the sub-module.")
+        clean[name] = value
+    return clean
+
+
+def strip_compile_prefixes(state_dict: Mapping[str, Any]) -> dict[str, Any]:
+    """Remove every ``_orig_mod.`` segment (``torch.compile``'s) from every key; for files, where no model is known.
+
+    Example:
+        >>> strip_compile_prefixes({"model._orig_mod.fc.weight": 1, "_orig_mod.module.b": 2})
+        {'model.fc.weight': 1, 'module.b': 2}
+    """
+    return {_strip_segments(key): value for key, value in state_dict.items()}
+
+
+def _strip_segments(key: str) -> str:
+    parts = key.split(".")
+    return ".".join([part for part in parts[:-1] if part != COMPILE_SEGMENT] + parts[-1:])
 
 
 def strip_ddp_prefix(state_dict: Mapping[str, Any]) -> dict[str, Any]:
     """Remove a leading ``module.`` from every key when all keys carry it, as a DDP wrapper's do.
 
-    A state dict where only some keys start with ``module.`` comes from a model with a real sub-module
-    called ``module``; it is returned unchanged.
-
-    Args:
-        state_dict: parameter and buffer name -> tensor.
-
-    Returns:
-        A new dict with the same values, in the same order.
+    A heuristic for when the model is not at hand: a model whose only child is really called ``module``
+    would lose it. When the model is known, use :func:`match_state_dict` (exact) instead.
 
     Example:
         >>> strip_ddp_prefix({"module.fc.weight": 1, "module.fc.bias": 2})
@@ -44,18 +145,142 @@ def strip_ddp_prefix(state_dict: Mapping[str, Any]) -> dict[str, Any]:
     return dict(state_dict)
 
 
-def normalize_checkpoint(checkpoint: dict[str, Any]) -> dict[str, Any]:
-    """Return ``checkpoint`` with its ``"state_dict"`` entry (if any) passed through :func:`strip_ddp_prefix`.
+class StateDictMismatchError(RuntimeError):
+    """A checkpoint's keys do not match the model's, after wrapper prefixes were normalised.
 
-    Args:
-        checkpoint: a Lightning checkpoint dict, or any dict.
+    Attributes:
+        missing: keys the model has and the checkpoint lacks (clean names).
+        unexpected: keys the checkpoint has and the model lacks (as normalised).
+        mismatched_shapes: ``key -> (shape in checkpoint, shape in model)``.
+    """
+
+    def __init__(self, message: str, missing: list[str], unexpected: list[str],
+                 mismatched_shapes: dict[str, tuple[tuple[int, ...], tuple[int, ...]]]) -> None:
+        super().__init__(message)
+        self.missing = missing
+        self.unexpected = unexpected
+        self.mismatched_shapes = mismatched_shapes
+
+
+def _listing(keys: list[str]) -> str:
+    shown = ", ".join(repr(k) for k in keys[:MAX_LISTED_KEYS])
+    return shown + (f", ... and {len(keys) - MAX_LISTED_KEYS} more" if len(keys) > MAX_LISTED_KEYS else "")
+
+
+def _source_variants(keys: Iterable[str], prefix: str) -> list[dict[str, str]]:
+    """Candidate renamings of a file's keys: compile segments removed, then with and without DDP's prefix."""
+    stripped = {key: _strip_segments(key) for key in keys}
+    variants = [{key: prefix + name for key, name in stripped.items()}]
+    if stripped and all(name.startswith(DDP_PREFIX) for name in stripped.values()):
+        variants.append({key: prefix + name[len(DDP_PREFIX):] for key, name in stripped.items()})
+    return variants
+
+
+def best_key_mapping(keys: Iterable[str], model: nn.Module, prefixes: Iterable[str] = ("",)) -> dict[str, str]:
+    """Map a file's keys to ``model``'s clean key names: the renaming that matches most of the model's keys.
+
+    Candidates: every ``_orig_mod.`` segment removed, then a leading ``module.`` kept or (if every key has
+    it) removed, then each of ``prefixes`` put in front. Ties go to the earlier candidate (no stripping,
+    the first prefix), so a real child called ``module`` keeps its name.
 
     Returns:
-        A shallow copy; other entries are the same objects.
+        File key -> clean model key (possibly one the model does not have).
+    """
+    keys = list(keys)
+    expected = {unwrapped_name(model, k) for k in model.state_dict()}
+    best: dict[str, str] = {key: key for key in keys}
+    best_score = -1
+    for prefix in prefixes:
+        for variant in _source_variants(keys, prefix):
+            score = sum(name in expected for name in variant.values())
+            if score > best_score:
+                best, best_score = variant, score
+    return best
+
+
+def match_state_dict(
+    state_dict: Mapping[str, Any],
+    model: nn.Module,
+    strict: bool = True,
+    source: str | os.PathLike | None = None,
+    prefixes: Iterable[str] = ("",),
+) -> dict[str, Any]:
+    """Rename a checkpoint's model keys to ``model``'s own, ready for ``model.load_state_dict``.
+
+    Accepts keys with or without DDP's ``module.`` and ``torch.compile``'s ``_orig_mod.`` segments, for a
+    ``model`` that is itself compiled or not (see :func:`best_key_mapping`).
+
+    Args:
+        state_dict: name -> tensor, as found in a checkpoint.
+        model: the module to load into (e.g. the LightningModule).
+        strict: raise when keys are missing, unexpected or of another shape (default). With False the
+            matching keys are returned and the rest is skipped (Lightning: ``model.strict_loading = False``).
+        source: the file, named in the error.
+        prefixes: attribute paths to try in front of the file's keys (e.g. ``("", "model.")``).
+
+    Returns:
+        ``model``'s own key (with any ``_orig_mod.``) -> tensor; with ``strict=False`` only matching keys.
+
+    Raises:
+        StateDictMismatchError: ``strict`` and the keys or shapes do not match; the message lists them.
+    """
+    own = {unwrapped_name(model, k): (k, v) for k, v in model.state_dict().items()}
+    mapping = best_key_mapping(state_dict, model, prefixes)
+    matched: dict[str, Any] = {}
+    unexpected: list[str] = []
+    shapes: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {}
+    for key, value in state_dict.items():
+        name = mapping[key]
+        if name not in own:
+            unexpected.append(name)
+            continue
+        target_key, target = own[name]
+        if isinstance(value, torch.Tensor) and isinstance(target, torch.Tensor) and value.shape != target.shape:
+            shapes[name] = (tuple(value.shape), tuple(target.shape))
+            continue
+        matched[target_key] = value
+    found = {mapping[k] for k in state_dict}
+    missing = [name for name in own if name not in found]
+    if strict and (missing or unexpected or shapes):
+        where = f"Checkpoint {os.fspath(source)}" if source is not None else "The checkpoint's state_dict"
+        parts = []
+        if missing:
+            parts.append(f"{len(missing)} missing key(s) (in the model, not in the file): {_listing(missing)}")
+        if unexpected:
+            parts.append(f"{len(unexpected)} unexpected key(s) (in the file, not in the model):"
+                         f" {_listing(unexpected)}")
+        if shapes:
+            parts.append("shape mismatch(es) (file vs model): "
+                         + ", ".join(f"{k!r}: {a} vs {b}" for k, (a, b) in list(shapes.items())[:MAX_LISTED_KEYS]))
+        raise StateDictMismatchError(
+            f"{where} does not fit {type(model).__name__}: " + "; ".join(parts) + ". Keys were compared after"
+            " removing DDP's 'module.' and torch.compile's '_orig_mod.' prefixes. Check that the file was"
+            " written for this model (same architecture and hyper-parameters); to load only the matching keys"
+            " set `model.strict_loading = False` (Lightning) or pass strict=False.",
+            missing, unexpected, shapes,
+        )
+    return matched
+
+
+def normalize_checkpoint(checkpoint: dict[str, Any]) -> dict[str, Any]:
+    """Return ``checkpoint`` with ``_orig_mod.`` segments removed from its ``"state_dict"`` keys (if any).
+
+    Used on save where only the dict, not the model, is at hand. DDP's ``module.`` is not touched here: the
+    strategy already saves the unwrapped LightningModule (see :func:`unwrapped_state_dict`), and guessing
+    would rename a real child called ``module``.
     """
     if isinstance(checkpoint.get("state_dict"), Mapping):
-        return {**checkpoint, "state_dict": strip_ddp_prefix(checkpoint["state_dict"])}
+        return {**checkpoint, "state_dict": strip_compile_prefixes(checkpoint["state_dict"])}
     return checkpoint
+
+
+# ---------------------------------------------------------------------------------------------- files
+class DamagedCheckpointError(ValueError):
+    """A checkpoint file is truncated, corrupt or not a PyTorch checkpoint at all."""
+
+
+class UnsafeCheckpointError(pickle.UnpicklingError):
+    """``weights_only=True`` refused an object in the file (it could run code when unpickled)."""
 
 
 def load_file(path: str | os.PathLike, map_location: Any = "cpu", weights_only: bool = True) -> Any:
@@ -64,36 +289,147 @@ def load_file(path: str | os.PathLike, map_location: Any = "cpu", weights_only: 
     Args:
         path: the file.
         map_location: as for :func:`torch.load`; default ``"cpu"``.
-        weights_only: refuse to unpickle arbitrary objects (default True: an untrusted file cannot run code).
+        weights_only: refuse to unpickle arbitrary objects (default True: an untrusted file cannot run
+            code). Pass False only for files you trust.
 
     Returns:
         What the file holds.
 
     Raises:
         FileNotFoundError: ``path`` does not exist.
-        ValueError: the file is truncated or not a PyTorch checkpoint.
+        DamagedCheckpointError: the file is truncated, corrupt or not a PyTorch checkpoint.
+        UnsafeCheckpointError: ``weights_only`` and the file holds an object outside PyTorch's allow-list.
     """
     path = os.fspath(path)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"Checkpoint file not found: {path}")
     try:
         return torch.load(path, map_location=map_location, weights_only=weights_only)
-    except (RuntimeError, EOFError, zipfile.BadZipFile, pickle.UnpicklingError) as e:
-        if weights_only and "weights_only" in str(e) and "Unsupported" in str(e):
-            raise
-        raise ValueError(
-            f"Checkpoint file {path} is damaged or is not a PyTorch checkpoint ({type(e).__name__}: {e})."
-            " Use an earlier checkpoint or re-save this one."
+    except (RuntimeError, EOFError, zipfile.BadZipFile, pickle.UnpicklingError, ValueError, OSError) as e:
+        message = str(e)
+        if weights_only and "Unsupported global" in message:
+            first = next(line for line in message.splitlines() if "Unsupported global" in line)
+            first = first.split("Unsupported global:")[-1].split(" was not")[0]
+            raise UnsafeCheckpointError(
+                f"Checkpoint {path} holds an object that weights_only=True loading refuses ({first.strip()})."
+                " If you trust this file, load it with weights_only=False (Trainer.fit(..., weights_only=False),"
+                " DDPCheckpointIO(weights_only=False)) or allow the type with"
+                " torch.serialization.add_safe_globals([...])."
+            ) from e
+        size = os.path.getsize(path)
+        raise DamagedCheckpointError(
+            f"Checkpoint file {path} is damaged (truncated or corrupt, {size} bytes) or is not a PyTorch"
+            f" checkpoint: {type(e).__name__}: {message.splitlines()[0] if message else ''}. Use an earlier"
+            " checkpoint or save this one again."
         ) from e
+
+
+def _host_tag() -> str:
+    return re.sub(r"[^A-Za-z0-9-]", "-", socket.gethostname()) or "host"
+
+
+_TMP_PATTERN = re.compile(r"^\.(?P<name>.+)\.(?P<host>[A-Za-z0-9-]+)\.(?P<pid>\d+)\.[A-Za-z0-9_]+\.tmp$")
+
+
+def temp_prefix(target: str | os.PathLike) -> str:
+    """The name start of :func:`atomic_save`'s temporary files for ``target``: hidden, host and pid tagged."""
+    return f".{os.path.basename(os.fspath(target))}.{_host_tag()}.{os.getpid()}."
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_stale_temp_files(folder: str | os.PathLike) -> list[Path]:
+    """Delete :func:`atomic_save` temporary files in ``folder`` left by writers on this host that died.
+
+    A file is stale when its name has the temporary pattern (``.<target>.<host>.<pid>.<random>.tmp``), its
+    host is this one and process ``pid`` no longer runs. Files of live writers and of other hosts (shared
+    file systems) are left alone. A missing folder is fine.
+
+    Returns:
+        The paths removed.
+    """
+    folder = Path(folder)
+    if not folder.is_dir():
+        return []
+    removed = []
+    host = _host_tag()
+    for entry in folder.iterdir():
+        m = _TMP_PATTERN.match(entry.name)
+        if not m or m["host"] != host or int(m["pid"]) == os.getpid() or _pid_alive(int(m["pid"])):
+            continue
+        try:
+            entry.unlink()
+            removed.append(entry)
+            log.info("removed the temporary file of a checkpoint writer that died: %s", entry)
+        except FileNotFoundError:
+            pass
+    return removed
+
+
+def _fsync_folder(folder: str) -> None:
+    """Make a rename in ``folder`` durable (POSIX); a no-op where folders cannot be opened (Windows)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def atomic_save(obj: Any, path: str | os.PathLike, save_fn: Callable[[Any, Any], None] = torch.save) -> None:
+    """Write ``obj`` to ``path`` so that a crash at any moment leaves the old or the new complete file.
+
+    ``save_fn(obj, file)`` writes into a hidden temporary file in ``path``'s folder (see :func:`temp_prefix`;
+    never named ``*.ckpt``), which is flushed and fsynced, renamed over ``path`` with :func:`os.replace`,
+    and the folder is fsynced. On any error the temporary file is removed and the error re-raised. Stale
+    temporary files of dead writers in the folder are removed first. Creates the folder if needed.
+
+    Args:
+        obj: what to save (a checkpoint dict, a state dict).
+        path: the local target file.
+        save_fn: writes ``obj`` to an open binary file; default :func:`torch.save`.
+    """
+    path = os.path.abspath(os.fspath(path))
+    folder = os.path.dirname(path)
+    os.makedirs(folder, exist_ok=True)
+    remove_stale_temp_files(folder)
+    fd, tmp = tempfile.mkstemp(prefix=temp_prefix(path), suffix=_TMP_SUFFIX, dir=folder)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            save_fn(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.remove(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+    _fsync_folder(folder)
+    log.debug("saved %s atomically", path)
 
 
 def load_plain_state_dict(path: str | os.PathLike, submodule: str = "model") -> dict[str, torch.Tensor]:
     """Load the weights of one sub-module from a checkpoint, ready for the plain ``nn.Module``.
 
     Works for Lightning checkpoints (weights under ``"state_dict"``), plain PyTorch files holding a
-    ``"model_state_dict"`` or ``"model"`` entry, and bare state dicts, with or without DDP's
-    ``module.`` prefix. Loads with ``torch.load(weights_only=True)``; needs no Lightning at the call site
-    beyond this package.
+    ``"model_state_dict"`` or ``"model"`` entry, and bare state dicts, with or without DDP's ``module.``
+    and ``torch.compile``'s ``_orig_mod.`` segments. Loads with ``torch.load(weights_only=True)``; needs no
+    Lightning at the call site beyond this package. With the model at hand,
+    :func:`ddp_strategy.checkpoint_convert.import_plain_checkpoint` matches keys exactly and strictly.
 
     Args:
         path: checkpoint file.
@@ -101,19 +437,14 @@ def load_plain_state_dict(path: str | os.PathLike, submodule: str = "model") -> 
             :class:`~ddp_strategy.model.DigitsClassifier`); ``""`` returns the whole state dict.
 
     Returns:
-        Parameter and buffer name -> tensor, keys without ``module.`` or ``<submodule>.``.
+        Parameter and buffer name -> tensor, keys without ``module.``, ``_orig_mod.`` or ``<submodule>.``.
 
     Raises:
-        FileNotFoundError, ValueError: see :func:`load_file`.
+        FileNotFoundError, DamagedCheckpointError, UnsafeCheckpointError: see :func:`load_file`.
         KeyError: no key starts with ``<submodule>.``; the message lists a few of the keys found.
     """
-    checkpoint = load_file(path)
-    state_dict: Mapping[str, Any] = checkpoint
-    for key in ("state_dict", "model_state_dict", "model"):
-        if isinstance(checkpoint, Mapping) and isinstance(checkpoint.get(key), Mapping):
-            state_dict = checkpoint[key]
-            break
-    state_dict = strip_ddp_prefix(state_dict)
+    state_dict = find_model_state_dict(load_file(path), path)
+    state_dict = strip_ddp_prefix(strip_compile_prefixes(state_dict))
     if not submodule:
         return dict(state_dict)
     prefix = submodule + "."
@@ -126,18 +457,57 @@ def load_plain_state_dict(path: str | os.PathLike, submodule: str = "model") -> 
     return picked
 
 
-class DDPCheckpointIO(TorchCheckpointIO):
-    """Lightning's :class:`~lightning.fabric.plugins.io.torch_io.TorchCheckpointIO`, with DDP-safe keys.
+#: Entries under which checkpoints keep the model's state dict, in the order they are looked for.
+MODEL_STATE_KEYS = ("state_dict", "model_state_dict", "model")
 
-    ``save_checkpoint`` writes ``checkpoint["state_dict"]`` without a ``module.`` prefix;
-    ``load_checkpoint`` accepts files whose keys carry it. Everything else (file format, remote paths
-    through fsspec) is Lightning's. Rank-agnostic: the strategy calls ``save_checkpoint`` on global rank 0
-    only.
+
+def find_model_state_dict(checkpoint: Any, path: str | os.PathLike | None = None) -> Mapping[str, Any]:
+    """The model state dict inside a loaded checkpoint: a :data:`MODEL_STATE_KEYS` entry, or the dict itself.
+
+    Raises:
+        ValueError: no such entry and the dict is not a state dict (its values are not all tensors).
+    """
+    if isinstance(checkpoint, Mapping):
+        for key in MODEL_STATE_KEYS:
+            if isinstance(checkpoint.get(key), Mapping):
+                return checkpoint[key]
+        if checkpoint and all(isinstance(v, torch.Tensor) for v in checkpoint.values()):
+            return checkpoint
+    found = list(checkpoint)[:10] if isinstance(checkpoint, Mapping) else type(checkpoint).__name__
+    raise ValueError(f"No model state dict in {os.fspath(path) if path else 'the checkpoint'}: expected one of"
+                     f" the entries {list(MODEL_STATE_KEYS)} or a dict of tensors, found {found}.")
+
+
+class DDPCheckpointIO(TorchCheckpointIO):
+    """Lightning's :class:`~lightning.fabric.plugins.io.torch_io.TorchCheckpointIO`, crash-safe and safe to load.
+
+    ``save_checkpoint`` writes local files with :func:`atomic_save` and model keys without ``_orig_mod.``;
+    ``load_checkpoint`` loads with ``weights_only=True`` unless told otherwise and reports damaged files
+    clearly (:func:`load_file`). Remote paths (fsspec URLs) are Lightning's. Rank-agnostic: the strategy
+    calls ``save_checkpoint`` on global rank 0 only.
+
+    Args:
+        weights_only: what ``load_checkpoint(weights_only=None)`` uses (default True). An explicit
+            ``Trainer.fit(ckpt_path=..., weights_only=False)`` still opts out for one load.
     """
 
+    def __init__(self, weights_only: bool = True) -> None:
+        super().__init__()
+        self.weights_only = weights_only
+
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
-        """Save ``checkpoint`` to ``path`` with normalised model keys (see :func:`normalize_checkpoint`)."""
-        super().save_checkpoint(normalize_checkpoint(checkpoint), path, storage_options=storage_options)
+        """Save ``checkpoint`` to ``path`` atomically (see :func:`atomic_save`).
+
+        Raises:
+            TypeError: ``storage_options`` is given (not supported by this plugin, as in Lightning's).
+        """
+        checkpoint = normalize_checkpoint(checkpoint)
+        if not _is_local(path):
+            super().save_checkpoint(checkpoint, path, storage_options=storage_options)
+            return
+        if storage_options is not None:
+            raise TypeError(f"{type(self).__name__} does not support storage_options; got {storage_options!r}.")
+        atomic_save(checkpoint, path)
 
     def load_checkpoint(
         self,
@@ -145,10 +515,18 @@ class DDPCheckpointIO(TorchCheckpointIO):
         map_location: Callable | Any = lambda storage, loc: storage,
         weights_only: bool | None = None,
     ) -> dict[str, Any]:
-        """Load a checkpoint and strip a ``module.`` prefix from its model keys.
+        """Load a checkpoint; ``weights_only=None`` means this plugin's default (True).
 
         Raises:
-            FileNotFoundError: ``path`` does not exist (Lightning's message).
+            FileNotFoundError, DamagedCheckpointError, UnsafeCheckpointError: see :func:`load_file`.
         """
-        return normalize_checkpoint(super().load_checkpoint(path, map_location=map_location,
-                                                            weights_only=weights_only))
+        weights_only = self.weights_only if weights_only is None else weights_only
+        if not _is_local(path):
+            return super().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
+        return load_file(path, map_location=map_location, weights_only=weights_only)
+
+
+def _is_local(path: Any) -> bool:
+    if isinstance(path, (str, os.PathLike)) and "://" not in os.fspath(path):
+        return True
+    return type(get_filesystem(path)).__name__ == "LocalFileSystem"

@@ -14,7 +14,7 @@ classes say which rank each process is.
 from __future__ import annotations
 
 import logging
-from collections.abc import Generator
+from collections.abc import Generator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, Literal
@@ -35,7 +35,7 @@ from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from ddp_strategy import _lightning_private as _pl
-from ddp_strategy import process_group, sampler, wrapping
+from ddp_strategy import checkpoint_io, process_group, sampler, wrapping
 from ddp_strategy.checkpoint_io import DDPCheckpointIO
 
 log = logging.getLogger(__name__)
@@ -328,6 +328,75 @@ class MyDDPStrategy(ParallelStrategy):
         if not isinstance(tensor, Tensor):
             return tensor
         return process_group.all_reduce(tensor, op=reduce_op or "mean")
+
+    # ------------------------------------------------------------------------------------ 4. checkpoints
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The LightningModule's state dict without DDP ``module.`` or torch.compile ``_orig_mod.`` segments."""
+        assert self.lightning_module is not None
+        return checkpoint_io.unwrapped_state_dict(self.lightning_module)
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        """Global rank 0 writes the file (atomically); every rank returns once it is complete.
+
+        A collective (Lightning calls it on every rank): the ranks then agree on success, so a failed
+        write raises on every rank instead of leaving the others waiting.
+        """
+        error = None
+        if self.is_global_zero:
+            try:
+                self.checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+            except Exception as e:
+                error = e
+        self._raise_on_every_rank(error, f"saving checkpoint {filepath}")
+
+    @override
+    def remove_checkpoint(self, filepath: Any) -> None:
+        """Global rank 0 removes the file; a collective, like :meth:`save_checkpoint`."""
+        error = None
+        if self.is_global_zero:
+            try:
+                self.checkpoint_io.remove_checkpoint(filepath)
+            except Exception as e:
+                error = e
+        self._raise_on_every_rank(error, f"removing checkpoint {filepath}")
+
+    def _raise_on_every_rank(self, error: Exception | None, what: str) -> None:
+        """Broadcast rank 0's outcome (a collective, so also a barrier); raise on every rank if it failed."""
+        message = self.broadcast(None if error is None else f"{type(error).__name__}: {error}")
+        if error is not None:
+            raise error
+        if message is not None:
+            raise RuntimeError(f"[rank {self.global_rank}] global rank 0 failed {what}: {message}")
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """Every rank reads the file; ``weights_only=None`` means True (see :class:`DDPCheckpointIO`)."""
+        self._checkpoint_path = checkpoint_path
+        return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        """Load weights with keys matched exactly to the LightningModule's, wrapper prefixes or not.
+
+        Raises:
+            StateDictMismatchError: ``strict`` (``LightningModule.strict_loading``, default True) and keys
+                are missing or unexpected; raised on every rank, since every rank loads the same file.
+        """
+        assert self.lightning_module is not None
+        state_dict = checkpoint_io.match_state_dict(checkpoint["state_dict"], self.lightning_module, strict=strict,
+                                                    source=getattr(self, "_checkpoint_path", None))
+        self.lightning_module.load_state_dict(state_dict, strict=strict)
+
+    @override
+    def on_train_start(self) -> None:
+        """On global rank 0, remove temporary files that killed checkpoint writers left (no collective)."""
+        super().on_train_start()
+        if self.is_global_zero and self._trainer is not None:
+            for callback in self._trainer.checkpoint_callbacks:
+                if getattr(callback, "dirpath", None):
+                    checkpoint_io.remove_stale_temp_files(callback.dirpath)
 
     # --------------------------------------------------------------------------------------- teardown
     @override

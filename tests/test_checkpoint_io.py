@@ -1,83 +1,296 @@
-"""Checkpoint keys without ``module.``, in one process."""
+"""Checkpoint keys, atomic writes, safe loads, plain-PyTorch import and weight export, in one process."""
 
 from __future__ import annotations
 
+import copy
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+import lightning.pytorch as pl
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from ddp_strategy import DDPCheckpointIO, DigitsClassifier, DigitsNet, load_plain_state_dict, strip_ddp_prefix
-from ddp_strategy.checkpoint_io import load_file
+from ddp_strategy import (
+    DamagedCheckpointError,
+    DDPCheckpointIO,
+    DigitsClassifier,
+    DigitsDataModule,
+    DigitsNet,
+    StateDictMismatchError,
+    UnsafeCheckpointError,
+    export_weights,
+    import_plain_checkpoint,
+    load_plain_state_dict,
+    match_state_dict,
+    strip_ddp_prefix,
+    unwrapped_state_dict,
+)
+from ddp_strategy.checkpoint_io import atomic_save, load_file, remove_stale_temp_files
+
+PLAIN_KEYS = set(DigitsNet().state_dict())
+LIGHTNING_KEYS = {f"model.{k}" for k in PLAIN_KEYS}
 
 
-def _prefixed(state_dict):
-    return {f"module.{k}": v for k, v in state_dict.items()}
+def _prefixed(state_dict, prefix="module."):
+    return {f"{prefix}{k}": v for k, v in state_dict.items()}
 
 
-def test_strip_removes_ddp_prefix_only_when_every_key_has_it():
-    """A DDP state dict loses ``module.``; a model with a real sub-module named ``module`` keeps its names."""
+@pytest.fixture
+def world_of_one():
+    """A gloo process group of one process, so real DistributedDataParallel wrappers can be built."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+class HasChildCalledModule(nn.Module):
+    """A model whose only child is really called ``module``: its keys must keep that name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.module = nn.Linear(3, 2)
+
+
+def test_unwrapped_keys_are_identical_for_compiled_and_ddp_variants(world_of_one):
+    """Compiled sub-module, compiled whole model, DDP(compile) and compile(DDP) all give the plain keys."""
+    lm = DigitsClassifier()
+    lm.model = torch.compile(lm.model, backend="eager")
+    assert any("_orig_mod" in k for k in lm.state_dict())
+    assert set(unwrapped_state_dict(lm)) == LIGHTNING_KEYS
+    assert set(unwrapped_state_dict(torch.compile(DigitsClassifier(), backend="eager"))) == LIGHTNING_KEYS
+    assert set(unwrapped_state_dict(torch.compile(DigitsNet(), backend="eager"))) == PLAIN_KEYS
+    ddp_of_compiled = DistributedDataParallel(torch.compile(DigitsNet(), backend="eager"))
+    compiled_ddp = torch.compile(DistributedDataParallel(DigitsNet()), backend="eager")
+    assert next(iter(ddp_of_compiled.state_dict())).startswith("module._orig_mod.")
+    assert next(iter(compiled_ddp.state_dict())).startswith("_orig_mod.module.")
+    assert set(unwrapped_state_dict(ddp_of_compiled)) == set(unwrapped_state_dict(compiled_ddp)) == PLAIN_KEYS
+
+
+def test_real_child_called_module_keeps_its_name(world_of_one):
+    """``module.weight`` of a real child stays; under DDP only the wrapper's own ``module.`` goes."""
+    model = HasChildCalledModule()
+    assert set(unwrapped_state_dict(model)) == {"module.weight", "module.bias"}
+    assert set(unwrapped_state_dict(DistributedDataParallel(model))) == {"module.weight", "module.bias"}
+    # loading: a DDP file (module.module.*) and a plain file (module.*) both map onto the real child
+    for keys in (_prefixed(model.state_dict()), model.state_dict()):
+        assert set(match_state_dict(keys, model)) == {"module.weight", "module.bias"}
+
+
+def test_match_accepts_all_prefix_variants_into_plain_and_compiled_models():
+    """Files with module./_orig_mod. keys load exactly into DigitsClassifier, compiled or not."""
+    source = DigitsClassifier()
+    plain_keys = source.state_dict()
+    variants = [plain_keys, _prefixed(plain_keys), _prefixed(plain_keys, "_orig_mod.module."),
+                {k.replace("model.", "model._orig_mod.", 1): v for k, v in plain_keys.items()}]
+    compiled = DigitsClassifier()
+    compiled.model = torch.compile(compiled.model, backend="eager")
+    for state_dict in variants:
+        for target in (DigitsClassifier(), compiled):
+            target.load_state_dict(match_state_dict(state_dict, target), strict=True)
+            x = torch.rand(4, 64)
+            torch.testing.assert_close(target(x), source(x), rtol=0, atol=0)
+
+
+def test_mismatch_lists_missing_and_unexpected_keys(tmp_path):
+    """One error names the file and lists the missing key, the unexpected key and a shape mismatch."""
+    state_dict = dict(DigitsClassifier().state_dict())
+    state_dict.pop("model.layers.4.bias")
+    state_dict["model.extra.weight"] = torch.zeros(1)
+    state_dict["model.layers.0.weight"] = torch.zeros(3, 3)
+    with pytest.raises(StateDictMismatchError) as info:
+        match_state_dict(state_dict, DigitsClassifier(), source=tmp_path / "x.ckpt")
+    message = str(info.value)
+    assert "x.ckpt" in message and "'model.layers.4.bias'" in message and "'model.extra.weight'" in message
+    assert "strict_loading = False" in message and "(3, 3) vs (128, 64)" in message
+    assert info.value.missing == ["model.layers.4.bias"] and info.value.unexpected == ["model.extra.weight"]
+    loose = match_state_dict(state_dict, DigitsClassifier(), strict=False)
+    assert set(loose) == LIGHTNING_KEYS - {"model.layers.4.bias", "model.layers.0.weight"}
+
+
+def test_strip_ddp_prefix_heuristic_without_a_model():
+    """Without a model, ``module.`` goes only when every key carries it."""
     assert list(strip_ddp_prefix({"module.a.weight": 1, "module.b": 2})) == ["a.weight", "b"]
     mixed = {"module.weight": 1, "head.weight": 2}
     assert strip_ddp_prefix(mixed) == mixed
-    assert strip_ddp_prefix({}) == {}
 
 
-def test_save_writes_keys_without_prefix(tmp_path):
-    """DDPCheckpointIO.save_checkpoint strips ``module.`` from a prefixed state_dict before writing."""
+def test_io_saves_without_compile_segments_and_loads_weights_only(tmp_path):
+    """DDPCheckpointIO drops _orig_mod. on save, leaves no temporary file and loads with weights_only=True."""
     model = DigitsClassifier()
-    path = tmp_path / "c.ckpt"
-    DDPCheckpointIO().save_checkpoint({"state_dict": _prefixed(model.state_dict()), "epoch": 3}, path)
-    saved = torch.load(path, weights_only=True)
-    assert set(saved["state_dict"]) == set(model.state_dict()) and saved["epoch"] == 3
+    path = tmp_path / "sub" / "c.ckpt"
+    compiled_keys = {k.replace("model.", "model._orig_mod.", 1): v for k, v in model.state_dict().items()}
+    DDPCheckpointIO().save_checkpoint({"state_dict": compiled_keys, "epoch": 3}, path)
+    assert os.listdir(path.parent) == ["c.ckpt"]
+    saved = DDPCheckpointIO().load_checkpoint(path)
+    assert set(saved["state_dict"]) == LIGHTNING_KEYS and saved["epoch"] == 3
 
 
-def test_prefixed_checkpoint_loads_into_lightning_and_plain_models(tmp_path):
-    """A checkpoint whose keys carry ``module.`` loads strictly into DigitsClassifier and into DigitsNet."""
-    source = DigitsClassifier()
-    path = tmp_path / "prefixed.ckpt"
-    torch.save({"state_dict": _prefixed(source.state_dict())}, path)
-    loaded = DDPCheckpointIO().load_checkpoint(path)
-    target = DigitsClassifier()
-    target.load_state_dict(loaded["state_dict"], strict=True)
-    plain = DigitsNet()
-    plain.load_state_dict(load_plain_state_dict(path), strict=True)
-    x = torch.rand(4, 64)
-    torch.testing.assert_close(target(x), source(x), rtol=0, atol=0)
-    torch.testing.assert_close(plain(x), source(x), rtol=0, atol=0)
+def test_weights_only_refuses_foreign_objects_with_a_clear_error(tmp_path):
+    """An object outside the allow-list is refused by default, named, and loads with an explicit opt-out."""
+    path = tmp_path / "foreign.ckpt"
+    torch.save({"state_dict": {}, "where": pathlib.PurePosixPath("/x")}, path)
+    with pytest.raises(UnsafeCheckpointError, match=r"foreign.ckpt .*PurePosixPath.*weights_only=False"):
+        DDPCheckpointIO().load_checkpoint(path)
+    assert DDPCheckpointIO().load_checkpoint(path, weights_only=False)["where"] == pathlib.PurePosixPath("/x")
+    assert DDPCheckpointIO(weights_only=False).load_checkpoint(path)["where"] == pathlib.PurePosixPath("/x")
 
 
-def test_real_ddp_state_dict_round_trips(tmp_path):
-    """The keys a real DistributedDataParallel wrapper produces (world size 1, gloo) load into the plain model."""
-    import torch.distributed as dist
-
-    store = dist.HashStore()
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    net = DigitsNet()
-    wrapped = DistributedDataParallel(net)
-    assert all(k.startswith("module.") for k in wrapped.state_dict())
-    torch.save({"model_state_dict": wrapped.state_dict(), "epoch": 1}, tmp_path / "hand.pt")
-    dist.destroy_process_group()
-    plain = DigitsNet()
-    plain.load_state_dict(load_plain_state_dict(tmp_path / "hand.pt", submodule=""), strict=True)
-    torch.testing.assert_close(plain.layers[0].weight, net.layers[0].weight, rtol=0, atol=0)
-
-
-def test_missing_and_damaged_files_give_clear_errors(tmp_path):
-    """A missing file names its path; a truncated one is reported as damaged, not as a pickle trace."""
+def test_missing_truncated_and_garbage_files_give_clear_errors(tmp_path):
+    """A missing file names its path; truncated, empty and random files are reported as damaged."""
     with pytest.raises(FileNotFoundError, match="nope.ckpt"):
         load_file(tmp_path / "nope.ckpt")
     good = tmp_path / "good.ckpt"
     torch.save({"state_dict": nn.Linear(64, 64).state_dict()}, good)
-    bad = tmp_path / "bad.ckpt"
-    bad.write_bytes(good.read_bytes()[:200])
-    with pytest.raises(ValueError, match=r"bad.ckpt is damaged"):
-        load_plain_state_dict(bad)
+    cases = {"truncated.ckpt": good.read_bytes()[:200], "empty.ckpt": b"", "garbage.ckpt": os.urandom(4096)}
+    for name, content in cases.items():
+        (tmp_path / name).write_bytes(content)
+        with pytest.raises(DamagedCheckpointError, match=rf"{name} is damaged"):
+            DDPCheckpointIO().load_checkpoint(tmp_path / name)
+    with pytest.raises(DamagedCheckpointError, match=r"truncated.ckpt is damaged"):
+        load_plain_state_dict(tmp_path / "truncated.ckpt")
 
 
-def test_unknown_submodule_lists_the_keys_found(tmp_path):
-    """Asking for a sub-module that is not there raises KeyError naming the keys that are."""
-    path = tmp_path / "c.ckpt"
-    torch.save({"state_dict": DigitsClassifier().state_dict()}, path)
-    with pytest.raises(KeyError, match="model.layers.0.weight"):
-        load_plain_state_dict(path, submodule="encoder")
+_WRITER = """
+import sys, torch
+from ddp_strategy.checkpoint_io import atomic_save
+path, ready = sys.argv[1], sys.argv[2]
+big = {"state_dict": {f"w{i}": torch.full((1024, 1024), float(i)) for i in range(16)}}  # 16 x 4 MiB
+atomic_save({"version": 1, **big}, path)
+open(ready, "w").close()
+version = 2
+while True:
+    atomic_save({"version": version, **big}, path)
+    version += 1
+"""
+
+
+def test_sigkill_mid_save_keeps_the_previous_checkpoint(tmp_path):
+    """A writer killed (SIGKILL) while writing 64 MiB leaves a complete previous checkpoint; its temp file goes."""
+    path, ready = tmp_path / "ckpts" / "last.ckpt", tmp_path / "ready"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    proc = subprocess.Popen([sys.executable, "-c", _WRITER, str(path), str(ready)], env=env)
+    try:
+        deadline = time.monotonic() + 120
+        while not ready.exists() and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.01)
+        assert ready.exists(), "the writer never finished its first checkpoint"
+        temps = []
+        while not temps and time.monotonic() < deadline:  # wait until a later save is half-way through
+            temps = [p for p in path.parent.iterdir() if p.name.endswith(".tmp") and p.stat().st_size > 1 << 20]
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    leftovers = [p for p in path.parent.iterdir() if p.name.endswith(".tmp")]
+    assert leftovers, "the kill should have landed mid-write (a temporary file left behind)"
+    assert all(p.name.startswith(".last.ckpt.") for p in leftovers)  # hidden, never *.ckpt
+    checkpoint = load_file(path)
+    assert checkpoint["version"] >= 1 and len(checkpoint["state_dict"]) == 16
+    assert torch.equal(checkpoint["state_dict"]["w15"], torch.full((1024, 1024), 15.0))
+    assert set(remove_stale_temp_files(path.parent)) == set(leftovers)
+    assert [p.name for p in path.parent.iterdir()] == ["last.ckpt"]
+
+
+def test_atomic_save_removes_its_temp_file_on_error(tmp_path):
+    """A save that fails half-way leaves the old file and no temporary file."""
+    path = tmp_path / "c.pt"
+    atomic_save({"a": 1}, path)
+
+    def failing(obj, f):
+        f.write(b"partial")
+        raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        atomic_save({"a": 2}, path, save_fn=failing)
+    assert os.listdir(tmp_path) == ["c.pt"] and load_file(path) == {"a": 1}
+
+
+# ------------------------------------------------------------------------- plain PyTorch checkpoints
+@pytest.fixture
+def hand_made_ddp_checkpoint(tmp_path, world_of_one):
+    """What a hand-written DDP script saves after 2 epochs of 3 Adam steps: module.-prefixed keys."""
+    torch.manual_seed(0)
+    net = DigitsNet()
+    ddp = DistributedDataParallel(net)
+    optimizer = torch.optim.Adam(ddp.parameters(), lr=1e-3)
+    x, y = torch.rand(6, 64), torch.randint(0, 10, (6,))
+    for _ in range(6):
+        optimizer.zero_grad()
+        nn.functional.cross_entropy(ddp(x), y).backward()
+        optimizer.step()
+    path = tmp_path / "ddp_script.pt"
+    torch.save({"epoch": 2, "model_state_dict": ddp.state_dict(), "optimizer_state_dict": optimizer.state_dict()},
+               path)
+    return path, net, optimizer
+
+
+class _RecordStart(pl.Callback):
+    def on_train_start(self, trainer, pl_module):
+        self.start = (trainer.current_epoch, trainer.global_step,
+                      {k: v.clone() for k, v in pl_module.state_dict().items()},
+                      copy.deepcopy(trainer.optimizers[0].state_dict()))
+
+
+def test_hand_made_ddp_checkpoint_loads_and_resumes_in_lightning(hand_made_ddp_checkpoint, tmp_path):
+    """A plain DDP file loads strictly into DigitsNet and DigitsClassifier and resumes with Trainer.fit."""
+    path, net, optimizer = hand_made_ddp_checkpoint
+    x = torch.rand(5, 64)
+    plain = DigitsNet()
+    import_plain_checkpoint(path, plain)
+    torch.testing.assert_close(plain(x), net(x), rtol=0, atol=0)
+    model = DigitsClassifier()
+    out = tmp_path / "imported.ckpt"
+    import_plain_checkpoint(path, model, out)
+    torch.testing.assert_close(model(x), net(x), rtol=0, atol=0)
+
+    recorder = _RecordStart()
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_epochs=3, limit_train_batches=2, limit_val_batches=1,
+                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, callbacks=[recorder], default_root_dir=tmp_path)
+    trainer.fit(DigitsClassifier(), DigitsDataModule(), ckpt_path=out)
+    epoch, step, weights, opt_state = recorder.start
+    assert epoch == 2 and trainer.current_epoch == 3 and trainer.global_step == 2
+    for key, value in net.state_dict().items():
+        assert torch.equal(weights[f"model.{key}"], value)
+    for index, state in optimizer.state_dict()["state"].items():
+        assert torch.equal(opt_state["state"][index]["exp_avg"], state["exp_avg"])
+        assert opt_state["state"][index]["step"] == state["step"] == 6
+
+
+def test_import_reports_mismatched_keys_and_misaligned_optimizer(hand_made_ddp_checkpoint, tmp_path):
+    """A file for another architecture, or an optimizer over other parameters, gives a clear error."""
+    path, _, _ = hand_made_ddp_checkpoint
+    with pytest.raises(StateDictMismatchError, match=r"ddp_script.pt does not fit DigitsClassifier"):
+        import_plain_checkpoint(path, DigitsClassifier(hidden_size=16))
+    checkpoint = torch.load(path, weights_only=True)
+    checkpoint["optimizer_state_dict"]["param_groups"][0]["params"].reverse()
+    with pytest.raises(ValueError, match="does not line up"):
+        import_plain_checkpoint(checkpoint, DigitsClassifier(), tmp_path / "x.ckpt")
+
+
+def test_export_weights_as_torch_and_safetensors(tmp_path):
+    """Exported weights load into DigitsNet with torch alone (and with safetensors when installed)."""
+    model = DigitsClassifier()
+    model.model = torch.compile(model.model, backend="eager")
+    ckpt = tmp_path / "c.ckpt"
+    DDPCheckpointIO().save_checkpoint({"state_dict": model.state_dict()}, ckpt)
+    x = torch.rand(3, 64)
+    for source in (ckpt, model):
+        export_weights(source, tmp_path / "w.pt")
+        net = DigitsNet()
+        net.load_state_dict(torch.load(tmp_path / "w.pt", weights_only=True), strict=True)
+        torch.testing.assert_close(net(x), model(x), rtol=0, atol=0)
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+    export_weights(ckpt, tmp_path / "w.safetensors")
+    net = DigitsNet()
+    net.load_state_dict(safetensors_torch.load_file(tmp_path / "w.safetensors"), strict=True)
+    torch.testing.assert_close(net(x), model(x), rtol=0, atol=0)

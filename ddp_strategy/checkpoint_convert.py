@@ -1,0 +1,240 @@
+"""Bringing plain PyTorch checkpoints in, and plain model weights out.
+
+In: hand-written DDP scripts save ``{"epoch": ..., "model_state_dict": ddp_model.state_dict(),
+"optimizer_state_dict": optimizer.state_dict()}`` (keys ``module.<name>``), as in PyTorch's DDP and
+ImageNet examples. :func:`import_plain_checkpoint` loads such a file into our model and, if asked, writes a
+Lightning checkpoint that ``Trainer.fit(model, ckpt_path=...)`` resumes from (next epoch, optimizer state).
+
+Out: :func:`export_weights` writes just the model's ``state_dict`` (``torch.save`` or safetensors) for
+inference with PyTorch alone.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import lightning
+import lightning.pytorch as pl
+import torch
+from torch import nn
+
+from ddp_strategy.checkpoint_io import (
+    atomic_save,
+    find_model_state_dict,
+    load_file,
+    load_plain_state_dict,
+    match_state_dict,
+    unwrapped_name,
+    unwrapped_state_dict,
+)
+
+log = logging.getLogger(__name__)
+
+#: Entries under which plain checkpoints keep the optimizer's state dict, in the order they are looked for.
+OPTIMIZER_STATE_KEYS = ("optimizer_state_dict", "optimizer")
+
+
+def _find_optimizer_state(checkpoint: Mapping[str, Any]) -> dict[str, Any] | None:
+    for key in OPTIMIZER_STATE_KEYS:
+        value = checkpoint.get(key)
+        if isinstance(value, Mapping) and "state" in value and "param_groups" in value:
+            return dict(value)
+    return None
+
+
+def _submodule_prefixes(model: nn.Module) -> list[str]:
+    """``""`` and ``"<path>."`` for every sub-module, by clean name (no wrapper segments), shortest first."""
+    names = {unwrapped_name(model, name + ".x")[:-1] for name, _ in model.named_modules() if name}
+    return [""] + sorted(names - {""}, key=lambda n: (n.count("."), n))
+
+
+def _check_optimizer_lines_up(optimizer_state: Mapping[str, Any], params: list[torch.Tensor], source: str) -> None:
+    """Each optimizer slot's per-parameter tensors must have the shape of the parameter at that position."""
+    ids = [i for group in optimizer_state["param_groups"] for i in group["params"]]
+    if len(ids) != len(params):
+        raise ValueError(f"The optimizer state in {source} covers {len(ids)} parameters but the model part it"
+                         f" belongs to has {len(params)}; the optimizer was built over other parameters.")
+    for position, index in enumerate(ids):
+        for name, value in optimizer_state["state"].get(index, {}).items():
+            if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape != params[position].shape:
+                raise ValueError(
+                    f"The optimizer state in {source} does not line up with the model's parameters: slot"
+                    f" {name!r} of parameter #{position} has shape {tuple(value.shape)}, the parameter"
+                    f" {tuple(params[position].shape)}. Build the optimizer over the parameters in the same"
+                    " order as the script that saved it (e.g. model.parameters())."
+                )
+
+
+def _fit_loop_state(epochs_completed: int, global_step: int) -> dict[str, Any]:
+    """Lightning's ``fit_loop`` state for ``epochs_completed`` finished epochs and ``global_step`` steps.
+
+    Taken from a fresh Trainer's own ``fit_loop.state_dict()`` (so its layout is Lightning's), with the
+    epoch and optimizer-step counters set.
+    """
+    trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False)
+    state = trainer.fit_loop.state_dict()
+    for scope in ("total", "current"):
+        for field in state["epoch_progress"][scope]:
+            state["epoch_progress"][scope][field] = epochs_completed
+        for counter in state["epoch_loop.automatic_optimization.optim_progress"]["optimizer"]["step"][scope]:
+            state["epoch_loop.automatic_optimization.optim_progress"]["optimizer"]["step"][scope][counter] = (
+                global_step if scope == "total" else 0)
+    state["epoch_loop.state_dict"]["_batches_that_stepped"] = global_step
+    return state
+
+
+def import_plain_checkpoint(
+    source: str | os.PathLike | Mapping[str, Any],
+    model: nn.Module,
+    output_path: str | os.PathLike | None = None,
+    *,
+    strict: bool = True,
+    weights_only: bool = True,
+    epochs_completed: int | None = None,
+) -> dict[str, Any]:
+    """Load a plain PyTorch (hand-written DDP) checkpoint into ``model``; optionally write a Lightning one.
+
+    The file may hold ``{"epoch", "model_state_dict" | "state_dict" | "model", "optimizer_state_dict" |
+    "optimizer", "global_step"?}`` or be a bare state dict; keys may carry DDP's ``module.`` and
+    ``torch.compile``'s ``_orig_mod.``. They are matched exactly against ``model``: either ``model``'s own
+    keys or those of one of its sub-modules (for :class:`~ddp_strategy.model.DigitsClassifier` the file's
+    ``layers.0.weight`` becomes ``model.layers.0.weight``).
+
+    With ``output_path`` (``model`` must be a LightningModule) a Lightning checkpoint is written atomically:
+    the weights, the optimizer state (checked to line up with the parameters of the matched part, in
+    ``parameters()`` order, as ``configure_optimizers`` must build it), the hyper-parameters and the loop
+    counters, so ``Trainer.fit(model, ckpt_path=output_path)`` continues at epoch ``epochs_completed``.
+
+    Example:
+        >>> model = DigitsClassifier()
+        >>> import_plain_checkpoint("ddp_script.pt", model, "imported.ckpt")  # doctest: +SKIP
+        >>> trainer.fit(model, datamodule, ckpt_path="imported.ckpt")         # doctest: +SKIP
+
+    Args:
+        source: the file, or the already loaded dict.
+        model: a LightningModule or a plain ``nn.Module``; loaded in place.
+        output_path: where to write the Lightning checkpoint; ``None`` writes nothing.
+        strict: every key must match (default); False loads the matching ones.
+        weights_only: load the file with ``torch.load(weights_only=True)`` (default); False only for files
+            you trust.
+        epochs_completed: epochs already trained. Default: the file's ``"epoch"`` entry, read as in PyTorch's
+            ImageNet example (``"epoch": epoch + 1``, the epoch to start from); pass it when your script
+            saved the 0-based index of the last finished epoch instead. 0 without an ``"epoch"`` entry.
+
+    Returns:
+        The Lightning checkpoint dict (also when nothing is written).
+
+    Raises:
+        FileNotFoundError, DamagedCheckpointError, UnsafeCheckpointError: loading the file failed.
+        StateDictMismatchError: ``strict`` and the keys or shapes do not match (lists them).
+        ValueError: no model state dict in the file, or the optimizer state does not line up.
+        TypeError: ``output_path`` is given but ``model`` is not a LightningModule.
+    """
+    if output_path is not None and not isinstance(model, pl.LightningModule):
+        raise TypeError(f"A Lightning checkpoint needs a LightningModule; got {type(model).__name__}. Pass the"
+                        " LightningModule, or output_path=None to load the weights only.")
+    name = os.fspath(source) if isinstance(source, (str, os.PathLike)) else "the given checkpoint"
+    checkpoint = load_file(source, weights_only=weights_only) if isinstance(source, (str, os.PathLike)) else source
+    state_dict = find_model_state_dict(checkpoint, name)
+    prefixes = _submodule_prefixes(model)
+    loadable = match_state_dict(state_dict, model, strict=strict, source=name, prefixes=prefixes)
+    model.load_state_dict(loadable, strict=strict)
+
+    if epochs_completed is None:
+        epochs_completed = int(checkpoint.get("epoch", 0))
+    global_step = int(checkpoint.get("global_step", checkpoint.get("step", 0)))
+    result: dict[str, Any] = {
+        "epoch": max(epochs_completed - 1, 0),
+        "global_step": global_step,
+        "pytorch-lightning_version": lightning.__version__,
+        "state_dict": unwrapped_state_dict(model),
+        "loops": {"fit_loop": _fit_loop_state(epochs_completed, global_step)},
+        "lr_schedulers": [],
+        "callbacks": {},
+    }
+    optimizer_state = _find_optimizer_state(checkpoint)
+    if optimizer_state is not None:
+        part = _matched_part(model, loadable)
+        _check_optimizer_lines_up(optimizer_state, list(part.parameters()), name)
+        result["optimizer_states"] = [optimizer_state]
+    if isinstance(model, pl.LightningModule) and model.hparams:
+        result[model.CHECKPOINT_HYPER_PARAMS_KEY] = dict(model.hparams)
+    if output_path is not None:
+        if "optimizer_states" not in result:
+            raise ValueError(f"{name} has no optimizer state (looked for {list(OPTIMIZER_STATE_KEYS)}), so"
+                             " training cannot resume from it; load the weights with output_path=None instead.")
+        atomic_save(result, output_path)
+        log.info("wrote Lightning checkpoint %s (resumes at epoch %d, step %d)", output_path, epochs_completed,
+                 global_step)
+    return result
+
+
+def _matched_part(model: nn.Module, loadable: Mapping[str, Any]) -> nn.Module:
+    """The deepest sub-module of ``model`` that contains every loaded key (``model`` itself if none is deeper)."""
+    clean = [unwrapped_name(model, k) for k in loadable]
+    best: nn.Module = model
+    for prefix in _submodule_prefixes(model)[1:]:
+        if clean and all(k.startswith(prefix) for k in clean):
+            best = model.get_submodule(_raw_path(model, prefix[:-1]))
+    return best
+
+
+def _raw_path(model: nn.Module, clean_path: str) -> str:
+    for name, _ in model.named_modules():
+        if name and unwrapped_name(model, name + ".x")[:-2] == clean_path:
+            return name
+    raise AssertionError(clean_path)
+
+
+def export_weights(
+    source: str | os.PathLike | nn.Module,
+    path: str | os.PathLike,
+    submodule: str = "model",
+    safetensors: bool | None = None,
+) -> dict[str, torch.Tensor]:
+    """Write just the plain model weights (a ``state_dict``) for inference without Lightning.
+
+    Keys carry no ``module.``, ``_orig_mod.`` or ``<submodule>.``; tensors are detached, contiguous and on
+    the CPU. The file is written atomically. Read it back with ``torch.load(path, weights_only=True)`` or
+    ``safetensors.torch.load_file(path)``, then ``net.load_state_dict(...)``.
+
+    Args:
+        source: a checkpoint file (Lightning or plain, loaded with ``weights_only=True``) or a module.
+        path: the output file.
+        submodule: attribute of the plain model inside the LightningModule (default ``"model"``); ``""``
+            exports everything.
+        safetensors: write safetensors (needs ``pip install ddp_strategy[safetensors]``); default ``None``
+            decides by the suffix ``.safetensors``.
+
+    Returns:
+        The exported state dict.
+
+    Raises:
+        ImportError: safetensors requested but not installed.
+        KeyError: no key under ``submodule``.
+    """
+    if isinstance(source, nn.Module):
+        full = unwrapped_state_dict(source)
+        prefix = submodule + "." if submodule else ""
+        weights = {k[len(prefix):]: v for k, v in full.items() if k.startswith(prefix)}
+        if not weights:
+            raise KeyError(f"{type(source).__name__} has no key under {prefix!r}; found e.g. {list(full)[:5]}.")
+    else:
+        weights = load_plain_state_dict(source, submodule=submodule)
+    weights = {k: v.detach().cpu().contiguous() for k, v in weights.items()}
+    if safetensors is None:
+        safetensors = os.fspath(path).endswith(".safetensors")
+    if safetensors:
+        try:
+            from safetensors.torch import save as to_safetensors_bytes
+        except ImportError as e:
+            raise ImportError("Writing safetensors needs the safetensors package:"
+                              " pip install 'ddp_strategy[safetensors]' (or pass safetensors=False).") from e
+        atomic_save(weights, path, save_fn=lambda obj, f: f.write(to_safetensors_bytes(obj)))
+    else:
+        atomic_save(weights, path)
+    return weights
