@@ -1,0 +1,126 @@
+"""Checkpoints of real 2-process fits: plain loading, compiled keys, resuming, read-after-write, weights_only."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from ddp_strategy import DigitsClassifier, DigitsDataModule, DigitsNet, MyDDPStrategy, load_plain_state_dict
+from ddp_strategy.checkpoint_io import load_file
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
+
+SEED = 321
+LIGHTNING_KEYS = {f"model.{k}" for k in DigitsNet().state_dict()}
+
+
+def probe_input() -> torch.Tensor:
+    """A fixed batch of 16 random 'images', shape (16, 64)."""
+    return torch.rand(16, 64, generator=torch.Generator().manual_seed(7))
+
+
+class CompiledDigitsClassifier(DigitsClassifier):
+    """DigitsClassifier whose plain model is compiled (eager backend, so it runs on CPU without a compiler)."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.model = torch.compile(self.model, backend="eager")
+
+
+class Probe(pl.Callback):
+    """At the end of fit: record predictions and weights, save a checkpoint and read it back on every rank."""
+
+    def __init__(self, out_dir: str) -> None:
+        self.out_dir = out_dir
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        rank = trainer.global_rank
+        with torch.no_grad():
+            predictions = pl_module(probe_input())
+        weights = {k: v.detach().clone() for k, v in pl_module.state_dict().items()}
+        explicit = Path(self.out_dir) / "explicit.ckpt"
+        trainer.save_checkpoint(explicit)  # every rank calls it; only rank 0 writes
+        read_back = load_file(explicit)["state_dict"]  # every rank reads it at once
+        own = trainer.strategy.lightning_module_state_dict()
+        same = read_back.keys() == own.keys() and all(torch.equal(read_back[k], v) for k, v in own.items())
+        torch.save({"predictions": predictions, "weights": weights, "read_back_matches": same,
+                    "epoch": trainer.current_epoch, "step": trainer.global_step},
+                   Path(self.out_dir) / f"rank{rank}.pt")
+
+
+def _fit(out_dir: Path, model: DigitsClassifier, max_epochs: int, ckpt_path: Path | None = None) -> dict:
+    """A 2-rank fit (spawn, gloo) saving a checkpoint every epoch; returns the checkpoint folder and records."""
+    out_dir.mkdir(parents=True)
+    pl.seed_everything(SEED)
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=2, strategy=MyDDPStrategy(start_method="spawn", timeout=60),
+        max_epochs=max_epochs, logger=False, enable_progress_bar=False, enable_model_summary=False,
+        default_root_dir=str(out_dir), limit_train_batches=10, limit_val_batches=2,
+        callbacks=[ModelCheckpoint(dirpath=out_dir / "ckpts", filename="{epoch}", save_top_k=-1),
+                   Probe(str(out_dir))],
+    )
+    trainer.fit(model, DigitsDataModule(batch_size=32), ckpt_path=ckpt_path)
+    return {"dir": out_dir / "ckpts", **{r: torch.load(out_dir / f"rank{r}.pt", weights_only=True) for r in range(2)}}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> tuple[dict, dict]:
+    """An uninterrupted 2-epoch run, and a compiled model resumed from its epoch-0 checkpoint for epoch 1."""
+    base = tmp_path_factory.mktemp("ckpt_runs")
+    full = _fit(base / "full", DigitsClassifier(), max_epochs=2)
+    resumed = _fit(base / "resumed", CompiledDigitsClassifier(), max_epochs=2,
+                   ckpt_path=full["dir"] / "epoch=0.ckpt")
+    return full, resumed
+
+
+def test_checkpoint_loads_strictly_into_the_plain_module_and_predicts_like_rank_0(runs):
+    """Here (one process, no process group) the last checkpoint loads strictly into DigitsNet; outputs match."""
+    full, _ = runs
+    net = DigitsNet()
+    net.load_state_dict(load_plain_state_dict(full["dir"] / "epoch=1.ckpt"), strict=True)
+    with torch.no_grad():
+        torch.testing.assert_close(net(probe_input()), full[0]["predictions"], rtol=0, atol=0)
+
+
+def test_compiled_and_uncompiled_runs_write_identical_keys(runs):
+    """The compiled run's checkpoints have exactly the uncompiled run's keys: no module., no _orig_mod."""
+    full, resumed = runs
+    assert any("_orig_mod" in k for k in resumed[0]["weights"])  # the model really was compiled
+    for path in (full["dir"] / "epoch=1.ckpt", resumed["dir"] / "epoch=1.ckpt"):
+        assert set(load_file(path)["state_dict"]) == LIGHTNING_KEYS
+
+
+def test_resuming_continues_identically(runs):
+    """1 epoch + resume for 1 more ends with the uninterrupted 2-epoch run's weights and outputs, on every rank."""
+    full, resumed = runs
+    for rank in range(2):
+        assert resumed[rank]["epoch"] == full[rank]["epoch"] == 2 and resumed[rank]["step"] == full[rank]["step"]
+        for key, value in full[rank]["weights"].items():
+            torch.testing.assert_close(resumed[rank]["weights"][key.replace("model.", "model._orig_mod.", 1)],
+                                       value, rtol=0, atol=0)
+        torch.testing.assert_close(resumed[rank]["predictions"], full[0]["predictions"], rtol=0, atol=0)
+
+
+def test_every_rank_reads_the_checkpoint_right_after_saving(runs):
+    """Ranks return from save_checkpoint only once rank 0's file is complete; no temporary file is left."""
+    full, resumed = runs
+    for run, names in ((full, ["epoch=0.ckpt", "epoch=1.ckpt"]), (resumed, ["epoch=1.ckpt"])):
+        assert run[0]["read_back_matches"] and run[1]["read_back_matches"]
+        assert sorted(p.name for p in run["dir"].iterdir()) == names
+
+
+def test_our_checkpoints_load_with_weights_only(runs):
+    """Hyper-parameters, ModelCheckpoint state and loop state all load with torch.load(weights_only=True)."""
+    full, _ = runs
+    path = full["dir"] / "epoch=1.ckpt"
+    checkpoint = torch.load(path, weights_only=True)
+    assert checkpoint["hyper_parameters"]["learning_rate"] == 1e-3 and checkpoint["epoch"] == 1
+    (state,) = [v for k, v in checkpoint["callbacks"].items() if k.startswith("ModelCheckpoint")]
+    assert Path(state["dirpath"]) == full["dir"]
+    model = DigitsClassifier.load_from_checkpoint(path, weights_only=True)
+    with torch.no_grad():
+        torch.testing.assert_close(model(probe_input()), full[0]["predictions"], rtol=0, atol=0)
