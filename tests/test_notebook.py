@@ -5,13 +5,14 @@ from __future__ import annotations
 import base64
 import os
 import re
+import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
 
 import nbformat
 import pytest
-from nbclient import NotebookClient
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(600)]
 
@@ -28,19 +29,38 @@ def test_notebook_is_saved_without_outputs():
     assert nb.metadata.kernelspec.name == "python3"
 
 
+# Run in a separate interpreter: importing nbclient/jupyter_client here would load ipykernel into pytest's process,
+# and MyDDPStrategy takes "ipykernel" in sys.modules as a sign of Jupyter (start method fork) for later tests.
+_EXECUTE = """
+import sys, nbformat
+from nbclient import NotebookClient
+nb = nbformat.read(sys.argv[1], as_version=4)
+NotebookClient(nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": sys.argv[3]}}).execute()
+nbformat.write(nb, sys.argv[2])
+"""
+
+
 @pytest.fixture(scope="module")
 def executed(tmp_path_factory) -> tuple[nbformat.NotebookNode, float]:
     """The notebook executed by nbclient on the python3 kernel of this interpreter; and its wall time in s."""
-    nb = nbformat.read(NOTEBOOK, as_version=4)
-    run_dir = tmp_path_factory.mktemp("notebook")
-    with pytest.MonkeyPatch.context() as mp:
-        # The python3 kernelspec runs "python": make that this interpreter (the venv's), whatever PATH says.
-        mp.setenv("PATH", os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
-        start = time.monotonic()
-        NotebookClient(nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(run_dir)}}).execute()
-        seconds = time.monotonic() - start
+    base = tmp_path_factory.mktemp("notebook")
+    run_dir, result = base / "cwd", base / "executed.ipynb"
+    run_dir.mkdir()
+    # The python3 kernelspec runs "python": make that this interpreter (the venv's), whatever PATH says.
+    env = {**os.environ, "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")}
+    start = time.monotonic()
+    proc = subprocess.Popen([sys.executable, "-c", _EXECUTE, str(NOTEBOOK), str(result), str(run_dir)], env=env,
+                            text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=540)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        raise AssertionError(f"the notebook did not finish in 540 s:\n{out[-4000:]}") from None
+    seconds = time.monotonic() - start
+    assert proc.returncode == 0, out[-6000:]
     assert os.listdir(run_dir) == [], "the notebook must clean up after itself"
-    return nb, seconds
+    return nbformat.read(result, as_version=4), seconds
 
 
 def _text(cell: nbformat.NotebookNode) -> str:
