@@ -35,7 +35,7 @@ from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from ddp_strategy import _lightning_private as _pl
-from ddp_strategy import checkpoint_io, process_group, sampler, wrapping
+from ddp_strategy import checkpoint_io, diagnostics, process_group, sampler, wrapping
 from ddp_strategy.checkpoint_io import DDPCheckpointIO
 
 log = logging.getLogger(__name__)
@@ -389,14 +389,38 @@ class MyDDPStrategy(ParallelStrategy):
                                                     source=getattr(self, "_checkpoint_path", None))
         self.lightning_module.load_state_dict(state_dict, strict=strict)
 
+    # ------------------------------------------------------------------------------------- diagnostics
+    #: Set by ``on_train_start``, consumed by ``on_train_end`` (see :mod:`ddp_strategy.diagnostics`).
+    _fit_record: diagnostics.FitRecord | None = None
+
     @override
     def on_train_start(self) -> None:
-        """On global rank 0, remove temporary files that killed checkpoint writers left (no collective)."""
+        """Rank 0: remove temporary files that killed checkpoint writers left, log the fit summary and batch-size
+        warnings; every rank: start tracking which parameters get gradients. No collective."""
         super().on_train_start()
         if self.is_global_zero and self._trainer is not None:
             for callback in self._trainer.checkpoint_callbacks:
                 if getattr(callback, "dirpath", None):
                     checkpoint_io.remove_stale_temp_files(callback.dirpath)
+        if self._trainer is not None and isinstance(self.model, DistributedDataParallel):
+            self._fit_record = diagnostics.on_fit_start(self._trainer, str(self._process_group_backend),
+                                                        self._start_method, self._ddp_kwargs, self.model)
+
+    @override
+    def on_train_end(self) -> None:
+        """Log the communication summary and never-updated parameters (rank 0). A collective, on every rank."""
+        super().on_train_end()
+        record, self._fit_record = self._fit_record, None
+        if record is not None and isinstance(self.model, DistributedDataParallel):
+            diagnostics.on_fit_end(record, self.model, self.root_device)
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        """Remove the diagnostics' gradient hooks when fit fails (no collective: other ranks may be gone)."""
+        super().on_exception(exception)
+        record, self._fit_record = self._fit_record, None
+        if record is not None:
+            record.tracker.close()
 
     # --------------------------------------------------------------------------------------- teardown
     @override

@@ -1,0 +1,52 @@
+"""Every use of PyTorch's private (underscore) API, in one place.
+
+PyTorch calls these "prototype" interfaces and may change them in any release. ``tests/test_torch_private.py``
+checks each one against the installed PyTorch, so an upgrade that moves or changes one fails loudly there;
+at run time each wrapper degrades to "no data" instead of failing a training run. Tested with torch 2.13.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+__all__ = ["DDP_TIMING_KEYS", "ddp_logging_data"]
+
+#: Keys of ``DistributedDataParallel._get_ddp_logging_data()`` this package reads. Times are in nanoseconds,
+#: averaged by DDP's reducer over the iterations it samples (each of the first 10, then every 100th; the
+#: first iteration is not timed). Populated on gloo/CPU and NCCL/CUDA alike in torch 2.13.
+DDP_TIMING_KEYS: tuple[str, ...] = (
+    "avg_forward_compute_time",
+    "avg_backward_compute_time",
+    "avg_backward_comm_time",
+    "avg_backward_compute_comm_overlap_time",
+)
+
+
+def ddp_logging_data(model: nn.Module) -> dict[str, Any]:
+    """DDP's own logging data for a ``DistributedDataParallel`` wrapper, or ``{}``.
+
+    Wraps the private ``DistributedDataParallel._get_ddp_logging_data()``
+    (https://github.com/pytorch/pytorch/blob/main/torch/nn/parallel/distributed.py), which returns the
+    constructor options (``bucket_cap_bytes``, ``find_unused_parameters``, ...), the registered comm hook's
+    name (``comm_hook``, only once one is registered), ``unused_parameter_size`` (bytes) and the timings in
+    :data:`DDP_TIMING_KEYS` (nanoseconds; absent until DDP has timed one iteration).
+
+    Args:
+        model: a ``DistributedDataParallel`` wrapper, or any module (then ``{}`` is returned).
+
+    Returns:
+        A new dict; ``{}`` when ``model`` is not wrapped or the installed PyTorch has no such method.
+    """
+    getter = getattr(model, "_get_ddp_logging_data", None)
+    if getter is None:
+        return {}
+    try:
+        return dict(getter())
+    except RuntimeError as e:  # the reducer can be gone after a failed step; diagnostics must not fail the run
+        log.debug("DistributedDataParallel._get_ddp_logging_data() failed: %s", e)
+        return {}

@@ -1,0 +1,216 @@
+"""Small, real demonstrations of synchronous data parallelism, used by ``notebooks/ddp_reference.ipynb``.
+
+Each function shows one step of the story with the same code paths the strategy uses:
+
+- :func:`epoch_shards`: the sample indices each rank gets per epoch, from the strategy's own sampler;
+- :func:`forgotten_set_epoch`: a plain ``DistributedSampler`` without ``set_epoch`` repeats its order every
+  epoch, the strategy's sampler does not;
+- :func:`allreduce_demo`: 2 real processes on gloo run forward and backward on their own shards, average the
+  gradients with one all-reduce per tensor, check that this is what ``DistributedDataParallel`` computes, apply
+  the same SGD step, and time a few DDP steps with DDP's own timers.
+
+Everything runs on CPU. Nothing here is used by the strategy itself.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import socket
+import tempfile
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data.distributed import DistributedSampler
+
+from ddp_strategy import _torch_private, process_group
+from ddp_strategy.data import load_digits_tensors
+from ddp_strategy.diagnostics import CommStats
+from ddp_strategy.model import DigitsNet
+from ddp_strategy.sampler import EpochSeededDistributedSampler
+
+__all__ = ["AllReduceDemo", "allreduce_demo", "epoch_shards", "forgotten_set_epoch"]
+
+
+def epoch_shards(
+    dataset_size: int, world_size: int = 2, epochs: int = 2, seed: int = 0, shuffle: bool = True
+) -> list[list[list[int]]]:
+    """The training indices each rank draws in each epoch, exactly as ``MyDDPStrategy`` shards them.
+
+    Uses :class:`~ddp_strategy.sampler.EpochSeededDistributedSampler` with padding (the training setting).
+
+    Args:
+        dataset_size: N samples.
+        world_size: W ranks.
+        epochs: how many epochs (0, 1, ...).
+        seed: the shuffle seed shared by all ranks.
+        shuffle: as the training loader's ``shuffle``.
+
+    Returns:
+        ``shards[epoch][rank]``: the list of ``ceil(N / W)`` indices rank ``rank`` draws in ``epoch``.
+
+    Example:
+        >>> epoch_shards(5, 2, epochs=1, shuffle=False)
+        [[[0, 2, 4], [1, 3, 0]]]
+    """
+    shards = []
+    for epoch in range(epochs):
+        per_rank = []
+        for rank in range(world_size):
+            sampler = EpochSeededDistributedSampler(range(dataset_size), num_replicas=world_size, rank=rank,
+                                                    shuffle=shuffle, seed=seed, epoch_fn=lambda e=epoch: e)
+            per_rank.append(list(sampler))
+        shards.append(per_rank)
+    return shards
+
+
+def forgotten_set_epoch(dataset_size: int, epochs: int = 3, seed: int = 0) -> dict[str, list[list[int]]]:
+    """Rank 0's order per epoch: a plain ``DistributedSampler`` never told the epoch, versus the strategy's.
+
+    Args:
+        dataset_size: N samples.
+        epochs: epochs to draw.
+        seed: shuffle seed.
+
+    Returns:
+        ``{"DistributedSampler without set_epoch": orders, "EpochSeededDistributedSampler": orders}``, where
+        ``orders[epoch]`` is rank 0's index list (world size 2). The first repeats the same list every epoch.
+    """
+    plain = DistributedSampler(range(dataset_size), num_replicas=2, rank=0, shuffle=True, seed=seed)
+    ours = [shards[0] for shards in epoch_shards(dataset_size, 2, epochs, seed)]
+    return {"DistributedSampler without set_epoch": [list(plain) for _ in range(epochs)],
+            "EpochSeededDistributedSampler": ours}
+
+
+@dataclass
+class AllReduceDemo:
+    """What each rank of :func:`allreduce_demo` recorded; lists are indexed by rank.
+
+    Attributes:
+        batches: the indices (into all 1,797 digits) of each rank's batch (B each).
+        initial: the weights every rank started from (rank 0's, broadcast).
+        local_grads: each rank's gradients after its own backward, before any communication.
+        averaged_grads: the same after ``all_reduce(SUM) / W`` of every gradient tensor.
+        ddp_grads: the gradients ``DistributedDataParallel`` produced for the same batches.
+        weights_after_step: the weights after one SGD step with the averaged gradients.
+        ddp_state_dict: rank 0's ``DistributedDataParallel.state_dict()``; its keys start with ``module.``.
+        comm_stats: DDP's own timings of a few more steps, averaged over ranks, or None if it timed none.
+    """
+
+    batches: list[list[int]]
+    initial: dict[str, torch.Tensor]
+    local_grads: list[dict[str, torch.Tensor]]
+    averaged_grads: list[dict[str, torch.Tensor]]
+    ddp_grads: list[dict[str, torch.Tensor]]
+    weights_after_step: list[dict[str, torch.Tensor]]
+    ddp_state_dict: dict[str, torch.Tensor]
+    comm_stats: CommStats | None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _grads(net: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {name: p.grad.detach().clone() for name, p in net.named_parameters() if p.grad is not None}
+
+
+def _demo_worker(rank: int, world_size: int, port: int, batch_size: int, lr: float, timed_steps: int,
+                 out_dir: str) -> None:
+    """One rank of :func:`allreduce_demo` (module level so ``spawn`` can import it)."""
+    torch.set_num_threads(1)
+    process_group.init_process_group("gloo", rank=rank, world_size=world_size, main_address="127.0.0.1",
+                                     main_port=port, timeout=timedelta(seconds=60))
+    try:
+        x, y = load_digits_tensors()
+        torch.manual_seed(rank)  # different initial weights per rank on purpose: the broadcast fixes that
+        net = DigitsNet(hidden_size=32)
+        for p in net.parameters():  # what DDP does when it wraps the module: rank 0's weights everywhere
+            dist.broadcast(p.data, src=0)
+        initial = {k: v.clone() for k, v in net.state_dict().items()}
+        shard = epoch_shards(len(y), world_size, epochs=1, seed=0)[0][rank]
+        batch = shard[:batch_size]
+        F.cross_entropy(net(x[batch]), y[batch]).backward()
+        local = _grads(net)
+        for p in net.parameters():  # the all-reduce: sum over ranks, then divide by W (a mean)
+            dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
+            p.grad /= world_size
+        averaged = _grads(net)
+        with torch.no_grad():
+            for p in net.parameters():
+                p -= lr * p.grad
+        after = {k: v.clone() for k, v in net.state_dict().items()}
+
+        ddp_net = DigitsNet(hidden_size=32)
+        ddp_net.load_state_dict(initial)
+        ddp = DistributedDataParallel(ddp_net)
+        F.cross_entropy(ddp(x[batch]), y[batch]).backward()
+        ddp_grads = _grads(ddp_net)
+        optimizer = torch.optim.SGD(ddp.parameters(), lr=lr)
+        for step in range(timed_steps):  # DDP times iterations 1-10 itself
+            idx = shard[(step % 10) * batch_size:(step % 10 + 1) * batch_size]
+            optimizer.zero_grad()
+            F.cross_entropy(ddp(x[idx]), y[idx]).backward()
+            optimizer.step()
+        stats = CommStats.from_ddp_logging_data(_torch_private.ddp_logging_data(ddp))
+        record: dict[str, Any] = {"batch": batch, "initial": initial, "local": local, "averaged": averaged,
+                                  "after": after, "ddp": ddp_grads,
+                                  "comm_stats": stats.as_tensor() if stats is not None else None}
+        if rank == 0:
+            record["ddp_state_dict"] = {k: v.clone() for k, v in ddp.state_dict().items()}
+        torch.save(record, Path(out_dir) / f"rank{rank}.pt")
+    finally:
+        process_group.destroy_process_group()
+
+
+def default_demo_start_method() -> str:
+    """``"fork"`` where the platform has it (fast, and works in Jupyter), else ``"spawn"``."""
+    return "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
+
+
+def allreduce_demo(world_size: int = 2, batch_size: int = 16, lr: float = 0.1, timed_steps: int = 11,
+                   start_method: str | None = None) -> AllReduceDemo:
+    """Run forward, backward, gradient all-reduce and one SGD step on ``world_size`` real CPU processes.
+
+    Every rank starts from rank 0's weights (a :class:`~ddp_strategy.model.DigitsNet` with 32 hidden units),
+    takes the first ``batch_size`` indices of its epoch-0 shard of the digits, computes its local gradients,
+    averages them with ``torch.distributed.all_reduce`` and steps. It then repeats the backward through
+    ``DistributedDataParallel``, which must give the same averaged gradients, and times ``timed_steps`` more
+    DDP steps with DDP's own timers. Takes a few seconds.
+
+    Args:
+        world_size: W processes (gloo, 127.0.0.1, a free port).
+        batch_size: B, samples per rank.
+        lr: SGD learning rate.
+        timed_steps: DDP steps to time after the demonstration step (DDP times iterations 1-10).
+        start_method: ``"fork"``, ``"spawn"`` or ``"forkserver"``; default :func:`default_demo_start_method`.
+
+    Returns:
+        What every rank recorded.
+
+    Raises:
+        torch.multiprocessing.ProcessRaisedException: a rank failed (its traceback is in the message).
+    """
+    with tempfile.TemporaryDirectory(prefix="ddp_demo_") as out_dir:
+        mp.start_processes(_demo_worker, args=(world_size, _free_port(), batch_size, lr, timed_steps, out_dir),
+                           nprocs=world_size, start_method=start_method or default_demo_start_method())
+        records = [torch.load(Path(out_dir) / f"rank{r}.pt", weights_only=True) for r in range(world_size)]
+    timed = [r["comm_stats"] for r in records if r["comm_stats"] is not None]
+    return AllReduceDemo(
+        batches=[r["batch"] for r in records],
+        initial=records[0]["initial"],
+        local_grads=[r["local"] for r in records],
+        averaged_grads=[r["averaged"] for r in records],
+        ddp_grads=[r["ddp"] for r in records],
+        weights_after_step=[r["after"] for r in records],
+        ddp_state_dict=records[0]["ddp_state_dict"],
+        comm_stats=CommStats(*torch.stack(timed).mean(dim=0).tolist()) if timed else None,
+    )

@@ -1,0 +1,52 @@
+"""Guards every private PyTorch name we use: a torch upgrade that changes one fails here, loudly."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from ddp_strategy import _torch_private
+
+
+@pytest.fixture
+def one_rank_group():
+    """A world-size-1 gloo process group in this process."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_ddp_logging_data_has_the_timings_we_read(one_rank_group):
+    """After a few steps DDP reports forward/backward/comm/overlap averages in ns, plus its bucket size."""
+    ddp = DistributedDataParallel(nn.Linear(4, 2))
+    assert set(_torch_private.DDP_TIMING_KEYS).isdisjoint(_torch_private.ddp_logging_data(ddp))  # nothing timed yet
+    for _ in range(3):
+        ddp(torch.ones(2, 4)).sum().backward()
+    data = _torch_private.ddp_logging_data(ddp)
+    for key in _torch_private.DDP_TIMING_KEYS:
+        assert isinstance(data[key], int) and data[key] >= 0, key
+    assert data["avg_backward_comm_time"] > 0 and data["avg_forward_compute_time"] > 0
+    assert data["bucket_cap_bytes"] == 25 * 2**20
+    assert "comm_hook" not in data
+
+
+def test_ddp_logging_data_names_the_registered_comm_hook(one_rank_group):
+    """Registering a comm hook makes DDP report its name under "comm_hook" (the fit summary shows it)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    ddp = DistributedDataParallel(nn.Linear(4, 2))
+    ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    assert _torch_private.ddp_logging_data(ddp)["comm_hook"] == "fp16_compress_hook"
+
+
+def test_ddp_logging_data_of_a_plain_module_is_empty():
+    """Without the private method (a plain module) the wrapper returns {} instead of failing."""
+    assert _torch_private.ddp_logging_data(nn.Linear(2, 2)) == {}
