@@ -35,7 +35,7 @@ from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from ddp_strategy import _lightning_private as _pl
-from ddp_strategy import process_group, sampler, wrapping
+from ddp_strategy import launching, process_group, sampler, wrapping
 from ddp_strategy.checkpoint_io import DDPCheckpointIO
 
 log = logging.getLogger(__name__)
@@ -77,12 +77,18 @@ class MyDDPStrategy(ParallelStrategy):
             ``None`` = :func:`default_start_method`.
         seed: shuffle seed of the injected samplers; default ``None`` = ``seed_everything``'s seed, else 0.
             Rank 0's value is broadcast so all ranks agree.
+        init_method: rendezvous URL: ``None``/``"env://"`` (``MASTER_ADDR``/``MASTER_PORT``, a free port
+            on one machine when unset), ``"tcp://host:port"`` or ``"file:///shared/file"``.
+        store: a ready ``torch.distributed.Store`` (e.g. ``FileStore(path, world_size)``, which needs no
+            port); takes precedence over ``init_method``. Only with ``spawn``/``fork``.
+        allow_cpu_oversubscription: allow more CPU processes per node than cores (default False).
         **ddp_kwargs: options for :class:`torch.nn.parallel.DistributedDataParallel`
             (``find_unused_parameters``, ``bucket_cap_mb`` in MiB, ``static_graph``, ...);
             ``gradient_as_bucket_view`` defaults to True here.
 
     Raises:
-        ValueError: unknown ``start_method`` or ``process_group_backend``, or a non-positive ``timeout``.
+        ValueError: unknown ``start_method``, ``process_group_backend`` or ``init_method``, or a non-positive
+            ``timeout``; at Trainer construction: ``"nccl"`` on CPU, or more CPU processes than cores.
         TypeError: an unknown DDP option, or a ``timeout`` that is not a number or ``timedelta``.
     """
 
@@ -99,6 +105,9 @@ class MyDDPStrategy(ParallelStrategy):
         timeout: float | timedelta = process_group.DEFAULT_TIMEOUT,
         start_method: StartMethod | None = None,
         seed: int | None = None,
+        init_method: str | None = None,
+        store: dist.Store | None = None,
+        allow_cpu_oversubscription: bool = False,
         **ddp_kwargs: Any,
     ) -> None:
         super().__init__(
@@ -115,6 +124,12 @@ class MyDDPStrategy(ParallelStrategy):
         self._timeout = process_group.as_timedelta(timeout)
         self._start_method: StartMethod = start_method or default_start_method()
         self._seed = seed
+        process_group.validate_init_method(init_method)
+        self._init_method = init_method
+        self._store = store
+        self._allow_cpu_oversubscription = allow_cpu_oversubscription
+        self._node_group: Any = None
+        self._node_ranks: list[int] = []
         self._ddp_kwargs = wrapping.validate_ddp_kwargs(ddp_kwargs)
         self._num_nodes = 1
         self._sampler_seed = sampler.shared_seed(seed)
@@ -154,6 +169,16 @@ class MyDDPStrategy(ParallelStrategy):
         return self._process_group_backend
 
     @property
+    def node_group(self) -> Any:
+        """The intra-node process group of this rank (the world group on one node); None before setup."""
+        return self._node_group
+
+    @property
+    def node_ranks(self) -> list[int]:
+        """Global ranks on this rank's node, e.g. ``[2, 3]`` for node 1 of 2 with 2 devices each."""
+        return list(self._node_ranks)
+
+    @property
     def start_method(self) -> StartMethod:
         """How processes are started: ``"popen"``, ``"spawn"``, ``"fork"`` or ``"forkserver"``."""
         return self._start_method
@@ -186,20 +211,25 @@ class MyDDPStrategy(ParallelStrategy):
     # ------------------------------------------------------------------------- 1. launch + process group
     @override
     def _configure_launcher(self) -> None:
-        assert self.cluster_environment is not None
+        # Runs in Trainer(...), before any process starts: refuse impossible set-ups here, not in a child.
+        assert self.cluster_environment is not None and self.parallel_devices
+        process_group.resolve_backend(self.parallel_devices[0], self._process_group_backend)
+        if self.parallel_devices[0].type == "cpu" and not self.cluster_environment.creates_processes_externally:
+            launching.check_cpu_processes(self.num_processes, self._allow_cpu_oversubscription)
         if self._start_method == "popen":
             self._launcher = _pl.SubprocessScriptLauncher(self.cluster_environment, self.num_processes,
                                                           self.num_nodes)
         else:
-            self._launcher = _pl.MultiProcessingLauncher(self, start_method=self._start_method)
+            self._launcher = launching.CheckedMultiProcessingLauncher(self, start_method=self._start_method)
 
     @override
     def setup_environment(self) -> None:
         """Set the device up, then join the process group (every rank, before any model code runs)."""
-        super().setup_environment()
         reset_seed()
         self.set_world_ranks()
         assert self.cluster_environment is not None
+        launching.check_external_world(self.cluster_environment, self.num_nodes, self.num_processes)
+        super().setup_environment()
         backend = process_group.resolve_backend(self.root_device, self._process_group_backend)
         process_group.init_process_group(
             backend,
@@ -209,8 +239,11 @@ class MyDDPStrategy(ParallelStrategy):
             main_port=self.cluster_environment.main_port,
             timeout=self._timeout,
             device=self.root_device,
+            init_method=self._init_method,
+            store=self._store,
         )
         self._process_group_backend = backend
+        self._node_group, self._node_ranks = process_group.build_node_groups(self.num_nodes, self.num_processes)
         rank_zero_info(f"MyDDPStrategy: {self.world_size} processes, backend={backend},"
                        f" start_method={self._start_method}")
 
@@ -343,6 +376,7 @@ class MyDDPStrategy(ParallelStrategy):
         if self._trainer is not None:
             _pl.set_lightning_sampler_injection(self._trainer, enabled=True)
         super().teardown()
+        self._node_group, self._node_ranks = None, []
         process_group.destroy_process_group()
 
     @classmethod
