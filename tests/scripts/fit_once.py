@@ -18,7 +18,8 @@ class Record(L.Callback):
     def on_train_start(self, trainer, pl_module):
         s = trainer.strategy
         self.seen = {"world_size": s.world_size, "global_rank": s.global_rank, "node_rank": s.node_rank,
-                     "local_rank": s.local_rank, "node_ranks": s.node_ranks, "env": type(s.cluster_environment).__name__,
+                     "local_rank": s.local_rank, "node_ranks": s.node_ranks,
+                     "env": type(s.cluster_environment).__name__,
                      "rank_zero_only": rank_zero_only.rank, "backend": s.process_group_backend,
                      "node_group_size": torch.distributed.get_world_size(s.node_group)}
 
