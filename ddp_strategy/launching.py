@@ -11,6 +11,7 @@ import os
 import pickle
 from typing import Any
 
+import torch
 from lightning.fabric.plugins import ClusterEnvironment
 
 from ddp_strategy import _lightning_private as _pl
@@ -79,6 +80,29 @@ def check_external_world(env: ClusterEnvironment, num_nodes: int, num_processes:
                          " has only that many processes per node. Check --nproc-per-node and devices.")
 
 
+def check_fork_safe(start_method: str, device_type: str) -> None:
+    """Refuse to ``fork`` a parent that has initialised CUDA when the ranks will use CUDA.
+
+    A forked child inherits the parent's CUDA state and cannot re-initialise it ("Cannot re-initialize
+    CUDA in forked subprocess", PyTorch's multiprocessing notes). Lightning's own check only fires inside
+    an already-bad child, so this one runs in the parent, before forking.
+
+    Args:
+        start_method: the launcher's start method.
+        device_type: ``"cuda"``, ``"cpu"``, ...
+
+    Raises:
+        RuntimeError: ``start_method="fork"``, CUDA devices, and CUDA already initialised here.
+    """
+    if start_method == "fork" and device_type == "cuda" and torch.cuda.is_initialized():
+        raise RuntimeError(
+            "start_method='fork' cannot start CUDA ranks: CUDA is already initialised in this process (a"
+            " tensor or model was moved to the GPU, or torch.cuda was queried for memory, before fit). Restart"
+            " the kernel and keep CUDA work inside the LightningModule, or use start_method='spawn' or 'popen'"
+            " (run a script)."
+        )
+
+
 class CheckedMultiProcessingLauncher(_pl.MultiProcessingLauncher):
     """Lightning's ``spawn``/``fork``/``forkserver`` launcher, with a plain error when pickling fails.
 
@@ -91,8 +115,9 @@ class CheckedMultiProcessingLauncher(_pl.MultiProcessingLauncher):
         """Check picklability (``spawn``, ``forkserver``), then launch as Lightning does.
 
         Raises:
-            RuntimeError: the arguments cannot be pickled; the message names the object and alternatives.
+            RuntimeError: the arguments cannot be pickled, or CUDA would be forked (:func:`check_fork_safe`).
         """
+        check_fork_safe(self._start_method, self._strategy.root_device.type)
         if self._start_method in ("spawn", "forkserver"):
             for obj in (*args, *kwargs.values()):
                 try:

@@ -218,3 +218,33 @@ def test_second_fit_in_the_same_process_works_with_fork(tmp_path):
         assert trainer.state.finished  # rank 0's weights come back to this process after each fit
     assert not torch.equal(weights[0], weights[1]) and not torch.equal(weights[1], weights[2])
     assert not dist.is_initialized()
+
+
+def test_fork_is_refused_when_cuda_is_already_initialised(monkeypatch):
+    """Forking CUDA ranks from a parent that initialised CUDA is refused before forking, with a remedy."""
+    from ddp_strategy import launching
+
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    with pytest.raises(RuntimeError, match="start_method='fork' cannot start CUDA ranks: CUDA is already initialised"):
+        launching.check_fork_safe("fork", "cuda")
+    launching.check_fork_safe("spawn", "cuda")  # a fresh interpreter is fine
+    launching.check_fork_safe("fork", "cpu")  # CPU ranks never touch CUDA
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=MyDDPStrategy(start_method="fork"), logger=False)
+    calls = []
+    monkeypatch.setattr(launching, "check_fork_safe", lambda *a: calls.append(a) or 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        trainer.strategy.launcher.launch(lambda: None, trainer=trainer)
+    assert calls == [("fork", "cpu")]  # the launcher asks before it forks
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.timeout(300)
+def test_fit_on_cuda_uses_nccl(tmp_path):
+    """With a GPU: the strategy picks nccl, wraps with device_ids, and the digits model trains."""
+    trainer = pl.Trainer(accelerator="cuda", devices=1, strategy=MyDDPStrategy(start_method="spawn", timeout=120),
+                         max_epochs=3, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         default_root_dir=str(tmp_path))
+    model = DigitsClassifier()
+    trainer.fit(model, DigitsDataModule())
+    assert trainer.callback_metrics["val_acc"] > 0.9
