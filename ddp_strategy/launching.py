@@ -15,6 +15,7 @@ import torch
 from lightning.fabric.plugins import ClusterEnvironment
 
 from ddp_strategy import _lightning_private as _pl
+from ddp_strategy import failures
 
 
 def available_cpus() -> int:
@@ -129,4 +130,10 @@ class CheckedMultiProcessingLauncher(_pl.MultiProcessingLauncher):
                         " level (not inside a function or notebook cell) and avoid lambdas, or use"
                         " start_method='popen' (running a script) or 'fork' (Linux, notebooks)."
                     ) from e
-        return super().launch(function, *args, trainer=trainer, **kwargs)
+        try:
+            return super().launch(function, *args, trainer=trainer, **kwargs)
+        except BaseException:
+            # torch.multiprocessing leaves the other ranks running when the parent is interrupted
+            # (Ctrl-C) or a rank fails: stop them, so no orphan keeps training or waits in a collective.
+            failures.stop_processes(self.procs, grace_s=3.0)
+            raise

@@ -22,8 +22,10 @@ log = logging.getLogger(__name__)
 DEVICE_BACKENDS: dict[str, str] = {"cuda": "nccl", "cpu": "gloo"}
 #: Backends ``torch.distributed`` may provide; which ones are compiled in is asked at run time.
 KNOWN_BACKENDS: tuple[str, ...] = ("gloo", "nccl", "mpi", "ucc", "xccl")
-#: Default process-group timeout (30 minutes, PyTorch's own default for gloo).
-DEFAULT_TIMEOUT = timedelta(minutes=30)
+#: Default process-group timeout: 5 minutes, far shorter than PyTorch's 30 (gloo) or 10 (NCCL), so a stalled
+#: rank costs minutes, not half an hour. Raise it (``MyDDPStrategy(timeout=...)``) when rank 0 alone does
+#: long work while the others wait, e.g. writing a checkpoint of many GiB.
+DEFAULT_TIMEOUT = timedelta(minutes=5)
 
 
 def default_backend(device: torch.device) -> str:
@@ -142,8 +144,8 @@ def init_process_group(
     device: torch.device | None = None,
     init_method: str | None = None,
     store: dist.Store | None = None,
-) -> None:
-    """Join the default (world) process group.
+) -> dist.Store | None:
+    """Join the default (world) process group; return its key-value store.
 
     The rendezvous is, in order of precedence: a ready ``store`` (a ``FileStore`` needs no port); an
     ``init_method`` URL (``tcp://`` or ``file://``); else ``env://`` with ``MASTER_ADDR`` and
@@ -163,6 +165,10 @@ def init_process_group(
         init_method: see :func:`validate_init_method`.
         store: a ready ``torch.distributed.Store`` shared by all ranks.
 
+    Returns:
+        The rendezvous store (a ``TCPStore``, ``FileStore`` or the given one), or ``None`` when a process
+        group already existed and was reused.
+
     Raises:
         RuntimeError: a process group already exists with a different rank or world size; the rendezvous
             failed (the other ranks did not arrive within ``timeout``, the address is unreachable, or
@@ -177,28 +183,36 @@ def init_process_group(
                 " torch.distributed.destroy_process_group() before starting another run."
             )
         log.debug("process group already initialised; reusing it")
-        return
+        return None
     validate_init_method(init_method)
     kwargs: dict = {"rank": rank, "world_size": world_size, "timeout": timeout}
     if device is not None and device.type == "cuda":
         kwargs["device_id"] = device
     if store is not None:
-        kwargs["store"] = store
         where = f"the given {type(store).__name__}"
-    elif init_method is not None and init_method != "env://":
-        kwargs["init_method"] = init_method
+    elif init_method is not None and init_method.startswith("file://"):
         where = init_method
+    elif init_method is not None and init_method.startswith("tcp://"):
+        where = init_method
+        main_address, port = init_method[len("tcp://"):].rsplit(":", 1)
+        main_port = int(port)
     else:
         os.environ["MASTER_ADDR"] = main_address
         os.environ["MASTER_PORT"] = str(main_port)
-        kwargs["init_method"] = "env://"
         where = f"{main_address}:{main_port}"
     log.info("[rank %d] joining process group: backend=%s world_size=%d rendezvous=%s timeout=%.0fs",
              rank, backend, world_size, where, timeout.total_seconds())
     try:
-        dist.init_process_group(backend, **kwargs)
+        # The store is made here, as torch's env://, tcp:// and file:// handlers would make it, so that the
+        # strategy keeps a handle on it to report failures between ranks (see ddp_strategy.failures).
+        if store is None and init_method is not None and init_method.startswith("file://"):
+            store = dist.FileStore(init_method[len("file://"):], world_size)
+        elif store is None:
+            store = dist.TCPStore(main_address, main_port, world_size, is_master=rank == 0, timeout=timeout)
+        dist.init_process_group(backend, store=store, **kwargs)
     except (RuntimeError, OSError, ValueError) as e:
         raise RuntimeError(_rendezvous_error(rank, world_size, where, timeout, e)) from e
+    return store
 
 
 def _rendezvous_error(rank: int, world_size: int, where: str, timeout: timedelta, error: BaseException) -> str:
