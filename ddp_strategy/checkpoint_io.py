@@ -457,6 +457,34 @@ def load_plain_state_dict(path: str | os.PathLike, submodule: str = "model") -> 
     return picked
 
 
+def unwritable_reason(folders: list[str | os.PathLike]) -> str | None:
+    """Check that checkpoints can be written to each folder; say why not for the first that fails.
+
+    Creates missing folders (as ``ModelCheckpoint`` would) and writes and removes a small probe file.
+    Local paths only; remote (``scheme://``) paths are skipped.
+
+    Args:
+        folders: checkpoint folders.
+
+    Returns:
+        ``None`` when all are writable, else a message naming the folder and the error.
+    """
+    for folder in folders:
+        folder = os.fspath(folder)
+        if "://" in folder:
+            continue
+        try:
+            os.makedirs(folder, exist_ok=True)
+            probe = os.path.join(folder, f".ddp_strategy_write_test_{os.getpid()}")
+            with open(probe, "wb") as f:
+                f.write(b"0")
+            os.remove(probe)
+        except OSError as e:
+            return (f"Checkpoint folder {folder} is not writable ({type(e).__name__}: {e.strerror or e}). Choose a"
+                    " writable ModelCheckpoint(dirpath=...) or Trainer(default_root_dir=...) before training.")
+    return None
+
+
 #: Entries under which checkpoints keep the model's state dict, in the order they are looked for.
 MODEL_STATE_KEYS = ("state_dict", "model_state_dict", "model")
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -21,8 +22,10 @@ log = logging.getLogger(__name__)
 DEVICE_BACKENDS: dict[str, str] = {"cuda": "nccl", "cpu": "gloo"}
 #: Backends ``torch.distributed`` may provide; which ones are compiled in is asked at run time.
 KNOWN_BACKENDS: tuple[str, ...] = ("gloo", "nccl", "mpi", "ucc", "xccl")
-#: Default process-group timeout (30 minutes, PyTorch's own default for gloo).
-DEFAULT_TIMEOUT = timedelta(minutes=30)
+#: Default process-group timeout: 5 minutes, far shorter than PyTorch's 30 (gloo) or 10 (NCCL), so a stalled
+#: rank costs minutes, not half an hour. Raise it (``MyDDPStrategy(timeout=...)``) when rank 0 alone does
+#: long work while the others wait, e.g. writing a checkpoint of many GiB.
+DEFAULT_TIMEOUT = timedelta(minutes=5)
 
 
 def default_backend(device: torch.device) -> str:
@@ -107,6 +110,30 @@ def as_timedelta(timeout: float | timedelta) -> timedelta:
     return delta
 
 
+INIT_METHOD_SCHEMES: tuple[str, ...] = ("env://", "tcp://", "file://")
+
+
+def validate_init_method(init_method: str | None) -> None:
+    """Check an ``init_method`` URL before any process starts.
+
+    Args:
+        init_method: ``None`` or ``"env://"`` (rendezvous at ``MASTER_ADDR:MASTER_PORT``, the default),
+            ``"tcp://host:port"`` (as in hand-written DDP scripts) or ``"file:///shared/path"``.
+
+    Raises:
+        ValueError: any other scheme, or a ``tcp://`` URL without a port.
+    """
+    if init_method is None:
+        return
+    if not init_method.startswith(INIT_METHOD_SCHEMES):
+        raise ValueError(
+            f"init_method={init_method!r} is not supported; use 'env://' (default), 'tcp://host:port' or"
+            " 'file:///path/to/shared/file', or pass a torch.distributed Store as store=..."
+        )
+    if init_method.startswith("tcp://") and not init_method.rsplit(":", 1)[-1].isdigit():
+        raise ValueError(f"init_method={init_method!r} has no port; write it as 'tcp://host:port'.")
+
+
 def init_process_group(
     backend: str,
     rank: int,
@@ -115,25 +142,38 @@ def init_process_group(
     main_port: int,
     timeout: timedelta,
     device: torch.device | None = None,
-) -> None:
-    """Join the default (world) process group through the ``env://`` rendezvous.
+    init_method: str | None = None,
+    store: dist.Store | None = None,
+) -> dist.Store | None:
+    """Join the default (world) process group; return its key-value store.
 
-    Sets ``MASTER_ADDR`` and ``MASTER_PORT`` from the arguments (Lightning's cluster environment provides
-    them: 127.0.0.1 and a free port on one machine), then calls
-    :func:`torch.distributed.init_process_group`. Must be called on every rank; it returns once all
-    ``world_size`` ranks have joined, or raises after ``timeout``.
+    The rendezvous is, in order of precedence: a ready ``store`` (a ``FileStore`` needs no port); an
+    ``init_method`` URL (``tcp://`` or ``file://``); else ``env://`` with ``MASTER_ADDR`` and
+    ``MASTER_PORT`` set from ``main_address`` and ``main_port`` (Lightning's cluster environment provides
+    them: 127.0.0.1 and a free port on one machine, or what torchrun/SLURM set). See
+    https://pytorch.org/docs/stable/distributed.html#initialization. Must be called on every rank; it
+    returns once all ``world_size`` ranks have joined, or raises after ``timeout``.
 
     Args:
         backend: ``"gloo"`` or ``"nccl"`` (see :func:`resolve_backend`).
         rank: this process's global rank, ``0 <= rank < world_size``.
         world_size: number of processes in the job.
-        main_address: host name or IP of rank 0's rendezvous store.
-        main_port: TCP port of rank 0's rendezvous store.
-        timeout: how long collectives (and the rendezvous) may wait before failing.
-        device: for CUDA, this rank's device; it is passed as ``device_id`` so NCCL initialises eagerly.
+        main_address: host name or IP of rank 0's rendezvous store (``env://`` only).
+        main_port: TCP port of rank 0's rendezvous store (``env://`` only).
+        timeout: how long the rendezvous and each collective may wait before failing.
+        device: for CUDA, this rank's device; passed as ``device_id`` so NCCL initialises eagerly.
+        init_method: see :func:`validate_init_method`.
+        store: a ready ``torch.distributed.Store`` shared by all ranks.
+
+    Returns:
+        The rendezvous store (a ``TCPStore``, ``FileStore`` or the given one), or ``None`` when a process
+        group already existed and was reused.
 
     Raises:
-        RuntimeError: a process group already exists with a different rank or world size.
+        RuntimeError: a process group already exists with a different rank or world size; the rendezvous
+            failed (the other ranks did not arrive within ``timeout``, the address is unreachable, or
+            rank 0's port is already in use): the message names the address and what to do.
+        ValueError: a bad ``init_method`` (see :func:`validate_init_method`).
     """
     if dist.is_initialized():
         if dist.get_rank() != rank or dist.get_world_size() != world_size:
@@ -143,17 +183,87 @@ def init_process_group(
                 " torch.distributed.destroy_process_group() before starting another run."
             )
         log.debug("process group already initialised; reusing it")
-        return
-    os.environ["MASTER_ADDR"] = main_address
-    os.environ["MASTER_PORT"] = str(main_port)
-    kwargs = {}
+        return None
+    validate_init_method(init_method)
+    kwargs: dict = {"rank": rank, "world_size": world_size, "timeout": timeout}
     if device is not None and device.type == "cuda":
         kwargs["device_id"] = device
-    log.info(
-        "[rank %d] joining process group: backend=%s world_size=%d address=%s:%d timeout=%.0fs",
-        rank, backend, world_size, main_address, main_port, timeout.total_seconds(),
-    )
-    dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world_size, timeout=timeout, **kwargs)
+    if store is not None:
+        where = f"the given {type(store).__name__}"
+    elif init_method is not None and init_method.startswith("file://"):
+        where = init_method
+    elif init_method is not None and init_method.startswith("tcp://"):
+        where = init_method
+        main_address, port = init_method[len("tcp://"):].rsplit(":", 1)
+        main_port = int(port)
+    else:
+        os.environ["MASTER_ADDR"] = main_address
+        os.environ["MASTER_PORT"] = str(main_port)
+        where = f"{main_address}:{main_port}"
+    log.info("[rank %d] joining process group: backend=%s world_size=%d rendezvous=%s timeout=%.0fs",
+             rank, backend, world_size, where, timeout.total_seconds())
+    try:
+        # The store is made here, as torch's env://, tcp:// and file:// handlers would make it, so that the
+        # strategy keeps a handle on it to report failures between ranks (see ddp_strategy.failures).
+        if store is None and init_method is not None and init_method.startswith("file://"):
+            store = dist.FileStore(init_method[len("file://"):], world_size)
+        elif store is None:
+            store = dist.TCPStore(main_address, main_port, world_size, is_master=rank == 0, timeout=timeout)
+        dist.init_process_group(backend, store=store, **kwargs)
+    except (RuntimeError, OSError, ValueError) as e:
+        raise RuntimeError(_rendezvous_error(rank, world_size, where, timeout, e)) from e
+    return store
+
+
+def _rendezvous_error(rank: int, world_size: int, where: str, timeout: timedelta, error: BaseException) -> str:
+    text = str(error)
+    if "address already in use" in text.lower() or "EADDRINUSE" in text:
+        return (f"[rank {rank}] cannot start the rendezvous at {where}: the port is already in use by another"
+                " process. Choose another MASTER_PORT, or unset it so a free port is picked.")
+    return (f"[rank {rank}] could not join the process group at {where} (world size {world_size}) within"
+            f" {timeout.total_seconds():.0f} s: {text.splitlines()[0] if text else type(error).__name__}. Check"
+            " that MASTER_ADDR is reachable from every node, that rank 0 started, and that all ranks use the"
+            " same address and port.")
+
+
+def node_rank_lists(num_nodes: int, procs_per_node: int) -> list[list[int]]:
+    """Global ranks of each node, node-major: node ``n`` holds ``n * P .. n * P + P - 1``.
+
+    This is the layout Lightning's cluster environments and torchrun use
+    (``global_rank = node_rank * procs_per_node + local_rank``).
+
+    Example:
+        >>> node_rank_lists(2, 3)
+        [[0, 1, 2], [3, 4, 5]]
+    """
+    return [list(range(n * procs_per_node, (n + 1) * procs_per_node)) for n in range(num_nodes)]
+
+
+def build_node_groups(num_nodes: int, procs_per_node: int) -> tuple[Any, list[int]]:
+    """Create the intra-node process groups; return this rank's group and the ranks in it.
+
+    A collective: every rank must call it, right after :func:`init_process_group`. With one node the world
+    group is returned (no new group is created).
+
+    Args:
+        num_nodes: number of nodes N.
+        procs_per_node: processes per node P; ``N * P`` must equal the world size.
+
+    Returns:
+        ``(group, ranks)``: the ``ProcessGroup`` of this rank's node and its global ranks.
+
+    Raises:
+        ValueError: ``N * P`` differs from the world size of the initialised group.
+    """
+    world_size = dist.get_world_size()
+    if num_nodes * procs_per_node != world_size:
+        raise ValueError(f"{num_nodes} nodes x {procs_per_node} processes != world size {world_size}.")
+    lists = node_rank_lists(num_nodes, procs_per_node)
+    if num_nodes == 1:
+        return dist.group.WORLD, lists[0]
+    group, _ = dist.new_subgroups_by_enumeration(lists)
+    rank = dist.get_rank()
+    return group, next(ranks for ranks in lists if rank in ranks)
 
 
 def destroy_process_group() -> None:

@@ -152,6 +152,25 @@ def distributed_sampler_for(
                                      seed=seed)
 
 
+def check_dataloader_type(dataloader: object, world_size: int) -> None:
+    """Refuse loaders the strategy cannot shard: every rank would silently see the same data.
+
+    Args:
+        dataloader: what a ``*_dataloader`` hook returned (one loader; Lightning unpacks collections).
+        world_size: W; with W == 1 anything goes.
+
+    Raises:
+        TypeError: ``dataloader`` is not a :class:`~torch.utils.data.DataLoader` and W > 1.
+    """
+    if world_size > 1 and not isinstance(dataloader, DataLoader):
+        raise TypeError(
+            f"MyDDPStrategy got a {type(dataloader).__name__} where a torch.utils.data.DataLoader was expected."
+            f" With {world_size} processes each one needs its own shard of the data, which the strategy can only"
+            " arrange for a DataLoader. Wrap your data in a Dataset and a DataLoader (or, if you shard it yourself"
+            " by rank, in a DataLoader over an IterableDataset)."
+        )
+
+
 def needs_distributed_sampler(dataloader: object) -> bool:
     """Whether :func:`inject_distributed_sampler` would replace ``dataloader``'s sampler.
 

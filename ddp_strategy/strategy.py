@@ -14,6 +14,7 @@ classes say which rank each process is.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Generator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
@@ -28,6 +29,7 @@ from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
@@ -35,7 +37,7 @@ from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from ddp_strategy import _lightning_private as _pl
-from ddp_strategy import checkpoint_io, diagnostics, process_group, sampler, wrapping
+from ddp_strategy import checkpoint_io, diagnostics, failures, launching, process_group, sampler, wrapping
 from ddp_strategy.checkpoint_io import DDPCheckpointIO
 
 log = logging.getLogger(__name__)
@@ -77,12 +79,24 @@ class MyDDPStrategy(ParallelStrategy):
             ``None`` = :func:`default_start_method`.
         seed: shuffle seed of the injected samplers; default ``None`` = ``seed_everything``'s seed, else 0.
             Rank 0's value is broadcast so all ranks agree.
+        init_method: rendezvous URL: ``None``/``"env://"`` (``MASTER_ADDR``/``MASTER_PORT``, a free port
+            on one machine when unset), ``"tcp://host:port"`` or ``"file:///shared/file"``.
+        store: a ready ``torch.distributed.Store`` (e.g. ``FileStore(path, world_size)``, which needs no
+            port); takes precedence over ``init_method``. Only with ``spawn``/``fork``.
+        allow_cpu_oversubscription: allow more CPU processes per node than cores (default False).
+        monitored_barrier_timeout: at the start of each training epoch every rank meets at a gloo
+            ``monitored_barrier`` that names any rank that did not arrive within this time (seconds or
+            ``timedelta``); default ``None`` = ``timeout``.
+        checkpoint_on_sigterm: on SIGTERM (how clusters pre-empt jobs) all ranks stop at the same step and
+            save a checkpoint before exiting: ``True`` writes ``<default_root_dir>/sigterm.ckpt``, a path writes
+            there; resume with ``Trainer.fit(ckpt_path=...)``. Default False.
         **ddp_kwargs: options for :class:`torch.nn.parallel.DistributedDataParallel`
             (``find_unused_parameters``, ``bucket_cap_mb`` in MiB, ``static_graph``, ...);
             ``gradient_as_bucket_view`` defaults to True here.
 
     Raises:
-        ValueError: unknown ``start_method`` or ``process_group_backend``, or a non-positive ``timeout``.
+        ValueError: unknown ``start_method``, ``process_group_backend`` or ``init_method``, or a non-positive
+            ``timeout``; at Trainer construction: ``"nccl"`` on CPU, or more CPU processes than cores.
         TypeError: an unknown DDP option, or a ``timeout`` that is not a number or ``timedelta``.
     """
 
@@ -99,6 +113,11 @@ class MyDDPStrategy(ParallelStrategy):
         timeout: float | timedelta = process_group.DEFAULT_TIMEOUT,
         start_method: StartMethod | None = None,
         seed: int | None = None,
+        init_method: str | None = None,
+        store: dist.Store | None = None,
+        allow_cpu_oversubscription: bool = False,
+        monitored_barrier_timeout: float | timedelta | None = None,
+        checkpoint_on_sigterm: bool | str | os.PathLike = False,
         **ddp_kwargs: Any,
     ) -> None:
         super().__init__(
@@ -115,6 +134,16 @@ class MyDDPStrategy(ParallelStrategy):
         self._timeout = process_group.as_timedelta(timeout)
         self._start_method: StartMethod = start_method or default_start_method()
         self._seed = seed
+        process_group.validate_init_method(init_method)
+        self._init_method = init_method
+        self._store = store
+        self._allow_cpu_oversubscription = allow_cpu_oversubscription
+        self._barrier_timeout = process_group.as_timedelta(monitored_barrier_timeout or self._timeout)
+        self._checkpoint_on_sigterm = checkpoint_on_sigterm
+        self._rendezvous_store: dist.Store | None = None
+        self._barrier_group: Any = None
+        self._node_group: Any = None
+        self._node_ranks: list[int] = []
         self._ddp_kwargs = wrapping.validate_ddp_kwargs(ddp_kwargs)
         self._num_nodes = 1
         self._sampler_seed = sampler.shared_seed(seed)
@@ -154,6 +183,16 @@ class MyDDPStrategy(ParallelStrategy):
         return self._process_group_backend
 
     @property
+    def node_group(self) -> Any:
+        """The intra-node process group of this rank (the world group on one node); None before setup."""
+        return self._node_group
+
+    @property
+    def node_ranks(self) -> list[int]:
+        """Global ranks on this rank's node, e.g. ``[2, 3]`` for node 1 of 2 with 2 devices each."""
+        return list(self._node_ranks)
+
+    @property
     def start_method(self) -> StartMethod:
         """How processes are started: ``"popen"``, ``"spawn"``, ``"fork"`` or ``"forkserver"``."""
         return self._start_method
@@ -186,22 +225,27 @@ class MyDDPStrategy(ParallelStrategy):
     # ------------------------------------------------------------------------- 1. launch + process group
     @override
     def _configure_launcher(self) -> None:
-        assert self.cluster_environment is not None
+        # Runs in Trainer(...), before any process starts: refuse impossible set-ups here, not in a child.
+        assert self.cluster_environment is not None and self.parallel_devices
+        process_group.resolve_backend(self.parallel_devices[0], self._process_group_backend)
+        if self.parallel_devices[0].type == "cpu" and not self.cluster_environment.creates_processes_externally:
+            launching.check_cpu_processes(self.num_processes, self._allow_cpu_oversubscription)
         if self._start_method == "popen":
             self._launcher = _pl.SubprocessScriptLauncher(self.cluster_environment, self.num_processes,
                                                           self.num_nodes)
         else:
-            self._launcher = _pl.MultiProcessingLauncher(self, start_method=self._start_method)
+            self._launcher = launching.CheckedMultiProcessingLauncher(self, start_method=self._start_method)
 
     @override
     def setup_environment(self) -> None:
         """Set the device up, then join the process group (every rank, before any model code runs)."""
-        super().setup_environment()
         reset_seed()
         self.set_world_ranks()
         assert self.cluster_environment is not None
+        launching.check_external_world(self.cluster_environment, self.num_nodes, self.num_processes)
+        super().setup_environment()
         backend = process_group.resolve_backend(self.root_device, self._process_group_backend)
-        process_group.init_process_group(
+        self._rendezvous_store = process_group.init_process_group(
             backend,
             rank=self.global_rank,
             world_size=self.world_size,
@@ -209,8 +253,14 @@ class MyDDPStrategy(ParallelStrategy):
             main_port=self.cluster_environment.main_port,
             timeout=self._timeout,
             device=self.root_device,
+            init_method=self._init_method,
+            store=self._store,
         )
         self._process_group_backend = backend
+        self._node_group, self._node_ranks = process_group.build_node_groups(self.num_nodes, self.num_processes)
+        failures.register_rank(self._rendezvous_store, self.global_rank)
+        # monitored_barrier is gloo-only: NCCL jobs get a small gloo side group for it.
+        self._barrier_group = None if backend == "gloo" else dist.new_group(backend="gloo")
         rank_zero_info(f"MyDDPStrategy: {self.world_size} processes, backend={backend},"
                        f" start_method={self._start_method}")
 
@@ -230,11 +280,31 @@ class MyDDPStrategy(ParallelStrategy):
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         if fitting:
+            if not any(isinstance(cb, failures.EpochBoundaryCheck) for cb in trainer.callbacks):
+                trainer.callbacks.append(failures.EpochBoundaryCheck(self._check_epoch_start))
+            wrapping.check_trainable(self.model)
+            self._check_checkpoint_dirs(trainer)
             self.model = wrapping.wrap_module(self.model, self.root_device, self._ddp_kwargs)
             self.setup_optimizers(trainer)
         else:
             wrapping.broadcast_module_states(self.model)
         self.setup_precision_plugin()
+
+    def _check_checkpoint_dirs(self, trainer: Trainer) -> None:
+        """Before the first step: can rank 0 write to every ``ModelCheckpoint`` folder? Raise on every rank if not.
+
+        Only rank 0 writes checkpoints, so it checks and broadcasts what it found (a collective).
+
+        Raises:
+            PermissionError: a checkpoint folder cannot be created or written; the message names it.
+        """
+        problem = None
+        if self.is_global_zero:
+            problem = checkpoint_io.unwritable_reason([cb.dirpath for cb in trainer.checkpoint_callbacks
+                                                       if getattr(cb, "dirpath", None)])
+        problem = self.broadcast(problem)
+        if problem:
+            raise PermissionError(f"[rank {self.global_rank}] {problem}")
 
     @override
     def model_to_device(self) -> None:
@@ -271,6 +341,7 @@ class MyDDPStrategy(ParallelStrategy):
         trainer = self._trainer
         if trainer is None or trainer.state.fn == TrainerFn.PREDICTING:
             return dataloader
+        sampler.check_dataloader_type(dataloader, self.world_size)
         return sampler.inject_distributed_sampler(
             dataloader,
             num_replicas=self.world_size,
@@ -414,13 +485,71 @@ class MyDDPStrategy(ParallelStrategy):
         if record is not None and isinstance(self.model, DistributedDataParallel):
             diagnostics.on_fit_end(record, self.model, self.root_device)
 
+    # ---------------------------------------------------------------------------------------- failures
+    def _check_epoch_start(self, trainer: Trainer) -> None:
+        """At each training epoch's start: a monitored barrier, then agree on the number of batches.
+
+        Two small collectives per epoch, run by :class:`~ddp_strategy.failures.EpochBoundaryCheck` on every
+        rank. A rank that stalled since the last epoch is named by the barrier; ranks with different batch
+        counts would pair DDP's all-reduces wrongly and hang mid-epoch, so they fail here, on every rank,
+        with the counts.
+
+        Raises:
+            RuntimeError: a rank did not reach the barrier in ``monitored_barrier_timeout``.
+            ValueError: ranks have different numbers of training batches this epoch.
+        """
+        if self.world_size == 1:
+            return
+        epoch = trainer.current_epoch
+        failures.monitored_barrier(self._barrier_group, self._barrier_timeout, f"the start of training epoch {epoch}",
+                                   self.global_rank)
+        batches = trainer.num_training_batches
+        counts: list[Any] = [None] * self.world_size
+        dist.all_gather_object(counts, int(batches) if batches != float("inf") else -1, group=self._barrier_group)
+        if len(set(counts)) > 1:
+            raise ValueError(
+                f"[rank {self.global_rank}] ranks have different numbers of training batches in epoch {epoch}:"
+                f" {dict(enumerate(counts))}. DDP needs every rank to take the same number of steps. Let"
+                " MyDDPStrategy shard the data (a map-style data set in a DataLoader), or make your own sampler"
+                " give every rank the same number of batches (e.g. drop_last=True)."
+            )
+
     @override
     def on_exception(self, exception: BaseException) -> None:
-        """Remove the diagnostics' gradient hooks when fit fails (no collective: other ranks may be gone)."""
+        """Say which rank failed and why; save a checkpoint on SIGTERM if asked; stop local ranks promptly.
+
+        Runs on each rank that sees an exception. A rank whose own code raised publishes a summary and logs
+        its traceback; a rank whose collective broke adds to its message which peer failed (or vanished) or,
+        for a timeout, the likely causes. Then the launching process stops the ranks it started, so none is
+        left waiting in a collective. The diagnostics' gradient hooks are removed first (no collective:
+        other ranks may be gone).
+        """
         super().on_exception(exception)
         record, self._fit_record = self._fit_record, None
         if record is not None:
             record.tracker.close()
+        grace_s = 5.0
+        if isinstance(exception, SIGTERMException) and self._checkpoint_on_sigterm and self._trainer is not None:
+            path = self._sigterm_checkpoint_path()
+            rank_zero_info(f"SIGTERM: saving a checkpoint to {path} before exiting; resume with fit(ckpt_path=...)")
+            self._trainer.save_checkpoint(path)
+            grace_s = 30.0  # the other ranks are exiting by themselves after the same save
+        elif isinstance(exception, (KeyboardInterrupt, SIGTERMException)):
+            pass
+        elif failures.is_collective_error(exception):
+            peers = failures.describe_peers(self._rendezvous_store, self.global_rank, self.world_size)
+            failures.augment_message(exception, failures.explain(exception, self.global_rank, peers, self._timeout))
+        else:
+            failures.report_failure(self._rendezvous_store, self.global_rank, exception)
+        launcher = self._launcher
+        if isinstance(launcher, _pl.SubprocessScriptLauncher) and launcher.procs:
+            failures.stop_processes(launcher.procs, grace_s=grace_s)
+
+    def _sigterm_checkpoint_path(self) -> str:
+        if isinstance(self._checkpoint_on_sigterm, (str, os.PathLike)):
+            return os.fspath(self._checkpoint_on_sigterm)
+        assert self._trainer is not None
+        return os.path.join(self._trainer.default_root_dir, "sigterm.ckpt")
 
     # --------------------------------------------------------------------------------------- teardown
     @override
@@ -435,7 +564,11 @@ class MyDDPStrategy(ParallelStrategy):
             self.model = self._layer_sync.revert(self.model)
         if self._trainer is not None:
             _pl.set_lightning_sampler_injection(self._trainer, enabled=True)
+            self._trainer.callbacks[:] = [cb for cb in self._trainer.callbacks
+                                          if not isinstance(cb, failures.EpochBoundaryCheck)]
         super().teardown()
+        self._node_group, self._node_ranks = None, []
+        self._barrier_group = self._rendezvous_store = None
         process_group.destroy_process_group()
 
     @classmethod

@@ -54,6 +54,22 @@ def validate_ddp_kwargs(ddp_kwargs: dict[str, Any]) -> dict[str, Any]:
     return {**DDP_DEFAULTS, **ddp_kwargs}
 
 
+def check_trainable(module: nn.Module) -> None:
+    """Refuse a module with no parameter that requires a gradient: there is nothing for DDP to synchronise.
+
+    Every rank holds the same module, so every rank raises, before DDP's own less helpful error.
+
+    Raises:
+        ValueError: no parameter has ``requires_grad=True``.
+    """
+    if not any(p.requires_grad for p in module.parameters()):
+        raise ValueError(
+            f"{type(module).__name__} has no parameters that require a gradient, so there is nothing to train or"
+            " to all-reduce. Unfreeze some parameters (requires_grad=True), or use trainer.validate/test/predict,"
+            " which do not wrap the model."
+        )
+
+
 def ddp_device_ids(device: torch.device) -> list[int] | None:
     """``device_ids`` for DDP: ``[index]`` for a CUDA device, ``None`` for CPU (as DDP requires)."""
     return [device.index if device.index is not None else 0] if device.type == "cuda" else None

@@ -1,0 +1,233 @@
+"""When a rank fails: say which rank and why, on every rank, and end the job promptly.
+
+A DDP job is only as alive as its slowest rank. When one rank raises, is killed or stalls, the others wait
+in their next collective until the process-group timeout, and the error they finally print ("Connection
+closed by peer", "Timed out") does not say which rank failed or why. This module keeps a little state in
+the rendezvous store that every rank already shares:
+
+* at start-up each rank writes its host and pid (``ddp_strategy/pid/<rank>``);
+* a rank whose own code raised writes a one-line summary of its exception (``ddp_strategy/failed/<rank>``)
+  before it exits, and logs ``[rank N] failed`` with its traceback;
+* a rank whose collective broke reads those keys, checks which peer processes on its host are gone, and
+  adds that to its error message.
+
+Everything here is best-effort and bounded by short store timeouts: it runs while the job is failing.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import time
+import traceback
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+from lightning.pytorch import Callback
+
+log = logging.getLogger(__name__)
+
+_PID_KEY = "ddp_strategy/pid/{rank}"
+_FAILED_KEY = "ddp_strategy/failed/{rank}"
+#: How long a store operation may take while handling a failure (seconds).
+STORE_TIMEOUT_S = 2.0
+#: Substrings of collective errors that mean a peer is gone or did not answer (gloo, NCCL, c10d).
+_PEER_ERROR_MARKERS = ("connection closed by peer", "connection reset by peer", "broken pipe", "timed out",
+                       "timeout", "nccl", "gloo", "distbackenderror", "monitoredbarrier", "socket")
+_TIMEOUT_MARKERS = ("timed out", "timeout")
+
+
+def register_rank(store: dist.Store | None, rank: int) -> None:
+    """Record this rank's host and pid in the store (every rank, once, after the rendezvous)."""
+    if store is not None:
+        store.set(_PID_KEY.format(rank=rank), f"{socket.gethostname()}:{os.getpid()}")
+
+
+def is_collective_error(exception: BaseException) -> bool:
+    """Whether ``exception`` looks like a broken or timed-out collective rather than this rank's own bug."""
+    if isinstance(exception, getattr(dist, "DistError", ())):
+        return True
+    text = f"{type(exception).__name__}: {exception}".lower()
+    return isinstance(exception, RuntimeError) and any(m in text for m in _PEER_ERROR_MARKERS)
+
+
+def is_timeout(exception: BaseException) -> bool:
+    """Whether ``exception`` is a collective that timed out."""
+    return any(m in str(exception).lower() for m in _TIMEOUT_MARKERS)
+
+
+def summarize(exception: BaseException) -> str:
+    """``Type: message (file:line in function)`` for the innermost frame of ``exception``."""
+    frames = traceback.extract_tb(exception.__traceback__)
+    where = f" ({frames[-1].filename}:{frames[-1].lineno} in {frames[-1].name})" if frames else ""
+    first_line = str(exception).splitlines()[0] if str(exception) else ""
+    return f"{type(exception).__name__}: {first_line}{where}"
+
+
+def report_failure(store: dist.Store | None, rank: int, exception: BaseException) -> None:
+    """Publish that this rank's own code failed, and log it with the traceback (best-effort, bounded)."""
+    log.error("[rank %d] failed: %s", rank, summarize(exception),
+              exc_info=(type(exception), exception, exception.__traceback__))
+    if store is None:
+        return
+    try:
+        store.set_timeout(timedelta(seconds=STORE_TIMEOUT_S))
+        store.set(_FAILED_KEY.format(rank=rank), summarize(exception))
+    except Exception as e:  # the store may live in a process that is already gone
+        log.debug("[rank %d] could not publish the failure: %s", rank, e)
+
+
+def _process_gone(pid: int) -> bool:
+    """True when ``pid`` does not exist or is a zombie (exited, not yet reaped)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+        return stat[stat.rindex(")") + 2] in "ZX"
+    except (FileNotFoundError, ProcessLookupError):
+        return True
+    except OSError:
+        try:
+            os.kill(pid, 0)
+            return False
+        except ProcessLookupError:
+            return True
+        except PermissionError:
+            return False
+
+
+def describe_peers(store: dist.Store | None, rank: int, world_size: int) -> str:
+    """Explain which other ranks failed or disappeared, from the store and this host's process table.
+
+    Args:
+        store: the rendezvous store (``None`` gives an empty answer).
+        rank: this rank, left out of the answer.
+        world_size: number of ranks.
+
+    Returns:
+        One sentence per rank that reported a failure or whose process on this host is gone, e.g.
+        ``"rank 1 failed: ZeroDivisionError: division by zero (train.py:12 in training_step)"`` or
+        ``"rank 1 (pid 4242) is no longer running: it was killed or crashed without a Python exception"``;
+        ``""`` when nothing is known.
+    """
+    if store is None:
+        return ""
+    host = socket.gethostname()
+    found: list[str] = []
+    try:
+        store.set_timeout(timedelta(seconds=STORE_TIMEOUT_S))
+        for peer in range(world_size):
+            if peer == rank:
+                continue
+            failed_key = _FAILED_KEY.format(rank=peer)
+            if store.check([failed_key]):
+                found.append(f"rank {peer} failed: {store.get(failed_key).decode()}")
+                continue
+            pid_key = _PID_KEY.format(rank=peer)
+            if store.check([pid_key]):
+                peer_host, pid = store.get(pid_key).decode().rsplit(":", 1)
+                if peer_host == host and _process_gone(int(pid)):
+                    found.append(f"rank {peer} (pid {pid}) is no longer running: it was killed or crashed without"
+                                 " a Python exception")
+    except Exception as e:  # the store's server (rank 0) may be gone too
+        log.debug("[rank %d] could not read peer status: %s", rank, e)
+        if rank != 0:
+            found.append("rank 0, which holds the rendezvous store, is not answering: it probably failed first")
+    return "; ".join(found)
+
+
+def explain(exception: BaseException, rank: int, peers: str, timeout: timedelta) -> str:
+    """The sentence added to a collective error: which peers failed, or the likely causes of a timeout."""
+    parts = [f"[rank {rank}] a collective failed because another rank did not take part."]
+    if peers:
+        parts.append(f"Cause: {peers}. Its own traceback is printed above this one.")
+    elif is_timeout(exception):
+        parts.append(
+            f"No rank reported an error, and the collective timed out after {timeout.total_seconds():.0f} s: a"
+            " rank is stalled (an endless loop, a deadlocked DataLoader worker, slow storage), or ranks called"
+            " collectives in a different order or number (self.log(..., sync_dist=True) on some ranks only, an"
+            " all_gather in a branch, uneven data with use_distributed_sampler=False). Set"
+            " TORCH_DISTRIBUTED_DEBUG=DETAIL to have PyTorch check that collectives match."
+        )
+    else:
+        parts.append("No rank reported an error: a peer process probably exited or lost its connection.")
+    return " ".join(parts)
+
+
+def augment_message(exception: BaseException, extra: str) -> None:
+    """Append ``extra`` to ``exception``'s message, in place (the same object keeps propagating)."""
+    if exception.args and isinstance(exception.args[0], str):
+        exception.args = (f"{exception.args[0]}\n{extra}", *exception.args[1:])
+    else:
+        exception.args = (*exception.args, extra)
+
+
+def stop_processes(procs: list[Any], grace_s: float = 5.0) -> None:
+    """Wait up to ``grace_s`` seconds for child processes to exit, then SIGKILL the rest and reap them.
+
+    Args:
+        procs: ``subprocess.Popen`` or ``multiprocessing.Process`` objects (the launcher's ranks).
+        grace_s: seconds to let them exit by themselves (they usually notice the failure at once).
+    """
+    deadline = time.monotonic() + grace_s
+    for proc in procs:
+        while _alive(proc) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    for proc in procs:
+        if _alive(proc):
+            log.warning("stopping rank process %s, which did not exit after a failure", proc.pid)
+            os.kill(proc.pid, signal.SIGKILL)
+        _reap(proc)
+
+
+def _alive(proc: Any) -> bool:
+    return proc.poll() is None if hasattr(proc, "poll") else proc.is_alive()
+
+
+def _reap(proc: Any) -> None:
+    try:
+        proc.wait(timeout=10) if hasattr(proc, "poll") else proc.join(timeout=10)
+    except Exception as e:  # a process that will not die is reported, not waited on forever
+        log.warning("rank process %s could not be reaped: %s", proc.pid, e)
+
+
+def monitored_barrier(group: Any, timeout: timedelta, where: str, rank: int) -> None:
+    """A barrier that names the ranks that did not arrive (gloo's ``monitored_barrier``).
+
+    A collective: every rank must call it. Rank 0 waits up to ``timeout`` for every other rank and then
+    raises, naming all missing ranks (``wait_all_ranks=True``).
+
+    Args:
+        group: a gloo process group (``None`` = the world group, which must then be gloo).
+        timeout: how long rank 0 waits.
+        where: what the barrier marks, for the message, e.g. ``"the start of epoch 3"``.
+        rank: this rank, for the message.
+
+    Raises:
+        RuntimeError: a rank did not arrive in time; the message names it and the likely causes.
+    """
+    try:
+        dist.monitored_barrier(group=group, timeout=timeout, wait_all_ranks=True)
+    except RuntimeError as e:
+        raise RuntimeError(
+            f"[rank {rank}] not every rank reached {where} within {timeout.total_seconds():.0f} s: {e}. That rank"
+            " is stalled (an endless loop, a deadlocked DataLoader worker, slow storage) or has died."
+        ) from e
+
+
+class EpochBoundaryCheck(Callback):
+    """Runs ``check(trainer)`` in ``on_train_epoch_start``, on every rank, before the epoch's first collective.
+
+    Lightning's training loop broadcasts a SIGTERM flag before every batch, so a check placed at the first
+    batch would come too late to name a rank that stalled between epochs. Callback ``on_train_epoch_start``
+    hooks run on every rank at the same point, before the data iterator is created. The strategy adds this
+    callback while fitting and removes it at teardown.
+    """
+
+    def __init__(self, check: Any) -> None:
+        self.check = check
+
+    def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
+        self.check(trainer)

@@ -1,0 +1,139 @@
+"""Launch checks: how many processes fit, whether an external launcher agrees, and what spawn can pickle.
+
+Starting processes is Lightning's job (its launchers) and so is discovering the cluster (its
+``ClusterEnvironment`` classes: torchrun/torch elastic, SLURM, LSF, MPI, Kubeflow). This module only
+checks, before anything starts, that the request makes sense, and turns the usual failures into messages.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+from typing import Any
+
+import torch
+from lightning.fabric.plugins import ClusterEnvironment
+
+from ddp_strategy import _lightning_private as _pl
+from ddp_strategy import failures
+
+
+def available_cpus() -> int:
+    """CPU cores this process may run on (its affinity mask), at least 1."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not on Linux
+        return max(1, os.cpu_count() or 1)
+
+
+def check_cpu_processes(num_processes: int, allow_oversubscription: bool = False) -> None:
+    """Refuse more CPU processes per node than cores, unless explicitly allowed.
+
+    Each DDP process on CPU runs its own forward and backward; with fewer cores than processes they
+    time-share and training is slower than with fewer processes.
+
+    Args:
+        num_processes: processes on this node (``Trainer(devices=...)``).
+        allow_oversubscription: accept ``num_processes`` greater than the core count (e.g. for tests).
+
+    Raises:
+        ValueError: ``num_processes`` exceeds the cores and oversubscription is not allowed.
+    """
+    cores = available_cpus()
+    if num_processes > cores and not allow_oversubscription:
+        raise ValueError(
+            f"Trainer(devices={num_processes}) on CPU starts {num_processes} processes, but only {cores} CPU"
+            f" cores are available to this process. Pass devices={cores} or fewer, or"
+            " MyDDPStrategy(allow_cpu_oversubscription=True) if you really want more processes than cores."
+        )
+
+
+def check_external_world(env: ClusterEnvironment, num_nodes: int, num_processes: int) -> None:
+    """Check that an external launcher (torchrun, SLURM, ...) started the world the Trainer expects.
+
+    Called on every rank before joining the process group, so a mismatch fails fast on every rank instead
+    of waiting for ranks that will never come.
+
+    Args:
+        env: the cluster environment Lightning chose.
+        num_nodes: ``Trainer(num_nodes=...)``.
+        num_processes: ``Trainer(devices=...)``: processes per node.
+
+    Raises:
+        ValueError: the environment's world size is not ``num_nodes * num_processes``, or its global rank
+            is outside ``[0, world size)``, or its local rank outside ``[0, num_processes)``.
+    """
+    if not env.creates_processes_externally:
+        return
+    name = type(env).__name__
+    world, rank, local = env.world_size(), env.global_rank(), env.local_rank()
+    if world != num_nodes * num_processes:
+        raise ValueError(
+            f"[rank {rank}] {name} reports WORLD_SIZE={world}, but Trainer(num_nodes={num_nodes},"
+            f" devices={num_processes}) expects {num_nodes * num_processes} processes. Make num_nodes x devices"
+            f" equal the launcher's world size (for torchrun: --nnodes x --nproc-per-node)."
+        )
+    if not 0 <= rank < world:
+        raise ValueError(f"{name} reports RANK={rank}, outside [0, WORLD_SIZE={world}). Check the launcher's"
+                         " RANK and WORLD_SIZE variables.")
+    if not 0 <= local < num_processes:
+        raise ValueError(f"[rank {rank}] {name} reports LOCAL_RANK={local}, but Trainer(devices={num_processes})"
+                         " has only that many processes per node. Check --nproc-per-node and devices.")
+
+
+def check_fork_safe(start_method: str, device_type: str) -> None:
+    """Refuse to ``fork`` a parent that has initialised CUDA when the ranks will use CUDA.
+
+    A forked child inherits the parent's CUDA state and cannot re-initialise it ("Cannot re-initialize
+    CUDA in forked subprocess", PyTorch's multiprocessing notes). Lightning's own check only fires inside
+    an already-bad child, so this one runs in the parent, before forking.
+
+    Args:
+        start_method: the launcher's start method.
+        device_type: ``"cuda"``, ``"cpu"``, ...
+
+    Raises:
+        RuntimeError: ``start_method="fork"``, CUDA devices, and CUDA already initialised here.
+    """
+    if start_method == "fork" and device_type == "cuda" and torch.cuda.is_initialized():
+        raise RuntimeError(
+            "start_method='fork' cannot start CUDA ranks: CUDA is already initialised in this process (a"
+            " tensor or model was moved to the GPU, or torch.cuda was queried for memory, before fit). Restart"
+            " the kernel and keep CUDA work inside the LightningModule, or use start_method='spawn' or 'popen'"
+            " (run a script)."
+        )
+
+
+class CheckedMultiProcessingLauncher(_pl.MultiProcessingLauncher):
+    """Lightning's ``spawn``/``fork``/``forkserver`` launcher, with a plain error when pickling fails.
+
+    ``spawn`` and ``forkserver`` send the model, data module and trainer to each new process by pickling
+    them; a class defined inside a function or a notebook cell, a lambda or an open file cannot be
+    pickled, and the error deep in ``multiprocessing`` does not say what to do.
+    """
+
+    def launch(self, function: Any, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
+        """Check picklability (``spawn``, ``forkserver``), then launch as Lightning does.
+
+        Raises:
+            RuntimeError: the arguments cannot be pickled, or CUDA would be forked (:func:`check_fork_safe`).
+        """
+        check_fork_safe(self._start_method, self._strategy.root_device.type)
+        if self._start_method in ("spawn", "forkserver"):
+            for obj in (*args, *kwargs.values()):
+                try:
+                    pickle.dumps(obj)
+                except Exception as e:  # pickling raises many types: PicklingError, AttributeError, TypeError
+                    raise RuntimeError(
+                        f"start_method={self._start_method!r} must pickle {type(obj).__name__} to send it to each"
+                        f" process, but it cannot be pickled: {e}. Define your classes and functions at module"
+                        " level (not inside a function or notebook cell) and avoid lambdas, or use"
+                        " start_method='popen' (running a script) or 'fork' (Linux, notebooks)."
+                    ) from e
+        try:
+            return super().launch(function, *args, trainer=trainer, **kwargs)
+        except BaseException:
+            # torch.multiprocessing leaves the other ranks running when the parent is interrupted
+            # (Ctrl-C) or a rank fails: stop them, so no orphan keeps training or waits in a collective.
+            failures.stop_processes(self.procs, grace_s=3.0)
+            raise

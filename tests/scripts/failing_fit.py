@@ -1,0 +1,87 @@
+"""A short 2-process fit that goes wrong on purpose, for tests/test_failures.py.
+
+Usage: python failing_fit.py OUT_DIR SCENARIO START_METHOD [CKPT_PATH]
+
+Each rank writes OUT_DIR/started_rank{r} when training starts and OUT_DIR/failing_at when it triggers the
+failure (a time.time() stamp), so the test can measure how long the job takes to end.
+"""
+
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader, DistributedSampler
+
+from ddp_strategy import DigitsClassifier, DigitsDataModule, MyDDPStrategy
+
+OUT, SCENARIO, START_METHOD = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
+CKPT = sys.argv[4] if len(sys.argv) > 4 else None
+FAIL_STEP = 3
+
+
+def mark_failing() -> None:
+    (OUT / "failing_at").write_text(str(time.time()))
+
+
+class Model(DigitsClassifier):
+    def training_step(self, batch, batch_idx):
+        if SCENARIO == "train_raise" and self.global_rank == 1 and self.global_step == FAIL_STEP:
+            mark_failing()
+            raise ZeroDivisionError("rank 1 divided by zero on purpose")
+        if SCENARIO == "sigkill" and self.global_rank == 1 and self.global_step == FAIL_STEP:
+            mark_failing()
+            os.kill(os.getpid(), signal.SIGKILL)
+        if SCENARIO == "skip_log" and not (self.global_rank == 1 and self.global_step == FAIL_STEP):
+            self.log("synced", torch.tensor(1.0), on_step=True, sync_dist=True)
+        elif SCENARIO == "skip_log":
+            mark_failing()
+        if SCENARIO in ("sigterm", "sigint"):
+            time.sleep(0.2)  # slow enough for the test to send the signal mid-training
+        return super().training_step(batch, batch_idx)
+
+    def validation_step(self, batch, batch_idx):
+        if SCENARIO == "val_raise" and self.global_rank == 0:
+            mark_failing()
+            raise KeyError("rank 0 lost a key in validation on purpose")
+        return super().validation_step(batch, batch_idx)
+
+
+class Events(L.Callback):
+    def on_train_start(self, trainer, pl_module):
+        (OUT / f"started_rank{trainer.global_rank}").write_text(str(os.getpid()))
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if SCENARIO == "callback_raise" and trainer.global_rank == 1 and trainer.global_step == FAIL_STEP:
+            mark_failing()
+            raise ValueError("a callback on rank 1 failed on purpose")
+
+    def on_train_epoch_start(self, trainer, pl_module):
+        if SCENARIO == "stall" and trainer.global_rank == 1 and trainer.current_epoch == 1:
+            mark_failing()
+            time.sleep(3600)
+
+
+class UnevenData(DigitsDataModule):
+    def train_dataloader(self):
+        # The user's own sampler (respected by the strategy), with rank 1 given less data than rank 0.
+        subset = torch.utils.data.Subset(self.train_set, range(200 if self.trainer.global_rank == 0 else 100))
+        mark_failing()
+        return DataLoader(subset, batch_size=32, sampler=DistributedSampler(subset, num_replicas=1, rank=0))
+
+
+if __name__ == "__main__":
+    L.seed_everything(3)
+    timeout = 10 if SCENARIO == "skip_log" else 60
+    strategy = MyDDPStrategy(start_method=START_METHOD, timeout=timeout, monitored_barrier_timeout=5,
+                             checkpoint_on_sigterm=str(OUT / "sigterm.ckpt"))
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_epochs=3, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        callbacks=[Events()], default_root_dir=str(OUT))
+    data = UnevenData() if SCENARIO == "uneven" else DigitsDataModule()
+    trainer.fit(Model(), data, ckpt_path=CKPT)
+    if trainer.global_rank == 0:
+        (OUT / "finished").write_text(str(trainer.global_step))

@@ -1,0 +1,38 @@
+"""A short 2-process fit with the default (popen) start method, then a normal interpreter exit.
+
+Usage: python fit_once.py OUT_DIR [extra: torchrun]. Under torchrun it joins as one of 2 nodes instead of
+launching. Each rank writes what it saw to OUT_DIR/rank{global_rank}.pt.
+"""
+
+import sys
+from pathlib import Path
+
+import lightning as L
+import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+
+from ddp_strategy import DigitsClassifier, DigitsDataModule, MyDDPStrategy
+
+
+class Record(L.Callback):
+    def on_train_start(self, trainer, pl_module):
+        s = trainer.strategy
+        self.seen = {"world_size": s.world_size, "global_rank": s.global_rank, "node_rank": s.node_rank,
+                     "local_rank": s.local_rank, "node_ranks": s.node_ranks,
+                     "env": type(s.cluster_environment).__name__,
+                     "rank_zero_only": rank_zero_only.rank, "backend": s.process_group_backend,
+                     "node_group_size": torch.distributed.get_world_size(s.node_group)}
+
+
+if __name__ == "__main__":
+    out, mode = Path(sys.argv[1]), sys.argv[2] if len(sys.argv) > 2 else "local"
+    L.seed_everything(7)
+    topology = {"devices": 1, "num_nodes": 2} if mode == "torchrun" else {"devices": 2}
+    record = Record()
+    trainer = L.Trainer(accelerator="cpu", strategy=MyDDPStrategy(timeout=60), logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        max_steps=5 if mode == "torchrun" else 2, limit_val_batches=2, callbacks=[record],
+                        **topology)
+    model = DigitsClassifier()
+    trainer.fit(model, DigitsDataModule())
+    torch.save({**record.seen, "final": model.state_dict()}, out / f"rank{trainer.global_rank}.pt")

@@ -1,0 +1,199 @@
+"""When a rank fails: every scenario ends promptly, names the rank, and leaves no process behind.
+
+Each test runs tests/scripts/failing_fit.py (a 2-process fit that fails on purpose) in its own session and
+measures from the moment the failure is triggered to the moment the launcher exits.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from ddp_strategy import DigitsClassifier, DigitsDataModule, MyDDPStrategy
+
+SCRIPT = Path(__file__).parent / "scripts" / "failing_fit.py"
+pytestmark = [pytest.mark.multiprocess]
+
+
+def _session_members(sid: int) -> list[int]:
+    """Live processes whose session id is ``sid`` (everything a launched job started)."""
+    members = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            fields = stat[stat.rindex(")") + 2:].split()
+            if int(fields[3]) == sid and fields[0] not in "ZX":
+                members.append(int(entry.name))
+    return members
+
+
+class Job:
+    """failing_fit.py running in its own session, with helpers to wait, signal and check for orphans."""
+
+    def __init__(self, out: Path, scenario: str, start_method: str = "popen", ckpt: str | None = None) -> None:
+        out.mkdir(parents=True, exist_ok=True)
+        self.out = out
+        args = [sys.executable, str(SCRIPT), str(out), scenario, start_method] + ([ckpt] if ckpt else [])
+        self.proc = subprocess.Popen(args, cwd=out, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     start_new_session=True)
+
+    def wait_for(self, name: str, timeout: float = 180) -> None:
+        deadline = time.monotonic() + timeout
+        while not (self.out / name).exists():
+            assert self.proc.poll() is None, f"job ended before {name}:\n{self.proc.communicate()[0][-4000:]}"
+            assert time.monotonic() < deadline, f"{name} did not appear in {timeout} s"
+            time.sleep(0.1)
+
+    def finish(self, timeout: float = 240) -> tuple[int, str, float]:
+        """Wait for the launcher; return its exit code, its output, and seconds since the failure was triggered."""
+        try:
+            out, _ = self.proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            out, _ = self.proc.communicate()
+            raise AssertionError(f"job did not end in {timeout} s:\n{out[-4000:]}") from None
+        ended = time.time()
+        failing = self.out / "failing_at"
+        since_failure = ended - float(failing.read_text()) if failing.exists() else float("nan")
+        deadline = time.monotonic() + 10
+        while (left := _session_members(self.proc.pid)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        if left:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        assert not left, f"processes of the job outlived it: {left}"
+        return self.proc.returncode, out, since_failure
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(
+    ("scenario", "start_method", "own", "seen_by_peer"),
+    [
+        ("train_raise", "popen", "[rank 1] failed: ZeroDivisionError: rank 1 divided by zero on purpose",
+         "Cause: rank 1 failed: ZeroDivisionError: rank 1 divided by zero on purpose"),
+        ("train_raise", "spawn", "-- Process 1 terminated with the following error",
+         "ZeroDivisionError: rank 1 divided by zero on purpose"),
+        ("val_raise", "popen", "[rank 0] failed: KeyError: 'rank 0 lost a key in validation on purpose'", None),
+        ("callback_raise", "popen", "[rank 1] failed: ValueError: a callback on rank 1 failed on purpose",
+         "Cause: rank 1 failed: ValueError: a callback on rank 1 failed on purpose"),
+    ],
+)
+def test_an_exception_on_one_rank_ends_every_rank_within_30_s(tmp_path, scenario, start_method, own, seen_by_peer):
+    """A rank that raises (training_step, validation_step, a callback) ends the job quickly, non-zero, named."""
+    code, out, seconds = Job(tmp_path, scenario, start_method).finish()
+    assert code != 0
+    assert seconds < 30, f"took {seconds:.1f} s after the failure"
+    assert own in out and "Traceback" in out
+    if seen_by_peer:
+        assert seen_by_peer in out
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("start_method", ["popen", "spawn"])
+def test_a_killed_rank_is_named_and_the_others_exit_within_60_s(tmp_path, start_method):
+    """SIGKILL of rank 1 mid-epoch: the others notice at once and the error names the lost rank."""
+    code, out, seconds = Job(tmp_path, "sigkill", start_method).finish()
+    assert code != 0 and seconds < 60, f"exit {code} after {seconds:.1f} s"
+    expected = "rank 1 (pid" if start_method == "popen" else "process 1 terminated with signal SIGKILL"
+    assert expected in out and ("is no longer running" in out or start_method == "spawn")
+
+
+@pytest.mark.timeout(300)
+def test_a_stalled_rank_is_named_by_the_epoch_barrier(tmp_path):
+    """A rank that hangs before its next epoch is named by the monitored barrier after 5 s, not 30 minutes."""
+    code, out, seconds = Job(tmp_path, "stall").finish()
+    assert code != 0 and seconds < 60, f"exit {code} after {seconds:.1f} s"
+    assert "[rank 0] not every rank reached the start of training epoch 1 within 5 s" in out
+    assert "Rank 1 failed to pass monitoredBarrier" in out or "Ranks 1 failed to pass monitoredBarrier" in out
+
+
+@pytest.mark.timeout(300)
+def test_uneven_batch_counts_are_reported_instead_of_deadlocking(tmp_path):
+    """Ranks whose own samplers give different batch counts fail on every rank with the counts, not a hang."""
+    code, out, seconds = Job(tmp_path, "uneven").finish()
+    assert code != 0 and seconds < 60
+    assert "ranks have different numbers of training batches in epoch 0: {0: 7, 1: 4}" in out
+
+
+@pytest.mark.timeout(300)
+def test_collectives_out_of_step_fail_within_the_timeout_with_the_likely_cause(tmp_path):
+    """A rank that skips one self.log(sync_dist=True) desynchronises collectives: it fails with an explanation."""
+    start = time.monotonic()
+    code, out, _ = Job(tmp_path, "skip_log").finish()
+    assert code != 0 and time.monotonic() - start < 200, f"exit {code}"
+    # gloo itself detects the size mismatch and aborts rank 0 with its own explanation; the peer explains.
+    assert "collective mismatch" in out or "did not take part" in out
+
+
+@pytest.mark.timeout(300)
+def test_sigterm_saves_a_checkpoint_that_resumes_and_leaves_no_process(tmp_path):
+    """SIGTERM to the launcher (pre-emption): all ranks stop, a checkpoint is written, and fit resumes from it."""
+    job = Job(tmp_path / "run", "sigterm")
+    job.wait_for("started_rank1")
+    time.sleep(2)
+    job.proc.send_signal(signal.SIGTERM)
+    _, out, _ = job.finish()  # Lightning exits with SystemExit (status 0) on SIGTERM
+    ckpt = tmp_path / "run" / "sigterm.ckpt"
+    assert ckpt.exists() and not (tmp_path / "run" / "finished").exists(), out[-3000:]
+    assert "did not exit after a failure" not in out  # every rank exited by itself
+    saved = torch.load(ckpt, weights_only=True)
+    assert saved["global_step"] > 0
+    resumed = Job(tmp_path / "resume", "none", ckpt=str(ckpt))
+    code, out, _ = resumed.finish()
+    assert code == 0, out[-3000:]
+    assert int((tmp_path / "resume" / "finished").read_text()) == 3 * 23  # 3 epochs of 23 steps, in total
+
+
+@pytest.mark.timeout(300)
+def test_ctrl_c_to_the_launcher_stops_every_rank(tmp_path):
+    """SIGINT to the launching process: it exits non-zero and no rank survives it."""
+    job = Job(tmp_path, "sigint")
+    job.wait_for("started_rank1")
+    time.sleep(1)
+    job.proc.send_signal(signal.SIGINT)
+    code, out, _ = job.finish()
+    assert code != 0 and "KeyboardInterrupt" in out
+
+
+class CrashOnce(pl.Callback):
+    """Raises at the start of epoch 1 when ``fail`` is set."""
+
+    def __init__(self, fail: bool) -> None:
+        self.fail = fail
+
+    def on_train_epoch_start(self, trainer, pl_module):
+        if self.fail and trainer.current_epoch == 1:
+            raise RuntimeError("crash at the start of epoch 1")
+
+
+def _fit(tmp_path: Path, max_epochs: int, ckpt_path: str | None = None, fail: bool = False) -> DigitsClassifier:
+    pl.seed_everything(11)
+    model = DigitsClassifier()
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=MyDDPStrategy(start_method="spawn", timeout=60),
+                         max_epochs=max_epochs, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                         default_root_dir=str(tmp_path), deterministic=True,
+                         callbacks=[ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True), CrashOnce(fail)])
+    trainer.fit(model, DigitsDataModule(), ckpt_path=ckpt_path)
+    return model
+
+
+@pytest.mark.timeout(300)
+def test_resuming_after_a_crash_gives_the_uninterrupted_weights(tmp_path):
+    """Crash in epoch 1, resume from last.ckpt: the final weights equal an uninterrupted 2-epoch run."""
+    reference = _fit(tmp_path / "reference", max_epochs=2)
+    with pytest.raises(Exception, match="crash at the start of epoch 1"):
+        _fit(tmp_path / "crashed", max_epochs=2, fail=True)
+    resumed = _fit(tmp_path / "crashed", max_epochs=2, ckpt_path=str(tmp_path / "crashed" / "ckpt" / "last.ckpt"))
+    for name, value in reference.state_dict().items():
+        torch.testing.assert_close(resumed.state_dict()[name], value, rtol=0, atol=1e-6)

@@ -1,0 +1,250 @@
+"""Starting and joining DDP: init methods, external launchers, two nodes over loopback, teardown, bad input."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from ddp_testing import free_port
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+
+from ddp_strategy import DigitsClassifier, DigitsDataModule, MyDDPStrategy, process_group
+
+SCRIPTS = Path(__file__).parent / "scripts"
+TEARDOWN_LOOPS = int(os.environ.get("DDP_TEARDOWN_LOOPS", "30"))
+
+
+def _init_methods_worker(rank: int, tmp: str, ports: list[int]) -> None:
+    methods = {
+        "env": {"init_method": None, "main_port": ports[0]},
+        "tcp": {"init_method": f"tcp://127.0.0.1:{ports[1]}"},
+        "file": {"init_method": f"file://{tmp}/rendezvous"},
+        "store": {"store": dist.FileStore(f"{tmp}/store", 2)},
+    }
+    results = {}
+    for name, kwargs in methods.items():
+        kwargs.setdefault("main_port", 0)
+        process_group.init_process_group("gloo", rank, 2, "127.0.0.1", timeout=timedelta(seconds=30), **kwargs)
+        results[name] = (dist.get_rank(), dist.get_world_size(),
+                         process_group.all_reduce(torch.tensor([rank + 1.0]), "sum").item())
+        process_group.destroy_process_group()
+    torch.save(results, Path(tmp) / f"{rank}.pt")
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_env_tcp_file_and_store_rendezvous_all_work(tmp_path):
+    """Two real ranks join by env://, tcp://, file:// and a FileStore in turn; each group all-reduces 1+2=3."""
+    mp.start_processes(_init_methods_worker, args=(str(tmp_path), [free_port(), free_port()]), nprocs=2,
+                       start_method="spawn")
+    for rank in range(2):
+        results = torch.load(tmp_path / f"{rank}.pt")
+        assert results == {m: (rank, 2, 3.0) for m in ("env", "tcp", "file", "store")}
+
+
+def test_bad_init_methods_are_refused_at_construction():
+    """Unknown schemes and tcp:// without a port fail when the strategy is built."""
+    with pytest.raises(ValueError, match="init_method='http://x:1' is not supported"):
+        MyDDPStrategy(init_method="http://x:1")
+    with pytest.raises(ValueError, match="has no port"):
+        MyDDPStrategy(init_method="tcp://127.0.0.1")
+
+
+@pytest.mark.timeout(60)
+def test_unreachable_main_address_fails_within_the_timeout_and_names_it():
+    """A rank whose rendezvous address has no listener fails after the configured timeout, naming the address."""
+    port = free_port()
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=rf"\[rank 1\] could not join the process group at 127.0.0.1:{port}"):
+        process_group.init_process_group("gloo", 1, 2, "127.0.0.1", port, timeout=timedelta(seconds=3))
+    assert time.monotonic() - start < 30
+
+
+@pytest.mark.timeout(60)
+def test_fixed_port_in_use_is_reported():
+    """When the user fixed MASTER_PORT and another process holds it, rank 0 says so instead of hanging."""
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with pytest.raises(RuntimeError, match=f"127.0.0.1:{port}: the port is already in use"):
+            process_group.init_process_group("gloo", 0, 2, "127.0.0.1", port, timeout=timedelta(seconds=5))
+
+
+def _torchrun_env(monkeypatch, world_size: int, rank: int, local_rank: int = 0) -> None:
+    for key, value in {"TORCHELASTIC_RUN_ID": "test", "WORLD_SIZE": world_size, "RANK": rank,
+                       "LOCAL_RANK": local_rank, "GROUP_RANK": 0, "LOCAL_WORLD_SIZE": 1,
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": free_port()}.items():
+        monkeypatch.setenv(key, str(value))
+
+
+@pytest.mark.parametrize(
+    ("world", "rank", "local", "num_nodes", "message"),
+    [
+        (2, 0, 0, 1, r"TorchElasticEnvironment reports WORLD_SIZE=2, but Trainer\(num_nodes=1, devices=1\) expects 1"),
+        (4, 0, 0, 2, r"WORLD_SIZE=4, but Trainer\(num_nodes=2, devices=1\) expects 2"),
+        (2, 5, 0, 2, r"RANK=5, outside \[0, WORLD_SIZE=2\)"),
+        (2, 1, 3, 2, r"LOCAL_RANK=3, but Trainer\(devices=1\)"),
+    ],
+)
+def test_inconsistent_launcher_variables_fail_before_joining(monkeypatch, world, rank, local, num_nodes, message):
+    """torchrun variables that disagree with the Trainer fail on every rank before the rendezvous."""
+    _torchrun_env(monkeypatch, world, rank, local)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, num_nodes=num_nodes, strategy=MyDDPStrategy(timeout=5),
+                         logger=False)
+    with pytest.raises(ValueError, match=message):
+        trainer.strategy.setup_environment()
+    assert not dist.is_initialized()
+
+
+def test_external_launchers_are_detected_by_lightnings_cluster_environments(monkeypatch):
+    """Under torchrun the strategy joins (no launch): Lightning's TorchElasticEnvironment supplies the ranks."""
+    _torchrun_env(monkeypatch, world_size=2, rank=1)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, num_nodes=2, strategy=MyDDPStrategy(), logger=False)
+    s = trainer.strategy
+    assert type(s.cluster_environment).__name__ == "TorchElasticEnvironment"
+    assert s.cluster_environment.creates_processes_externally
+    assert (s.global_rank, s.world_size, s.local_rank) == (1, 2, 0)
+
+
+def test_bad_device_counts_fail_at_trainer_construction():
+    """devices=0 (Lightning's check) and more CPU processes than cores (ours) fail before any process starts."""
+    with pytest.raises(MisconfigurationException, match="`devices` can not be 0|devices=0"):
+        pl.Trainer(accelerator="cpu", devices=0, strategy=MyDDPStrategy(), logger=False)
+    too_many = os.cpu_count() * 4
+    with pytest.raises(ValueError, match=rf"Trainer\(devices={too_many}\) on CPU starts {too_many} processes, but"):
+        pl.Trainer(accelerator="cpu", devices=too_many, strategy=MyDDPStrategy(), logger=False)
+    trainer = pl.Trainer(accelerator="cpu", devices=too_many, logger=False,
+                         strategy=MyDDPStrategy(allow_cpu_oversubscription=True))
+    assert trainer.strategy.num_processes == too_many
+
+
+def test_nccl_on_cpu_fails_before_any_process_starts():
+    """process_group_backend='nccl' with CPU devices is refused at construction (CPU-only torch) or in Trainer()."""
+    with pytest.raises(ValueError, match="nccl"):
+        pl.Trainer(accelerator="cpu", devices=2, strategy=MyDDPStrategy(process_group_backend="nccl"), logger=False)
+
+
+@pytest.mark.timeout(120)
+def test_spawn_with_an_unpicklable_model_says_so_plainly():
+    """A model class defined inside a function cannot go to spawned ranks: a plain error, no processes left."""
+
+    class LocalModel(DigitsClassifier):
+        pass
+
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=MyDDPStrategy(start_method="spawn"), logger=False,
+                         enable_progress_bar=False, enable_model_summary=False, max_steps=1)
+    with pytest.raises(RuntimeError, match="start_method='spawn' must pickle LocalModel .* module level"):
+        trainer.fit(LocalModel(), DigitsDataModule())
+
+
+def _run(cmd: list[str], timeout: float = 120.0, **kwargs) -> subprocess.Popen:
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True, **kwargs)
+
+
+def _finish(proc: subprocess.Popen, timeout: float) -> tuple[int, str]:
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        raise AssertionError(f"{proc.args} did not finish in {timeout} s:\n{out[-3000:]}") from None
+    return proc.returncode, out
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+def test_two_torchrun_nodes_rendezvous_over_loopback_and_train_together(tmp_path):
+    """Two `torchrun --nnodes=2` invocations fit together: ranks, node ranks, node groups, identical weights."""
+    port = free_port()
+    procs = [
+        _run([sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",
+              f"--node-rank={node}", "--master-addr=127.0.0.1", f"--master-port={port}",
+              str(SCRIPTS / "fit_once.py"), str(tmp_path), "torchrun"])
+        for node in range(2)
+    ]
+    for proc in procs:
+        code, out = _finish(proc, timeout=200)
+        assert code == 0, out[-3000:]
+    ranks = {r: torch.load(tmp_path / f"rank{r}.pt") for r in range(2)}
+    for r, seen in ranks.items():
+        assert seen["env"] == "TorchElasticEnvironment"
+        assert (seen["world_size"], seen["global_rank"], seen["node_rank"], seen["local_rank"]) == (2, r, r, 0)
+        assert seen["node_ranks"] == [r] and seen["node_group_size"] == 1
+        assert seen["rank_zero_only"] == r and seen["backend"] == "gloo"
+    for name, value in ranks[0]["final"].items():
+        assert torch.equal(value, ranks[1]["final"][name])
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(900)
+def test_repeated_popen_fits_never_abort_at_exit(tmp_path):
+    """30 two-process fits with the default popen launcher: every process exits 0 (no SIGABRT at gloo teardown)."""
+    for i in range(TEARDOWN_LOOPS):
+        out_dir = tmp_path / str(i)
+        out_dir.mkdir()
+        code, out = _finish(_run([sys.executable, str(SCRIPTS / "fit_once.py"), str(out_dir)], cwd=tmp_path), 120)
+        assert code == 0, f"run {i} exited with {code}:\n{out[-3000:]}"
+        assert "Abort" not in out and "core dumped" not in out
+        r0, r1 = (torch.load(out_dir / f"rank{r}.pt") for r in range(2))
+        assert (r0["world_size"], r0["node_ranks"], r1["node_ranks"]) == (2, [0, 1], [0, 1])
+        assert all(torch.equal(v, r1["final"][k]) for k, v in r0["final"].items())
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(180)
+def test_second_fit_in_the_same_process_works_with_fork(tmp_path):
+    """As in a notebook: two fits in one Python process (fork start method, a new Trainer each) both train."""
+    model = DigitsClassifier()
+    weights = [model.model.layers[0].weight.detach().clone()]
+    for _ in range(2):
+        trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=MyDDPStrategy(start_method="fork", timeout=60),
+                             max_steps=3, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                             enable_model_summary=False, limit_val_batches=1, default_root_dir=str(tmp_path))
+        trainer.fit(model, DigitsDataModule())
+        weights.append(model.model.layers[0].weight.detach().clone())
+        assert trainer.state.finished  # rank 0's weights come back to this process after each fit
+    assert not torch.equal(weights[0], weights[1]) and not torch.equal(weights[1], weights[2])
+    assert not dist.is_initialized()
+
+
+def test_fork_is_refused_when_cuda_is_already_initialised(monkeypatch):
+    """Forking CUDA ranks from a parent that initialised CUDA is refused before forking, with a remedy."""
+    from ddp_strategy import launching
+
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    with pytest.raises(RuntimeError, match="start_method='fork' cannot start CUDA ranks: CUDA is already initialised"):
+        launching.check_fork_safe("fork", "cuda")
+    launching.check_fork_safe("spawn", "cuda")  # a fresh interpreter is fine
+    launching.check_fork_safe("fork", "cpu")  # CPU ranks never touch CUDA
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=MyDDPStrategy(start_method="fork"), logger=False)
+    calls = []
+    monkeypatch.setattr(launching, "check_fork_safe", lambda *a: calls.append(a) or 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        trainer.strategy.launcher.launch(lambda: None, trainer=trainer)
+    assert calls == [("fork", "cpu")]  # the launcher asks before it forks
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.timeout(300)
+def test_fit_on_cuda_uses_nccl(tmp_path):
+    """With a GPU: the strategy picks nccl, wraps with device_ids, and the digits model trains."""
+    trainer = pl.Trainer(accelerator="cuda", devices=1, strategy=MyDDPStrategy(start_method="spawn", timeout=120),
+                         max_epochs=3, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         default_root_dir=str(tmp_path))
+    model = DigitsClassifier()
+    trainer.fit(model, DigitsDataModule())
+    assert trainer.callback_metrics["val_acc"] > 0.9
