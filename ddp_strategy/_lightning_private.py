@@ -43,8 +43,15 @@ _USER_SAMPLER_FLAG = "_ddp_strategy_user_use_distributed_sampler"
 
 
 def is_interactive() -> bool:
-    """Whether Python runs interactively (a REPL, ``python -i``, or a Jupyter kernel)."""
-    return bool(_IS_INTERACTIVE) or "ipykernel" in sys.modules
+    """Whether Python runs interactively: a REPL, ``python -i``, or an IPython shell or Jupyter kernel.
+
+    Merely importing a notebook client (which imports ``ipykernel``) does not count: an IPython shell must
+    be running (``IPython.get_ipython()`` is not None).
+    """
+    if _IS_INTERACTIVE:
+        return True
+    ipython = sys.modules.get("IPython")
+    return ipython is not None and getattr(ipython, "get_ipython", lambda: None)() is not None
 
 
 def update_dataloader(dataloader: DataLoader, sampler: Sampler) -> DataLoader:

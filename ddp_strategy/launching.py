@@ -7,6 +7,7 @@ checks, before anything starts, that the request makes sense, and turns the usua
 
 from __future__ import annotations
 
+import atexit
 import os
 import pickle
 from typing import Any
@@ -102,6 +103,25 @@ def check_fork_safe(start_method: str, device_type: str) -> None:
             " the kernel and keep CUDA work inside the LightningModule, or use start_method='spawn' or 'popen'"
             " (run a script)."
         )
+
+
+_waited_for: set[int] = set()
+
+
+def wait_for_ranks_at_exit(procs: list[Any], timeout_s: float = 60.0) -> None:
+    """Make the launching process wait, at interpreter exit, for the rank processes it started.
+
+    With ``start_method="popen"`` Lightning re-runs the script for ranks 1.. and does not wait for them, so
+    the launcher could exit first and leave them running on their own for a moment. Registered once per
+    process list (an ``atexit`` handler); ranks still alive after ``timeout_s`` seconds are killed.
+
+    Args:
+        procs: the launcher's ``subprocess.Popen`` objects.
+        timeout_s: seconds to wait for them to finish the script by themselves.
+    """
+    if procs and id(procs) not in _waited_for:
+        _waited_for.add(id(procs))
+        atexit.register(failures.stop_processes, procs, timeout_s)
 
 
 class CheckedMultiProcessingLauncher(_pl.MultiProcessingLauncher):

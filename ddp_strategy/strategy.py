@@ -258,6 +258,8 @@ class MyDDPStrategy(ParallelStrategy):
         )
         self._process_group_backend = backend
         self._node_group, self._node_ranks = process_group.build_node_groups(self.num_nodes, self.num_processes)
+        if isinstance(self._launcher, _pl.SubprocessScriptLauncher):
+            launching.wait_for_ranks_at_exit(self._launcher.procs)
         failures.register_rank(self._rendezvous_store, self.global_rank)
         # monitored_barrier is gloo-only: NCCL jobs get a small gloo side group for it.
         self._barrier_group = None if backend == "gloo" else dist.new_group(backend="gloo")

@@ -74,3 +74,18 @@ def run_cli(args: list[str], cwd: Path, timeout: float = 240.0) -> subprocess.Co
         out, _ = proc.communicate()
         raise AssertionError(f"ddp_strategy {args} did not finish in {timeout} s; output:\n{out[-4000:]}") from None
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, None)
+
+
+def session_members(sid: int) -> list[int]:
+    """Live processes whose session id is ``sid`` (everything a launched job started)."""
+    members = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            fields = stat[stat.rindex(")") + 2:].split()
+            if int(fields[3]) == sid and fields[0] not in "ZX":
+                members.append(int(entry.name))
+    return members

@@ -36,3 +36,19 @@ def test_lightning_module_keys_are_the_plain_model_keys_under_model():
     lm, net = DigitsClassifier(), DigitsNet()
     assert set(lm.state_dict()) == {f"model.{k}" for k in net.state_dict()}
     assert lm(torch.rand(5, 64)).shape == (5, 10)
+
+
+def test_main_returns_none_so_the_console_script_exits_0(tmp_path, monkeypatch):
+    """``ddp-strategy`` does ``sys.exit(main())``: main must return None after a successful (1-device) run."""
+    from ddp_strategy.__main__ import main
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["fit", "--trainer.devices=1", "--trainer.fast_dev_run=2", "--trainer.enable_progress_bar=false"]) \
+        is None
+
+
+def test_cli_classes_live_in_an_importable_module():
+    """Spawned ranks must find the CLI class again by its module, which ``python -m`` would hide in __main__."""
+    from ddp_strategy.cli import DigitsCLI
+
+    assert DigitsCLI.__module__ == "ddp_strategy.cli"

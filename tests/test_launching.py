@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from ddp_testing import free_port
+from ddp_testing import free_port, session_members
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from ddp_strategy import DigitsClassifier, DigitsDataModule, MyDDPStrategy, process_group
@@ -195,8 +195,10 @@ def test_repeated_popen_fits_never_abort_at_exit(tmp_path):
     for i in range(TEARDOWN_LOOPS):
         out_dir = tmp_path / str(i)
         out_dir.mkdir()
-        code, out = _finish(_run([sys.executable, str(SCRIPTS / "fit_once.py"), str(out_dir)], cwd=tmp_path), 120)
+        proc = _run([sys.executable, str(SCRIPTS / "fit_once.py"), str(out_dir)], cwd=tmp_path)
+        code, out = _finish(proc, 120)
         assert code == 0, f"run {i} exited with {code}:\n{out[-3000:]}"
+        assert session_members(proc.pid) == [], "rank 1 outlived the launching process"
         assert "Abort" not in out and "core dumped" not in out
         r0, r1 = (torch.load(out_dir / f"rank{r}.pt") for r in range(2))
         assert (r0["world_size"], r0["node_ranks"], r1["node_ranks"]) == (2, [0, 1], [0, 1])

@@ -45,6 +45,16 @@ def test_sampler_injection_flag_lives_on_the_accelerator_connector():
     assert trainer._accelerator_connector.use_distributed_sampler is True
 
 
-def test_is_interactive_is_false_under_pytest():
-    """pytest is not an interactive session."""
+def test_is_interactive_needs_a_running_ipython_not_just_an_import(monkeypatch):
+    """pytest is not interactive; importing ipykernel is not either; a running IPython shell is."""
+    import sys
+    import types
+
     assert _pl.is_interactive() is False
+    monkeypatch.setitem(sys.modules, "ipykernel", types.ModuleType("ipykernel"))
+    fake = types.ModuleType("IPython")
+    fake.get_ipython = lambda: None
+    monkeypatch.setitem(sys.modules, "IPython", fake)
+    assert _pl.is_interactive() is False
+    fake.get_ipython = lambda: object()
+    assert _pl.is_interactive() is True

@@ -40,7 +40,7 @@ class Model(DigitsClassifier):
         elif SCENARIO == "skip_log":
             mark_failing()
         if SCENARIO in ("sigterm", "sigint"):
-            time.sleep(0.2)  # slow enough for the test to send the signal mid-training
+            time.sleep(0.5)  # slow enough for the test to send the signal mid-training
         return super().training_step(batch, batch_idx)
 
     def validation_step(self, batch, batch_idx):
@@ -78,7 +78,8 @@ if __name__ == "__main__":
     timeout = 10 if SCENARIO == "skip_log" else 60
     strategy = MyDDPStrategy(start_method=START_METHOD, timeout=timeout, monitored_barrier_timeout=5,
                              checkpoint_on_sigterm=str(OUT / "sigterm.ckpt"))
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_epochs=3, logger=False,
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_epochs=3, limit_train_batches=6,
+                        limit_val_batches=3, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         callbacks=[Events()], default_root_dir=str(OUT))
     data = UnevenData() if SCENARIO == "uneven" else DigitsDataModule()
