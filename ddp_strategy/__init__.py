@@ -7,7 +7,7 @@
 from ddp_strategy.checkpoint_io import DDPCheckpointIO, load_plain_state_dict, strip_ddp_prefix
 from ddp_strategy.data import DigitsDataModule
 from ddp_strategy.model import DigitsClassifier, DigitsNet
-from ddp_strategy.sampler import EpochSeededDistributedSampler
+from ddp_strategy.sampler import EpochSeededDistributedSampler, shard_iterable
 from ddp_strategy.strategy import MyDDPStrategy
 
 __version__ = "0.1.0"
@@ -20,5 +20,6 @@ __all__ = [
     "EpochSeededDistributedSampler",
     "MyDDPStrategy",
     "load_plain_state_dict",
+    "shard_iterable",
     "strip_ddp_prefix",
 ]

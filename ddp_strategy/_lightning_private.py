@@ -53,7 +53,7 @@ def update_dataloader(dataloader: DataLoader, sampler: Sampler) -> DataLoader:
     return _update_dataloader(dataloader, sampler)
 
 
-def set_lightning_sampler_injection(trainer: pl.Trainer, enabled: bool) -> bool:
+def set_lightning_sampler_injection(trainer: pl.Trainer, enabled: bool, force: bool = False) -> bool:
     """Turn Lightning's own ``DistributedSampler`` injection on or off for ``trainer``.
 
     The strategy injects its sampler itself, so Lightning's must be off or the loader would be sharded
@@ -62,6 +62,8 @@ def set_lightning_sampler_injection(trainer: pl.Trainer, enabled: bool) -> bool:
     Args:
         trainer: the trainer.
         enabled: True restores the user's setting, False disables Lightning's injection.
+        force: with ``enabled=True``, turn Lightning's injection on whatever the user's setting (used for
+            predict, where Lightning's ``UnrepeatedDistributedSamplerWrapper`` keeps prediction indices).
 
     Returns:
         The user's original ``use_distributed_sampler`` value.
@@ -70,7 +72,7 @@ def set_lightning_sampler_injection(trainer: pl.Trainer, enabled: bool) -> bool:
     if not hasattr(connector, _USER_SAMPLER_FLAG):
         setattr(connector, _USER_SAMPLER_FLAG, connector.use_distributed_sampler)
     user_value = bool(getattr(connector, _USER_SAMPLER_FLAG))
-    connector.use_distributed_sampler = user_value if enabled else False
+    connector.use_distributed_sampler = (user_value or force) if enabled else False
     return user_value
 
 

@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.utils.data import (
     BatchSampler,
     DataLoader,
@@ -532,6 +533,12 @@ def inject_distributed_sampler(
         TypeError: a custom batch sampler inside a ``DataLoader`` subclass.
     """
     if not needs_distributed_sampler(dataloader):
+        if isinstance(dataloader, DataLoader) and isinstance(dataloader.dataset, IterableDataset):
+            rank_zero_warn(
+                f"{type(dataloader.dataset).__name__} is an IterableDataset: it has no indices, so MyDDPStrategy"
+                " cannot shard it and every rank reads whatever its __iter__ yields. Shard it yourself in __iter__"
+                " with ddp_strategy.shard_iterable (by rank and DataLoader worker), or every rank sees the same data."
+            )
         return dataloader
     assert isinstance(dataloader, DataLoader)
     check_shard_sizes(dataloader, num_replicas, training=pad)

@@ -222,7 +222,8 @@ class MyDDPStrategy(ParallelStrategy):
     def setup(self, trainer: Trainer) -> None:
         """Move the module to the device and, when fitting, wrap it in DDP and create the optimizers."""
         self._trainer = trainer
-        _pl.set_lightning_sampler_injection(trainer, enabled=trainer.state.fn == TrainerFn.PREDICTING)
+        predicting = trainer.state.fn == TrainerFn.PREDICTING
+        _pl.set_lightning_sampler_injection(trainer, enabled=predicting, force=predicting)
         self._sampler_seed = self.broadcast(sampler.shared_seed(self._seed))
         assert self.accelerator is not None
         self.accelerator.setup(trainer)

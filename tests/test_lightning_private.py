@@ -48,3 +48,23 @@ def test_sampler_injection_flag_lives_on_the_accelerator_connector():
 def test_is_interactive_is_false_under_pytest():
     """pytest is not an interactive session."""
     assert _pl.is_interactive() is False
+
+
+def test_sampler_injection_can_be_forced_on_for_predict():
+    """force=True turns Lightning's injection on even when the user switched it off."""
+    trainer = Trainer(accelerator="cpu", devices=1, use_distributed_sampler=False, logger=False)
+    assert _pl.set_lightning_sampler_injection(trainer, enabled=True, force=True) is False
+    assert trainer._accelerator_connector.use_distributed_sampler is True
+    _pl.set_lightning_sampler_injection(trainer, enabled=True)
+    assert trainer._accelerator_connector.use_distributed_sampler is False
+
+
+def test_epoch_batch_progress_counters_shift_together():
+    """The epoch loop's batch progress has current/total trackers with the four counters we shift."""
+    trainer = Trainer(accelerator="cpu", devices=1, logger=False)
+    progress = trainer.fit_loop.epoch_loop.batch_progress
+    progress.current.ready = progress.total.ready = 5
+    _pl.shift_epoch_batch_progress(trainer, -2)
+    assert progress.current.ready == progress.total.ready == 3
+    assert progress.current.completed == progress.total.completed == -2
+    assert {"ready", "started", "processed", "completed"} <= set(vars(progress.current))
