@@ -14,6 +14,7 @@ classes say which rank each process is.
 from __future__ import annotations
 
 import logging
+import warnings
 from collections.abc import Generator
 from contextlib import contextmanager
 from datetime import timedelta
@@ -36,7 +37,7 @@ from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from ddp_strategy import _lightning_private as _pl
-from ddp_strategy import evaluation, process_group, sampler, sampler_state, wrapping
+from ddp_strategy import evaluation, injection, process_group, sampler, sampler_state, wrapping
 from ddp_strategy.checkpoint_io import DDPCheckpointIO
 
 log = logging.getLogger(__name__)
@@ -281,7 +282,7 @@ class MyDDPStrategy(ParallelStrategy):
             evaluation.agree_batch_counts(dataloader)
             return dataloader
         training = trainer.state.stage == RunningStage.TRAINING
-        dataloader = sampler.inject_distributed_sampler(
+        dataloader = injection.inject_distributed_sampler(
             dataloader,
             num_replicas=self.world_size,
             rank=self.global_rank,
@@ -300,7 +301,7 @@ class MyDDPStrategy(ParallelStrategy):
         if not self._pending_positions:
             return
         position = self._pending_positions.pop(0)
-        injected = sampler.injected_sampler(dataloader)
+        injected = injection.injected_sampler(dataloader)
         if injected is None:
             rank_zero_warn("The checkpoint holds a sampler position, but the training loader's sampler is not"
                            " injected by MyDDPStrategy (it is your own DistributedSampler): the rest of the"
@@ -312,8 +313,8 @@ class MyDDPStrategy(ParallelStrategy):
         """The samplers MyDDPStrategy injected into the training loaders, in Lightning's order."""
         if self._trainer is None:
             return []
-        loaders = sampler.flatten_loaders(self._trainer.train_dataloader)
-        return [s for s in (sampler.injected_sampler(dl) for dl in loaders) if s is not None]
+        loaders = injection.flatten_loaders(self._trainer.train_dataloader)
+        return [s for s in (injection.injected_sampler(dl) for dl in loaders) if s is not None]
 
     @override
     def on_train_start(self) -> None:
@@ -341,6 +342,10 @@ class MyDDPStrategy(ParallelStrategy):
         done = max(int(trainer.num_training_batches) - left, 0)
         _pl.shift_epoch_batch_progress(trainer, done - trainer.fit_loop.epoch_loop.batch_progress.current.ready)
         injected.batch_offset = done
+        # Lightning warns that a plain DataLoader cannot resume mid-epoch; ours does, so say what happens instead.
+        warnings.filterwarnings("ignore", message=sampler.LIGHTNING_NOT_RESUMABLE_WARNING)
+        rank_zero_info(f"MyDDPStrategy: resuming epoch {epoch} at its saved sampler position: {left} batches per"
+                       f" rank left on {self.world_size} processes (batch counter set to {done}).")
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: str | Path,

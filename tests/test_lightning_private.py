@@ -68,3 +68,14 @@ def test_epoch_batch_progress_counters_shift_together():
     assert progress.current.ready == progress.total.ready == 3
     assert progress.current.completed == progress.total.completed == -2
     assert {"ready", "started", "processed", "completed"} <= set(vars(progress.current))
+
+
+def test_not_resumable_warning_text_is_still_lightnings():
+    """The strategy silences Lightning's 'dataloader is not resumable' warning by its text; the text must match."""
+    import inspect
+
+    from lightning.pytorch.loops import training_epoch_loop
+
+    from ddp_strategy.sampler import LIGHTNING_NOT_RESUMABLE_WARNING
+
+    assert LIGHTNING_NOT_RESUMABLE_WARNING in inspect.getsource(training_epoch_loop)

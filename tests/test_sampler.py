@@ -1,4 +1,4 @@
-"""Sampler injection and epoch seeding, in one process (ranks are given explicitly)."""
+"""Samplers, sampler injection and epoch seeding, in one process (ranks are given explicitly)."""
 
 from __future__ import annotations
 
@@ -16,16 +16,8 @@ from torch.utils.data import (
 )
 from torch.utils.data.distributed import DistributedSampler
 
-from ddp_strategy.sampler import (
-    EpochSeededDistributedSampler,
-    ShardedSampler,
-    draw_epoch,
-    inject_distributed_sampler,
-    injected_sampler,
-    needs_distributed_sampler,
-    shard_iterable,
-    shared_seed,
-)
+from ddp_strategy.injection import inject_distributed_sampler, injected_sampler, needs_distributed_sampler
+from ddp_strategy.sampler import EpochSeededDistributedSampler, ShardedSampler, draw_epoch, shard_iterable, shared_seed
 from ddp_strategy.sampler_state import merge_rank_positions
 
 DATA = TensorDataset(torch.arange(5))
@@ -80,6 +72,7 @@ def test_injection_keeps_per_device_batch_size_and_shuffles_when_loader_did():
     assert [i for b in new for i in b[0].tolist()] == list(new.sampler)[: 7 * 7]
 
 
+@pytest.mark.filterwarnings("ignore:Stream is an IterableDataset")
 def test_user_distributed_sampler_and_iterable_datasets_are_left_alone():
     """A user's own DistributedSampler is respected; iterable data sets and non-loaders pass through."""
     data = TensorDataset(torch.arange(8))
