@@ -17,7 +17,7 @@ from ddp_strategy.checkpoint_io import (
 )
 from ddp_strategy.data import DigitsDataModule
 from ddp_strategy.model import DigitsClassifier, DigitsNet
-from ddp_strategy.sampler import EpochSeededDistributedSampler
+from ddp_strategy.sampler import EpochSeededDistributedSampler, shard_iterable
 from ddp_strategy.strategy import MyDDPStrategy
 
 __version__ = "0.1.0"
@@ -36,6 +36,7 @@ __all__ = [
     "import_plain_checkpoint",
     "load_plain_state_dict",
     "match_state_dict",
+    "shard_iterable",
     "strip_ddp_prefix",
     "unwrapped_state_dict",
 ]

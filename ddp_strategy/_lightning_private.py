@@ -29,6 +29,7 @@ __all__ = [
     "is_interactive",
     "prepare_for_backward",
     "set_lightning_sampler_injection",
+    "shift_epoch_batch_progress",
     "update_dataloader",
 ]
 
@@ -59,7 +60,7 @@ def update_dataloader(dataloader: DataLoader, sampler: Sampler) -> DataLoader:
     return _update_dataloader(dataloader, sampler)
 
 
-def set_lightning_sampler_injection(trainer: pl.Trainer, enabled: bool) -> bool:
+def set_lightning_sampler_injection(trainer: pl.Trainer, enabled: bool, force: bool = False) -> bool:
     """Turn Lightning's own ``DistributedSampler`` injection on or off for ``trainer``.
 
     The strategy injects its sampler itself, so Lightning's must be off or the loader would be sharded
@@ -68,6 +69,8 @@ def set_lightning_sampler_injection(trainer: pl.Trainer, enabled: bool) -> bool:
     Args:
         trainer: the trainer.
         enabled: True restores the user's setting, False disables Lightning's injection.
+        force: with ``enabled=True``, turn Lightning's injection on whatever the user's setting (used for
+            predict, where Lightning's ``UnrepeatedDistributedSamplerWrapper`` keeps prediction indices).
 
     Returns:
         The user's original ``use_distributed_sampler`` value.
@@ -76,8 +79,32 @@ def set_lightning_sampler_injection(trainer: pl.Trainer, enabled: bool) -> bool:
     if not hasattr(connector, _USER_SAMPLER_FLAG):
         setattr(connector, _USER_SAMPLER_FLAG, connector.use_distributed_sampler)
     user_value = bool(getattr(connector, _USER_SAMPLER_FLAG))
-    connector.use_distributed_sampler = user_value if enabled else False
+    connector.use_distributed_sampler = (user_value or force) if enabled else False
     return user_value
+
+
+#: The counters of ``_BatchProgress.current`` / ``.total`` that move together.
+_PROGRESS_FIELDS = ("ready", "started", "processed", "completed")
+
+
+def shift_epoch_batch_progress(trainer: pl.Trainer, delta: int) -> None:
+    """Add ``delta`` to every counter of the training epoch loop's batch progress (``current`` and ``total``).
+
+    Lightning restarts a mid-epoch checkpoint by counting the batches its loop believes are done
+    (``fit_loop.epoch_loop.batch_progress.current``) and stopping at ``num_training_batches``; it does not
+    fast-forward the loader. After an elastic resume the number of batches each new rank has left differs
+    from what the old ranks had, so the strategy moves the counters to ``num_training_batches - left``.
+    Shifting every field by the same amount keeps Lightning's restart-stage checks (which compare the
+    fields) unchanged. Must be called before the epoch loop's ``reset`` (the strategy's ``on_train_start``).
+
+    Args:
+        trainer: the trainer, fitting.
+        delta: batches to add (may be negative).
+    """
+    progress: Any = trainer.fit_loop.epoch_loop.batch_progress
+    for tracker in (progress.current, progress.total):
+        for field in _PROGRESS_FIELDS:
+            setattr(tracker, field, getattr(tracker, field) + delta)
 
 
 def signature_of(obj: Any) -> list[str]:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+import warnings
 from collections.abc import Generator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
@@ -30,14 +31,25 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from ddp_strategy import _lightning_private as _pl
-from ddp_strategy import checkpoint_io, diagnostics, failures, launching, process_group, sampler, wrapping
+from ddp_strategy import (
+    checkpoint_io,
+    diagnostics,
+    evaluation,
+    failures,
+    injection,
+    launching,
+    process_group,
+    sampler,
+    sampler_state,
+    wrapping,
+)
 from ddp_strategy.checkpoint_io import DDPCheckpointIO
 
 log = logging.getLogger(__name__)
@@ -149,6 +161,8 @@ class MyDDPStrategy(ParallelStrategy):
         self._sampler_seed = sampler.shared_seed(seed)
         self._trainer: Trainer | None = None
         self._forward_redirection = wrapping.DDPForwardRedirection()
+        self._eval_guard = evaluation.EvaluationStepGuard()
+        self._pending_positions: list[dict[str, Any]] = []
 
     # ----------------------------------------------------------------------------------------- topology
     @property
@@ -271,7 +285,8 @@ class MyDDPStrategy(ParallelStrategy):
     def setup(self, trainer: Trainer) -> None:
         """Move the module to the device and, when fitting, wrap it in DDP and create the optimizers."""
         self._trainer = trainer
-        _pl.set_lightning_sampler_injection(trainer, enabled=trainer.state.fn == TrainerFn.PREDICTING)
+        predicting = trainer.state.fn == TrainerFn.PREDICTING
+        _pl.set_lightning_sampler_injection(trainer, enabled=predicting, force=predicting)
         self._sampler_seed = self.broadcast(sampler.shared_seed(self._seed))
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
@@ -333,44 +348,142 @@ class MyDDPStrategy(ParallelStrategy):
     # ---------------------------------------------------------------------------------------- 2. sampler
     @override
     def process_dataloader(self, dataloader: object) -> object:
-        """Give ``dataloader`` a distributed sampler that keeps its shuffle setting and tracks the epoch.
+        """Give ``dataloader`` a distributed sampler that keeps its order semantics and tracks the epoch.
 
-        Training loaders are padded so every rank takes the same number of steps; validation and test
-        loaders are not, so each sample is evaluated exactly once (evaluation runs without the DDP
-        wrapper, see :meth:`validation_step`). Predict loaders are left to Lightning, whose sampler also
-        evaluates each sample exactly once.
+        Training loaders are padded so every rank takes the same number of steps, and resume from the
+        checkpoint's sampler position if there is one; validation and test loaders are not padded, so each
+        sample is evaluated exactly once (evaluation runs without the DDP wrapper, see
+        :meth:`validation_step`), and the ranks agree on their batch counts (a collective). Predict loaders
+        are sharded by Lightning's ``UnrepeatedDistributedSamplerWrapper`` (each sample once, and Lightning's
+        prediction batch indices keep working).
         """
         trainer = self._trainer
-        if trainer is None or trainer.state.fn == TrainerFn.PREDICTING:
+        if trainer is None:
             return dataloader
-        sampler.check_dataloader_type(dataloader, self.world_size)
-        return sampler.inject_distributed_sampler(
+        injection.check_dataloader_type(dataloader, self.world_size)
+        if trainer.state.fn == TrainerFn.PREDICTING:
+            evaluation.agree_batch_counts(dataloader)
+            return dataloader
+        training = trainer.state.stage == RunningStage.TRAINING
+        dataloader = injection.inject_distributed_sampler(
             dataloader,
             num_replicas=self.world_size,
             rank=self.global_rank,
             seed=self._sampler_seed,
             epoch_fn=lambda: trainer.fit_loop.epoch_progress.current.processed,
-            pad=trainer.state.stage == RunningStage.TRAINING,
+            pad=training,
         )
+        if training:
+            self._resume_sampler(dataloader)
+        else:
+            evaluation.agree_batch_counts(dataloader)
+        return dataloader
+
+    def _resume_sampler(self, dataloader: object) -> None:
+        """Hand the next saved sampler position (if any) to ``dataloader``'s injected sampler."""
+        if not self._pending_positions:
+            return
+        position = self._pending_positions.pop(0)
+        injected = injection.injected_sampler(dataloader)
+        if injected is None:
+            rank_zero_warn("The checkpoint holds a sampler position, but the training loader's sampler is not"
+                           " injected by MyDDPStrategy (it is your own DistributedSampler): the rest of the"
+                           " interrupted epoch is not restored exactly.")
+            return
+        injected.resume_from(position)
+
+    def _train_samplers(self) -> list[Any]:
+        """The samplers MyDDPStrategy injected into the training loaders, in Lightning's order."""
+        if self._trainer is None:
+            return []
+        loaders = injection.flatten_loaders(self._trainer.train_dataloader)
+        return [s for s in (injection.injected_sampler(dl) for dl in loaders) if s is not None]
+
+    def _resume_batch_counter(self) -> None:
+        """After a mid-epoch resume, set Lightning's batch counter to ``num_training_batches - batches left``.
+
+        Lightning does not fast-forward the loader: it counts the batches it believes done and stops at
+        ``num_training_batches``. With the same world size the counter is already right; after an elastic
+        resume each new rank has a different number of batches left, so the counter is moved (same on
+        every rank, no collective).
+        """
+        trainer = self._trainer
+        assert trainer is not None
+        samplers = self._train_samplers()
+        epoch = trainer.fit_loop.epoch_progress.current.processed
+        pending = [(s, s.pending_resume_batches(epoch)) for s in samplers]
+        pending = [(s, left) for s, left in pending if left is not None]
+        if not pending:
+            return
+        if len(samplers) != 1:
+            raise ValueError(
+                f"Resuming mid-epoch with {len(samplers)} training loaders is not supported: Lightning counts one"
+                " batch position for all of them. Resume from an end-of-epoch checkpoint, or use one loader."
+            )
+        injected, left = pending[0]
+        done = max(int(trainer.num_training_batches) - left, 0)
+        _pl.shift_epoch_batch_progress(trainer, done - trainer.fit_loop.epoch_loop.batch_progress.current.ready)
+        injected.batch_offset = done
+        # Lightning warns that a plain DataLoader cannot resume mid-epoch; ours does, so say what happens instead.
+        warnings.filterwarnings("ignore", message=sampler.LIGHTNING_NOT_RESUMABLE_WARNING)
+        rank_zero_info(f"MyDDPStrategy: resuming epoch {epoch} at its saved sampler position: {left} batches per"
+                       f" rank left on {self.world_size} processes (batch counter set to {done}).")
+
+    def _add_sampler_positions(self, checkpoint: dict[str, Any]) -> None:
+        """Add every rank's training sampler position to ``checkpoint`` (gathered: a collective, every rank).
+
+        The entry is plain ints and lists (see :mod:`ddp_strategy.sampler_state`), so the file still loads
+        with ``torch.load(weights_only=True)``.
+        """
+        trainer = self._trainer
+        if trainer is not None and trainer.state.fn == TrainerFn.FITTING and self._train_samplers():
+            done = trainer.fit_loop.epoch_loop.batch_progress.current.ready
+            local = [s.position(done) for s in self._train_samplers()]
+            checkpoint[sampler_state.CHECKPOINT_KEY] = sampler_state.checkpoint_entry(
+                sampler_state.gather_positions(local))
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         """Call the LightningModule directly, not through DDP: evaluation needs no per-step collective."""
         assert self.lightning_module is not None
-        with self.precision_plugin.val_step_context():
+        with self.precision_plugin.val_step_context(), self._guard_step("validation_step", args, kwargs):
             return self.lightning_module.validation_step(*args, **kwargs)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
         """Call the LightningModule directly, as :meth:`validation_step` does."""
         assert self.lightning_module is not None
-        with self.precision_plugin.test_step_context():
+        with self.precision_plugin.test_step_context(), self._guard_step("test_step", args, kwargs):
             return self.lightning_module.test_step(*args, **kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        """Call the LightningModule's ``predict_step``, refusing per-step collectives on uneven shards."""
+        with self._guard_step("predict_step", args, kwargs):
+            return super().predict_step(*args, **kwargs)
+
+    def _guard_step(self, stage: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Context for one evaluation step: see :class:`~ddp_strategy.evaluation.EvaluationStepGuard`."""
+        trainer = self._trainer
+        assert trainer is not None
+        if stage == "validation_step":
+            loaders, limit = trainer.val_dataloaders, trainer.limit_val_batches
+            if trainer.sanity_checking:
+                limit = trainer.num_sanity_val_steps
+        elif stage == "test_step":
+            loaders, limit = trainer.test_dataloaders, trainer.limit_test_batches
+        else:
+            loaders, limit = trainer.predict_dataloaders, trainer.limit_predict_batches
+        if isinstance(limit, int) and limit < 0:
+            limit = 1.0
+        loader = evaluation.current_loader(loaders, args, kwargs)
+        return self._eval_guard.step(stage, loader, limit)
 
     # ------------------------------------------------------------------------------------- collectives
     @override
     def barrier(self, name: str | None = None) -> None:
         """Wait for every rank (a collective); a no-op without a process group."""
+        self._eval_guard.check("barrier", self.global_rank)
         if not dist.is_initialized():
             return
         if dist.get_backend() == "nccl":
@@ -381,6 +494,7 @@ class MyDDPStrategy(ParallelStrategy):
     @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         """Return rank ``src``'s ``obj`` on every rank (a collective; pickles ``obj``)."""
+        self._eval_guard.check("broadcast", self.global_rank)
         if not dist.is_initialized():
             return obj
         box = [obj]
@@ -396,6 +510,7 @@ class MyDDPStrategy(ParallelStrategy):
         Raises:
             ValueError: ``group`` is given, or ``reduce_op`` is unknown.
         """
+        self._eval_guard.check("reduce (e.g. self.log(..., on_step=True, sync_dist=True))", self.global_rank)
         if group is not None:
             raise ValueError("MyDDPStrategy.reduce only reduces over the world process group; pass group=None.")
         if not isinstance(tensor, Tensor):
@@ -413,9 +528,11 @@ class MyDDPStrategy(ParallelStrategy):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         """Global rank 0 writes the file (atomically); every rank returns once it is complete.
 
-        A collective (Lightning calls it on every rank): the ranks then agree on success, so a failed
-        write raises on every rank instead of leaving the others waiting.
+        A collective (Lightning calls it on every rank): every rank's sampler position is gathered into the
+        checkpoint first, and the ranks then agree on success, so a failed write raises on every rank
+        instead of leaving the others waiting.
         """
+        self._add_sampler_positions(checkpoint)
         error = None
         if self.is_global_zero:
             try:
@@ -445,9 +562,13 @@ class MyDDPStrategy(ParallelStrategy):
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        """Every rank reads the file; ``weights_only=None`` means True (see :class:`DDPCheckpointIO`)."""
+        """Every rank reads the file (``weights_only=None`` means True, see :class:`DDPCheckpointIO`) and keeps
+        its sampler positions for the training loaders built next."""
         self._checkpoint_path = checkpoint_path
-        return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        entry = checkpoint.get(sampler_state.CHECKPOINT_KEY)
+        self._pending_positions = list(sampler_state.loader_positions(entry)) if entry is not None else []
+        return checkpoint
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
@@ -468,9 +589,11 @@ class MyDDPStrategy(ParallelStrategy):
 
     @override
     def on_train_start(self) -> None:
-        """Rank 0: remove temporary files that killed checkpoint writers left, log the fit summary and batch-size
-        warnings; every rank: start tracking which parameters get gradients. No collective."""
+        """Every rank: restore a mid-epoch batch counter; rank 0: remove temporary files that killed checkpoint
+        writers left, log the fit summary and batch-size warnings; every rank: start tracking which parameters
+        get gradients. No collective."""
         super().on_train_start()
+        self._resume_batch_counter()
         if self.is_global_zero and self._trainer is not None:
             for callback in self._trainer.checkpoint_callbacks:
                 if getattr(callback, "dirpath", None):
@@ -553,6 +676,12 @@ class MyDDPStrategy(ParallelStrategy):
         assert self._trainer is not None
         return os.path.join(self._trainer.default_root_dir, "sigterm.ckpt")
 
+    @override
+    def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
+        """Gather ``tensor`` from every rank (a collective), refused inside uneven evaluation steps."""
+        self._eval_guard.check("all_gather", self.global_rank)
+        return super().all_gather(tensor, group=group, sync_grads=sync_grads)
+
     # --------------------------------------------------------------------------------------- teardown
     @override
     def teardown(self) -> None:
@@ -568,6 +697,7 @@ class MyDDPStrategy(ParallelStrategy):
             _pl.set_lightning_sampler_injection(self._trainer, enabled=True)
             self._trainer.callbacks[:] = [cb for cb in self._trainer.callbacks
                                           if not isinstance(cb, failures.EpochBoundaryCheck)]
+        self._pending_positions = []
         super().teardown()
         self._node_group, self._node_ranks = None, []
         self._barrier_group = self._rendezvous_store = None

@@ -58,3 +58,34 @@ def test_is_interactive_needs_a_running_ipython_not_just_an_import(monkeypatch):
     assert _pl.is_interactive() is False
     fake.get_ipython = lambda: object()
     assert _pl.is_interactive() is True
+
+
+def test_sampler_injection_can_be_forced_on_for_predict():
+    """force=True turns Lightning's injection on even when the user switched it off."""
+    trainer = Trainer(accelerator="cpu", devices=1, use_distributed_sampler=False, logger=False)
+    assert _pl.set_lightning_sampler_injection(trainer, enabled=True, force=True) is False
+    assert trainer._accelerator_connector.use_distributed_sampler is True
+    _pl.set_lightning_sampler_injection(trainer, enabled=True)
+    assert trainer._accelerator_connector.use_distributed_sampler is False
+
+
+def test_epoch_batch_progress_counters_shift_together():
+    """The epoch loop's batch progress has current/total trackers with the four counters we shift."""
+    trainer = Trainer(accelerator="cpu", devices=1, logger=False)
+    progress = trainer.fit_loop.epoch_loop.batch_progress
+    progress.current.ready = progress.total.ready = 5
+    _pl.shift_epoch_batch_progress(trainer, -2)
+    assert progress.current.ready == progress.total.ready == 3
+    assert progress.current.completed == progress.total.completed == -2
+    assert {"ready", "started", "processed", "completed"} <= set(vars(progress.current))
+
+
+def test_not_resumable_warning_text_is_still_lightnings():
+    """The strategy silences Lightning's 'dataloader is not resumable' warning by its text; the text must match."""
+    import inspect
+
+    from lightning.pytorch.loops import training_epoch_loop
+
+    from ddp_strategy.sampler import LIGHTNING_NOT_RESUMABLE_WARNING
+
+    assert LIGHTNING_NOT_RESUMABLE_WARNING in inspect.getsource(training_epoch_loop)

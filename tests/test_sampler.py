@@ -1,17 +1,24 @@
-"""Sampler injection and epoch seeding, in one process (ranks are given explicitly)."""
+"""Samplers, sampler injection and epoch seeding, in one process (ranks are given explicitly)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
-from torch.utils.data import DataLoader, IterableDataset, TensorDataset
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    IterableDataset,
+    Sampler,
+    SequentialSampler,
+    SubsetRandomSampler,
+    TensorDataset,
+    WeightedRandomSampler,
+)
 from torch.utils.data.distributed import DistributedSampler
 
-from ddp_strategy.sampler import (
-    EpochSeededDistributedSampler,
-    inject_distributed_sampler,
-    needs_distributed_sampler,
-    shared_seed,
-)
+from ddp_strategy.injection import inject_distributed_sampler, injected_sampler, needs_distributed_sampler
+from ddp_strategy.sampler import EpochSeededDistributedSampler, ShardedSampler, draw_epoch, shard_iterable, shared_seed
+from ddp_strategy.sampler_state import merge_rank_positions
 
 DATA = TensorDataset(torch.arange(5))
 
@@ -65,6 +72,7 @@ def test_injection_keeps_per_device_batch_size_and_shuffles_when_loader_did():
     assert [i for b in new for i in b[0].tolist()] == list(new.sampler)[: 7 * 7]
 
 
+@pytest.mark.filterwarnings("ignore:Stream is an IterableDataset")
 def test_user_distributed_sampler_and_iterable_datasets_are_left_alone():
     """A user's own DistributedSampler is respected; iterable data sets and non-loaders pass through."""
     data = TensorDataset(torch.arange(8))
@@ -87,3 +95,198 @@ def test_shared_seed_prefers_explicit_then_seed_everything(monkeypatch):
     monkeypatch.setenv("PL_GLOBAL_SEED", "42")
     assert shared_seed() == 42
     assert shared_seed(7) == 7
+
+
+def _drawn(loader) -> list[int]:
+    return [i for batch in loader for i in batch[0].tolist()]
+
+
+def test_custom_samplers_are_sharded_from_one_shared_draw():
+    """Weighted and subset samplers: the ranks' reads interleave into one draw of the original sampler."""
+    data = TensorDataset(torch.arange(12))
+    for source in (WeightedRandomSampler(torch.rand(12), num_samples=9), SubsetRandomSampler([1, 4, 5, 7, 9, 11])):
+        loader = DataLoader(data, sampler=source, batch_size=2)
+        shards = [_drawn(inject_distributed_sampler(loader, 3, r, seed=4)) for r in range(3)]
+        draw = draw_epoch(source, 4, 0)
+        padded = draw + draw[: (-len(draw)) % 3]
+        assert [padded[r::3] for r in range(3)] == shards
+        assert draw_epoch(source, 4, 0) == draw != draw_epoch(source, 4, 1)  # reproducible, new per epoch
+
+
+def test_user_sampler_class_gets_set_epoch_and_global_rng_is_untouched():
+    """A user sampler with set_epoch and torch.randperm inside sees the epoch; training RNG is restored after."""
+
+    class Mine(Sampler):
+        def __init__(self):
+            self.epochs = []
+
+        def set_epoch(self, epoch):
+            self.epochs.append(epoch)
+
+        def __iter__(self):
+            return iter(torch.randperm(6).tolist())
+
+        def __len__(self):
+            return 6
+
+    mine = Mine()
+    sharded = ShardedSampler(mine, 2, 1, seed=0, epoch_fn=lambda: 5)
+    state = torch.get_rng_state()
+    first = list(sharded)
+    assert torch.equal(state, torch.get_rng_state()) and mine.epochs == [5]
+    assert first == list(ShardedSampler(mine, 2, 1, seed=0, epoch_fn=lambda: 5))
+
+
+def test_custom_batch_sampler_is_sharded_by_whole_batches():
+    """A custom batch sampler: rank r reads batches r, r + W, ... of one draw (padded with the first batches)."""
+
+    class Buckets(Sampler):
+        def __iter__(self):
+            return iter([[0, 1], [2], [3, 4, 5], [6], [7, 8]])
+
+        def __len__(self):
+            return 5
+
+    loader = DataLoader(TensorDataset(torch.arange(9)), batch_sampler=Buckets())
+    shards = [[b[0].tolist() for b in inject_distributed_sampler(loader, 2, r, 0)] for r in range(2)]
+    assert shards == [[[0, 1], [3, 4, 5], [7, 8]], [[2], [6], [0, 1]]]
+    unpadded = [[b[0].tolist() for b in inject_distributed_sampler(loader, 2, r, 0, pad=False)] for r in range(2)]
+    assert unpadded == [[[0, 1], [3, 4, 5], [7, 8]], [[2], [6]]]
+
+
+def test_plain_batch_sampler_keeps_batch_size_and_drop_last():
+    """DataLoader(batch_sampler=BatchSampler(...)) keeps B and drop_last after injection."""
+    data = TensorDataset(torch.arange(11))
+    loader = DataLoader(data, batch_sampler=BatchSampler(SequentialSampler(data), 3, drop_last=True))
+    new = inject_distributed_sampler(loader, 2, 1, seed=0)
+    assert [b[0].tolist() for b in new] == [[1, 3, 5], [7, 9, 0]]
+
+
+def test_injection_happens_once():
+    """A loader that already carries an injected sampler is returned unchanged."""
+    loader = DataLoader(TensorDataset(torch.arange(8)), batch_size=2, shuffle=True)
+    once = inject_distributed_sampler(loader, 2, 0, 0)
+    assert injected_sampler(once) is not None and not needs_distributed_sampler(once)
+    assert inject_distributed_sampler(once, 2, 0, 0) is once
+
+
+def test_epoch_fn_with_persistent_workers_reshuffles_each_epoch():
+    """Sampling happens in the main process: with persistent workers each epoch still gets its own order."""
+    epoch = {"value": 0}
+    data = TensorDataset(torch.arange(10))
+    loader = DataLoader(data, batch_size=5, shuffle=True, num_workers=1, persistent_workers=True)
+    new = inject_distributed_sampler(loader, 2, 0, seed=1, epoch_fn=lambda: epoch["value"])
+    orders = []
+    for e in range(2):
+        epoch["value"] = e
+        orders.append(_drawn(new))
+        reference = EpochSeededDistributedSampler(data, 2, 0, seed=1)
+        reference.set_epoch(e)
+        assert orders[-1] == list(reference)
+    assert orders[0] != orders[1]
+    new._iterator._shutdown_workers()
+
+
+@pytest.mark.parametrize(
+    ("n", "batch_size", "drop_last", "training", "message"),
+    [
+        (1, 1, False, True, "1 samples but there are 2 ranks"),
+        (1, 1, False, False, "1 samples but there are 2 ranks"),
+        (10, 6, False, True, "batch_size=6 is per device"),
+        (10, 6, True, False, "drop_last=True with batch_size=6"),
+    ],
+)
+def test_bad_shard_sizes_raise_clear_errors(n, batch_size, drop_last, training, message):
+    """Fewer samples than ranks, a batch larger than a shard, drop_last with no full batch: clear ValueErrors."""
+    loader = DataLoader(TensorDataset(torch.arange(n)), batch_size=batch_size, drop_last=drop_last)
+    with pytest.raises(ValueError, match=message):
+        inject_distributed_sampler(loader, 2, 0, 0, pad=training)
+
+
+def test_shard_iterable_by_rank_and_worker():
+    """shard_iterable splits a stream by rank (and by DataLoader worker inside workers)."""
+    assert [list(shard_iterable(range(10), r, 2)) for r in range(2)] == [[0, 2, 4, 6, 8], [1, 3, 5, 7, 9]]
+
+    class Stream(IterableDataset):
+        def __init__(self, rank):
+            self.rank = rank
+
+        def __iter__(self):
+            return shard_iterable(range(12), rank=self.rank, world_size=2)
+
+    # 2 ranks x 2 workers = 4 shards: rank 1 owns shards 2 and 3 (its workers 0 and 1).
+    per_rank = [sorted(int(x) for x in DataLoader(Stream(r), batch_size=None, num_workers=2)) for r in range(2)]
+    assert per_rank == [[0, 1, 4, 5, 8, 9], [2, 3, 6, 7, 10, 11]]
+
+
+def test_iterable_dataset_is_not_sharded_and_warned_about():
+    """An IterableDataset is left alone, with a warning that points to shard_iterable."""
+
+    class Stream(IterableDataset):
+        def __iter__(self):
+            return iter(range(3))
+
+    loader = DataLoader(Stream())
+    with pytest.warns(UserWarning, match="shard_iterable"):
+        assert inject_distributed_sampler(loader, 2, 0, 0) is loader
+
+
+def test_resume_position_same_and_other_world_sizes():
+    """A position after 2 batches of 2 on 2 ranks: same W continues the shards; W=1 and W=3 split the rest."""
+    data = TensorDataset(torch.arange(11))
+    ranks = [EpochSeededDistributedSampler(data, 2, r, seed=5) for r in range(2)]
+    for s in ranks:
+        s.items_per_batch = 2
+    full = [list(s) for s in ranks]
+    position = merge_rank_positions([s.position(2) for s in ranks])
+    assert position["layers"] == [{"world_size": 2, "consumed": [4, 4]}]
+    rest = full[0][4:] + full[1][4:]
+    for world in (1, 2, 3):
+        resumed = [EpochSeededDistributedSampler(data, world, r, seed=5) for r in range(world)]
+        for s in resumed:
+            s.items_per_batch = 2
+            s.resume_from(position)
+        pending = [s.pending_resume_batches(0) for s in resumed]
+        shards = [list(s) for s in resumed]
+        if world == 2:
+            assert shards == [full[0][4:], full[1][4:]]
+        got = [i for shard in shards for i in shard]
+        assert set(got) >= set(rest[:-1]) and len(got) - len(set(rest[:-1])) < world  # 9 is padding at W=2
+        assert {len(s) for s in shards} == {len(shards[0])}
+        assert pending == [-(-len(shards[0]) // 2)] * world
+    later = EpochSeededDistributedSampler(data, 2, 0, seed=5)
+    later.resume_from(position)
+    later.set_epoch(1)
+    assert list(later) == list(EpochSeededDistributedSampler(data, 2, 0, seed=5, epoch_fn=lambda: 1))
+
+
+def test_resume_from_a_position_of_another_length_raises():
+    """A position written for 11 samples cannot resume a loader of 12."""
+    position = merge_rank_positions([EpochSeededDistributedSampler(TensorDataset(torch.arange(11)), 1, 0).position(0)])
+    with pytest.raises(ValueError, match="stream of 11 items, but the training loader now yields 12"):
+        EpochSeededDistributedSampler(TensorDataset(torch.arange(12)), 2, 0).resume_from(position)
+
+
+def test_chained_elastic_resumes_cover_the_epoch():
+    """2 ranks read 1 batch, resume on 3 that read 1 more batch, resume on 1: every sample read, repeats = padding."""
+    data = TensorDataset(torch.arange(17))
+
+    def make(world, rank):
+        s = EpochSeededDistributedSampler(data, world, rank, seed=9)
+        s.items_per_batch = 2
+        return s
+
+    first = [make(2, r) for r in range(2)]
+    read = [i for s in first for i in list(s)[:2]]
+    position = merge_rank_positions([s.position(1) for s in first])
+    second = [make(3, r) for r in range(3)]
+    for s in second:
+        s.resume_from(position)
+        s.batch_offset = 4  # what the strategy sets: Lightning's counter at the resumed epoch's start
+    read += [i for s in second for i in list(s)[:2]]
+    position = merge_rank_positions([s.position(5) for s in second])
+    assert [layer["world_size"] for layer in position["layers"]] == [2, 3]
+    last = make(1, 0)
+    last.resume_from(position)
+    read += list(last)
+    assert set(read) == set(range(17)) and len(read) - 17 < 3  # at most the padding of the W=3 remainder

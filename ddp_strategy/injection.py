@@ -1,0 +1,263 @@
+"""Putting the distributed samplers into the user's loaders: which loaders, which sampler, and bad input.
+
+For each ``DataLoader`` a ``*_dataloader`` hook returns, :func:`inject_distributed_sampler` decides whether it
+needs sharding (not when it already has a distributed sampler, one of ours, or an ``IterableDataset``),
+checks that the shards make sense (:func:`check_shard_sizes`), builds the matching sampler from
+:mod:`ddp_strategy.sampler` and rebuilds the loader around it with its other arguments kept.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, SequentialSampler
+from torch.utils.data.distributed import DistributedSampler
+
+from ddp_strategy import _lightning_private as _pl
+from ddp_strategy.sampler import (
+    EpochSeededDistributedSampler,
+    ShardedBatchSampler,
+    ShardedSampler,
+    _EpochShards,
+)
+
+
+def loader_shuffles(dataloader: DataLoader) -> bool:
+    """Whether ``dataloader`` was built to shuffle (``shuffle=True`` makes a ``RandomSampler``).
+
+    Args:
+        dataloader: a :class:`~torch.utils.data.DataLoader`.
+
+    Returns:
+        True for a ``RandomSampler``, False for a ``SequentialSampler`` or any other sampler.
+    """
+    return isinstance(original_sampler(dataloader), RandomSampler)
+
+
+def original_sampler(dataloader: DataLoader) -> Any:
+    """The sampler of indices behind ``dataloader``, or ``None`` when it has a custom batch sampler.
+
+    ``DataLoader(batch_size=B)`` and ``DataLoader(batch_sampler=BatchSampler(s, B, drop_last))`` both read
+    indices from a sampler; any other ``batch_sampler`` yields whole batches itself.
+    """
+    batch_sampler = dataloader.batch_sampler
+    if batch_sampler is None:
+        return dataloader.sampler
+    if type(batch_sampler) is BatchSampler:
+        return batch_sampler.sampler
+    return None
+
+
+def _is_plain_permutation(sampler: Any) -> bool:
+    """A ``RandomSampler`` as ``shuffle=True`` makes it: one permutation of the data set, no replacement."""
+    return (isinstance(sampler, RandomSampler) and not sampler.replacement
+            and getattr(sampler, "_num_samples", None) is None)
+
+
+def distributed_sampler_for(
+    dataloader: DataLoader,
+    num_replicas: int,
+    rank: int,
+    seed: int,
+    epoch_fn: Callable[[], int] | None = None,
+    pad: bool = True,
+) -> Any:
+    """Build the distributed (batch) sampler that replaces ``dataloader``'s, keeping its order semantics.
+
+    ``RandomSampler`` and ``SequentialSampler`` (what ``shuffle=True/False`` create) become an
+    :class:`EpochSeededDistributedSampler`; any other sampler a :class:`ShardedSampler`; a custom batch
+    sampler a :class:`ShardedBatchSampler`.
+
+    Args:
+        dataloader: the user's loader.
+        num_replicas: world size W.
+        rank: global rank.
+        seed: shuffle seed shared by all ranks.
+        epoch_fn, pad: see :class:`EpochSeededDistributedSampler`.
+
+    Returns:
+        The sampler (for a custom batch sampler: the batch sampler), with ``set_epoch``.
+    """
+    source = original_sampler(dataloader)
+    built: _EpochShards
+    if source is None:
+        built = ShardedBatchSampler(dataloader.batch_sampler, num_replicas, rank, seed, epoch_fn, pad)
+    elif _is_plain_permutation(source) or isinstance(source, SequentialSampler):
+        built = EpochSeededDistributedSampler(dataloader.dataset, num_replicas=num_replicas, rank=rank,
+                                              shuffle=isinstance(source, RandomSampler), seed=seed,
+                                              epoch_fn=epoch_fn, pad=pad)
+    else:
+        built = ShardedSampler(source, num_replicas, rank, seed, epoch_fn, pad)
+    if source is not None and dataloader.batch_sampler is not None:
+        built.items_per_batch = int(dataloader.batch_sampler.batch_size)  # type: ignore[attr-defined]
+        built.drop_last_batch = bool(dataloader.batch_sampler.drop_last)  # type: ignore[attr-defined]
+    return built
+
+
+def injected_sampler(dataloader: object) -> _EpochShards | None:
+    """The sampler this module injected into ``dataloader`` (sampler or batch sampler), else ``None``."""
+    for candidate in (getattr(dataloader, "batch_sampler", None), getattr(dataloader, "sampler", None),
+                      getattr(getattr(dataloader, "batch_sampler", None), "sampler", None)):
+        if isinstance(candidate, _EpochShards):
+            return candidate
+    return None
+
+
+def _is_distributed(obj: object) -> bool:
+    """A user's ``DistributedSampler``, or a batch sampler that shards itself (has ``num_replicas``/``rank``)."""
+    return isinstance(obj, DistributedSampler) or (hasattr(obj, "num_replicas") and hasattr(obj, "rank"))
+
+
+def needs_distributed_sampler(dataloader: object) -> bool:
+    """Whether :func:`inject_distributed_sampler` would replace ``dataloader``'s sampler.
+
+    Args:
+        dataloader: anything a ``*_dataloader`` hook returned.
+
+    Returns:
+        False for non-``DataLoader`` objects, iterable-style data sets (which have no indices to shard,
+        see :func:`shard_iterable`), loaders that already carry one of our samplers (injection happens once)
+        and loaders whose sampler or batch sampler is already distributed (the user's own is respected).
+    """
+    if not isinstance(dataloader, DataLoader) or isinstance(dataloader.dataset, IterableDataset):
+        return False
+    if injected_sampler(dataloader) is not None:
+        return False
+    batch_sampler = dataloader.batch_sampler
+    return not any(_is_distributed(s) for s in (dataloader.sampler, batch_sampler,
+                                                getattr(batch_sampler, "sampler", None)) if s is not None)
+
+
+def check_shard_sizes(dataloader: DataLoader, num_replicas: int, training: bool) -> None:
+    """Raise early (the same error on every rank) when ``dataloader`` cannot be sharded sensibly.
+
+    Args:
+        dataloader: the user's loader (before injection).
+        num_replicas: world size W.
+        training: True for the training loader (padded shards, equal step counts).
+
+    Raises:
+        ValueError: fewer items than ranks; for training, a ``batch_size`` larger than each rank's shard;
+            ``drop_last=True`` with a shard smaller than one batch (no batch at all).
+    """
+    source = original_sampler(dataloader)
+    n = len(source if source is not None else dataloader.batch_sampler)  # type: ignore[arg-type]
+    what = "samples" if source is not None else "batches"
+    if n < num_replicas:
+        raise ValueError(
+            f"The loader has {n} {what} but there are {num_replicas} ranks: some rank would get nothing (or only"
+            f" repeats). Use a data set with at least {num_replicas} {what}, or fewer devices."
+        )
+    batch_sampler = dataloader.batch_sampler
+    if source is None or batch_sampler is None:
+        return
+    batch_size, drop_last = int(batch_sampler.batch_size), bool(batch_sampler.drop_last)  # type: ignore[attr-defined]
+    smallest_shard = math.ceil(n / num_replicas) if training else n // num_replicas
+    if drop_last and smallest_shard < batch_size:
+        raise ValueError(
+            f"drop_last=True with batch_size={batch_size}, but a rank's shard has only {smallest_shard} samples"
+            f" ({n} samples over {num_replicas} ranks): that rank would get no batch at all. Lower batch_size"
+            f" to at most {smallest_shard}, set drop_last=False, or use fewer devices."
+        )
+    if training and smallest_shard < batch_size:
+        raise ValueError(
+            f"batch_size={batch_size} is per device, but each rank's training shard has only {smallest_shard}"
+            f" samples ({n} samples over {num_replicas} ranks), so every step would see a short batch. Lower"
+            f" batch_size to at most {smallest_shard} (the global batch is batch_size x {num_replicas}), or use"
+            " fewer devices."
+        )
+
+
+def _rebuild_with_batch_sampler(dataloader: DataLoader, batch_sampler: Any) -> DataLoader:
+    """Re-create ``dataloader`` with ``batch_sampler`` and its other settings (workers, collate, ...)."""
+    names = ("num_workers", "collate_fn", "pin_memory", "timeout", "worker_init_fn", "multiprocessing_context",
+             "generator", "prefetch_factor", "persistent_workers", "pin_memory_device", "in_order")
+    kwargs = {name: getattr(dataloader, name) for name in names if hasattr(dataloader, name)}
+    if type(dataloader) is not DataLoader:
+        raise TypeError(
+            f"Cannot shard the batch sampler of a {type(dataloader).__name__} (a DataLoader subclass): rebuilding it"
+            " would lose its own arguments. Use torch.utils.data.DataLoader with your batch_sampler, or give the"
+            " batch sampler `num_replicas` and `rank` attributes and shard it yourself (it is then left alone)."
+        )
+    return DataLoader(dataloader.dataset, batch_sampler=batch_sampler, **kwargs)
+
+
+def inject_distributed_sampler(
+    dataloader: object,
+    num_replicas: int,
+    rank: int,
+    seed: int,
+    epoch_fn: Callable[[], int] | None = None,
+    pad: bool = True,
+) -> object:
+    """Return ``dataloader`` rebuilt with a distributed sampler, or unchanged when it needs none.
+
+    The loader is re-created with Lightning's own re-instantiation logic where it can (so ``DataLoader``
+    subclass arguments are kept), else with the same workers, collate function and pinning. ``batch_size``
+    stays the per-device batch size B: the global batch is ``B * num_replicas``.
+
+    Args:
+        dataloader: the user's loader (see :func:`needs_distributed_sampler` for what is left alone).
+        num_replicas: world size W.
+        rank: global rank.
+        seed: shuffle seed shared by all ranks.
+        epoch_fn, pad: see :class:`EpochSeededDistributedSampler`; pass ``pad=False`` for evaluation loaders.
+
+    Returns:
+        The new loader, or ``dataloader`` itself.
+
+    Raises:
+        ValueError: see :func:`check_shard_sizes`.
+        TypeError: a custom batch sampler inside a ``DataLoader`` subclass.
+    """
+    if not needs_distributed_sampler(dataloader):
+        if isinstance(dataloader, DataLoader) and isinstance(dataloader.dataset, IterableDataset):
+            rank_zero_warn(
+                f"{type(dataloader.dataset).__name__} is an IterableDataset: it has no indices, so MyDDPStrategy"
+                " cannot shard it and every rank reads whatever its __iter__ yields. Shard it yourself in __iter__"
+                " with ddp_strategy.shard_iterable (by rank and DataLoader worker), or every rank sees the same data."
+            )
+        return dataloader
+    assert isinstance(dataloader, DataLoader)
+    check_shard_sizes(dataloader, num_replicas, training=pad)
+    built = distributed_sampler_for(dataloader, num_replicas, rank, seed, epoch_fn, pad)
+    if isinstance(built, ShardedBatchSampler):
+        return _rebuild_with_batch_sampler(dataloader, built)
+    if dataloader.batch_sampler is not None and dataloader.batch_size is None:
+        # DataLoader(batch_sampler=BatchSampler(s, B, drop_last)): keep B and drop_last.
+        batch_sampler = BatchSampler(built, built.items_per_batch, built.drop_last_batch)
+        return _rebuild_with_batch_sampler(dataloader, batch_sampler)
+    return _pl.update_dataloader(dataloader, built)
+
+
+def flatten_loaders(loaders: Any) -> list[Any]:
+    """The loaders in ``loaders`` (one loader, or lists/tuples/dicts of them, as Lightning's hooks return)."""
+    if loaders is None:
+        return []
+    if isinstance(loaders, dict):
+        return [dl for value in loaders.values() for dl in flatten_loaders(value)]
+    if isinstance(loaders, (list, tuple)):
+        return [dl for value in loaders for dl in flatten_loaders(value)]
+    return [loaders]
+
+
+def check_dataloader_type(dataloader: object, world_size: int) -> None:
+    """Refuse loaders the strategy cannot shard: every rank would silently see the same data.
+
+    Args:
+        dataloader: what a ``*_dataloader`` hook returned (one loader; Lightning unpacks collections).
+        world_size: W; with W == 1 anything goes.
+
+    Raises:
+        TypeError: ``dataloader`` is not a :class:`~torch.utils.data.DataLoader` and W > 1.
+    """
+    if world_size > 1 and not isinstance(dataloader, DataLoader):
+        raise TypeError(
+            f"MyDDPStrategy got a {type(dataloader).__name__} where a torch.utils.data.DataLoader was expected."
+            f" With {world_size} processes each one needs its own shard of the data, which the strategy can only"
+            " arrange for a DataLoader. Wrap your data in a Dataset and a DataLoader (or, if you shard it yourself"
+            " by rank, in a DataLoader over an IterableDataset)."
+        )
