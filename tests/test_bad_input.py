@@ -1,0 +1,58 @@
+"""Bad input gets a clear error before the first step (the checks are deterministic, so every rank raises)."""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from ddp_strategy import DigitsClassifier, DigitsDataModule
+from ddp_strategy.checkpoint_io import unwritable_reason
+from ddp_strategy.injection import check_dataloader_type
+from ddp_strategy.wrapping import check_trainable
+
+
+def test_a_loader_that_is_not_a_dataloader_is_refused_under_ddp():
+    """A list of batches would reach every rank whole; with 2 ranks it is refused, with 1 it is fine."""
+    batches = [torch.zeros(2, 64)]
+    with pytest.raises(TypeError, match="MyDDPStrategy got a list where a torch.utils.data.DataLoader was expected"):
+        check_dataloader_type(batches, world_size=2)
+    check_dataloader_type(batches, world_size=1)
+    check_dataloader_type(DataLoader(TensorDataset(torch.zeros(2))), world_size=2)
+
+
+def test_a_module_with_nothing_to_train_is_refused():
+    """No parameter requires a gradient: refused before DDP's own, less helpful, error."""
+    frozen = nn.Linear(2, 2).requires_grad_(False)
+    with pytest.raises(ValueError, match="Linear has no parameters that require a gradient"):
+        check_trainable(frozen)
+    check_trainable(nn.Linear(2, 2))
+
+
+def test_an_unwritable_checkpoint_folder_is_named(tmp_path):
+    """A folder that cannot be created is reported with its path; a writable one is fine and left clean."""
+    assert unwritable_reason([tmp_path / "ok"]) is None and list((tmp_path / "ok").iterdir()) == []
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    reason = unwritable_reason([blocker / "ckpts"])
+    assert reason is not None and f"Checkpoint folder {blocker / 'ckpts'} is not writable" in reason
+
+
+def test_batch_size_zero_is_refused_where_the_loader_is_made():
+    """batch_size=0 fails in the DataLoader (PyTorch) and in the reference data module (ours), at once."""
+    with pytest.raises(ValueError, match="batch_size should be a positive integer"):
+        DataLoader(TensorDataset(torch.zeros(4)), batch_size=0)
+    with pytest.raises(ValueError, match="per-device batch size and must be >= 1"):
+        DigitsDataModule(batch_size=0)
+
+
+def test_a_missing_checkpoint_path_fails_before_training(tmp_path):
+    """fit(ckpt_path=...) with a missing file raises FileNotFoundError naming it, before any step."""
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=1, logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, default_root_dir=str(tmp_path))
+    missing = tmp_path / "nope.ckpt"
+    with pytest.raises(FileNotFoundError, match="nope.ckpt"):
+        trainer.fit(DigitsClassifier(), DigitsDataModule(), ckpt_path=str(missing))
+    assert trainer.global_step == 0
