@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from ddp_testing import IndexedDigits
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState
 
 from ddp_strategy import DigitsClassifier, DigitsDataModule, MyDDPStrategy
 from ddp_strategy.comm_hooks import count_collective_bytes
@@ -214,8 +215,12 @@ def _scenarios(rank: int, out: Path) -> list[tuple[str, Any]]:
         def run() -> None:
             pl.seed_everything(7)
             model = HookClassifier()
+            strategy_kwargs: dict[str, Any] = {"ddp_comm_hook": hook}
+            if hook == "powersgd":  # a user-made state: rank 2 instead of the default rank 1
+                strategy_kwargs["ddp_comm_state"] = PowerSGDState(
+                    process_group=None, matrix_approximation_rank=2, start_powerSGD_iter=10)
             trainer = _trainer(max_epochs=HOOK_EPOCHS, limit_train_batches=None, limit_val_batches=None,
-                               strategy_kwargs={"ddp_comm_hook": hook})
+                               strategy_kwargs=strategy_kwargs)
             trainer.fit(model, DigitsDataModule(batch_size=32))
             _save(out, f"hook_{hook}", rank, {
                 "val_acc": float(trainer.callback_metrics["val_acc"]), "step_bytes": model.step_bytes,
