@@ -40,14 +40,17 @@ from typing_extensions import override
 from ddp_strategy import _lightning_private as _pl
 from ddp_strategy import (
     checkpoint_io,
+    comm_hooks,
     diagnostics,
     evaluation,
     failures,
     injection,
     launching,
     process_group,
+    rank_check,
     sampler,
     sampler_state,
+    sync_batchnorm,
     wrapping,
 )
 from ddp_strategy.checkpoint_io import DDPCheckpointIO
@@ -102,8 +105,17 @@ class MyDDPStrategy(ParallelStrategy):
         checkpoint_on_sigterm: on SIGTERM (how clusters pre-empt jobs) all ranks stop at the same step and
             save a checkpoint before exiting: ``True`` writes ``<default_root_dir>/sigterm.ckpt``, a path writes
             there; resume with ``Trainer.fit(ckpt_path=...)``. Default False.
+        ddp_comm_hook: a DDP communication hook ``hook(state, bucket) -> Future``, or one of ``"allreduce"``,
+            ``"fp16"``, ``"bf16"``, ``"powersgd"``; registered on every backend, gloo included
+            (:mod:`ddp_strategy.comm_hooks`). Default ``None``: DDP's own float32 all-reduce.
+        ddp_comm_state: the hook's state (a ``PowerSGDState`` for PowerSGD, a process group for the others).
+        ddp_comm_wrapper: wraps the hook, e.g. ``default_hooks.fp16_compress_wrapper`` around PowerSGD.
+        verify_sync_every_n_steps: compare parameter checksums across ranks after every N-th optimizer
+            step and raise on every rank naming the parameters that differ
+            (:mod:`ddp_strategy.rank_check`); default ``None`` = off.
         **ddp_kwargs: options for :class:`torch.nn.parallel.DistributedDataParallel`
-            (``find_unused_parameters``, ``bucket_cap_mb`` in MiB, ``static_graph``, ...);
+            (``find_unused_parameters``, ``bucket_cap_mb`` in MiB, ``static_graph``, ``broadcast_buffers``,
+            ``process_group`` (a group, or a zero-argument callable that builds one after launch), ...);
             ``gradient_as_bucket_view`` defaults to True here.
 
     Raises:
@@ -130,6 +142,10 @@ class MyDDPStrategy(ParallelStrategy):
         allow_cpu_oversubscription: bool = False,
         monitored_barrier_timeout: float | timedelta | None = None,
         checkpoint_on_sigterm: bool | str | os.PathLike = False,
+        ddp_comm_hook: comm_hooks.CommHook | str | None = None,
+        ddp_comm_state: Any = None,
+        ddp_comm_wrapper: Any = None,
+        verify_sync_every_n_steps: int | None = None,
         **ddp_kwargs: Any,
     ) -> None:
         super().__init__(
@@ -163,6 +179,13 @@ class MyDDPStrategy(ParallelStrategy):
         self._forward_redirection = wrapping.DDPForwardRedirection()
         self._eval_guard = evaluation.EvaluationStepGuard()
         self._pending_positions: list[dict[str, Any]] = []
+        self._comm_hook = comm_hooks.CommHookConfig(ddp_comm_hook, ddp_comm_state, ddp_comm_wrapper)
+        if verify_sync_every_n_steps is not None and verify_sync_every_n_steps < 1:
+            raise ValueError(f"verify_sync_every_n_steps must be a positive number of optimizer steps or None,"
+                             f" got {verify_sync_every_n_steps}.")
+        self._verify_sync_every_n_steps = verify_sync_every_n_steps
+        self._optimizer_steps = 0
+        self._check_unused_after_backward = False
 
     # ----------------------------------------------------------------------------------------- topology
     @property
@@ -292,16 +315,21 @@ class MyDDPStrategy(ParallelStrategy):
         self.accelerator.setup(trainer)
         fitting = trainer.state.fn == TrainerFn.FITTING
         assert self.model is not None
-        if fitting and self._layer_sync:
-            self.model = self._layer_sync.apply(self.model)
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
+        if fitting and self._layer_sync:
+            self._layer_sync = sync_batchnorm.cpu_capable(self._layer_sync)
+            self.model = self._layer_sync.apply(self.model)
         if fitting:
             if not any(isinstance(cb, failures.EpochBoundaryCheck) for cb in trainer.callbacks):
                 trainer.callbacks.append(failures.EpochBoundaryCheck(self._check_epoch_start))
             wrapping.check_trainable(self.model)
             self._check_checkpoint_dirs(trainer)
-            self.model = wrapping.wrap_module(self.model, self.root_device, self._ddp_kwargs)
+            ddp_kwargs = wrapping.resolve_process_group(self._ddp_kwargs)
+            self.model = wrapping.wrap_module(self.model, self.root_device, ddp_kwargs)
+            comm_hooks.register_comm_hook(self.model, self._comm_hook, dist.get_backend())
+            self._check_unused_after_backward = wrapping.needs_unused_parameter_check(self._ddp_kwargs)
+            self._optimizer_steps = 0
             self.setup_optimizers(trainer)
         else:
             wrapping.broadcast_module_states(self.model)
@@ -334,6 +362,24 @@ class MyDDPStrategy(ParallelStrategy):
         assert self.lightning_module is not None
         if not self.lightning_module.automatic_optimization:
             wrapping.prepare_manual_backward(self.model, closure_loss)
+
+    @override
+    def post_backward(self, closure_loss: Tensor) -> None:
+        """After the first backward (find_unused_parameters off), name parameters that got no gradient."""
+        if self._check_unused_after_backward:
+            self._check_unused_after_backward = False
+            wrapping.check_unused_parameters(self.model, self.root_device)
+
+    @override
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        """Step the optimizer; every ``verify_sync_every_n_steps`` steps, check the ranks agree."""
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        self._optimizer_steps += 1
+        n = self._verify_sync_every_n_steps
+        if n is not None and self._optimizer_steps % n == 0 and self.model is not None:
+            rank_check.verify_parameters_in_sync(wrapping.unwrap_module(self.model), self._optimizer_steps,
+                                                 self.root_device)
+        return output
 
     @contextmanager
     @override

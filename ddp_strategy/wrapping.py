@@ -124,7 +124,21 @@ class DDPForwardRedirection(_pl.ForwardRedirection):
     Under manual optimization ``training_step`` calls ``manual_backward`` inside the forward call, so DDP
     must not prepare its reducer after forward; the strategy's ``pre_backward`` does it instead. This is
     the same behaviour as Lightning's own DDP strategy.
+
+    DDP's "Expected to have finished reduction in the prior iteration" error (raised on every rank by the
+    forward after a backward that left parameters without gradient) is re-raised with the names of those
+    parameters and the option to turn on.
     """
+
+    def __call__(self, wrapper_module: nn.Module, original_module: Any, method_name: str, *args: Any,
+                 **kwargs: Any) -> Any:
+        try:
+            return super().__call__(wrapper_module, original_module, method_name, *args, **kwargs)
+        except RuntimeError as e:
+            if isinstance(wrapper_module, DistributedDataParallel) and _UNFINISHED_REDUCTION in str(e):
+                names = parameters_without_grad(original_module)
+                raise RuntimeError(unused_parameters_message(names, dist.get_rank())) from e
+            raise
 
     def on_after_inner_forward(self, wrapper_module: nn.Module, original_module: Any) -> None:
         if isinstance(wrapper_module, DistributedDataParallel) and not original_module.automatic_optimization:
@@ -139,3 +153,69 @@ def prepare_manual_backward(model: nn.Module, loss: torch.Tensor) -> None:
     """Prepare DDP's reducer before a ``manual_backward`` (manual optimization only); no-op otherwise."""
     if isinstance(model, DistributedDataParallel):
         _pl.prepare_for_backward(model, loss)
+
+
+_UNFINISHED_REDUCTION = "Expected to have finished reduction"
+
+
+def resolve_process_group(ddp_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Create a user's process group now that the world group exists.
+
+    ``MyDDPStrategy(process_group=fn)`` may pass a zero-argument callable (e.g.
+    ``lambda: dist.new_group([0, 1])``): the group can only be built after ``init_process_group``, which
+    happens in each rank after launch. A collective when ``fn`` creates a group: called on every rank.
+
+    Returns:
+        ``ddp_kwargs`` with ``process_group`` replaced by ``fn()``; unchanged if it is a group or absent.
+    """
+    group = ddp_kwargs.get("process_group")
+    if callable(group) and not isinstance(group, dist.ProcessGroup):
+        return {**ddp_kwargs, "process_group": group()}
+    return ddp_kwargs
+
+
+def parameters_without_grad(module: nn.Module) -> list[str]:
+    """Names of parameters that require grad but have ``.grad is None`` (got no gradient in backward)."""
+    return [name for name, p in module.named_parameters() if p.requires_grad and p.grad is None]
+
+
+def unused_parameters_message(names: list[str], rank: int) -> str:
+    """The error for parameters that got no gradient while ``find_unused_parameters=False``."""
+    return (
+        f"[rank {rank}] {len(names)} parameter(s) received no gradient in backward: {names}. With"
+        " find_unused_parameters=False (the default) DDP waits for a gradient of every parameter, so the"
+        " gradient all-reduce can never finish. Pass MyDDPStrategy(find_unused_parameters=True) (costs one"
+        " graph traversal per step), or remove / freeze (requires_grad=False) those parameters, or use"
+        " static_graph=True if the same parameters are unused in every step."
+    )
+
+
+def check_unused_parameters(model: nn.Module, device: torch.device) -> None:
+    """After a backward, raise on every rank if any rank has parameters that got no gradient.
+
+    Meant for the first backward with ``find_unused_parameters=False`` and ``static_graph=False``: DDP
+    itself only notices at the next forward, and only by parameter index. A collective (one all-reduce
+    of P int32 flags, P = number of parameter tensors): every rank must call it, so all ranks agree and
+    raise the same error instead of some of them hanging.
+
+    Args:
+        model: the DDP wrapper or the plain module, right after backward.
+        device: this rank's device (NCCL needs CUDA tensors).
+
+    Raises:
+        RuntimeError: naming the parameters without gradient on any rank and ``find_unused_parameters``.
+    """
+    module = unwrap_module(model)
+    names = [name for name, p in module.named_parameters() if p.requires_grad]
+    missing = set(parameters_without_grad(module))
+    flags = torch.tensor([name in missing for name in names], dtype=torch.int32, device=device)
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    unused = [name for name, flag in zip(names, flags.tolist(), strict=False) if flag]
+    if unused:
+        raise RuntimeError(unused_parameters_message(unused, dist.get_rank() if dist.is_initialized() else 0))
+
+
+def needs_unused_parameter_check(ddp_kwargs: dict[str, Any]) -> bool:
+    """Whether DDP runs without its own unused-parameter handling (then the strategy checks once)."""
+    return not ddp_kwargs.get("find_unused_parameters", False) and not ddp_kwargs.get("static_graph", False)

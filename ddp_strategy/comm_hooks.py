@@ -1,0 +1,248 @@
+"""DDP communication hooks: choose, adapt to the backend, register, and measure what goes over the wire.
+
+A communication hook replaces DDP's gradient all-reduce for each bucket
+(https://pytorch.org/docs/stable/ddp_comm_hooks.html). ``MyDDPStrategy(ddp_comm_hook=...)`` registers
+one on every backend, CPU/gloo included (Lightning's own DDP strategy registers hooks on CUDA only).
+
+Built-in choices, by name or as PyTorch's functions:
+
+============  =====================================================  ================================
+name          hook                                                   bytes sent per element per rank
+============  =====================================================  ================================
+allreduce     ``default_hooks.allreduce_hook`` (what DDP does anyway)  4 (float32)
+fp16          ``default_hooks.fp16_compress_hook``                   2 (float16)
+bf16          :func:`bf16_all_reduce_hook` (gloo-capable, see below) 2 (bfloat16)
+powersgd      ``powerSGD_hook.powerSGD_hook`` with a PowerSGDState   (rows + cols) * rank per matrix
+============  =====================================================  ================================
+
+PyTorch refuses its own ``bf16_compress_hook`` unless CUDA+NCCL>=2.10 (or XPU+XCCL) is present, by the
+hook's ``__name__`` (``DistributedDataParallel._check_comm_hook``). Gloo in torch >= 2.13 all-reduces
+``torch.bfloat16`` tensors (checked by ``tests/test_comm_hooks.py``), so :func:`bf16_all_reduce_hook` does
+exactly what PyTorch's does: cast the float32 bucket to bfloat16, divide by the world size, all-reduce
+(sum) the bfloat16 tensor, and copy the result back into the float32 bucket. What goes over the wire is
+the bfloat16 tensor: 2 bytes per gradient element instead of 4. (It cannot be named
+``bf16_compress_hook``: DDP refuses that name on gloo.) Passing PyTorch's
+``bf16_compress_hook`` / ``bf16_compress_wrapper`` is accepted on every backend: on a backend other than
+NCCL they are replaced by this module's equivalents.
+"""
+
+import logging
+import threading
+from collections.abc import Callable, Generator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
+from torch.nn.parallel import DistributedDataParallel
+
+log = logging.getLogger(__name__)
+
+CommHook = Callable[[Any, dist.GradBucket], torch.futures.Future]
+
+# No ``from __future__ import annotations`` here: DDP checks a hook's annotations at registration and
+# rejects string annotations ("bucket annotation should be dist.GradBucket").
+
+
+def _group_size(process_group: dist.ProcessGroup | None) -> int:
+    return dist.get_world_size(process_group) if process_group is not None else dist.get_world_size()
+
+
+def bf16_all_reduce_hook(
+    process_group: dist.ProcessGroup | None, bucket: dist.GradBucket
+) -> torch.futures.Future[torch.Tensor]:
+    """All-reduce a gradient bucket in bfloat16 on any backend that sums bfloat16 (gloo, NCCL).
+
+    Same semantics as PyTorch's ``default_hooks.bf16_compress_hook``, without its CUDA/NCCL-only check.
+
+    Args:
+        process_group: the group to reduce over; ``None`` = the world (the hook's ``state``).
+        bucket: DDP's gradient bucket; its flat float32 buffer has shape (N,).
+
+    Returns:
+        A future of the bucket buffer (N,), float32, holding the average over ranks of the gradients,
+        rounded to bfloat16 (8 mantissa bits) on the way. 2 bytes per element go over the wire.
+    """
+    buffer = bucket.buffer()
+    compressed = buffer.to(torch.bfloat16).div_(_group_size(process_group))
+
+    def decompress(fut: torch.futures.Future) -> torch.Tensor:
+        buffer.copy_(fut.value()[0])
+        return buffer
+
+    group = process_group if process_group is not None else dist.group.WORLD
+    return dist.all_reduce(compressed, group=group, async_op=True).get_future().then(decompress)
+
+
+def bf16_compress_wrapper(hook: CommHook) -> CommHook:
+    """Run ``hook`` on a bfloat16 copy of the bucket and cast its result back (any backend).
+
+    Same semantics as PyTorch's ``default_hooks.bf16_compress_wrapper`` (e.g. around PowerSGD), without
+    its CUDA/NCCL-only check.
+    """
+
+    # Not named "bf16_compress_wrapper_hook": DDP refuses that name off NCCL.
+    def bf16_wrapped_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        buffer = bucket.buffer()
+        bucket.set_buffer(buffer.to(torch.bfloat16))
+        fut = hook(state, bucket)
+
+        def decompress(fut: torch.futures.Future) -> torch.Tensor:
+            buffer.copy_(fut.value())
+            return buffer
+
+        return fut.then(decompress)
+
+    return bf16_wrapped_hook
+
+
+#: Hook names accepted by ``MyDDPStrategy(ddp_comm_hook=...)``.
+HOOKS_BY_NAME: dict[str, CommHook] = {
+    "allreduce": default_hooks.allreduce_hook,
+    "fp16": default_hooks.fp16_compress_hook,
+    "bf16": bf16_all_reduce_hook,
+    "powersgd": powersgd.powerSGD_hook,
+}
+
+
+def default_powersgd_state(process_group: dist.ProcessGroup | None = None) -> powersgd.PowerSGDState:
+    """PowerSGD's state for ``ddp_comm_hook="powersgd"`` without ``ddp_comm_state``.
+
+    Rank-1 approximation after 10 iterations of plain all-reduce, with error feedback and warm start
+    (Vogels et al., 2019, https://arxiv.org/abs/1905.13727; PyTorch's recommended starting point).
+    """
+    return powersgd.PowerSGDState(process_group=process_group, matrix_approximation_rank=1,
+                                  start_powerSGD_iter=10, min_compression_rate=2)
+
+
+@dataclass
+class CommHookConfig:
+    """What ``MyDDPStrategy`` registers: a hook, its state and an optional wrapper (e.g. fp16 around PowerSGD).
+
+    Args:
+        hook: a callable ``hook(state, bucket) -> Future[Tensor]`` or a name in :data:`HOOKS_BY_NAME`.
+        state: the hook's state (a process group for the default hooks, a ``PowerSGDState`` for PowerSGD);
+            ``None`` = the world for the default hooks, :func:`default_powersgd_state` for PowerSGD.
+        wrapper: a function ``wrapper(hook) -> hook`` such as ``default_hooks.fp16_compress_wrapper``.
+
+    Raises:
+        ValueError: an unknown hook name.
+        TypeError: ``hook`` or ``wrapper`` is not callable, or a state or wrapper is given without a hook.
+    """
+
+    hook: CommHook | str | None = None
+    state: Any = None
+    wrapper: Callable[[CommHook], CommHook] | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.hook, str):
+            if self.hook not in HOOKS_BY_NAME:
+                raise ValueError(f"Unknown ddp_comm_hook={self.hook!r}; use one of {sorted(HOOKS_BY_NAME)} or a"
+                                 " callable hook(state, bucket) -> torch.futures.Future.")
+        elif self.hook is not None and not callable(self.hook):
+            raise TypeError(f"ddp_comm_hook must be a callable or a name, got {type(self.hook).__name__}.")
+        if self.wrapper is not None and not callable(self.wrapper):
+            raise TypeError(f"ddp_comm_wrapper must be callable, got {type(self.wrapper).__name__}.")
+        if self.hook is None and (self.state is not None or self.wrapper is not None):
+            raise TypeError("ddp_comm_state / ddp_comm_wrapper were given without ddp_comm_hook; pass the hook too.")
+
+    def resolve(self, backend: str, process_group: dist.ProcessGroup | None = None) -> tuple[Any, CommHook] | None:
+        """The ``(state, hook)`` to register on ``backend``, with bf16 replaced where PyTorch refuses it.
+
+        Args:
+            backend: the process group's backend (``"gloo"``, ``"nccl"``, ...).
+            process_group: the group DDP reduces over (the user's ``process_group`` option), or ``None``.
+
+        Returns:
+            ``None`` when no hook is configured, else the state and the (possibly wrapped) hook.
+        """
+        if self.hook is None:
+            return None
+        hook = HOOKS_BY_NAME[self.hook] if isinstance(self.hook, str) else self.hook
+        wrapper = self.wrapper
+        if backend != "nccl":
+            if hook is default_hooks.bf16_compress_hook:
+                hook = bf16_all_reduce_hook
+            if wrapper is default_hooks.bf16_compress_wrapper:
+                wrapper = bf16_compress_wrapper
+        state = self.state
+        if state is None and hook is powersgd.powerSGD_hook:
+            state = default_powersgd_state(process_group)
+        elif state is None:
+            state = process_group
+        if wrapper is not None:
+            hook = wrapper(hook)
+        return state, hook
+
+
+def register_comm_hook(model: DistributedDataParallel, config: CommHookConfig, backend: str) -> None:
+    """Register ``config``'s hook on the DDP wrapper (every backend). Call once per wrapper, before training.
+
+    Raises:
+        RuntimeError / TypeError / ValueError: from ``DistributedDataParallel.register_comm_hook`` when the
+            hook's signature is wrong or a hook is already registered.
+    """
+    resolved = config.resolve(backend, getattr(model, "process_group", None))
+    if resolved is None:
+        return
+    state, hook = resolved
+    log.debug("registering DDP comm hook %s (state %s) on %s", getattr(hook, "__qualname__", hook),
+              type(state).__name__, backend)
+    model.register_comm_hook(state, hook)
+
+
+@dataclass
+class CollectiveBytes:
+    """Counts of the collectives issued while :func:`count_collective_bytes` was active, on this rank.
+
+    ``bytes_sent`` is each call's input tensor size (``numel * element_size``) summed: the payload this rank
+    contributes. The ring all-reduce moves about ``2 * (world_size - 1) / world_size`` times that per rank.
+    """
+
+    calls: int = 0
+    bytes_sent: int = 0
+    by_dtype: dict[str, int] = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def add(self, tensors: list[torch.Tensor]) -> None:
+        with self._lock:
+            self.calls += 1
+            for t in tensors:
+                n = t.numel() * t.element_size()
+                self.bytes_sent += n
+                self.by_dtype[str(t.dtype)] = self.by_dtype.get(str(t.dtype), 0) + n
+
+
+@contextmanager
+def count_collective_bytes() -> Generator[CollectiveBytes, None, None]:
+    """Count the Python-level ``all_reduce`` / ``all_gather`` / ``broadcast`` calls and their bytes, this rank.
+
+    A diagnostic for comparing communication hooks: every built-in hook calls ``torch.distributed.all_reduce``
+    from Python (PowerSGD twice per bucket plus once for its uncompressed tensors), so wrapping those
+    functions sees all gradient traffic. DDP's own C++ all-reduce (no hook registered) is *not* seen;
+    register ``ddp_comm_hook="allreduce"`` (the same algorithm) to measure the uncompressed baseline.
+    Not thread-safe against other code patching the same functions.
+    """
+    counts = CollectiveBytes()
+    originals = {name: getattr(dist, name) for name in ("all_reduce", "all_gather", "broadcast")}
+
+    def counting(name: str) -> Callable[..., Any]:
+        original = originals[name]
+
+        def call(tensor_or_list: Any, *args: Any, **kwargs: Any) -> Any:
+            first = tensor_or_list if name != "all_gather" else args[0]
+            counts.add([first] if isinstance(first, torch.Tensor) else list(first))
+            return original(tensor_or_list, *args, **kwargs)
+
+        return call
+
+    for name in originals:
+        setattr(dist, name, counting(name))
+    try:
+        yield counts
+    finally:
+        for name, original in originals.items():
+            setattr(dist, name, original)

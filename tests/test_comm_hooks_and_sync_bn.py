@@ -1,0 +1,90 @@
+"""Comm-hook configuration, BatchNorm conversion and revert, and the rank check, in one process."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
+
+from ddp_strategy import MyDDPStrategy, comm_hooks, rank_check, sync_batchnorm
+
+
+def test_hook_names_resolve_and_bf16_is_replaced_off_nccl():
+    """Names map to hooks; PyTorch's bf16 hook/wrapper become ours on gloo but stay on NCCL."""
+    assert comm_hooks.CommHookConfig().resolve("gloo") is None
+    state, hook = comm_hooks.CommHookConfig("fp16").resolve("gloo")
+    assert hook is default_hooks.fp16_compress_hook and state is None
+    assert comm_hooks.CommHookConfig(default_hooks.bf16_compress_hook).resolve("gloo")[1] is \
+        comm_hooks.bf16_all_reduce_hook
+    assert comm_hooks.CommHookConfig(default_hooks.bf16_compress_hook).resolve("nccl")[1] is \
+        default_hooks.bf16_compress_hook
+    state, hook = comm_hooks.CommHookConfig("powersgd").resolve("gloo")
+    assert isinstance(state, powersgd.PowerSGDState) and state.matrix_approximation_rank == 1
+    _, wrapped = comm_hooks.CommHookConfig("allreduce", wrapper=default_hooks.bf16_compress_wrapper).resolve("gloo")
+    assert wrapped.__name__ == "bf16_wrapped_hook"
+
+
+def test_bad_hook_arguments_fail_at_construction():
+    """Unknown names, non-callables and a state without a hook raise when the strategy is built."""
+    with pytest.raises(ValueError, match="Unknown ddp_comm_hook='int8'"):
+        MyDDPStrategy(ddp_comm_hook="int8")
+    with pytest.raises(TypeError, match="callable"):
+        MyDDPStrategy(ddp_comm_hook=3)
+    with pytest.raises(TypeError, match="without ddp_comm_hook"):
+        MyDDPStrategy(ddp_comm_state=object())
+    with pytest.raises(ValueError, match="verify_sync_every_n_steps must be a positive"):
+        MyDDPStrategy(verify_sync_every_n_steps=0)
+
+
+def test_hooks_register_on_gloo_and_count_bytes():
+    """In a 1-rank gloo group each hook registers on a CPU DDP model and the counter sees its dtype."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        for name, nbytes in [("allreduce", 4), ("fp16", 2), ("bf16", 2)]:
+            model = nn.parallel.DistributedDataParallel(nn.Linear(3, 2))
+            comm_hooks.register_comm_hook(model, comm_hooks.CommHookConfig(name), "gloo")
+            with comm_hooks.count_collective_bytes() as counts:
+                model(torch.ones(4, 3)).sum().backward()
+            assert counts.bytes_sent == 8 * nbytes
+            assert model.module.weight.grad[0].tolist() == [4.0, 4.0, 4.0]
+    finally:
+        dist.destroy_process_group()
+
+
+def test_convert_and_revert_keep_tensors_class_and_keys():
+    """CPU BatchNorm becomes CPUSyncBatchNorm sharing its tensors, and reverts to BatchNorm1d with the same keys."""
+    net = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3), nn.ReLU())
+    weight, keys = net[1].weight, set(net.state_dict())
+    converted = sync_batchnorm.DDPSyncBatchNorm().apply(net)
+    assert type(converted[1]) is sync_batchnorm.CPUSyncBatchNorm and converted[1].weight is weight
+    x = torch.randn(8, 4)
+    plain = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3), nn.ReLU())
+    plain.load_state_dict(converted.state_dict())
+    torch.testing.assert_close(converted(x), plain(x))  # no process group: plain BatchNorm behaviour
+    reverted = sync_batchnorm.DDPSyncBatchNorm().revert(converted)
+    assert type(reverted[1]) is nn.BatchNorm1d and reverted[1].weight is weight
+    assert set(reverted.state_dict()) == keys
+
+
+def test_cpu_capable_only_replaces_lightnings_default_plugin():
+    """Lightning's TorchSyncBatchNorm is upgraded; None and custom plugins are kept."""
+    from lightning.pytorch.plugins import TorchSyncBatchNorm
+
+    assert isinstance(sync_batchnorm.cpu_capable(TorchSyncBatchNorm()), sync_batchnorm.DDPSyncBatchNorm)
+    assert sync_batchnorm.cpu_capable(None) is None
+    custom = sync_batchnorm.DDPSyncBatchNorm()
+    assert sync_batchnorm.cpu_capable(custom) is custom
+
+
+def test_parameter_checksums_see_a_change():
+    """Checksums are (P, 2) float64 and change when one parameter changes."""
+    net = nn.Linear(3, 2)
+    names, sums = rank_check.parameter_checksums(net)
+    assert names == ["weight", "bias"] and sums.shape == (2, 2) and sums.dtype == torch.float64
+    with torch.no_grad():
+        net.bias.neg_()
+    _, after = rank_check.parameter_checksums(net)
+    assert torch.equal(after[0], sums[0]) and not torch.equal(after[1], sums[1])
