@@ -127,3 +127,24 @@ def current_loader(dataloaders: Any, args: Sequence[Any], kwargs: dict[str, Any]
 
 
 __all__ = ["BATCH_COUNTS_ATTR", "EvaluationStepGuard", "agree_batch_counts", "current_loader", "effective_counts"]
+
+
+def step_guard(trainer: Any, guard: EvaluationStepGuard, stage: str, args: Sequence[Any],
+               kwargs: dict[str, Any]) -> Any:
+    """The :class:`EvaluationStepGuard` context for one ``validation_step``, ``test_step`` or ``predict_step``.
+
+    Finds the loader being evaluated and the batch limit Lightning applies to it (``limit_*_batches``, or
+    ``num_sanity_val_steps`` during the sanity check).
+    """
+    assert trainer is not None
+    if stage == "validation_step":
+        loaders, limit = trainer.val_dataloaders, trainer.limit_val_batches
+        if trainer.sanity_checking:
+            limit = trainer.num_sanity_val_steps
+    elif stage == "test_step":
+        loaders, limit = trainer.test_dataloaders, trainer.limit_test_batches
+    else:
+        loaders, limit = trainer.predict_dataloaders, trainer.limit_predict_batches
+    if isinstance(limit, int) and limit < 0:
+        limit = 1.0
+    return guard.step(stage, current_loader(loaders, args, kwargs), limit)

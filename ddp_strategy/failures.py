@@ -217,17 +217,53 @@ def monitored_barrier(group: Any, timeout: timedelta, where: str, rank: int) -> 
         ) from e
 
 
+def check_epoch_start(trainer: Any, group: Any, timeout: timedelta, rank: int, world_size: int) -> None:
+    """At a training epoch's start: a monitored barrier, then agree on the number of batches.
+
+    Two small collectives per epoch, on every rank. A rank that stalled since the last epoch is named by
+    the barrier; ranks with different batch counts would pair DDP's all-reduces wrongly and hang mid-epoch,
+    so they fail here, on every rank, with the counts.
+
+    Args:
+        trainer: the Trainer (its ``current_epoch`` and ``num_training_batches`` are read).
+        group: a gloo process group for the barrier (``None`` = the world group, gloo).
+        timeout: how long rank 0 waits at the barrier.
+        rank, world_size: this rank and the number of ranks; with one rank nothing is done.
+
+    Raises:
+        RuntimeError: a rank did not reach the barrier in ``timeout``.
+        ValueError: ranks have different numbers of training batches this epoch.
+    """
+    if world_size == 1:
+        return
+    epoch = trainer.current_epoch
+    monitored_barrier(group, timeout, f"the start of training epoch {epoch}", rank)
+    batches = trainer.num_training_batches
+    counts: list[Any] = [None] * world_size
+    dist.all_gather_object(counts, int(batches) if batches != float("inf") else -1, group=group)
+    if len(set(counts)) > 1:
+        raise ValueError(
+            f"[rank {rank}] ranks have different numbers of training batches in epoch {epoch}:"
+            f" {dict(enumerate(counts))}. DDP needs every rank to take the same number of steps. Let"
+            " MyDDPStrategy shard the data (a map-style data set in a DataLoader), or make your own sampler"
+            " give every rank the same number of batches (e.g. drop_last=True)."
+        )
+
+
 class EpochBoundaryCheck(Callback):
-    """Runs ``check(trainer)`` in ``on_train_epoch_start``, on every rank, before the epoch's first collective.
+    """Runs :func:`check_epoch_start` in ``on_train_epoch_start``, on every rank, before the epoch's first collective.
 
     Lightning's training loop broadcasts a SIGTERM flag before every batch, so a check placed at the first
     batch would come too late to name a rank that stalled between epochs. Callback ``on_train_epoch_start``
     hooks run on every rank at the same point, before the data iterator is created. The strategy adds this
     callback while fitting and removes it at teardown.
+
+    Args:
+        group, timeout, rank, world_size: see :func:`check_epoch_start`.
     """
 
-    def __init__(self, check: Any) -> None:
-        self.check = check
+    def __init__(self, group: Any, timeout: timedelta, rank: int, world_size: int) -> None:
+        self.group, self.timeout, self.rank, self.world_size = group, timeout, rank, world_size
 
     def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
-        self.check(trainer)
+        check_epoch_start(trainer, self.group, self.timeout, self.rank, self.world_size)

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 import os
-import warnings
 from collections.abc import Generator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
@@ -31,7 +30,7 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
@@ -48,6 +47,7 @@ from ddp_strategy import (
     launching,
     process_group,
     rank_check,
+    resume,
     sampler,
     sampler_state,
     sync_batchnorm,
@@ -322,7 +322,8 @@ class MyDDPStrategy(ParallelStrategy):
             self.model = self._layer_sync.apply(self.model)
         if fitting:
             if not any(isinstance(cb, failures.EpochBoundaryCheck) for cb in trainer.callbacks):
-                trainer.callbacks.append(failures.EpochBoundaryCheck(self._check_epoch_start))
+                trainer.callbacks.append(failures.EpochBoundaryCheck(
+                    self._barrier_group, self._barrier_timeout, self.global_rank, self.world_size))
             wrapping.check_trainable(self.model)
             self._check_checkpoint_dirs(trainer)
             ddp_kwargs = wrapping.resolve_process_group(self._ddp_kwargs)
@@ -420,110 +421,32 @@ class MyDDPStrategy(ParallelStrategy):
             pad=training,
         )
         if training:
-            self._resume_sampler(dataloader)
+            resume.hand_over_position(dataloader, self._pending_positions)
         else:
             evaluation.agree_batch_counts(dataloader)
         return dataloader
-
-    def _resume_sampler(self, dataloader: object) -> None:
-        """Hand the next saved sampler position (if any) to ``dataloader``'s injected sampler."""
-        if not self._pending_positions:
-            return
-        position = self._pending_positions.pop(0)
-        injected = injection.injected_sampler(dataloader)
-        if injected is None:
-            rank_zero_warn("The checkpoint holds a sampler position, but the training loader's sampler is not"
-                           " injected by MyDDPStrategy (it is your own DistributedSampler): the rest of the"
-                           " interrupted epoch is not restored exactly.")
-            return
-        injected.resume_from(position)
-
-    def _train_samplers(self) -> list[Any]:
-        """The samplers MyDDPStrategy injected into the training loaders, in Lightning's order."""
-        if self._trainer is None:
-            return []
-        loaders = injection.flatten_loaders(self._trainer.train_dataloader)
-        return [s for s in (injection.injected_sampler(dl) for dl in loaders) if s is not None]
-
-    def _resume_batch_counter(self) -> None:
-        """After a mid-epoch resume, set Lightning's batch counter to ``num_training_batches - batches left``.
-
-        Lightning does not fast-forward the loader: it counts the batches it believes done and stops at
-        ``num_training_batches``. With the same world size the counter is already right; after an elastic
-        resume each new rank has a different number of batches left, so the counter is moved (same on
-        every rank, no collective).
-        """
-        trainer = self._trainer
-        assert trainer is not None
-        samplers = self._train_samplers()
-        epoch = trainer.fit_loop.epoch_progress.current.processed
-        pending = [(s, s.pending_resume_batches(epoch)) for s in samplers]
-        pending = [(s, left) for s, left in pending if left is not None]
-        if not pending:
-            return
-        if len(samplers) != 1:
-            raise ValueError(
-                f"Resuming mid-epoch with {len(samplers)} training loaders is not supported: Lightning counts one"
-                " batch position for all of them. Resume from an end-of-epoch checkpoint, or use one loader."
-            )
-        injected, left = pending[0]
-        done = max(int(trainer.num_training_batches) - left, 0)
-        _pl.shift_epoch_batch_progress(trainer, done - trainer.fit_loop.epoch_loop.batch_progress.current.ready)
-        injected.batch_offset = done
-        # Lightning warns that a plain DataLoader cannot resume mid-epoch; ours does, so say what happens instead.
-        warnings.filterwarnings("ignore", message=sampler.LIGHTNING_NOT_RESUMABLE_WARNING)
-        rank_zero_info(f"MyDDPStrategy: resuming epoch {epoch} at its saved sampler position: {left} batches per"
-                       f" rank left on {self.world_size} processes (batch counter set to {done}).")
-
-    def _add_sampler_positions(self, checkpoint: dict[str, Any]) -> None:
-        """Add every rank's training sampler position to ``checkpoint`` (gathered: a collective, every rank).
-
-        The entry is plain ints and lists (see :mod:`ddp_strategy.sampler_state`), so the file still loads
-        with ``torch.load(weights_only=True)``.
-        """
-        trainer = self._trainer
-        if trainer is not None and trainer.state.fn == TrainerFn.FITTING and self._train_samplers():
-            done = trainer.fit_loop.epoch_loop.batch_progress.current.ready
-            local = [s.position(done) for s in self._train_samplers()]
-            checkpoint[sampler_state.CHECKPOINT_KEY] = sampler_state.checkpoint_entry(
-                sampler_state.gather_positions(local))
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         """Call the LightningModule directly, not through DDP: evaluation needs no per-step collective."""
         assert self.lightning_module is not None
-        with self.precision_plugin.val_step_context(), self._guard_step("validation_step", args, kwargs):
+        guard = evaluation.step_guard(self._trainer, self._eval_guard, "validation_step", args, kwargs)
+        with self.precision_plugin.val_step_context(), guard:
             return self.lightning_module.validation_step(*args, **kwargs)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
         """Call the LightningModule directly, as :meth:`validation_step` does."""
         assert self.lightning_module is not None
-        with self.precision_plugin.test_step_context(), self._guard_step("test_step", args, kwargs):
+        guard = evaluation.step_guard(self._trainer, self._eval_guard, "test_step", args, kwargs)
+        with self.precision_plugin.test_step_context(), guard:
             return self.lightning_module.test_step(*args, **kwargs)
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         """Call the LightningModule's ``predict_step``, refusing per-step collectives on uneven shards."""
-        with self._guard_step("predict_step", args, kwargs):
+        with evaluation.step_guard(self._trainer, self._eval_guard, "predict_step", args, kwargs):
             return super().predict_step(*args, **kwargs)
-
-    def _guard_step(self, stage: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """Context for one evaluation step: see :class:`~ddp_strategy.evaluation.EvaluationStepGuard`."""
-        trainer = self._trainer
-        assert trainer is not None
-        if stage == "validation_step":
-            loaders, limit = trainer.val_dataloaders, trainer.limit_val_batches
-            if trainer.sanity_checking:
-                limit = trainer.num_sanity_val_steps
-        elif stage == "test_step":
-            loaders, limit = trainer.test_dataloaders, trainer.limit_test_batches
-        else:
-            loaders, limit = trainer.predict_dataloaders, trainer.limit_predict_batches
-        if isinstance(limit, int) and limit < 0:
-            limit = 1.0
-        loader = evaluation.current_loader(loaders, args, kwargs)
-        return self._eval_guard.step(stage, loader, limit)
 
     # ------------------------------------------------------------------------------------- collectives
     @override
@@ -578,7 +501,8 @@ class MyDDPStrategy(ParallelStrategy):
         checkpoint first, and the ranks then agree on success, so a failed write raises on every rank
         instead of leaving the others waiting.
         """
-        self._add_sampler_positions(checkpoint)
+        if self._trainer is not None:
+            resume.add_sampler_positions(self._trainer, checkpoint)
         error = None
         if self.is_global_zero:
             try:
@@ -639,7 +563,8 @@ class MyDDPStrategy(ParallelStrategy):
         writers left, log the fit summary and batch-size warnings; every rank: start tracking which parameters
         get gradients. No collective."""
         super().on_train_start()
-        self._resume_batch_counter()
+        if self._trainer is not None:
+            resume.restore_batch_counter(self._trainer, self.world_size)
         if self.is_global_zero and self._trainer is not None:
             for callback in self._trainer.checkpoint_callbacks:
                 if getattr(callback, "dirpath", None):
@@ -657,34 +582,6 @@ class MyDDPStrategy(ParallelStrategy):
             diagnostics.on_fit_end(record, self.model, self.root_device)
 
     # ---------------------------------------------------------------------------------------- failures
-    def _check_epoch_start(self, trainer: Trainer) -> None:
-        """At each training epoch's start: a monitored barrier, then agree on the number of batches.
-
-        Two small collectives per epoch, run by :class:`~ddp_strategy.failures.EpochBoundaryCheck` on every
-        rank. A rank that stalled since the last epoch is named by the barrier; ranks with different batch
-        counts would pair DDP's all-reduces wrongly and hang mid-epoch, so they fail here, on every rank,
-        with the counts.
-
-        Raises:
-            RuntimeError: a rank did not reach the barrier in ``monitored_barrier_timeout``.
-            ValueError: ranks have different numbers of training batches this epoch.
-        """
-        if self.world_size == 1:
-            return
-        epoch = trainer.current_epoch
-        failures.monitored_barrier(self._barrier_group, self._barrier_timeout, f"the start of training epoch {epoch}",
-                                   self.global_rank)
-        batches = trainer.num_training_batches
-        counts: list[Any] = [None] * self.world_size
-        dist.all_gather_object(counts, int(batches) if batches != float("inf") else -1, group=self._barrier_group)
-        if len(set(counts)) > 1:
-            raise ValueError(
-                f"[rank {self.global_rank}] ranks have different numbers of training batches in epoch {epoch}:"
-                f" {dict(enumerate(counts))}. DDP needs every rank to take the same number of steps. Let"
-                " MyDDPStrategy shard the data (a map-style data set in a DataLoader), or make your own sampler"
-                " give every rank the same number of batches (e.g. drop_last=True)."
-            )
-
     @override
     def on_exception(self, exception: BaseException) -> None:
         """Say which rank failed and why; save a checkpoint on SIGTERM if asked; stop local ranks promptly.
