@@ -254,6 +254,8 @@ def check_dataloader_type(dataloader: object, world_size: int) -> None:
     Raises:
         TypeError: ``dataloader`` is not a :class:`~torch.utils.data.DataLoader` and W > 1.
     """
+    if isinstance(dataloader, (list, tuple)) and not dataloader:
+        return  # Lightning's way of saying "no loader here" (e.g. val_dataloader returning [])
     if world_size > 1 and not isinstance(dataloader, DataLoader):
         raise TypeError(
             f"MyDDPStrategy got a {type(dataloader).__name__} where a torch.utils.data.DataLoader was expected."

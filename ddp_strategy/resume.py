@@ -50,7 +50,9 @@ def restore_batch_counter(trainer: Trainer, world_size: int) -> None:
     Lightning does not fast-forward the loader: it counts the batches it believes done and stops at
     ``num_training_batches``. With the same world size the counter is already right; after an elastic
     resume each new rank has a different number of batches left, so the counter is moved (same on every
-    rank, no collective).
+    rank, no collective). With ``limit_train_batches`` set (a fraction below 1.0, or a batch count),
+    Lightning's restored counter is kept: the epoch ends at the limit, not at the loader's end, so an elastic
+    resume under a limit keeps the saved count of batches done rather than the new world size's remainder.
 
     Raises:
         ValueError: a mid-epoch resume with more than one training loader.
@@ -67,6 +69,12 @@ def restore_batch_counter(trainer: Trainer, world_size: int) -> None:
             " batch position for all of them. Resume from an end-of-epoch checkpoint, or use one loader."
         )
     injected, left = pending[0]
+    limit = trainer.limit_train_batches
+    if isinstance(limit, int) or (isinstance(limit, float) and limit < 1.0):
+        # limit_train_batches cuts every epoch short: Lightning's own counter (restored from the checkpoint)
+        # already says how many of the limited batches are done, and the loader is never read to its end.
+        injected.batch_offset = trainer.fit_loop.epoch_loop.batch_progress.current.ready
+        return
     done = max(int(trainer.num_training_batches) - left, 0)
     _pl.shift_epoch_batch_progress(trainer, done - trainer.fit_loop.epoch_loop.batch_progress.current.ready)
     injected.batch_offset = done

@@ -20,6 +20,7 @@ def test_a_loader_that_is_not_a_dataloader_is_refused_under_ddp():
     with pytest.raises(TypeError, match="MyDDPStrategy got a list where a torch.utils.data.DataLoader was expected"):
         check_dataloader_type(batches, world_size=2)
     check_dataloader_type(batches, world_size=1)
+    check_dataloader_type([], world_size=2)  # an empty list is Lightning's "no loader", not data
     check_dataloader_type(DataLoader(TensorDataset(torch.zeros(2))), world_size=2)
 
 
