@@ -113,6 +113,10 @@ class MyDDPStrategy(ParallelStrategy):
         verify_sync_every_n_steps: compare parameter checksums across ranks after every N-th optimizer
             step and raise on every rank naming the parameters that differ
             (:mod:`ddp_strategy.rank_check`); default ``None`` = off.
+        find_unused_parameters, static_graph, gradient_as_bucket_view, bucket_cap_mb, broadcast_buffers:
+            the common :class:`torch.nn.parallel.DistributedDataParallel` options, named so that
+            ``LightningCLI``/YAML can set them (``--trainer.strategy.find_unused_parameters=true``); defaults
+            are DDP's, except ``gradient_as_bucket_view=True``. ``bucket_cap_mb`` is in MiB (None = DDP's 25).
         **ddp_kwargs: options for :class:`torch.nn.parallel.DistributedDataParallel`
             (``find_unused_parameters``, ``bucket_cap_mb`` in MiB, ``static_graph``, ``broadcast_buffers``,
             ``process_group`` (a group, or a zero-argument callable that builds one after launch), ...);
@@ -146,6 +150,11 @@ class MyDDPStrategy(ParallelStrategy):
         ddp_comm_state: Any = None,
         ddp_comm_wrapper: Any = None,
         verify_sync_every_n_steps: int | None = None,
+        find_unused_parameters: bool = False,
+        static_graph: bool = False,
+        gradient_as_bucket_view: bool = True,
+        bucket_cap_mb: float | None = None,
+        broadcast_buffers: bool = True,
         **ddp_kwargs: Any,
     ) -> None:
         super().__init__(
@@ -172,7 +181,10 @@ class MyDDPStrategy(ParallelStrategy):
         self._barrier_group: Any = None
         self._node_group: Any = None
         self._node_ranks: list[int] = []
-        self._ddp_kwargs = wrapping.validate_ddp_kwargs(ddp_kwargs)
+        named = {"find_unused_parameters": find_unused_parameters, "static_graph": static_graph,
+                 "gradient_as_bucket_view": gradient_as_bucket_view, "bucket_cap_mb": bucket_cap_mb,
+                 "broadcast_buffers": broadcast_buffers}
+        self._ddp_kwargs = wrapping.validate_ddp_kwargs({**wrapping.non_default_options(named), **ddp_kwargs})
         self._num_nodes = 1
         self._sampler_seed = sampler.shared_seed(seed)
         self._trainer: Trainer | None = None

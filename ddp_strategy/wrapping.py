@@ -31,6 +31,21 @@ DDP_OPTIONS: tuple[str, ...] = tuple(
 DDP_DEFAULTS: dict[str, Any] = {"gradient_as_bucket_view": True}
 
 
+#: DistributedDataParallel's own defaults for the options MyDDPStrategy names explicitly.
+_DDP_OWN_DEFAULTS: dict[str, Any] = {"find_unused_parameters": False, "static_graph": False,
+                                     "gradient_as_bucket_view": False, "bucket_cap_mb": None,
+                                     "broadcast_buffers": True}
+
+
+def non_default_options(named: dict[str, Any]) -> dict[str, Any]:
+    """Keep the named DDP options that differ from DDP's defaults, plus this package's own defaults.
+
+    So ``MyDDPStrategy()`` passes DDP only ``gradient_as_bucket_view=True`` and the logged options stay
+    short; an explicit ``find_unused_parameters=True`` is passed on.
+    """
+    return {k: v for k, v in named.items() if k in DDP_DEFAULTS or v != _DDP_OWN_DEFAULTS.get(k)}
+
+
 def validate_ddp_kwargs(ddp_kwargs: dict[str, Any]) -> dict[str, Any]:
     """Check DDP keyword options by name and fill in this package's defaults.
 

@@ -52,3 +52,25 @@ def test_cli_classes_live_in_an_importable_module():
     from ddp_strategy.cli import DigitsCLI
 
     assert DigitsCLI.__module__ == "ddp_strategy.cli"
+
+
+def test_ddp_options_can_be_set_from_the_cli(capsys):
+    """The common DDP options are named arguments, so LightningCLI exposes them as flags and YAML keys."""
+    from ddp_strategy.__main__ import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--trainer.strategy=ddp_strategy.MyDDPStrategy", "--trainer.strategy.find_unused_parameters=true",
+              "--trainer.strategy.bucket_cap_mb=5", "--print_config"])
+    assert exit_info.value.code in (0, None)
+    config = capsys.readouterr().out
+    assert "find_unused_parameters: true" in config and "bucket_cap_mb: 5" in config
+
+
+def test_named_ddp_options_reach_ddp_and_defaults_stay_short():
+    """Named options that differ from DDP's defaults are passed on; the defaults add only the bucket view."""
+    from ddp_strategy import MyDDPStrategy
+
+    assert MyDDPStrategy()._ddp_kwargs == {"gradient_as_bucket_view": True}
+    s = MyDDPStrategy(find_unused_parameters=True, bucket_cap_mb=5, broadcast_buffers=False)
+    assert s._ddp_kwargs == {"gradient_as_bucket_view": True, "find_unused_parameters": True, "bucket_cap_mb": 5,
+                             "broadcast_buffers": False}

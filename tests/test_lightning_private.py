@@ -89,3 +89,23 @@ def test_not_resumable_warning_text_is_still_lightnings():
     from ddp_strategy.sampler import LIGHTNING_NOT_RESUMABLE_WARNING
 
     assert LIGHTNING_NOT_RESUMABLE_WARNING in inspect.getsource(training_epoch_loop)
+
+
+def test_base_class_attributes_the_strategy_sets_or_reads():
+    """MyDDPStrategy uses four underscore attributes of Lightning's Strategy/ParallelStrategy, as Lightning's own
+    DDPStrategy does: _launcher, _checkpoint_io, _layer_sync (filled by Trainer(sync_batchnorm=True)) and
+    _forward_redirection (routes training_step through DDP's forward)."""
+    from lightning.pytorch.strategies import ParallelStrategy
+    from lightning.pytorch.strategies.strategy import _ForwardRedirection
+
+    from ddp_strategy import MyDDPStrategy
+
+    s = MyDDPStrategy()
+    for name in ("_launcher", "_checkpoint_io", "_layer_sync", "_forward_redirection"):
+        assert name in vars(s), f"Lightning's Strategy no longer sets {name}"
+    assert isinstance(s._forward_redirection, _ForwardRedirection)
+    assert callable(getattr(ParallelStrategy, "_configure_launcher", None))
+    trainer = Trainer(accelerator="cpu", devices=2, strategy=MyDDPStrategy(start_method="spawn"), sync_batchnorm=True,
+                      logger=False)
+    assert type(trainer.strategy._layer_sync).__name__ == "TorchSyncBatchNorm"
+    assert trainer.strategy._launcher is trainer.strategy.launcher
