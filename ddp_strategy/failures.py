@@ -34,6 +34,8 @@ _PID_KEY = "ddp_strategy/pid/{rank}"
 _FAILED_KEY = "ddp_strategy/failed/{rank}"
 #: How long a store operation may take while handling a failure (seconds).
 STORE_TIMEOUT_S = 2.0
+#: How long to wait for a peer whose connection broke to show up as exited (seconds).
+PEER_EXIT_WAIT_S = 2.0
 #: Substrings of collective errors that mean a peer is gone or did not answer (gloo, NCCL, c10d).
 _PEER_ERROR_MARKERS = ("connection closed by peer", "connection reset by peer", "broken pipe", "timed out",
                        "timeout", "nccl", "gloo", "distbackenderror", "monitoredbarrier", "socket")
@@ -98,6 +100,17 @@ def _process_gone(pid: int) -> bool:
             return False
 
 
+def _process_gone_within(pid: int, seconds: float) -> bool:
+    """Poll :func:`_process_gone` for up to ``seconds``: a killed peer closes its sockets (which is how we
+    noticed) a moment before the kernel marks it exited."""
+    deadline = time.monotonic() + seconds
+    while not _process_gone(pid):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
 def describe_peers(store: dist.Store | None, rank: int, world_size: int) -> str:
     """Explain which other ranks failed or disappeared, from the store and this host's process table.
 
@@ -116,6 +129,7 @@ def describe_peers(store: dist.Store | None, rank: int, world_size: int) -> str:
         return ""
     host = socket.gethostname()
     found: list[str] = []
+    deadline = time.monotonic() + PEER_EXIT_WAIT_S  # shared by all peers
     try:
         store.set_timeout(timedelta(seconds=STORE_TIMEOUT_S))
         for peer in range(world_size):
@@ -128,7 +142,7 @@ def describe_peers(store: dist.Store | None, rank: int, world_size: int) -> str:
             pid_key = _PID_KEY.format(rank=peer)
             if store.check([pid_key]):
                 peer_host, pid = store.get(pid_key).decode().rsplit(":", 1)
-                if peer_host == host and _process_gone(int(pid)):
+                if peer_host == host and _process_gone_within(int(pid), max(0.0, deadline - time.monotonic())):
                     found.append(f"rank {peer} (pid {pid}) is no longer running: it was killed or crashed without"
                                  " a Python exception")
     except Exception as e:  # the store's server (rank 0) may be gone too
