@@ -156,7 +156,9 @@ def explain(exception: BaseException, rank: int, peers: str, timeout: timedelta)
     """The sentence added to a collective error: which peers failed, or the likely causes of a timeout."""
     parts = [f"[rank {rank}] a collective failed because another rank did not take part."]
     if peers:
-        parts.append(f"Cause: {peers}. Its own traceback is printed above this one.")
+        parts.append(f"Cause: {peers}.")
+        if " failed: " in peers:
+            parts.append("The failing rank's own traceback is printed above this one.")
     elif is_timeout(exception):
         parts.append(
             f"No rank reported an error, and the collective timed out after {timeout.total_seconds():.0f} s: a"
@@ -207,6 +209,10 @@ def _reap(proc: Any) -> None:
         log.warning("rank process %s could not be reaped: %s", proc.pid, e)
 
 
+class StalledRankError(RuntimeError):
+    """A rank did not reach a monitored barrier in time; the message names it."""
+
+
 def monitored_barrier(group: Any, timeout: timedelta, where: str, rank: int) -> None:
     """A barrier that names the ranks that did not arrive (gloo's ``monitored_barrier``).
 
@@ -225,7 +231,7 @@ def monitored_barrier(group: Any, timeout: timedelta, where: str, rank: int) -> 
     try:
         dist.monitored_barrier(group=group, timeout=timeout, wait_all_ranks=True)
     except RuntimeError as e:
-        raise RuntimeError(
+        raise StalledRankError(
             f"[rank {rank}] not every rank reached {where} within {timeout.total_seconds():.0f} s: {e}. That rank"
             " is stalled (an endless loop, a deadlocked DataLoader worker, slow storage) or has died."
         ) from e

@@ -10,6 +10,8 @@ from __future__ import annotations
 import atexit
 import os
 import pickle
+import signal
+import threading
 from typing import Any
 
 import torch
@@ -150,10 +152,57 @@ class CheckedMultiProcessingLauncher(_pl.MultiProcessingLauncher):
                         " level (not inside a function or notebook cell) and avoid lambdas, or use"
                         " start_method='popen' (running a script) or 'fork' (Linux, notebooks)."
                     ) from e
+        restore = self._forward_sigterm_to_ranks()
         try:
             return super().launch(function, *args, trainer=trainer, **kwargs)
         except BaseException:
             # torch.multiprocessing leaves the other ranks running when the parent is interrupted
             # (Ctrl-C) or a rank fails: stop them, so no orphan keeps training or waits in a collective.
-            failures.stop_processes(self.procs, grace_s=3.0)
+            failures.stop_processes(self.procs, grace_s=30.0 if restore.received else 3.0)
             raise
+        finally:
+            restore()
+
+    def _forward_sigterm_to_ranks(self) -> Any:
+        """While the ranks run, pass a SIGTERM sent to this (launching) process on to them.
+
+        Without it the launcher dies at once and its ranks train on as orphans. The ranks then stop together
+        at the next step (Lightning's SIGTERM handling) and, with ``checkpoint_on_sigterm``, save first.
+        Returns a callable that restores the previous handler; its ``received`` says whether SIGTERM came.
+        """
+        def restore() -> None:
+            if previous is not None:
+                signal.signal(signal.SIGTERM, previous)
+
+        def forward(signum: int, frame: Any) -> None:
+            restore.received = True  # type: ignore[attr-defined]
+            for proc in self.procs:
+                if proc.is_alive():
+                    os.kill(proc.pid, signum)
+
+        restore.received = False  # type: ignore[attr-defined]
+        previous = None
+        if threading.current_thread() is threading.main_thread():
+            previous = signal.getsignal(signal.SIGTERM)
+            signal.signal(signal.SIGTERM, forward)
+        return restore
+
+    def _wrapping_function(self, process_idx: int, trainer: Any, function: Any, *rest: Any, **kw: Any) -> None:
+        """In each rank: run Lightning's worker with the strategy's ``on_exception`` on failure.
+
+        Lightning calls ``on_exception`` only around ``launch`` in the parent, so without this a failing rank
+        would neither report itself nor save on SIGTERM. A SIGTERM stop leaves the rank as an error (not the
+        ``SystemExit`` Lightning raises), so the parent does not wait for results that will not come.
+        """
+        strategy = self._strategy
+
+        def guarded(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return function(*args, **kwargs)
+            except BaseException as exception:
+                strategy.on_exception(exception)
+                if isinstance(exception, SystemExit):
+                    raise RuntimeError(f"[rank {strategy.global_rank}] stopped by SIGTERM") from exception
+                raise
+
+        return super()._wrapping_function(process_idx, trainer, guarded, *rest, **kw)

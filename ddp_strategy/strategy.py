@@ -89,7 +89,7 @@ class MyDDPStrategy(ParallelStrategy):
         process_group_backend: ``"gloo"``, ``"nccl"``, ...; default ``None`` picks ``"nccl"`` on CUDA and
             ``"gloo"`` on CPU.
         timeout: how long a collective may wait for the other ranks, in seconds or as a ``timedelta``;
-            default 30 minutes (PyTorch's).
+            default 5 minutes (PyTorch's is 30; see :data:`ddp_strategy.process_group.DEFAULT_TIMEOUT`).
         start_method: ``"popen"`` (re-run the script), ``"spawn"``, ``"fork"`` or ``"forkserver"``; default
             ``None`` = :func:`default_start_method`.
         seed: shuffle seed of the injected samplers; default ``None`` = ``seed_everything``'s seed, else 0.
@@ -97,7 +97,8 @@ class MyDDPStrategy(ParallelStrategy):
         init_method: rendezvous URL: ``None``/``"env://"`` (``MASTER_ADDR``/``MASTER_PORT``, a free port
             on one machine when unset), ``"tcp://host:port"`` or ``"file:///shared/file"``.
         store: a ready ``torch.distributed.Store`` (e.g. ``FileStore(path, world_size)``, which needs no
-            port); takes precedence over ``init_method``. Only with ``spawn``/``fork``.
+            port); takes precedence over ``init_method``. Works with ``fork`` and ``popen`` (a ``FileStore``
+            path every process opens); ``spawn`` cannot pickle a store and is refused.
         allow_cpu_oversubscription: allow more CPU processes per node than cores (default False).
         monitored_barrier_timeout: at the start of each training epoch every rank meets at a gloo
             ``monitored_barrier`` that names any rank that did not arrive within this time (seconds or
@@ -172,6 +173,12 @@ class MyDDPStrategy(ParallelStrategy):
         self._start_method: StartMethod = start_method or default_start_method()
         self._seed = seed
         process_group.validate_init_method(init_method)
+        if store is not None and self._start_method in ("spawn", "forkserver"):
+            raise ValueError(
+                f"store= cannot be used with start_method={self._start_method!r}: a Store cannot be pickled to the"
+                " new processes. Use start_method='fork' or 'popen' (with a FileStore path every process opens),"
+                " or init_method='file:///path' instead."
+            )
         self._init_method = init_method
         self._store = store
         self._allow_cpu_oversubscription = allow_cpu_oversubscription
@@ -614,8 +621,10 @@ class MyDDPStrategy(ParallelStrategy):
             rank_zero_info(f"SIGTERM: saving a checkpoint to {path} before exiting; resume with fit(ckpt_path=...)")
             self._trainer.save_checkpoint(path)
             grace_s = 30.0  # the other ranks are exiting by themselves after the same save
-        elif isinstance(exception, (KeyboardInterrupt, SIGTERMException)):
-            pass
+        elif isinstance(exception, (KeyboardInterrupt, SIGTERMException)) or self._rendezvous_store is None:
+            pass  # an interruption, or not a rank (the parent of spawned ranks) or one that never joined
+        elif isinstance(exception, failures.StalledRankError):
+            pass  # already names the missing ranks
         elif failures.is_collective_error(exception):
             peers = failures.describe_peers(self._rendezvous_store, self.global_rank, self.world_size)
             failures.augment_message(exception, failures.explain(exception, self.global_rank, peers, self._timeout))
