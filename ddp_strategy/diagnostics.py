@@ -283,7 +283,9 @@ class GradientTracker:
     """Records which parameters receive a gradient, through one autograd hook per parameter.
 
     Only parameters with ``requires_grad=True`` are tracked (frozen ones are not expected to get gradients).
-    The hooks only set a flag; :meth:`close` removes them.
+    The hooks only set a flag. :meth:`prune` (called after each optimizer step) removes the hooks of
+    parameters already seen, so after the first step only never-updated parameters still pay for a hook;
+    :meth:`close` removes the rest.
 
     Args:
         module: the LightningModule (names are relative to it, without DDP's ``module.`` prefix).
@@ -292,20 +294,30 @@ class GradientTracker:
     def __init__(self, module: nn.Module) -> None:
         params = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
         self.names: list[str] = [name for name, _ in params]
-        self.received = torch.zeros(len(params), dtype=torch.bool)
-        self._handles = [p.register_hook(self._hook_for(i)) for i, (_, p) in enumerate(params)]
+        self._seen: list[bool] = [False] * len(params)
+        self._handles: dict[int, Any] = {i: p.register_hook(self._hook_for(i)) for i, (_, p) in enumerate(params)}
+
+    @property
+    def received(self) -> torch.Tensor:
+        """Bool tensor of shape (number of tracked parameters,): True where a gradient arrived."""
+        return torch.tensor(self._seen, dtype=torch.bool)
 
     def _hook_for(self, index: int) -> Any:
         def hook(grad: torch.Tensor) -> None:
-            self.received[index] = True
+            self._seen[index] = True
 
         return hook
 
+    def prune(self) -> None:
+        """Remove the hooks of parameters that have already received a gradient (not from inside a hook)."""
+        for index in [i for i in self._handles if self._seen[i]]:
+            self._handles.pop(index).remove()
+
     def close(self) -> None:
         """Remove the hooks (idempotent)."""
-        for handle in self._handles:
+        for handle in self._handles.values():
             handle.remove()
-        self._handles = []
+        self._handles = {}
 
 
 @dataclass

@@ -395,6 +395,8 @@ class MyDDPStrategy(ParallelStrategy):
         """Step the optimizer; every ``verify_sync_every_n_steps`` steps, check the ranks agree."""
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
         self._optimizer_steps += 1
+        if self._fit_record is not None:
+            self._fit_record.tracker.prune()
         n = self._verify_sync_every_n_steps
         if n is not None and self._optimizer_steps % n == 0 and self.model is not None:
             rank_check.verify_parameters_in_sync(wrapping.unwrap_module(self.model), self._optimizer_steps,
