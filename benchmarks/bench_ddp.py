@@ -44,6 +44,12 @@ STEP_VS_HANDWRITTEN_MAX = 1.10
 STARTUP_VS_LIGHTNING_MAX = 1.00
 RSS_VS_LIGHTNING_MAX = 1.00
 NOISE_FLOOR = 0.02  # smallest tolerance added to the "<= 1.00" targets, as a fraction
+# Start-up milestones, seconds since launch, slowest rank: interpreter + imports done, process group
+# joined, DDP-wrapped model ready, first step begun, first step done.
+STARTUP_MARKS = ("imports", "process_group", "train_start", "first_step_start", "first_step_end")
+
+# Aggregated figures keyed by (workload, world size, impl); see aggregate().
+Agg = dict[tuple[str, int, str], dict[str, Any]]
 
 
 # --------------------------------------------------------------------------- machine
@@ -124,8 +130,19 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-_SCRUB = ("MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "RANK", "WORLD_SIZE", "NODE_RANK", "GROUP_RANK",
-          "LOCAL_WORLD_SIZE", "PL_GLOBAL_SEED", "PL_SEED_WORKERS", "OMP_NUM_THREADS")  # fmt: skip
+_SCRUB = (
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "LOCAL_RANK",
+    "RANK",
+    "WORLD_SIZE",
+    "NODE_RANK",
+    "GROUP_RANK",
+    "LOCAL_WORLD_SIZE",
+    "PL_GLOBAL_SEED",
+    "PL_SEED_WORKERS",
+    "OMP_NUM_THREADS",
+)
 
 
 @dataclass
@@ -141,6 +158,7 @@ class RunResult:
     wall_s: float  # launch to exit of the launched process, seconds
     ranks: list[dict[str, Any]] = field(default_factory=list)
     error: str | None = None
+    load_avg: float = float("nan")  # 1-minute load average just before the launch
 
 
 def _kill_group(pgid: int) -> None:
@@ -170,11 +188,27 @@ def run_one(
             PYTHONUNBUFFERED="1",
         )
         cmd = [
-            sys.executable, str(WORKER), "--impl", impl, "--workload", workload,
-            "--world-size", str(world_size), "--steps", str(steps), "--seed", str(args.seed),
-            "--device", args.device, "--out-dir", str(out_dir), "--pg-timeout", str(args.pg_timeout),
-        ]  # fmt: skip
+            sys.executable,
+            str(WORKER),
+            "--impl",
+            impl,
+            "--workload",
+            workload,
+            "--world-size",
+            str(world_size),
+            "--steps",
+            str(steps),
+            "--seed",
+            str(args.seed),
+            "--device",
+            args.device,
+            "--out-dir",
+            str(out_dir),
+            "--pg-timeout",
+            str(args.pg_timeout),
+        ]
         log_path = Path(tmp) / "log.txt"
+        load_avg = os.getloadavg()[0]
         with log_path.open("wb") as log:
             env["BENCH_LAUNCH_TIME"] = repr(time.time())
             t0 = time.perf_counter()
@@ -204,7 +238,7 @@ def run_one(
         if error is not None:
             tail = log_path.read_text(errors="replace").strip().splitlines()[-15:]
             error = error + "\n    " + "\n    ".join(tail)
-        return RunResult(impl, workload, world_size, repeat, order, error is None, wall, ranks, error)
+        return RunResult(impl, workload, world_size, repeat, order, error is None, wall, ranks, error, load_avg)
 
 
 # --------------------------------------------------------------------------- statistics
@@ -225,12 +259,19 @@ def _quantile(xs: list[float], q: float) -> float:
 
 def run_summary(res: RunResult, warmup: int) -> dict[str, Any]:
     """Per-run figures; per step, the slowest rank's duration counts (seconds)."""
-    steps = [max(vals) for vals in zip(*(r["step_s"] for r in res.ranks))][warmup:]
+    steps = [max(vals) for vals in zip(*(r["step_s"] for r in res.ranks), strict=True)][warmup:]
     r0 = res.ranks[0]
     return {
         "steady_step_s": steps,
         "median_step_s": _median(steps),
+        "mean_step_s": statistics.fmean(steps),
         "startup_s": max(r["startup_s"] for r in res.ranks),
+        "marks_s": {
+            **{k: max(r["marks_s"].get(k, float("nan")) for r in res.ranks) for k in STARTUP_MARKS[:3]},
+            "first_step_start": max(r["launch_to_first_start_s"] for r in res.ranks),
+            "first_step_end": max(r["startup_s"] for r in res.ranks),
+        },
+        "modules_loaded": max(r["modules_loaded"] for r in res.ranks),
         "peak_rss_mib": max(r["peak_rss_mib"] for r in res.ranks),
         "peak_cuda_mib": max((r["peak_cuda_mib"] or 0) for r in res.ranks) or None,
         "allreduce_bytes_per_step": r0["comm"]["grad_bytes_per_step"] + r0["comm"]["other_all_reduce_bytes_per_step"],
@@ -244,7 +285,7 @@ def run_summary(res: RunResult, warmup: int) -> dict[str, Any]:
     }
 
 
-def aggregate(results: list[RunResult], args: argparse.Namespace) -> dict[tuple[str, int, str], dict[str, Any]]:
+def aggregate(results: list[RunResult], args: argparse.Namespace) -> Agg:
     """Pool repeats per (workload, world size, impl): medians, spreads and per-repeat values."""
     groups: dict[tuple[str, int, str], list[RunResult]] = {}
     for res in results:
@@ -265,7 +306,9 @@ def aggregate(results: list[RunResult], args: argparse.Namespace) -> dict[tuple[
             "step_ms_p25": _quantile(pooled, 0.25) * 1e3,
             "step_ms_p75": _quantile(pooled, 0.75) * 1e3,
             "run_medians_ms": [m * 1e3 for m in run_meds],
-            "samples_per_s": key[1] * w.batch / med if med == med and med > 0 else float("nan"),
+            "step_ms_mean": statistics.fmean(pooled) * 1e3 if pooled else float("nan"),
+            # from the mean, not the median, so periodic slow steps (epoch boundaries) count
+            "samples_per_s": key[1] * w.batch / statistics.fmean(pooled) if pooled else float("nan"),
             "startup_s": _median([s["startup_s"] for s in summaries.values()]),
             "peak_rss_mib": _median([s["peak_rss_mib"] for s in summaries.values()]),
             "peak_cuda_mib": _median([s["peak_cuda_mib"] for s in summaries.values() if s["peak_cuda_mib"]]) or None,
@@ -273,6 +316,8 @@ def aggregate(results: list[RunResult], args: argparse.Namespace) -> dict[tuple[
             "other_collectives_per_step": _median([s["other_collectives_per_step"] for s in summaries.values()]),
             "final_loss": _median([s["final_loss"] for s in summaries.values() if s["final_loss"] is not None]),
             "hook_registered": all(s["hook_registered"] for s in summaries.values()),
+            "startup_marks_s": {m: _median([s["marks_s"][m] for s in summaries.values()]) for m in STARTUP_MARKS},
+            "modules_loaded": _median([s["modules_loaded"] for s in summaries.values()]),
         }
     return agg
 
@@ -282,7 +327,7 @@ def _rel_range(xs: list[float]) -> float:
     return (max(xs) - min(xs)) / statistics.median(xs) if len(xs) > 1 else 0.0
 
 
-def ratios(agg: dict[tuple[str, int, str], dict[str, Any]], workload: str, ws: int) -> dict[str, Any] | None:
+def ratios(agg: Agg, workload: str, ws: int) -> dict[str, Any] | None:
     """Paired per-repeat ratios ours / reference for step time, start-up and peak RSS.
 
     Repeats are paired because each repeat ran the implementations back to back.
@@ -328,114 +373,153 @@ def verdicts(rat: dict[str, Any]) -> dict[str, bool]:
 # --------------------------------------------------------------------------- tables
 
 
-def _fmt_ratio(r: dict[str, Any] | None, limit: float | None) -> str:
+def _md_table(head: list[str], rows: list[list[str]]) -> list[str]:
+    """A markdown table as lines, followed by a blank line."""
+    lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
+    return lines + ["| " + " | ".join(r) + " |" for r in rows] + [""]
+
+
+def _fmt_ratio(r: dict[str, Any] | None, limit: float | None, noisy: bool = True) -> str:
+    """``median (min–max)`` plus ✓/✗ against ``limit``; ``noisy`` adds the ratio's noise tolerance."""
     if r is None:
         return "n/a"
     s = f"{r['median']:.2f}"
     if r["max"] - r["min"] > 0.005:
         s += f" ({r['min']:.2f}–{r['max']:.2f})"
     if limit is not None:
-        ok = r["median"] <= limit + (r["tolerance"] if limit == 1.0 else 0.0)
+        ok = r["median"] <= limit + (r["tolerance"] if noisy else 0.0)
         s += " ✓" if ok else " ✗"
     return s
 
 
-def render(agg: dict, machine: dict[str, Any], args: argparse.Namespace, impls: list[str], notes: list[str]) -> str:
-    """The markdown report: machine, per-configuration table, ratio table, scaling table, notes."""
-    lines = []
-    gpu = f", {machine['gpu']}" if machine.get("gpu") else ""
-    lines.append(
-        f"Machine: {machine['cpu']}, {machine['cores']} cores usable, {machine['memory_gib']} GiB RAM{gpu}; "
-        f"Python {machine['python']}, torch {machine['torch']}, lightning {machine['lightning']}; "
-        f"device {machine['device']} ({'nccl' if machine['device'] == 'cuda' else 'gloo'})."
-    )
-    steps_desc = ", ".join(f"{w} {args.steps_for[w]}" for w in args.workload_list)
-    lines.append(
-        f"Settings: {args.repeats} repeat(s) interleaved; steps per run: {steps_desc} "
-        f"(first {args.warmup} excluded as warm-up); per-device batch: "
-        + ", ".join(f"{w} {WORKLOADS[w].batch}" for w in args.workload_list)
-        + f"; OMP_NUM_THREADS = {args.cores} // ranks; seed {args.seed}; total {args.total_s:.0f} s."
-    )
-    lines.append("")
-    mem_col = "peak GPU MiB/rank" if args.device == "cuda" else None
-    head = ["workload", "ranks", "implementation", "step ms (median)", "IQR ms", "run medians ms", "samples/s",
-            "launch→1st step s", "peak RSS MiB/rank"]  # fmt: skip
-    if mem_col:
-        head.append(mem_col)
+def _rows(agg: Agg, args: argparse.Namespace, impls: list[str]) -> list[tuple[str, int, str, dict[str, Any]]]:
+    """(workload, ranks, impl, aggregate) in table order, for configurations that ran."""
+    return [
+        (w, ws, impl, agg[(w, ws, impl)])
+        for w in args.workload_list
+        for ws in args.world_size_list
+        for impl in impls
+        if (w, ws, impl) in agg
+    ]
+
+
+def _main_table(agg: Agg, args: argparse.Namespace, impls: list[str]) -> list[str]:
+    cuda = args.device == "cuda"
+    head = ["workload", "ranks", "implementation", "step ms (median)", "IQR ms", "run medians ms", "mean ms"]
+    head += ["samples/s"]
+    head += ["launch→1st step s", "peak RSS MiB/rank"] + (["peak GPU MiB/rank"] if cuda else [])
     head += ["all-reduced KiB/step", "other collectives/step", "final loss"]
-    lines.append("| " + " | ".join(head) + " |")
-    lines.append("|" + "|".join("---" for _ in head) + "|")
+    rows = []
+    for w, ws, impl, a in _rows(agg, args, impls):
+        if not a["per_repeat"]:
+            rows.append([w, str(ws), IMPL_LABEL[impl], f"failed ({a['failed']}/{a['runs']} runs)"])
+            continue
+        row = [
+            w,
+            str(ws),
+            IMPL_LABEL[impl] + (f" ({a['failed']} failed)" if a["failed"] else ""),
+            f"{a['step_ms_median']:.2f}",
+            f"{a['step_ms_p25']:.2f}–{a['step_ms_p75']:.2f}",
+            " / ".join(f"{m:.2f}" for m in a["run_medians_ms"]),
+            f"{a['step_ms_mean']:.2f}",
+            f"{a['samples_per_s']:.0f}",
+            f"{a['startup_s']:.2f}",
+            f"{a['peak_rss_mib']:.0f}",
+        ]
+        if cuda:
+            row.append(f"{a['peak_cuda_mib']:.0f}" if a["peak_cuda_mib"] else "–")
+        row.append(f"{a['allreduce_kib_per_step']:.1f}" if a["hook_registered"] else "unknown")
+        row += [f"{a['other_collectives_per_step']:.2f}", f"{a['final_loss']:.4f}"]
+        rows.append(row)
+    return _md_table(head, rows)
+
+
+def _ratio_table(agg: Agg, args: argparse.Namespace) -> list[str]:
+    head = ["workload", "ranks", "step ÷ Lightning", "step ÷ hand-written", "start-up ÷ Lightning"]
+    head += ["start-up ÷ hand-written", "peak RSS ÷ Lightning", "peak RSS ÷ hand-written"]
+    rows = []
     for w in args.workload_list:
         for ws in args.world_size_list:
-            for impl in impls:
-                a = agg.get((w, ws, impl))
-                if a is None:
-                    continue
-                if not a["per_repeat"]:
-                    lines.append(f"| {w} | {ws} | {IMPL_LABEL[impl]} | failed ({a['failed']}/{a['runs']} runs) |")
-                    continue
-                fail = f" ({a['failed']} failed)" if a["failed"] else ""
-                row = [
-                    w, str(ws), IMPL_LABEL[impl] + fail,
-                    f"{a['step_ms_median']:.2f}",
-                    f"{a['step_ms_p25']:.2f}–{a['step_ms_p75']:.2f}",
-                    " / ".join(f"{m:.2f}" for m in a["run_medians_ms"]),
-                    f"{a['samples_per_s']:.0f}",
-                    f"{a['startup_s']:.2f}",
-                    f"{a['peak_rss_mib']:.0f}",
-                ]  # fmt: skip
-                if mem_col:
-                    row.append(f"{a['peak_cuda_mib']:.0f}" if a["peak_cuda_mib"] else "–")
-                kib = f"{a['allreduce_kib_per_step']:.1f}" if a["hook_registered"] else "– (no DDP module)"
-                row += [kib, f"{a['other_collectives_per_step']:.2f}", f"{a['final_loss']:.4f}"]
-                lines.append("| " + " | ".join(row) + " |")
-    lines.append("")
+            rat = ratios(agg, w, ws)
+            if rat is None:
+                continue
+            rows.append(
+                [
+                    w,
+                    str(ws),
+                    _fmt_ratio(rat.get("median_step_s/lightning"), STEP_VS_LIGHTNING_MAX),
+                    _fmt_ratio(rat.get("median_step_s/handwritten"), STEP_VS_HANDWRITTEN_MAX, noisy=False),
+                    _fmt_ratio(rat.get("startup_s/lightning"), STARTUP_VS_LIGHTNING_MAX),
+                    _fmt_ratio(rat.get("startup_s/handwritten"), None),
+                    _fmt_ratio(rat.get("peak_rss_mib/lightning"), RSS_VS_LIGHTNING_MAX),
+                    _fmt_ratio(rat.get("peak_rss_mib/handwritten"), None),
+                ]
+            )
+    intro = (
+        "Ratios, MyDDPStrategy ÷ reference: median of the per-repeat ratios (range over repeats); ✓/✗ = issue 9 "
+        "target met (≤ 1.00 within noise vs Lightning, ≤ 1.10 vs hand-written step time)."
+    )
+    return [intro, ""] + _md_table(head, rows)
 
+
+def _startup_table(agg: Agg, args: argparse.Namespace, impls: list[str]) -> list[str]:
+    head = ["workload", "ranks", "implementation", "imports", "process group", "DDP ready", "1st step begun"]
+    head += ["1st step done", "modules loaded"]
+    rows = [
+        [w, str(ws), IMPL_LABEL[impl]]
+        + [f"{a['startup_marks_s'][k]:.2f}" for k in STARTUP_MARKS]
+        + [f"{a['modules_loaded']:.0f}"]
+        for w, ws, impl, a in _rows(agg, args, impls)
+        if a["per_repeat"]
+    ]
+    intro = (
+        "Start-up breakdown: seconds from launch until the slowest rank has finished its imports, joined the "
+        "process group, built the DDP model, begun and finished its first step (median over repeats)."
+    )
+    return [intro, ""] + _md_table(head, rows)
+
+
+def _scaling_table(agg: Agg, args: argparse.Namespace, impls: list[str]) -> list[str]:
+    lo, hi = min(args.world_size_list), max(args.world_size_list)
+    head = ["workload", "implementation", f"samples/s @{lo}", f"samples/s @{hi}", "speed-up", "efficiency"]
+    rows = []
+    for w in args.workload_list:
+        for impl in impls:
+            a, b = agg.get((w, lo, impl)), agg.get((w, hi, impl))
+            if not a or not b or not a["per_repeat"] or not b["per_repeat"]:
+                continue
+            sp = b["samples_per_s"] / a["samples_per_s"]
+            rows.append(
+                [w, IMPL_LABEL[impl], f"{a['samples_per_s']:.0f}", f"{b['samples_per_s']:.0f}", f"{sp:.2f}"]
+                + [f"{sp / (hi / lo):.0%}"]
+            )
+    intro = f"Scaling from {lo} to {hi} ranks (samples/s; efficiency = speed-up ÷ {hi / lo:g})."
+    return [intro, ""] + _md_table(head, rows)
+
+
+def render(agg: Agg, machine: dict[str, Any], args: argparse.Namespace, impls: list[str], notes: list[str]) -> str:
+    """The markdown report: machine and settings, then the main, ratio, start-up and scaling tables, notes."""
+    gpu = f", {machine['gpu']}" if machine.get("gpu") else ""
+    backend = "nccl" if machine["device"] == "cuda" else "gloo"
+    lines = [
+        f"Machine: {machine['cpu']}, {machine['cores']} cores usable, {machine['memory_gib']} GiB RAM{gpu}; "
+        f"Python {machine['python']}, torch {machine['torch']}, lightning {machine['lightning']}; "
+        f"device {machine['device']} ({backend}).",
+        f"Settings: {args.repeats} repeat(s) interleaved; steps per run "
+        + ", ".join(f"{w} {args.steps_for[w]}" for w in args.workload_list)
+        + f" (first {args.warmup} excluded as warm-up); per-device batch "
+        + ", ".join(f"{w} {WORKLOADS[w].batch}" for w in args.workload_list)
+        + f"; OMP_NUM_THREADS = {args.cores} // ranks; seed {args.seed}; total {args.total_s:.0f} s; "
+        f"1-minute load average before runs: median {args.load_avg['median']:.1f}, max {args.load_avg['max']:.1f}.",
+        "",
+    ]
+    lines += _main_table(agg, args, impls)
     if "ours" in impls:
-        lines.append("Ratios, MyDDPStrategy ÷ reference: median of the per-repeat ratios (range over repeats); "
-                     "✓/✗ = issue 9 target met (≤ 1.00 within noise vs Lightning, ≤ 1.10 vs hand-written step time).")  # fmt: skip
-        lines.append("")
-        head = ["workload", "ranks", "step ÷ Lightning", "step ÷ hand-written", "start-up ÷ Lightning",
-                "start-up ÷ hand-written", "peak RSS ÷ Lightning", "peak RSS ÷ hand-written"]  # fmt: skip
-        lines.append("| " + " | ".join(head) + " |")
-        lines.append("|" + "|".join("---" for _ in head) + "|")
-        for w in args.workload_list:
-            for ws in args.world_size_list:
-                rat = ratios(agg, w, ws)
-                if rat is None:
-                    continue
-                g = rat.get
-                lines.append("| " + " | ".join([
-                    w, str(ws),
-                    _fmt_ratio(g("median_step_s/lightning"), STEP_VS_LIGHTNING_MAX),
-                    _fmt_ratio(g("median_step_s/handwritten"), STEP_VS_HANDWRITTEN_MAX),
-                    _fmt_ratio(g("startup_s/lightning"), STARTUP_VS_LIGHTNING_MAX),
-                    _fmt_ratio(g("startup_s/handwritten"), None),
-                    _fmt_ratio(g("peak_rss_mib/lightning"), RSS_VS_LIGHTNING_MAX),
-                    _fmt_ratio(g("peak_rss_mib/handwritten"), None),
-                ]) + " |")  # fmt: skip
-        lines.append("")
-
+        lines += _ratio_table(agg, args)
+    lines += _startup_table(agg, args, impls)
     if len(args.world_size_list) > 1:
-        lo, hi = min(args.world_size_list), max(args.world_size_list)
-        lines.append(f"Scaling from {lo} to {hi} ranks (samples/s; efficiency = speed-up ÷ {hi // lo}).")
-        lines.append("")
-        head = ["workload", "implementation", f"samples/s @{lo}", f"samples/s @{hi}", "speed-up", "efficiency"]
-        lines.append("| " + " | ".join(head) + " |")
-        lines.append("|" + "|".join("---" for _ in head) + "|")
-        for w in args.workload_list:
-            for impl in impls:
-                a, b = agg.get((w, lo, impl)), agg.get((w, hi, impl))
-                if not a or not b or not a["per_repeat"] or not b["per_repeat"]:
-                    continue
-                sp = b["samples_per_s"] / a["samples_per_s"]
-                lines.append(
-                    f"| {w} | {IMPL_LABEL[impl]} | {a['samples_per_s']:.0f} | {b['samples_per_s']:.0f} "
-                    f"| {sp:.2f} | {sp / (hi / lo):.0%} |"
-                )
-        lines.append("")
-    for n in notes:
-        lines.append(f"Note: {n}")
+        lines += _scaling_table(agg, args, impls)
+    lines += [f"Note: {n}" for n in notes]
     return "\n".join(lines).rstrip() + "\n"
 
 
@@ -451,13 +535,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--workloads", default="small,heavy", help=f"comma-separated, from {sorted(WORKLOADS)}")
     p.add_argument("--impls", default=",".join(IMPLS), help="comma-separated, from " + ",".join(IMPLS))
     p.add_argument("--world-sizes", default="1,2", help="comma-separated ranks per run")
-    p.add_argument("--steps", type=int, default=0,
-                   help="optimizer steps per run, warm-up included (default: per workload, "
-                        + ", ".join(f"{k} {v.steps}" for k, v in WORKLOADS.items()) + ")")  # fmt: skip
+    p.add_argument(
+        "--steps",
+        type=int,
+        default=0,
+        help="optimizer steps per run, warm-up included (default: per workload, "
+        + ", ".join(f"{k} {v.steps}" for k, v in WORKLOADS.items())
+        + ")",
+    )
     p.add_argument("--warmup", type=int, default=5, help="leading steps excluded from step statistics")
     p.add_argument("--repeats", type=int, default=2, help="interleaved rounds over all configurations")
-    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
-                   help="cuda uses NCCL and needs one GPU per rank; auto picks cuda when available")  # fmt: skip
+    p.add_argument(
+        "--device",
+        choices=("auto", "cpu", "cuda"),
+        default="auto",
+        help="cuda uses NCCL and needs one GPU per rank; auto picks cuda when available",
+    )
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--timeout", type=float, default=180.0, help="per-run limit, seconds")
     p.add_argument("--pg-timeout", type=float, default=60.0, help="process-group timeout, seconds")
@@ -482,11 +575,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    args.device = _resolve_device(args.device)
-    args.cores = _usable_cores()
-    machine = machine_info(args.device)
+def _plan(args: argparse.Namespace) -> tuple[list[str], list[str]]:
+    """Drop what cannot run here (MyDDPStrategy not importable, more ranks than GPUs); return (impls, notes)."""
     notes: list[str] = []
     impls = list(args.impl_list)
     if "ours" in impls:
@@ -502,13 +592,16 @@ def main(argv: list[str] | None = None) -> int:
         args.world_size_list = [ws for ws in args.world_size_list if ws <= n_gpu]
         if dropped:
             notes.append(f"world sizes {dropped} skipped: only {n_gpu} GPU(s).")
+    if not impls or not args.world_size_list:
+        raise SystemExit("nothing to run: " + " ".join(notes))
     if args.device == "cpu" and max(args.world_size_list) > args.cores:
         notes.append(f"more ranks ({max(args.world_size_list)}) than cores ({args.cores}): ranks share cores.")
+    return impls, notes
 
-    print(f"# bench_ddp: {machine['cpu']}, {args.cores} cores, torch {machine['torch']}, "
-          f"lightning {machine['lightning']}, device {args.device}", file=sys.stderr, flush=True)  # fmt: skip
+
+def run_all(args: argparse.Namespace, impls: list[str]) -> list[RunResult]:
+    """Every configuration, interleaved: repeat > workload > world size > implementations back to back."""
     results: list[RunResult] = []
-    t_start = time.perf_counter()
     block = 0
     total = args.repeats * len(args.workload_list) * len(args.world_size_list) * len(impls)
     for repeat in range(args.repeats):
@@ -520,45 +613,99 @@ def main(argv: list[str] | None = None) -> int:
                 for pos, impl in enumerate(order):
                     res = run_one(impl, w, ws, args.steps_for[w], args, repeat, pos)
                     results.append(res)
-                    status = "ok" if res.ok else "FAILED"
-                    print(f"[{len(results)}/{total}] repeat {repeat} {w} ranks={ws} {impl}: {status} "
-                          f"({res.wall_s:.1f} s)", file=sys.stderr, flush=True)  # fmt: skip
-                    if not res.ok:
-                        print(f"    {res.error}", file=sys.stderr, flush=True)
-    args.total_s = time.perf_counter() - t_start
+                    status = "ok" if res.ok else f"FAILED: {res.error}"
+                    print(
+                        f"[{len(results)}/{total}] repeat {repeat} {w} ranks={ws} {impl}: {res.wall_s:.1f} s {status}",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+    return results
 
-    agg = aggregate(results, args)
-    losses = {}
-    for (w, ws, impl), a in agg.items():
+
+def _loss_note(agg: Agg) -> str | None:
+    """A note if the implementations' final losses differ for some workload and world size."""
+    losses: dict[tuple[str, int], set[float]] = {}
+    for (w, ws, _impl), a in agg.items():
         if a["per_repeat"]:
             losses.setdefault((w, ws), set()).add(round(a["final_loss"], 4))
     diverged = [f"{w}/{ws}" for (w, ws), s in losses.items() if len(s) > 1]
-    if diverged:
-        notes.append(f"final losses differ between implementations for {', '.join(diverged)} "
-                     "(they should match: same seed, data order and optimizer).")  # fmt: skip
-    report = render(agg, machine, args, impls, notes)
-    print(report)
+    if not diverged:
+        return None
+    return (
+        f"final losses differ between implementations for {', '.join(diverged)} "
+        "(they should match: same seed, data order and optimizer)."
+    )
 
-    payload = {
+
+def _payload(
+    agg: Agg, results: list[RunResult], machine: dict[str, Any], args: argparse.Namespace, notes: list[str], md: str
+) -> dict[str, Any]:
+    """Everything for the JSON file; per-step durations are left out, per-repeat summaries kept."""
+    return {
         "machine": machine,
         "settings": {k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, list, dict, type(None)))},
         "workloads": {w: vars(WORKLOADS[w]) for w in args.workload_list},
         "results": [
-            {"workload": w, "world_size": ws, "impl": impl, **{k: v for k, v in a.items() if k != "per_repeat"},
-             "per_repeat": {r: {k: v for k, v in s.items() if k != "steady_step_s"} for r, s in a["per_repeat"].items()}}
+            {
+                "workload": w,
+                "world_size": ws,
+                "impl": impl,
+                **{k: v for k, v in a.items() if k != "per_repeat"},
+                "per_repeat": {
+                    r: {k: v for k, v in s.items() if k != "steady_step_s"} for r, s in a["per_repeat"].items()
+                },
+            }
             for (w, ws, impl), a in sorted(agg.items())
-        ],  # fmt: skip
-        "ratios": {f"{w}/{ws}": {"ratios": rat, "targets": verdicts(rat)} for w in args.workload_list
-                   for ws in args.world_size_list if (rat := ratios(agg, w, ws)) is not None},  # fmt: skip
-        "failures": [{"impl": r.impl, "workload": r.workload, "world_size": r.world_size, "repeat": r.repeat,
-                      "error": r.error} for r in results if not r.ok],  # fmt: skip
+        ],
+        "ratios": {
+            f"{w}/{ws}": {"ratios": rat, "targets": verdicts(rat)}
+            for w in args.workload_list
+            for ws in args.world_size_list
+            if (rat := ratios(agg, w, ws)) is not None
+        },
+        "failures": [
+            {"impl": r.impl, "workload": r.workload, "world_size": r.world_size, "repeat": r.repeat, "error": r.error}
+            for r in results
+            if not r.ok
+        ],
         "notes": notes,
-        "markdown": report,
+        "markdown": md,
     }
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark; exit status 1 if any run failed."""
+    args = parse_args(argv)
+    args.device = _resolve_device(args.device)
+    args.cores = _usable_cores()
+    machine = machine_info(args.device)
+    impls, notes = _plan(args)
+    print(
+        f"# bench_ddp: {machine['cpu']}, {args.cores} cores, torch {machine['torch']}, "
+        f"lightning {machine['lightning']}, device {args.device}",
+        file=sys.stderr,
+        flush=True,
+    )
+    t_start = time.perf_counter()
+    results = run_all(args, impls)
+    args.total_s = time.perf_counter() - t_start
+    loads = [r.load_avg for r in results]
+    args.load_avg = {"median": statistics.median(loads), "max": max(loads)}
+    if args.load_avg["max"] > args.cores:
+        notes.append(
+            f"the machine was busy: 1-minute load average up to {args.load_avg['max']:.1f} on {args.cores} cores "
+            "before some runs, so absolute figures are noisy; the interleaved ratios are the ones to read."
+        )
+
+    agg = aggregate(results, args)
+    if (note := _loss_note(agg)) is not None:
+        notes.append(note)
+    md = render(agg, machine, args, impls, notes)
+    print(md)
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(payload, indent=2) + "\n")
+    Path(args.json).write_text(json.dumps(_payload(agg, results, machine, args, notes, md), indent=2) + "\n")
     if args.markdown:
-        Path(args.markdown).write_text(report)
+        Path(args.markdown).write_text(md)
     print(f"# wrote {args.json}", file=sys.stderr)
     return 1 if any(not r.ok for r in results) else 0
 

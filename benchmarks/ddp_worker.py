@@ -18,7 +18,6 @@ Environment read here (set by ``bench_ddp.py``):
     OMP_NUM_THREADS: intra-op threads per rank (cores // world size for all impls).
 """
 
-
 import argparse
 import json
 import os
@@ -75,11 +74,11 @@ class Workload:
 
 
 WORKLOADS: dict[str, Workload] = {
-    # ~54k parameters (~210 KiB of fp32 gradients): a step is a few milliseconds,
+    # ~51k parameters (~201 KiB of fp32 gradients): a step is a few milliseconds,
     # so framework overhead and the all-reduce latency dominate.
     "small": Workload("small", "mlp", features=64, hidden=192, classes=10, batch=32, samples=2048, steps=300),
-    # small CNN on 32x32 images, ~0.1M parameters but ~20x more compute per step.
-    "heavy": Workload("heavy", "cnn", features=32, hidden=64, classes=10, batch=32, samples=1024, steps=40),
+    # small CNN on 32x32 images, ~57k parameters (~222 KiB) but tens of times the compute per step.
+    "heavy": Workload("heavy", "cnn", features=32, hidden=64, classes=10, batch=32, samples=1024, steps=30),
 }
 
 
@@ -229,10 +228,18 @@ def counting_allreduce_hook(state: CommCounter, bucket: dist.GradBucket) -> torc
 
 
 def register_counting_hook(ddp_model: nn.Module, counter: CommCounter) -> None:
-    """Register :func:`counting_allreduce_hook` on a DDP module; must precede the first backward."""
-    if isinstance(ddp_model, DistributedDataParallel):
+    """Register :func:`counting_allreduce_hook` on a DDP module; must precede the first backward.
+
+    Leaves ``counter.hook_registered`` False (bytes then show as unknown) if the model is
+    not DDP-wrapped or already has a comm hook (DDP accepts only one).
+    """
+    if not isinstance(ddp_model, DistributedDataParallel):
+        return
+    try:
         ddp_model.register_comm_hook(counter, counting_allreduce_hook)
-        counter.hook_registered = True
+    except RuntimeError:  # "register_comm_hook ... can only be called once"
+        return
+    counter.hook_registered = True
 
 
 class StepRecorder:
@@ -253,24 +260,37 @@ class StepRecorder:
         self.first_end_wall: float | None = None
         self.comm = CommCounter()
         self.comm_at_start: dict[str, Any] | None = None
+        self.comm_at_end: dict[str, Any] | None = None
         self.final_loss: float | None = None
+        self.marks: dict[str, float] = {"imports": time.time() - self.launch_time}
+
+    def mark(self, name: str) -> None:
+        """Record a start-up milestone, in seconds since launch (``imports`` is set on creation)."""
+        self.marks.setdefault(name, time.time() - self.launch_time)
 
     def step_start(self) -> None:
         """Record the start of a step."""
         if not self.starts:
+            self.mark("train_start")  # no-op if the caller marked it earlier
             self.first_start_wall = time.time()
             self.comm_at_start = self.comm.snapshot()
         self.starts.append(time.perf_counter())
 
     def step_end(self, loss: torch.Tensor | None = None, last: bool = False) -> None:
-        """Record the end of a step; on CUDA waits for the device first. ``loss`` is read only if ``last``."""
+        """Record the end of a step; on CUDA waits for the device first.
+
+        Pass ``last=True`` for the final step: communication counting stops there and ``loss``
+        (read only then) becomes ``final_loss``.
+        """
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.ends.append(time.perf_counter())
         if self.first_end_wall is None:
             self.first_end_wall = time.time()
-        if last and loss is not None:
-            self.final_loss = float(loss.detach())
+        if last:
+            self.comm_at_end = self.comm.snapshot()
+            if loss is not None:
+                self.final_loss = float(loss.detach())
 
     def finish(self, rank: int, world_size: int, out_dir: str | Path, extra: dict[str, Any]) -> None:
         """Write ``rank<rank>.json`` to ``out_dir``.
@@ -281,8 +301,8 @@ class StepRecorder:
         ``comm`` (counts over the training steps only), ``threads``, ``final_loss``.
         """
         assert self.first_end_wall is not None and self.first_start_wall is not None, "no step was recorded"
-        step_s = [self.ends[0] - self.starts[0]] + [b - a for a, b in zip(self.ends, self.ends[1:])]
-        end = self.comm.snapshot()
+        step_s = [self.ends[0] - self.starts[0]] + [b - a for a, b in zip(self.ends, self.ends[1:], strict=False)]
+        end = self.comm_at_end or self.comm.snapshot()
         start = self.comm_at_start or {}
         steps = len(step_s)
         other_calls = {k: v - start.get("other_calls", {}).get(k, 0) for k, v in end["other_calls"].items()}
@@ -297,6 +317,8 @@ class StepRecorder:
             "step_s": step_s,
             "startup_s": self.first_end_wall - self.launch_time,
             "launch_to_first_start_s": self.first_start_wall - self.launch_time,
+            "marks_s": self.marks,  # start-up milestones, seconds since launch
+            "modules_loaded": len(sys.modules),
             "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,  # KiB on Linux
             "peak_cuda_mib": (torch.cuda.max_memory_allocated(self.device) / 2**20)
             if self.device.type == "cuda"
@@ -356,6 +378,7 @@ def _handwritten_rank(rank: int, cfg: RunConfig) -> None:
         world_size=cfg.world_size,
         timeout=timedelta(seconds=cfg.pg_timeout_s),
     )
+    recorder.mark("process_group")
     try:
         torch.manual_seed(cfg.seed)
         model = build_model(w).to(device)
@@ -366,6 +389,7 @@ def _handwritten_rank(rank: int, cfg: RunConfig) -> None:
         loader = DataLoader(dataset, batch_size=w.batch, sampler=sampler)
         optimizer = make_optimizer(ddp_model.parameters(), w)
         ddp_model.train()
+        recorder.mark("train_start")
 
         step, epoch = 0, 0
         while step < cfg.steps:
@@ -415,10 +439,7 @@ def main(argv: list[str] | None = None) -> None:
     if cfg.impl == "handwritten":
         run_handwritten(cfg)
     else:
-        # Imported only here, so the hand-written loop stays Lightning-free; alias this
-        # script so lightning_worker's `from ddp_worker import ...` does not load it twice.
-        sys.modules.setdefault("ddp_worker", sys.modules[__name__])
-        import lightning_worker
+        import lightning_worker  # only here, so the hand-written loop stays Lightning-free
 
         lightning_worker.run(cfg)
 

@@ -13,19 +13,18 @@ from typing import Any
 import lightning as L
 import torch
 import torch.nn.functional as F
-from lightning.pytorch.callbacks import Callback
-from torch.utils.data import DataLoader
-
 from ddp_worker import (
+    WORKLOADS,
     RunConfig,
     StepRecorder,
     Workload,
-    WORKLOADS,
     build_dataset,
     build_model,
     make_optimizer,
     register_counting_hook,
 )
+from lightning.pytorch.callbacks import Callback
+from torch.utils.data import DataLoader
 
 
 class BenchModule(L.LightningModule):
@@ -58,8 +57,15 @@ class BenchCallback(Callback):
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         # trainer.strategy.model is the DDP wrapper by now, and no backward has run yet.
         register_counting_hook(trainer.strategy.model, self.recorder.comm)
+        self.recorder.mark("train_start")
 
-    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        # After launch and process-group init, before the DDP wrap.
+        self.recorder.mark("process_group")
+
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         self.recorder.step_start()
 
     def on_train_batch_end(
@@ -102,6 +108,7 @@ def run(cfg: RunConfig) -> None:
         num_sanity_val_steps=0,
         callbacks=[BenchCallback(recorder, cfg.steps)],
     )
+    recorder.mark("trainer")
     if use_cuda:
         recorder.device = trainer.strategy.root_device
     trainer.fit(model, train_dataloaders=loader)
