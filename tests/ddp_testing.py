@@ -67,13 +67,19 @@ def run_cli(args: list[str], cwd: Path, timeout: float = 240.0) -> subprocess.Co
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "ddp_strategy", *args], cwd=cwd, env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    code, out = finish(proc, timeout)
+    return subprocess.CompletedProcess(proc.args, code, out, None)
+
+
+def finish(proc: subprocess.Popen, timeout: float) -> tuple[int, str]:
+    """Wait for ``proc`` (started with ``start_new_session=True``); on overrun kill its whole group and fail."""
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, _ = proc.communicate()
-        raise AssertionError(f"ddp_strategy {args} did not finish in {timeout} s; output:\n{out[-4000:]}") from None
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, None)
+        raise AssertionError(f"{proc.args} did not finish in {timeout} s; output:\n{out[-4000:]}") from None
+    return proc.returncode, out
 
 
 def session_members(sid: int) -> list[int]:

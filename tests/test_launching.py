@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -16,7 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from ddp_testing import free_port, session_members
+from ddp_testing import finish, free_port, session_members
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from ddp_strategy import DigitsClassifier, DigitsDataModule, MyDDPStrategy, process_group
@@ -154,16 +153,6 @@ def _run(cmd: list[str], timeout: float = 120.0, **kwargs) -> subprocess.Popen:
                             start_new_session=True, **kwargs)
 
 
-def _finish(proc: subprocess.Popen, timeout: float) -> tuple[int, str]:
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        raise AssertionError(f"{proc.args} did not finish in {timeout} s:\n{out[-3000:]}") from None
-    return proc.returncode, out
-
-
 @pytest.mark.multiprocess
 @pytest.mark.timeout(240)
 def test_two_torchrun_nodes_rendezvous_over_loopback_and_train_together(tmp_path):
@@ -176,7 +165,7 @@ def test_two_torchrun_nodes_rendezvous_over_loopback_and_train_together(tmp_path
         for node in range(2)
     ]
     for proc in procs:
-        code, out = _finish(proc, timeout=200)
+        code, out = finish(proc, timeout=200)
         assert code == 0, out[-3000:]
     ranks = {r: torch.load(tmp_path / f"rank{r}.pt") for r in range(2)}
     for r, seen in ranks.items():
@@ -196,7 +185,7 @@ def test_repeated_popen_fits_never_abort_at_exit(tmp_path):
         out_dir = tmp_path / str(i)
         out_dir.mkdir()
         proc = _run([sys.executable, str(SCRIPTS / "fit_once.py"), str(out_dir)], cwd=tmp_path)
-        code, out = _finish(proc, 120)
+        code, out = finish(proc, 120)
         assert code == 0, f"run {i} exited with {code}:\n{out[-3000:]}"
         assert session_members(proc.pid) == [], "rank 1 outlived the launching process"
         assert "Abort" not in out and "core dumped" not in out
