@@ -109,3 +109,11 @@ def test_base_class_attributes_the_strategy_sets_or_reads():
                       logger=False)
     assert type(trainer.strategy._layer_sync).__name__ == "TorchSyncBatchNorm"
     assert trainer.strategy._launcher is trainer.strategy.launcher
+
+
+def test_multiprocessing_launcher_worker_signature():
+    """launching.CheckedMultiProcessingLauncher overrides Lightning's private _wrapping_function (to run the
+    strategy's on_exception inside each rank): its leading parameters must stay (process_idx, trainer, function)."""
+    params = _pl.signature_of(_pl.MultiProcessingLauncher._wrapping_function)
+    assert params[:4] == ["self", "process_idx", "trainer", "function"]
+    assert params[4:] == ["args", "kwargs", "return_queue", "global_states"]
