@@ -129,45 +129,54 @@ def _demo_worker(rank: int, world_size: int, port: int, batch_size: int, lr: flo
     process_group.init_process_group("gloo", rank=rank, world_size=world_size, main_address="127.0.0.1",
                                      main_port=port, timeout=timedelta(seconds=60))
     try:
-        x, y = load_digits_tensors()
-        torch.manual_seed(rank)  # different initial weights per rank on purpose: the broadcast fixes that
-        net = DigitsNet(hidden_size=32)
-        for p in net.parameters():  # what DDP does when it wraps the module: rank 0's weights everywhere
-            dist.broadcast(p.data, src=0)
-        initial = {k: v.clone() for k, v in net.state_dict().items()}
-        shard = epoch_shards(len(y), world_size, epochs=1, seed=0)[0][rank]
-        batch = shard[:batch_size]
-        F.cross_entropy(net(x[batch]), y[batch]).backward()
-        local = _grads(net)
-        for p in net.parameters():  # the all-reduce: sum over ranks, then divide by W (a mean)
-            dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
-            p.grad /= world_size
-        averaged = _grads(net)
-        with torch.no_grad():
-            for p in net.parameters():
-                p -= lr * p.grad
-        after = {k: v.clone() for k, v in net.state_dict().items()}
-
-        ddp_net = DigitsNet(hidden_size=32)
-        ddp_net.load_state_dict(initial)
-        ddp = DistributedDataParallel(ddp_net)
-        F.cross_entropy(ddp(x[batch]), y[batch]).backward()
-        ddp_grads = _grads(ddp_net)
-        optimizer = torch.optim.SGD(ddp.parameters(), lr=lr)
-        for step in range(timed_steps):  # DDP times iterations 1-10 itself
-            idx = shard[(step % 10) * batch_size:(step % 10 + 1) * batch_size]
-            optimizer.zero_grad()
-            F.cross_entropy(ddp(x[idx]), y[idx]).backward()
-            optimizer.step()
-        stats = CommStats.from_ddp_logging_data(_torch_private.ddp_logging_data(ddp))
-        record: dict[str, Any] = {"batch": batch, "initial": initial, "local": local, "averaged": averaged,
-                                  "after": after, "ddp": ddp_grads,
-                                  "comm_stats": stats.as_tensor() if stats is not None else None}
-        if rank == 0:
-            record["ddp_state_dict"] = {k: v.clone() for k, v in ddp.state_dict().items()}
+        record = _demo_steps(rank, world_size, batch_size, lr, timed_steps)
         torch.save(record, Path(out_dir) / f"rank{rank}.pt")
+        dist.barrier()  # both ranks are done with every collective before the group goes
     finally:
+        # _demo_steps has returned, so its DDP wrapper is already released: wrapper first, then the group
+        # (destroying the group under a live gloo DDP wrapper was seen to hang a rank at exit).
         process_group.destroy_process_group()
+
+
+def _demo_steps(rank: int, world_size: int, batch_size: int, lr: float, timed_steps: int) -> dict[str, Any]:
+    """The demonstration itself, in its own frame so its DDP wrapper is freed when it returns."""
+    x, y = load_digits_tensors()
+    torch.manual_seed(rank)  # different initial weights per rank on purpose: the broadcast fixes that
+    net = DigitsNet(hidden_size=32)
+    for p in net.parameters():  # what DDP does when it wraps the module: rank 0's weights everywhere
+        dist.broadcast(p.data, src=0)
+    initial = {k: v.clone() for k, v in net.state_dict().items()}
+    shard = epoch_shards(len(y), world_size, epochs=1, seed=0)[0][rank]
+    batch = shard[:batch_size]
+    F.cross_entropy(net(x[batch]), y[batch]).backward()
+    local = _grads(net)
+    for p in net.parameters():  # the all-reduce: sum over ranks, then divide by W (a mean)
+        dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
+        p.grad /= world_size
+    averaged = _grads(net)
+    with torch.no_grad():
+        for p in net.parameters():
+            p -= lr * p.grad
+    after = {k: v.clone() for k, v in net.state_dict().items()}
+
+    ddp_net = DigitsNet(hidden_size=32)
+    ddp_net.load_state_dict(initial)
+    ddp = DistributedDataParallel(ddp_net)
+    F.cross_entropy(ddp(x[batch]), y[batch]).backward()
+    ddp_grads = _grads(ddp_net)
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=lr)
+    for step in range(timed_steps):  # DDP times iterations 1-10 itself
+        idx = shard[(step % 10) * batch_size:(step % 10 + 1) * batch_size]
+        optimizer.zero_grad()
+        F.cross_entropy(ddp(x[idx]), y[idx]).backward()
+        optimizer.step()
+    stats = CommStats.from_ddp_logging_data(_torch_private.ddp_logging_data(ddp))
+    record: dict[str, Any] = {"batch": batch, "initial": initial, "local": local, "averaged": averaged,
+                              "after": after, "ddp": ddp_grads,
+                              "comm_stats": stats.as_tensor() if stats is not None else None}
+    if rank == 0:
+        record["ddp_state_dict"] = {k: v.clone() for k, v in ddp.state_dict().items()}
+    return record
 
 
 def default_demo_start_method() -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import time
 from pathlib import Path
 
@@ -49,6 +50,12 @@ def clean_process_state():
     deadline = time.monotonic() + 10.0
     while (left := _child_pids()) and time.monotonic() < deadline:
         time.sleep(0.2)
+    for pid in left:  # fail this test, but do not let its orphans fail every test after it
+        try:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        except (ProcessLookupError, ChildProcessError):
+            pass
     assert not left, f"test left child processes alive: {left}"
     stray = set(os.listdir(cwd)) - files_before
     assert not stray, f"test left files in {cwd}: {sorted(stray)}"
