@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from ddp_testing import free_port
 
 from ddp_strategy import process_group
 
@@ -106,15 +107,9 @@ def test_destroy_without_group_is_a_no_op():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_nccl_group_on_a_real_gpu(tmp_path):
     """With a GPU: a 1-rank NCCL group with eager init all-reduces a CUDA tensor."""
-    process_group.init_process_group("nccl", 0, 1, "127.0.0.1", _free_port(), timedelta(seconds=60),
+    process_group.init_process_group("nccl", 0, 1, "127.0.0.1", free_port(), timedelta(seconds=60),
                                      torch.device("cuda", 0))
     assert dist.get_backend() == "nccl"
     out = process_group.all_reduce(torch.ones(3, device="cuda"), "sum")
     assert out.device.type == "cuda" and out.tolist() == [1.0, 1.0, 1.0]
     process_group.destroy_process_group()
-
-
-def _free_port() -> int:
-    from ddp_testing import free_port
-
-    return free_port()
