@@ -115,6 +115,10 @@ class MyDDPStrategy(ParallelStrategy):
         verify_sync_every_n_steps: compare parameter checksums across ranks after every N-th optimizer
             step and raise on every rank naming the parameters that differ
             (:mod:`ddp_strategy.rank_check`); default ``None`` = off.
+        exact_evaluation: shard validation and test loaders without padding, every sample evaluated once, with
+            the same number of batches on every rank (:mod:`ddp_strategy.evaluation`); default True. False
+            shards them exactly as Lightning's ddp does (padded by repeating the first samples, full batches
+            but the last), for code that needs Lightning's batches.
         find_unused_parameters, static_graph, gradient_as_bucket_view, bucket_cap_mb, broadcast_buffers:
             the common :class:`torch.nn.parallel.DistributedDataParallel` options, named so that
             ``LightningCLI``/YAML can set them (``--trainer.strategy.find_unused_parameters=true``); defaults
@@ -152,6 +156,7 @@ class MyDDPStrategy(ParallelStrategy):
         ddp_comm_state: Any = None,
         ddp_comm_wrapper: Any = None,
         verify_sync_every_n_steps: int | None = None,
+        exact_evaluation: bool = True,
         find_unused_parameters: bool = False,
         static_graph: bool = False,
         gradient_as_bucket_view: bool = True,
@@ -205,6 +210,7 @@ class MyDDPStrategy(ParallelStrategy):
             raise ValueError(f"verify_sync_every_n_steps must be a positive number of optimizer steps or None,"
                              f" got {verify_sync_every_n_steps}.")
         self._verify_sync_every_n_steps = verify_sync_every_n_steps
+        self._exact_evaluation = exact_evaluation
         self._optimizer_steps = 0
         self._check_unused_after_backward = False
 
@@ -444,8 +450,13 @@ class MyDDPStrategy(ParallelStrategy):
             resume.hand_over_position(dataloader, self._pending_positions)
         else:
             stage = "test" if trainer.state.stage == RunningStage.TESTING else "validation"
-            dataloader = evaluation.shard_for_evaluation(dataloader, self.world_size, self.global_rank,
-                                                         self._sampler_seed, epoch_fn, stage)
+            if self._exact_evaluation:
+                dataloader = evaluation.shard_for_evaluation(dataloader, self.world_size, self.global_rank,
+                                                             self._sampler_seed, epoch_fn, stage)
+            else:
+                dataloader = injection.inject_distributed_sampler(dataloader, num_replicas=self.world_size,
+                                                                  rank=self.global_rank, seed=self._sampler_seed,
+                                                                  epoch_fn=epoch_fn, pad=True, training=False)
             evaluation.agree_batch_counts(dataloader)
         return dataloader
 

@@ -101,9 +101,11 @@ def _validate(name: str, out: Path, strategy: Any, n: int, batch_size: int) -> N
 
 
 def scenario_collectives(out: Path) -> None:
-    """The issue's three inputs (3, 21 and 17 samples, batch 4), a padded one (5 samples, batch 1); then Lightning's."""
+    """The issue's inputs (3, 21, 17 samples, batch 4), a padded one (5, batch 1), exact_evaluation=False; ddp."""
     for n, b in ((3, 4), (21, 4), (17, 4), (5, 1)):
         _validate(f"mine_{n}_{b}", out, MyDDPStrategy(start_method="popen", timeout=60), n, b)
+    _validate("mine_lightning_layout_17_4", out, MyDDPStrategy(start_method="popen", timeout=60,
+                                                              exact_evaluation=False), 17, 4)
     for n, b in ((17, 4), (5, 1)):
         _validate(f"lightning_{n}_{b}", out, "ddp", n, b)
         dist.destroy_process_group()  # Lightning's ddp leaves it for the next Trainer; ours makes a fresh one

@@ -162,3 +162,14 @@ def test_timeout_on_uneven_predict_shards_names_the_batch_counts(tmp_path):
     launch("compat_workers:scenario_predict_timeout", 2, tmp_path)
     error = load(tmp_path, "predict_timeout", 2)[0]["error"]
     assert error is not None and "[2, 1]" in error and "dist_sync_on_step" in error
+
+
+def test_exact_evaluation_false_gives_lightnings_batches_and_values(runs):
+    """MyDDPStrategy(exact_evaluation=False): Lightning's padded batches, gathers and metrics, no padding warning."""
+    mine, theirs = load(runs, "mine_lightning_layout_17_4", 2), load(runs, "lightning_17_4", 2)
+    for a, b in zip(mine, theirs, strict=True):
+        assert a["batches"] == b["batches"] and a["batches"][-1] == ([16] if a is mine[0] else [0])
+        torch.testing.assert_close(a["epoch_gather"], b["epoch_gather"])
+        assert a["metrics"]["mean_epoch"] == pytest.approx(b["metrics"]["mean_epoch"], abs=1e-6)
+        assert a["step_metric"] == pytest.approx(b["step_metric"], abs=1e-6)
+        assert not any("are padded" in w or "all_gather got" in w for w in a["warnings"])
