@@ -429,8 +429,8 @@ class MyDDPStrategy(ParallelStrategy):
         Training loaders are padded so every rank takes the same number of steps, and resume from the
         checkpoint's sampler position if there is one; validation and test loaders are not padded, so each
         sample is evaluated exactly once, yet hold the same number of batches on every rank
-        (:func:`ddp_strategy.evaluation.shard_for_evaluation`), and the ranks agree on their batch counts (a
-        collective). Predict loaders
+        (:func:`ddp_strategy.evaluation.shard_for_evaluation`; Lightning's padded shards with
+        ``exact_evaluation=False``), and the ranks agree on their batch counts (a collective). Predict loaders
         are sharded by Lightning's ``UnrepeatedDistributedSamplerWrapper`` (each sample once, and Lightning's
         prediction batch indices keep working).
         """
@@ -442,7 +442,10 @@ class MyDDPStrategy(ParallelStrategy):
             evaluation.agree_batch_counts(dataloader)
             return dataloader
         training = trainer.state.stage == RunningStage.TRAINING
-        epoch_fn = lambda: trainer.fit_loop.epoch_progress.current.processed  # noqa: E731
+
+        def epoch_fn() -> int:
+            return trainer.fit_loop.epoch_progress.current.processed
+
         if training:
             dataloader = injection.inject_distributed_sampler(dataloader, num_replicas=self.world_size,
                                                               rank=self.global_rank, seed=self._sampler_seed,
@@ -494,7 +497,8 @@ class MyDDPStrategy(ParallelStrategy):
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        """Call the LightningModule directly, not through DDP: evaluation needs no per-step collective."""
+        """Call the LightningModule directly, not through DDP's forward (its buffer broadcast is done once per
+        validation run by :meth:`on_validation_start`); a strategy collective is refused on uneven loaders."""
         assert self.lightning_module is not None
         guard = evaluation.step_guard(self._trainer, self._eval_guard, "validation_step", args, kwargs)
         with self.precision_plugin.val_step_context(), guard:
