@@ -16,6 +16,7 @@ from ddp_strategy.checkpoint_io import (
     unwrapped_state_dict,
 )
 from ddp_strategy.data import DigitsDataModule
+from ddp_strategy.gather import all_gather_rows
 from ddp_strategy.model import DigitsClassifier, DigitsNet
 from ddp_strategy.sampler import EpochSeededDistributedSampler, shard_iterable
 from ddp_strategy.strategy import MyDDPStrategy
@@ -32,6 +33,7 @@ __all__ = [
     "MyDDPStrategy",
     "StateDictMismatchError",
     "UnsafeCheckpointError",
+    "all_gather_rows",
     "export_weights",
     "import_plain_checkpoint",
     "load_plain_state_dict",

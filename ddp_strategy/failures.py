@@ -152,14 +152,20 @@ def describe_peers(store: dist.Store | None, rank: int, world_size: int) -> str:
     return "; ".join(found)
 
 
-def explain(exception: BaseException, rank: int, peers: str, timeout: timedelta) -> str:
-    """The sentence added to a collective error: which peers failed, or the likely causes of a timeout."""
+def explain(exception: BaseException, rank: int, peers: str, timeout: timedelta, known_cause: str | None = None) -> str:
+    """The sentence added to a collective error: which peers failed, or the likely causes of a timeout.
+
+    ``known_cause`` is a cause the strategy knows for sure (uneven evaluation batch counts); it comes first
+    and replaces the generic list of timeout causes.
+    """
     parts = [f"[rank {rank}] a collective failed because another rank did not take part."]
+    if known_cause:
+        parts.append(known_cause)
     if peers:
         parts.append(f"Cause: {peers}.")
         if " failed: " in peers:
             parts.append("The failing rank's own traceback is printed above this one.")
-    elif is_timeout(exception):
+    elif is_timeout(exception) and not known_cause:
         parts.append(
             f"No rank reported an error, and the collective timed out after {timeout.total_seconds():.0f} s: a"
             " rank is stalled (an endless loop, a deadlocked DataLoader worker, slow storage), or ranks called"
@@ -167,7 +173,7 @@ def explain(exception: BaseException, rank: int, peers: str, timeout: timedelta)
             " all_gather in a branch, uneven data with use_distributed_sampler=False). Set"
             " TORCH_DISTRIBUTED_DEBUG=DETAIL to have PyTorch check that collectives match."
         )
-    else:
+    elif not known_cause:
         parts.append("No rank reported an error: a peer process probably exited or lost its connection.")
     return " ".join(parts)
 

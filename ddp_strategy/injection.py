@@ -131,22 +131,26 @@ def needs_distributed_sampler(dataloader: object) -> bool:
                                                 getattr(batch_sampler, "sampler", None)) if s is not None)
 
 
-def check_shard_sizes(dataloader: DataLoader, num_replicas: int, training: bool) -> None:
+def check_shard_sizes(dataloader: DataLoader, num_replicas: int, training: bool, pad: bool | None = None) -> None:
     """Raise early (the same error on every rank) when ``dataloader`` cannot be sharded sensibly.
 
     Args:
         dataloader: the user's loader (before injection).
         num_replicas: world size W.
         training: True for the training loader (padded shards, equal step counts).
+        pad: whether the shards are padded (default: ``training``); an evaluation loader is padded, as
+            Lightning pads it, when it has fewer samples than ranks.
 
     Raises:
-        ValueError: fewer items than ranks; for training, a ``batch_size`` larger than each rank's shard;
+        ValueError: fewer items than ranks, except for a padded evaluation loader; for training, a
+            ``batch_size`` larger than each rank's shard;
             ``drop_last=True`` with a shard smaller than one batch (no batch at all).
     """
     source = original_sampler(dataloader)
     n = len(source if source is not None else dataloader.batch_sampler)  # type: ignore[arg-type]
     what = "samples" if source is not None else "batches"
-    if n < num_replicas:
+    pad = training if pad is None else pad
+    if n < num_replicas and (training or not pad):
         raise ValueError(
             f"The loader has {n} {what} but there are {num_replicas} ranks: some rank would get nothing (or only"
             f" repeats). Use a data set with at least {num_replicas} {what}, or fewer devices."
@@ -155,7 +159,7 @@ def check_shard_sizes(dataloader: DataLoader, num_replicas: int, training: bool)
     if source is None or batch_sampler is None:
         return
     batch_size, drop_last = int(batch_sampler.batch_size), bool(batch_sampler.drop_last)  # type: ignore[attr-defined]
-    smallest_shard = math.ceil(n / num_replicas) if training else n // num_replicas
+    smallest_shard = math.ceil(n / num_replicas) if pad else n // num_replicas
     if drop_last and smallest_shard < batch_size:
         raise ValueError(
             f"drop_last=True with batch_size={batch_size}, but a rank's shard has only {smallest_shard} samples"
@@ -192,6 +196,7 @@ def inject_distributed_sampler(
     seed: int,
     epoch_fn: Callable[[], int] | None = None,
     pad: bool = True,
+    training: bool | None = None,
 ) -> object:
     """Return ``dataloader`` rebuilt with a distributed sampler, or unchanged when it needs none.
 
@@ -205,6 +210,8 @@ def inject_distributed_sampler(
         rank: global rank.
         seed: shuffle seed shared by all ranks.
         epoch_fn, pad: see :class:`EpochSeededDistributedSampler`; pass ``pad=False`` for evaluation loaders.
+        training: whether this is the training loader, for :func:`check_shard_sizes`; default ``pad``
+            (an evaluation loader padded as Lightning pads it passes ``pad=True, training=False``).
 
     Returns:
         The new loader, or ``dataloader`` itself.
@@ -222,7 +229,7 @@ def inject_distributed_sampler(
             )
         return dataloader
     assert isinstance(dataloader, DataLoader)
-    check_shard_sizes(dataloader, num_replicas, training=pad)
+    check_shard_sizes(dataloader, num_replicas, training=pad if training is None else training, pad=pad)
     built = distributed_sampler_for(dataloader, num_replicas, rank, seed, epoch_fn, pad)
     if isinstance(built, ShardedBatchSampler):
         return _rebuild_with_batch_sampler(dataloader, built)

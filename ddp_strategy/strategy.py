@@ -30,7 +30,7 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
@@ -43,6 +43,7 @@ from ddp_strategy import (
     diagnostics,
     evaluation,
     failures,
+    gather,
     injection,
     launching,
     process_group,
@@ -114,6 +115,10 @@ class MyDDPStrategy(ParallelStrategy):
         verify_sync_every_n_steps: compare parameter checksums across ranks after every N-th optimizer
             step and raise on every rank naming the parameters that differ
             (:mod:`ddp_strategy.rank_check`); default ``None`` = off.
+        exact_evaluation: shard validation and test loaders without padding, every sample evaluated once, with
+            the same number of batches on every rank (:mod:`ddp_strategy.evaluation`); default True. False
+            shards them exactly as Lightning's ddp does (padded by repeating the first samples, full batches
+            but the last), for code that needs Lightning's batches.
         find_unused_parameters, static_graph, gradient_as_bucket_view, bucket_cap_mb, broadcast_buffers:
             the common :class:`torch.nn.parallel.DistributedDataParallel` options, named so that
             ``LightningCLI``/YAML can set them (``--trainer.strategy.find_unused_parameters=true``); defaults
@@ -151,6 +156,7 @@ class MyDDPStrategy(ParallelStrategy):
         ddp_comm_state: Any = None,
         ddp_comm_wrapper: Any = None,
         verify_sync_every_n_steps: int | None = None,
+        exact_evaluation: bool = True,
         find_unused_parameters: bool = False,
         static_graph: bool = False,
         gradient_as_bucket_view: bool = True,
@@ -197,12 +203,14 @@ class MyDDPStrategy(ParallelStrategy):
         self._trainer: Trainer | None = None
         self._forward_redirection = wrapping.DDPForwardRedirection()
         self._eval_guard = evaluation.EvaluationStepGuard()
+        self._warned_padded_gather = False
         self._pending_positions: list[dict[str, Any]] = []
         self._comm_hook = comm_hooks.CommHookConfig(ddp_comm_hook, ddp_comm_state, ddp_comm_wrapper)
         if verify_sync_every_n_steps is not None and verify_sync_every_n_steps < 1:
             raise ValueError(f"verify_sync_every_n_steps must be a positive number of optimizer steps or None,"
                              f" got {verify_sync_every_n_steps}.")
         self._verify_sync_every_n_steps = verify_sync_every_n_steps
+        self._exact_evaluation = exact_evaluation
         self._optimizer_steps = 0
         self._check_unused_after_backward = False
 
@@ -352,7 +360,7 @@ class MyDDPStrategy(ParallelStrategy):
             self._optimizer_steps = 0
             self.setup_optimizers(trainer)
         else:
-            wrapping.broadcast_module_states(self.model)
+            wrapping.broadcast_module_states(self.model, buffers=self._ddp_kwargs.get("broadcast_buffers", True))
         self.setup_precision_plugin()
 
     def _check_checkpoint_dirs(self, trainer: Trainer) -> None:
@@ -420,8 +428,9 @@ class MyDDPStrategy(ParallelStrategy):
 
         Training loaders are padded so every rank takes the same number of steps, and resume from the
         checkpoint's sampler position if there is one; validation and test loaders are not padded, so each
-        sample is evaluated exactly once (evaluation runs without the DDP wrapper, see
-        :meth:`validation_step`), and the ranks agree on their batch counts (a collective). Predict loaders
+        sample is evaluated exactly once, yet hold the same number of batches on every rank
+        (:func:`ddp_strategy.evaluation.shard_for_evaluation`; Lightning's padded shards with
+        ``exact_evaluation=False``), and the ranks agree on their batch counts (a collective). Predict loaders
         are sharded by Lightning's ``UnrepeatedDistributedSamplerWrapper`` (each sample once, and Lightning's
         prediction batch indices keep working).
         """
@@ -433,23 +442,63 @@ class MyDDPStrategy(ParallelStrategy):
             evaluation.agree_batch_counts(dataloader)
             return dataloader
         training = trainer.state.stage == RunningStage.TRAINING
-        dataloader = injection.inject_distributed_sampler(
-            dataloader,
-            num_replicas=self.world_size,
-            rank=self.global_rank,
-            seed=self._sampler_seed,
-            epoch_fn=lambda: trainer.fit_loop.epoch_progress.current.processed,
-            pad=training,
-        )
+
+        def epoch_fn() -> int:
+            return trainer.fit_loop.epoch_progress.current.processed
+
         if training:
+            dataloader = injection.inject_distributed_sampler(dataloader, num_replicas=self.world_size,
+                                                              rank=self.global_rank, seed=self._sampler_seed,
+                                                              epoch_fn=epoch_fn, pad=True)
             resume.hand_over_position(dataloader, self._pending_positions)
         else:
+            stage = "test" if trainer.state.stage == RunningStage.TESTING else "validation"
+            if self._exact_evaluation:
+                dataloader = evaluation.shard_for_evaluation(dataloader, self.world_size, self.global_rank,
+                                                             self._sampler_seed, epoch_fn, stage)
+            else:
+                dataloader = injection.inject_distributed_sampler(dataloader, num_replicas=self.world_size,
+                                                                  rank=self.global_rank, seed=self._sampler_seed,
+                                                                  epoch_fn=epoch_fn, pad=True, training=False)
             evaluation.agree_batch_counts(dataloader)
         return dataloader
 
     @override
+    def on_validation_start(self) -> None:
+        """While fitting with ``broadcast_buffers=True``, give every rank rank 0's buffers before validating.
+
+        DDP broadcasts buffers (BatchNorm running statistics) at the start of each *training* forward, so
+        after the last training step each rank holds its own update; Lightning's ddp re-broadcasts them in
+        every validation step, which it routes through DDP's forward. Validation steps here call the module
+        directly, so the broadcast happens once, here: every rank then validates the model rank 0 saves. A
+        collective, on every rank; nothing happens with ``broadcast_buffers=False`` (per-rank buffers stay).
+        """
+        super().on_validation_start()
+        if isinstance(self.model, DistributedDataParallel) and self._ddp_kwargs.get("broadcast_buffers", True):
+            wrapping.broadcast_buffers(self.model.module)
+
+    @override
+    def on_validation_end(self) -> None:
+        """Forget the stage's uneven batch counts (kept until then for the error of a collective that fails)."""
+        super().on_validation_end()
+        self._eval_guard.last_uneven = None
+
+    @override
+    def on_test_end(self) -> None:
+        """As :meth:`on_validation_end`."""
+        super().on_test_end()
+        self._eval_guard.last_uneven = None
+
+    @override
+    def on_predict_end(self) -> None:
+        """As :meth:`on_validation_end`."""
+        super().on_predict_end()
+        self._eval_guard.last_uneven = None
+
+    @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        """Call the LightningModule directly, not through DDP: evaluation needs no per-step collective."""
+        """Call the LightningModule directly, not through DDP's forward (its buffer broadcast is done once per
+        validation run by :meth:`on_validation_start`); a strategy collective is refused on uneven loaders."""
         assert self.lightning_module is not None
         guard = evaluation.step_guard(self._trainer, self._eval_guard, "validation_step", args, kwargs)
         with self.precision_plugin.val_step_context(), guard:
@@ -629,7 +678,8 @@ class MyDDPStrategy(ParallelStrategy):
             pass  # already names the missing ranks
         elif failures.is_collective_error(exception):
             peers = failures.describe_peers(self._rendezvous_store, self.global_rank, self.world_size)
-            failures.augment_message(exception, failures.explain(exception, self.global_rank, peers, self._timeout))
+            failures.augment_message(exception, failures.explain(exception, self.global_rank, peers, self._timeout,
+                                                                 self._eval_guard.describe_uneven()))
         else:
             failures.report_failure(self._rendezvous_store, self.global_rank, exception)
         launcher = self._launcher
@@ -644,9 +694,40 @@ class MyDDPStrategy(ParallelStrategy):
 
     @override
     def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
-        """Gather ``tensor`` from every rank (a collective), refused inside uneven evaluation steps."""
+        """Gather ``tensor`` from every rank: shape ``(W, *shape)``; the first dimension may differ between ranks.
+
+        A collective: every rank calls it (``LightningModule.all_gather`` calls it once per tensor of a
+        collection). Equal shapes give exactly Lightning's result (its ``_all_gather_ddp_if_available``:
+        ``torch.stack`` of every rank's tensor; the tensor itself without a process group). When only the
+        first dimension differs (``n_r`` rows on rank r) the result is ``(W, max n_r, *rest)``, its missing
+        rows filled as ``DistributedSampler`` pads a data set (:func:`ddp_strategy.gather.all_gather_padded`):
+        for per-sample evaluation outputs that is Lightning's padded result, and rank 0 warns once that
+        ``flatten(0, 1)`` then counts some rows twice; :func:`ddp_strategy.gather.all_gather_rows` gives each
+        row once. One small extra all-gather (the shapes) per call.
+
+        Raises:
+            ValueError: the tensors differ in another dimension (on every rank).
+            RuntimeError: inside an evaluation step whose ranks hold different numbers of batches.
+        """
         self._eval_guard.check("all_gather", self.global_rank)
-        return super().all_gather(tensor, group=group, sync_grads=sync_grads)
+        if not dist.is_initialized():
+            return super().all_gather(tensor, group=group, sync_grads=sync_grads)
+        shapes = gather.gather_shapes(tensor, group)
+        if shapes is None or len(set(shapes)) == 1:
+            return super().all_gather(tensor, group=group, sync_grads=sync_grads)
+        gather.check_gatherable(shapes, self.global_rank)
+        sizes = [shape[0] for shape in shapes]
+        if not self._warned_padded_gather:
+            self._warned_padded_gather = True
+            repeats = len(sizes) * max(sizes) - sum(sizes)
+            rank_zero_warn(
+                f"all_gather got first dimensions {sizes} on ranks 0..{len(sizes) - 1}: the result has"
+                f" {max(sizes)} rows per rank, and the {repeats} missing row(s) repeat the first rows, as"
+                " DistributedSampler pads a data set. For per-sample evaluation outputs this is what Lightning's"
+                " ddp gives (its sampler evaluates those samples twice), so .flatten(0, 1) counts them twice. For"
+                " every row exactly once use ddp_strategy.all_gather_rows(tensor), or a torchmetrics metric."
+            )
+        return gather.all_gather_padded(tensor, sizes, group, sync_grads)
 
     # --------------------------------------------------------------------------------------- teardown
     @override

@@ -119,17 +119,31 @@ def unwrap_module(model: nn.Module) -> nn.Module:
     return model.module if isinstance(model, DistributedDataParallel) else model
 
 
-def broadcast_module_states(module: nn.Module, src: int = 0) -> None:
-    """Copy rank ``src``'s parameters and buffers to every rank, in place.
+def broadcast_module_states(module: nn.Module, src: int = 0, buffers: bool = True) -> None:
+    """Copy rank ``src``'s parameters (and buffers, if ``buffers``) to every rank, in place.
 
     Used when evaluating without the DDP wrapper (validate, test, predict), so all ranks evaluate the
-    same weights. A collective: every rank must call it with the same module structure. A no-op
-    without a process group.
+    same weights; ``buffers`` follows the strategy's ``broadcast_buffers``. A collective: every rank must
+    call it with the same module structure and flag. A no-op without a process group.
     """
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return
     with torch.no_grad():
-        for tensor in [*module.parameters(), *module.buffers()]:
+        for tensor in [*module.parameters(), *(module.buffers() if buffers else ())]:
+            dist.broadcast(tensor.data, src=src)
+
+
+def broadcast_buffers(module: nn.Module, src: int = 0) -> None:
+    """Copy rank ``src``'s buffers (BatchNorm running statistics, ...) to every rank, in place.
+
+    What DDP's ``broadcast_buffers=True`` does before each forward (PyTorch's ``_sync_buffers``), done
+    with public collectives. A collective: every rank must call it with the same module structure. A
+    no-op without a process group.
+    """
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return
+    with torch.no_grad():
+        for tensor in module.buffers():
             dist.broadcast(tensor.data, src=src)
 
 

@@ -9,6 +9,7 @@ Every run records what it saw in ``out_dir/<name>.rank<R>.pt`` (plain lists and 
 
 from __future__ import annotations
 
+import importlib
 import os
 import traceback
 from pathlib import Path
@@ -98,6 +99,8 @@ class Recorder(pl.LightningModule):
         self._evaluate(batch, "test")
 
     def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        if self.step_sync:
+            self.trainer.strategy.barrier()  # predict shards stay uneven (Lightning's sampler): refused
         return batch[3]
 
     def on_validation_end(self) -> None:
@@ -152,7 +155,7 @@ def fit(name: str, out: Path, world_size: int, ckpt_path: str | None = None, sav
 
 # -------------------------------------------------------------------------------------------- scenarios
 def scenario_two(out: Path) -> None:
-    """W=2: uninterrupted fit with a mid-epoch checkpoint, its resume, custom samplers, test, predict, guard."""
+    """W=2: uninterrupted fit with a mid-epoch checkpoint, its resume, custom samplers, test, predict, per-step sync."""
     pl.seed_everything(SEED)
     fit("full2", out, 2, save_every=CKPT_STEP)
     fit("resume2to2", out, 2, ckpt_path=str(out / "full2_ckpt" / f"step={CKPT_STEP}.ckpt"))
@@ -170,8 +173,13 @@ def scenario_two(out: Path) -> None:
     predictions = t.predict(model, return_predictions=True)
     save(out, "eval", {"test": model.rec["test"], "test_metrics": test_metrics,
                        "pairs": writer.pairs, "predictions": [p.tolist() for p in predictions]})
+    # Per-step sync_dist in test_step: test shards hold equal batch counts (2 and 2), so it meets; exact epoch value.
+    model, t = Recorder(step_sync=True), trainer(2, out)
+    t.test(model)
+    save(out, "step_sync", {"test": model.rec["test"],
+                            "test_metrics": {k: float(v) for k, v in t.callback_metrics.items()}})
     try:
-        trainer(2, out).test(Recorder(step_sync=True))
+        trainer(2, out).predict(Recorder(step_sync=True))
         save(out, "guard", {"error": None})
     except RuntimeError as error:
         save(out, "guard", {"error": str(error)})
@@ -206,19 +214,31 @@ def scenario_one_to_two(out: Path) -> None:
 SCENARIOS = {"two": scenario_two, "one": scenario_one, "three": scenario_three, "one_to_two": scenario_one_to_two}
 
 
+def _scenario(name: str) -> Any:
+    """A scenario of this module by name, or any module's as ``"module:function"`` (tests/ is on the path)."""
+    if ":" not in name:
+        return SCENARIOS[name]
+    module, function = name.split(":")
+    return getattr(importlib.import_module(module), function)
+
+
 def _entry(rank: int, scenario: str, world_size: int, port: int, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(rank), NODE_RANK="0",
                       WORLD_SIZE=str(world_size))
     torch.set_num_threads(1)
     try:
-        SCENARIOS[scenario](Path(out))
+        _scenario(scenario)(Path(out))
     except BaseException:
         (Path(out) / f"error.{scenario}.rank{rank}.txt").write_text(traceback.format_exc())
         raise
 
 
 def launch(scenario: str, world_size: int, out: Path) -> None:
-    """Run ``scenario`` on ``world_size`` spawned processes; raise with the ranks' tracebacks on failure."""
+    """Run ``scenario`` (a name, or ``"module:function"``) on ``world_size`` spawned processes.
+
+    Raises:
+        AssertionError: with the ranks' tracebacks, when a rank fails.
+    """
     try:
         mp.start_processes(_entry, args=(scenario, world_size, free_port(), str(out)), nprocs=world_size,
                            start_method="spawn", join=True)

@@ -1,6 +1,8 @@
-"""The evaluation-step guard and batch-count agreement, in one process."""
+"""Equal-count evaluation batches, the evaluation-step guard and batch-count agreement, in one process."""
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
@@ -8,11 +10,15 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from ddp_strategy.evaluation import (
     BATCH_COUNTS_ATTR,
+    EqualCountBatches,
+    EqualCountBatchSampler,
     EvaluationStepGuard,
     agree_batch_counts,
     current_loader,
     effective_counts,
+    needs_padding,
 )
+from ddp_strategy.gather import check_gatherable
 
 
 def test_agree_batch_counts_without_process_group_records_the_local_length():
@@ -52,3 +58,55 @@ def test_current_loader_uses_the_dataloader_index():
     assert current_loader([a, b], ("batch", 0, 1), {}) is b
     assert current_loader({"x": a, "y": b}, ("batch", 0), {"dataloader_idx": 1}) is b
     assert current_loader(None, (), {}) is None
+
+
+def _layout(n: int, batch: int, world: int) -> list[list[list[int]]]:
+    """Every rank's batches of an unshuffled evaluation loader of ``n`` samples."""
+    from ddp_strategy.sampler import EpochSeededDistributedSampler
+
+    return [list(EqualCountBatchSampler(EpochSeededDistributedSampler(list(range(n)), world, r, shuffle=False,
+                                                                      pad=False), batch)) for r in range(world)]
+
+
+def test_equal_count_batches_match_the_documented_example():
+    """17 samples, batch 4, 2 ranks: the layout in the evaluation module's docstring."""
+    assert _layout(17, 4, 2) == [[[0, 2, 4, 6], [8, 10, 12, 14], [16]], [[1, 3, 5], [7, 9, 11, 13], [15]]]
+
+
+@pytest.mark.parametrize(("n", "batch", "world"), [(3, 4, 2), (21, 4, 2), (9, 4, 2), (10, 3, 3), (23, 2, 3),
+                                                   (8, 2, 4), (7, 5, 3)])
+def test_equal_count_batches_keep_every_sample_once_in_lightnings_number_of_steps(n, batch, world):
+    """Every rank makes ceil(ceil(N/W)/B) non-empty batches of at most B, and the samples are covered once."""
+    layout = _layout(n, batch, world)
+    steps = math.ceil(math.ceil(n / world) / batch)
+    assert all(len(batches) == steps and all(1 <= len(b) <= batch for b in batches) for batches in layout)
+    assert sorted(i for batches in layout for b in batches for i in b) == list(range(n))
+
+
+def test_needs_padding_only_where_no_exact_layout_exists():
+    """Multiples of W and B >= 2 are exact; batch_size=1, batch_size=None, drop_last, N < W are padded."""
+    data = TensorDataset(torch.arange(5))
+    assert needs_padding(DataLoader(TensorDataset(torch.arange(6)), batch_size=1), 2) is None
+    assert needs_padding(DataLoader(data, batch_size=2), 2) is None
+    assert "batch_size=1" in needs_padding(DataLoader(data, batch_size=1), 2)
+    assert "batch_size=None" in needs_padding(DataLoader(data, batch_size=None), 2)
+    assert "drop_last=True" in needs_padding(DataLoader(data, batch_size=2, drop_last=True), 2)
+    assert "fewer samples (5) than ranks (8)" in needs_padding(DataLoader(data, batch_size=2), 8)
+
+
+def test_custom_batch_sampler_shards_get_equal_counts_by_halving_a_batch():
+    """5 user batches on 2 ranks: rank 1 holds 2 and halves its first batch of 2+ samples; every index once."""
+    from ddp_strategy.sampler import ShardedBatchSampler
+
+    batches = [[0, 1, 2], [3], [4, 5], [6, 7], [8]]
+    layout = [list(EqualCountBatches(ShardedBatchSampler(batches, 2, r, pad=False))) for r in range(2)]
+    assert layout == [[[0, 1, 2], [4, 5], [8]], [[3], [6], [7]]]
+
+
+def test_check_gatherable_names_every_shape():
+    """Only the first dimension may differ; anything else is refused with every rank's shape."""
+    check_gatherable([(3, 2), (1, 2)], 0)
+    with pytest.raises(ValueError, match=r"\[rank 1\].*rank 0: \(3, 2\), rank 1: \(3, 4\)"):
+        check_gatherable([(3, 2), (3, 4)], 1)
+    with pytest.raises(ValueError, match="rank 0: \\(\\)"):
+        check_gatherable([(), ()], 0)

@@ -2,7 +2,7 @@
 
 Four launches (2, 1, 3 and 2 processes) run all the fits: an uninterrupted 2-process fit that writes a
 checkpoint in the middle of epoch 1, its resume on 2, 1 and 3 processes, an uninterrupted 1-process fit and
-its resume on 2 processes, custom samplers, test, predict and the per-step-collective guard.
+its resume on 2 processes, custom samplers, test, predict, per-step sync and the per-step-collective guard.
 """
 
 from __future__ import annotations
@@ -137,7 +137,7 @@ def test_validation_metrics_are_exact_for_one_two_and_three_processes(runs):
 
 
 def test_test_and_predict_see_each_sample_once_with_lightning_batch_indices(runs):
-    """Uneven test shards (2 and 1 batches) do not hang, metrics are exact, predict batch indices are right."""
+    """Test shards (5 and 4 samples, 2 batches each) do not hang, metrics are exact, predict batch indices are right."""
     records = load(runs, "eval", 2)
     assert sorted(records[0]["test"] + records[1]["test"]) == list(range(N_TEST))
     data = Indexed(N_TEST, 2)
@@ -152,10 +152,19 @@ def test_test_and_predict_see_each_sample_once_with_lightning_batch_indices(runs
     assert sorted(predicted) == list(range(N_TEST))
 
 
-def test_per_step_collective_on_uneven_shards_raises_on_every_rank(runs):
-    """self.log(on_step=True, sync_dist=True) in test_step with 2 vs 1 batches: a clear error, no deadlock."""
+def test_per_step_sync_dist_in_test_step_meets_and_the_epoch_value_stays_exact(runs):
+    """self.log(on_step=True, sync_dist=True) in test_step, 9 samples: 2 batches per rank, each sample once, exact."""
+    records = load(runs, "step_sync", 2)
+    assert sorted(records[0]["test"] + records[1]["test"]) == list(range(N_TEST))
+    data = Indexed(N_TEST, 2)
+    for rec in records:
+        assert rec["test_metrics"]["test_value_epoch"] == pytest.approx(data.v.mean().item(), abs=1e-5)
+
+
+def test_per_step_collective_on_uneven_predict_shards_raises_on_every_rank(runs):
+    """strategy.barrier() in predict_step with 2 vs 1 batches (Lightning's predict sampler): clear error, no hang."""
     for rank, rec in enumerate(load(runs, "guard", 2)):
-        assert rec["error"] is not None and f"[rank {rank}] test_step" in rec["error"]
+        assert rec["error"] is not None and f"[rank {rank}] predict_step" in rec["error"]
         assert "[2, 1]" in rec["error"] and "on_step=False" in rec["error"]
 
 

@@ -1,0 +1,177 @@
+"""Workers for tests/test_lightning_compat.py: evaluation collectives and BatchNorm buffers under MyDDPStrategy.
+
+Launched with :func:`sampling_workers.launch` (``"compat_workers:scenario"``): each scenario runs several
+Trainers inside one pair of gloo processes and records, per rank, what the user's module saw in
+``out_dir/<name>.rank<R>.pt``. The same module also runs under Lightning's own ``strategy="ddp"`` for
+comparison.
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+import torchmetrics
+from sampling_workers import save, trainer
+from torch.utils.data import DataLoader, Dataset
+
+from ddp_strategy import MyDDPStrategy, all_gather_rows
+
+
+class Samples(Dataset):
+    """``n`` samples ``(x, index)`` with fixed random features."""
+
+    def __init__(self, n: int) -> None:
+        self.x = torch.randn(n, 4, generator=torch.Generator().manual_seed(5))
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        return self.x[i], i
+
+
+def score(x: torch.Tensor) -> torch.Tensor:
+    """A per-sample output that does not depend on the batch it is computed in: ``sum(x) * 0.5``."""
+    return x.sum(dim=1) * 0.5
+
+
+class Collectives(pl.LightningModule):
+    """Every evaluation-collective pattern of the issue, recorded per rank (validation of ``n`` samples)."""
+
+    def __init__(self, n: int, batch_size: int) -> None:
+        super().__init__()
+        self.n, self.batch_size = n, batch_size
+        self.layer = torch.nn.Linear(4, 1)
+        self.step_mean = torchmetrics.MeanMetric(dist_sync_on_step=True)
+        self.epoch_mean = torchmetrics.MeanMetric()
+        self.rec: dict[str, Any] = {"batches": [], "step_gathers": [], "step_metric": [], "reduced": [],
+                                    "broadcast": []}
+        self.outputs: list[torch.Tensor] = []
+
+    def val_dataloader(self) -> Any:
+        return DataLoader(Samples(self.n), batch_size=self.batch_size)
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, idx = batch
+        s = score(x)
+        self.rec["batches"].append(idx.tolist())
+        self.rec["step_gathers"].append(self.all_gather({"idx": idx, "score": [s]}))  # a nested collection
+        self.rec["step_metric"].append(float(self.step_mean(s)))  # torchmetrics syncs this step's batches
+        self.epoch_mean.update(s)
+        self.log("mean_epoch", s.mean(), sync_dist=True)
+        self.log("mean_step", s.mean(), on_step=True, on_epoch=False, sync_dist=True)
+        self.rec["reduced"].append(float(self.trainer.strategy.reduce(torch.tensor(float(len(idx))), reduce_op="sum")))
+        self.rec["broadcast"].append(self.trainer.strategy.broadcast(idx.tolist()))
+        self.trainer.strategy.barrier()
+        self.outputs.append(s)
+
+    def on_validation_epoch_end(self) -> None:
+        scores = torch.cat(self.outputs)
+        self.rec["epoch_gather"] = self.all_gather(scores)
+        self.rec["epoch_rows"] = all_gather_rows(scores)
+        self.rec["step_metric_epoch"] = float(self.step_mean.compute())
+        self.rec["epoch_metric"] = float(self.epoch_mean.compute())
+        self.outputs.clear()
+        if isinstance(self.trainer.strategy, MyDDPStrategy):  # under Lightning's ddp these two kill gloo
+            with torch.inference_mode(False), torch.enable_grad():
+                ones = torch.ones(len(scores), requires_grad=True)
+                self.all_gather(ones, sync_grads=True).sum().backward()
+                self.rec["gather_grad"] = ones.grad.tolist()
+            try:
+                self.all_gather(torch.zeros(2, self.global_rank + 1))
+                self.rec["bad_shape"] = None
+            except ValueError as error:
+                self.rec["bad_shape"] = str(error)
+
+
+def _validate(name: str, out: Path, strategy: Any, n: int, batch_size: int) -> None:
+    """Validate a fresh :class:`Collectives` on ``n`` samples; record the module's and Lightning's values."""
+    model = Collectives(n, batch_size)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        t = trainer(2, out, strategy=strategy, max_epochs=1)
+        t.validate(model, verbose=False)
+    save(out, name, {**model.rec, "metrics": {k: float(v) for k, v in t.callback_metrics.items()},
+                     "warnings": [str(w.message) for w in caught]})
+
+
+def scenario_collectives(out: Path) -> None:
+    """The issue's inputs (3, 21, 17 samples, batch 4), a padded one (5, batch 1), exact_evaluation=False; ddp."""
+    for n, b in ((3, 4), (21, 4), (17, 4), (5, 1)):
+        _validate(f"mine_{n}_{b}", out, MyDDPStrategy(start_method="popen", timeout=60), n, b)
+    _validate("mine_lightning_layout_17_4", out, MyDDPStrategy(start_method="popen", timeout=60,
+                                                              exact_evaluation=False), 17, 4)
+    for n, b in ((17, 4), (5, 1)):
+        _validate(f"lightning_{n}_{b}", out, "ddp", n, b)
+        dist.destroy_process_group()  # Lightning's ddp leaves it for the next Trainer; ours makes a fresh one
+
+
+class BatchNormNet(pl.LightningModule):
+    """A BatchNorm1d model whose ranks see different training data, so their running means drift apart."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 1))
+        self.rec: dict[str, list[torch.Tensor]] = {"before": [], "during": []}
+
+    def train_dataloader(self) -> Any:
+        x = torch.randn(32, 4, generator=torch.Generator().manual_seed(1))
+        x[1::2] = x[1::2] * 3 + 2  # rank 1 reads the odd samples: its running statistics drift away from rank 0's
+        return DataLoader(list(zip(x, torch.zeros(32), strict=True)), batch_size=4, shuffle=False)
+
+    def val_dataloader(self) -> Any:
+        return DataLoader(list(zip(torch.randn(8, 4), torch.zeros(8), strict=True)), batch_size=4)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self.net(batch[0]).pow(2).mean()
+
+    def on_validation_start(self) -> None:  # runs before the strategy's hook
+        self.rec["before"].append(self.net[1].running_mean.clone())
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        if batch_idx == 0:
+            self.rec["during"].append(self.net[1].running_mean.clone())
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def scenario_batchnorm(out: Path) -> None:
+    """Fit 2 epochs with validation, broadcast_buffers True and False; then Lightning's ddp."""
+    for name, strategy in (("bn_true", MyDDPStrategy(start_method="popen", timeout=60)),
+                           ("bn_false", MyDDPStrategy(start_method="popen", timeout=60, broadcast_buffers=False)),
+                           ("bn_lightning", "ddp")):
+        model = BatchNormNet()
+        trainer(2, out, strategy=strategy, max_epochs=2).fit(model)
+        save(out, name, model.rec)
+    dist.destroy_process_group()
+
+
+class PredictMetric(pl.LightningModule):
+    """Predict on 9 samples, batch 4 (Lightning's unpadded predict shards: 2 and 1 batches), syncing every step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(4, 1)
+        self.metric = torchmetrics.SumMetric(dist_sync_on_step=True)
+
+    def predict_dataloader(self) -> Any:
+        return DataLoader(Samples(9), batch_size=4)
+
+    def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self.metric(score(batch[0]))
+
+
+def scenario_predict_timeout(out: Path) -> None:
+    """A per-step torch.distributed collective on uneven predict shards: the error names the batch counts."""
+    try:
+        trainer(2, out, strategy=MyDDPStrategy(start_method="popen", timeout=4)).predict(PredictMetric())
+        save(out, "predict_timeout", {"error": None})
+    except Exception as error:  # noqa: BLE001 - the message is what the test checks
+        save(out, "predict_timeout", {"error": str(error)})
