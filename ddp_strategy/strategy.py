@@ -70,6 +70,10 @@ def default_start_method() -> StartMethod:
     return "fork" if _pl.is_interactive() else "popen"
 
 
+def _no_op() -> None:
+    pass
+
+
 class MyDDPStrategy(ParallelStrategy):
     """Distributed data parallel training on one machine: one process per device, gradients all-reduced.
 
@@ -185,6 +189,7 @@ class MyDDPStrategy(ParallelStrategy):
         self._barrier_timeout = process_group.as_timedelta(monitored_barrier_timeout or self._timeout)
         self._checkpoint_on_sigterm = checkpoint_on_sigterm
         self._rendezvous_store: dist.Store | None = None
+        self._undo_gloo_loopback: Any = _no_op
         self._barrier_group: Any = None
         self._node_group: Any = None
         self._node_ranks: list[int] = []
@@ -301,6 +306,7 @@ class MyDDPStrategy(ParallelStrategy):
         launching.check_external_world(self.cluster_environment, self.num_nodes, self.num_processes)
         super().setup_environment()
         backend = process_group.resolve_backend(self.root_device, self._process_group_backend)
+        self._undo_gloo_loopback = process_group.gloo_on_loopback(self.num_nodes)
         self._rendezvous_store = process_group.init_process_group(
             backend,
             rank=self.global_rank,
@@ -311,6 +317,7 @@ class MyDDPStrategy(ParallelStrategy):
             device=self.root_device,
             init_method=self._init_method,
             store=self._store,
+            num_nodes=self.num_nodes,
         )
         self._process_group_backend = backend
         self._node_group, self._node_ranks = process_group.build_node_groups(self.num_nodes, self.num_processes)
@@ -668,6 +675,8 @@ class MyDDPStrategy(ParallelStrategy):
         self._node_group, self._node_ranks = None, []
         self._barrier_group = self._rendezvous_store = None
         process_group.destroy_process_group()
+        self._undo_gloo_loopback()
+        self._undo_gloo_loopback = _no_op
 
     @classmethod
     @override

@@ -51,17 +51,17 @@ def test_cuda_device_is_passed_for_eager_nccl_init(monkeypatch):
     """On CUDA the device reaches init_process_group as device_id (checked without a GPU), with our own store."""
     calls, stores = {}, []
     monkeypatch.setattr(dist, "is_initialized", lambda: False)
-    monkeypatch.setattr(dist, "TCPStore", lambda *a, **k: stores.append((a, k)) or "store")
+    monkeypatch.setattr(process_group, "rendezvous_store", lambda *a, **k: stores.append(a) or "store")
     monkeypatch.setattr(dist, "init_process_group", lambda *a, **k: calls.update(args=a, kwargs=k))
     returned = process_group.init_process_group("nccl", 1, 2, "127.0.0.1", 29512, timedelta(seconds=9),
                                                 torch.device("cuda", 1))
     assert returned == "store"
-    assert stores == [(("127.0.0.1", 29512, 2), {"is_master": False, "timeout": timedelta(seconds=9)})]
+    assert stores == [("127.0.0.1", 29512, 1, timedelta(seconds=9), 1)]
     assert calls["args"] == ("nccl",)
     assert calls["kwargs"] == {"store": "store", "rank": 1, "world_size": 2, "timeout": timedelta(seconds=9),
                                "device_id": torch.device("cuda", 1)}
     process_group.init_process_group("gloo", 0, 2, "127.0.0.1", 29512, timedelta(seconds=9), torch.device("cpu"))
-    assert "device_id" not in calls["kwargs"] and stores[-1][1]["is_master"] is True
+    assert "device_id" not in calls["kwargs"] and stores[-1][2] == 0
 
 
 def test_all_reduce_without_group_is_a_copy():
