@@ -251,7 +251,6 @@ def uses_agent_store() -> bool:
     return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
 
 
-_JOINS_KEY = "ddp_strategy/joins"
 _SERVER_ID_KEY = "ddp_strategy/server_id"
 #: Per (host, port): the id of the store server this process last joined there. A server with that id is an
 #: earlier rendezvous's, still alive because rank 0 has not finished tearing it down.
@@ -277,13 +276,13 @@ def generation_store(store: dist.Store, world_size: int, attempt: str | None = N
         attempt: torchrun's ``TORCHELASTIC_RESTART_COUNT``, or ``None`` outside torchrun.
 
     Returns:
-        A ``PrefixStore`` over ``store`` with prefix ``ddp_strategy/attempt_<a>/rendezvous_<g>``.
+        A ``PrefixStore`` over ``store``: keys go under ``ddp_strategy/attempt_<a>/rendezvous_<g>/`` (under
+        torchrun) or ``ddp_strategy/rendezvous_<g>/``.
     """
-    if attempt is not None:
-        store = dist.PrefixStore(f"ddp_strategy/attempt_{attempt}", store)
-    generation = (store.add(_JOINS_KEY, 1) - 1) // world_size
+    base = "ddp_strategy" if attempt is None else f"ddp_strategy/attempt_{attempt}"
+    generation = (store.add(f"{base}/joins", 1) - 1) // world_size
     log.debug("rendezvous %d (attempt %s) in a shared store", generation, attempt)
-    return dist.PrefixStore(f"ddp_strategy/rendezvous_{generation}", store)
+    return dist.PrefixStore(f"{base}/rendezvous_{generation}", store)
 
 
 def listen_address(main_address: str, num_nodes: int) -> str:
@@ -365,7 +364,13 @@ def rendezvous_store(main_address: str, main_port: int, rank: int, timeout: time
             try:
                 sock = _listening_socket(bind_host, main_port)
                 break
-            except OSError as e:  # our own previous server on this port may still be closing
+            except OSError as e:
+                if e.errno == errno.EADDRNOTAVAIL and bind_host:  # MASTER_ADDR is not an address of this host
+                    log.warning("MASTER_ADDR=%s (%s) is not an address of rank 0's machine: the rendezvous store"
+                                " listens on every interface.", main_address, bind_host)
+                    bind_host = ""
+                    continue
+                # Our own previous store on this port may still be closing; anyone else's is an error.
                 if e.errno != errno.EADDRINUSE or main_port not in _served_ports or time.monotonic() > deadline:
                     raise
                 time.sleep(_RETRY_S)

@@ -350,6 +350,8 @@ class MyDDPStrategy(ParallelStrategy):
             if not any(isinstance(cb, failures.EpochBoundaryCheck) for cb in trainer.callbacks):
                 trainer.callbacks.append(failures.EpochBoundaryCheck(
                     self._barrier_group, self._barrier_timeout, self.global_rank, self.world_size))
+            if not any(isinstance(cb, failures.RequeueAtStepBoundary) for cb in trainer.callbacks):
+                trainer.callbacks.append(failures.RequeueAtStepBoundary(self._barrier_group, self.world_size))
             wrapping.check_trainable(self.model)
             self._check_checkpoint_dirs(trainer)
             ddp_kwargs = wrapping.resolve_process_group(self._ddp_kwargs)
@@ -668,8 +670,11 @@ class MyDDPStrategy(ParallelStrategy):
             self.model = self._layer_sync.revert(self.model)
         if self._trainer is not None:
             _pl.set_lightning_sampler_injection(self._trainer, enabled=True)
-            self._trainer.callbacks[:] = [cb for cb in self._trainer.callbacks
-                                          if not isinstance(cb, failures.EpochBoundaryCheck)]
+            for cb in self._trainer.callbacks:
+                if isinstance(cb, failures.RequeueAtStepBoundary):
+                    cb.restore()
+            self._trainer.callbacks[:] = [cb for cb in self._trainer.callbacks if not isinstance(
+                cb, (failures.EpochBoundaryCheck, failures.RequeueAtStepBoundary))]
         self._pending_positions = []
         super().teardown()
         self._node_group, self._node_ranks = None, []

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -113,3 +115,43 @@ def test_nccl_group_on_a_real_gpu(tmp_path):
     out = process_group.all_reduce(torch.ones(3, device="cuda"), "sum")
     assert out.device.type == "cuda" and out.tolist() == [1.0, 1.0, 1.0]
     process_group.destroy_process_group()
+
+
+def test_shared_store_gives_each_rendezvous_and_attempt_its_own_prefix():
+    """On a store that outlives rendezvous, 2 ranks x 2 stages get prefixes 0, 0, 1, 1; a torchrun attempt starts anew."""
+    base = dist.HashStore()
+    views = [process_group.generation_store(base, world_size=2) for _ in range(4)]
+    for i, view in enumerate(views):
+        view.set(f"key{i}", "x")
+    assert [base.check([f"ddp_strategy/rendezvous_{g}/key{i}"]) for i, g in enumerate([0, 0, 1, 1])] == [True] * 4
+    process_group.generation_store(base, world_size=2, attempt="1").set("k", "y")
+    assert base.check(["ddp_strategy/attempt_1/rendezvous_0/k"])
+
+
+def test_store_listens_on_loopback_on_one_node_and_on_master_addr_otherwise(caplog):
+    """One node: 127.0.0.1 whatever MASTER_ADDR is; several: MASTER_ADDR's address, or every interface with a warning."""
+    assert process_group.listen_address("192.0.2.7", num_nodes=1) == "127.0.0.1"
+    assert process_group.listen_address("192.0.2.7", num_nodes=2) == "192.0.2.7"
+    assert process_group.listen_address("localhost", num_nodes=2) == ""
+    assert "resolves to the loopback address" in caplog.text
+
+
+def test_a_rank_that_reaches_the_previous_stores_server_waits_for_the_new_one(caplog):
+    """Rank 1 rejoins while rank 0's old store still answers: it recognises it, and ends up on the new store."""
+    port, timeout = free_port(), timedelta(seconds=30)
+    old = process_group.rendezvous_store("127.0.0.1", port, 0, timeout)
+    process_group.rendezvous_store("127.0.0.1", port, 1, timeout)  # rank 1's first rendezvous on this port
+    result = []
+    caplog.set_level("DEBUG", logger="ddp_strategy.process_group")
+    rejoin = threading.Thread(target=lambda: result.append(process_group.rendezvous_store("127.0.0.1", port, 1,
+                                                                                            timeout)))
+    rejoin.start()
+    deadline = time.monotonic() + 30
+    while "reached the previous rendezvous's store" not in caplog.text and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert "reached the previous rendezvous's store" in caplog.text
+    del old  # rank 0 finishes tearing down: its store closes, and it serves the next rendezvous on the same port
+    new = process_group.rendezvous_store("127.0.0.1", port, 0, timeout)
+    rejoin.join(60)
+    result[0].set("written_by_rank_1", "yes")
+    assert new.get("written_by_rank_1") == b"yes"
