@@ -276,10 +276,13 @@ def generation_store(store: dist.Store, world_size: int, attempt: str | None = N
         attempt: torchrun's ``TORCHELASTIC_RESTART_COUNT``, or ``None`` outside torchrun.
 
     Returns:
-        A ``PrefixStore`` over ``store``: keys go under ``ddp_strategy/attempt_<a>/rendezvous_<g>/`` (under
-        torchrun) or ``ddp_strategy/rendezvous_<g>/``.
+        A ``PrefixStore`` over ``store``: keys go under ``ddp_strategy/attempt_<a>/world_<W>/rendezvous_<g>/``
+        (under torchrun: an elastic membership change re-forms the group with a new size ``W`` without counting
+        an attempt) or ``ddp_strategy/rendezvous_<g>/``.
     """
     base = "ddp_strategy" if attempt is None else f"ddp_strategy/attempt_{attempt}"
+    if attempt is not None:  # torchrun may re-form the group with another size without counting an attempt
+        base = f"{base}/world_{world_size}"
     generation = (store.add(f"{base}/joins", 1) - 1) // world_size
     log.debug("rendezvous %d (attempt %s) in a shared store", generation, attempt)
     return dist.PrefixStore(f"{base}/rendezvous_{generation}", store)

@@ -118,18 +118,20 @@ def test_nccl_group_on_a_real_gpu(tmp_path):
 
 
 def test_shared_store_gives_each_rendezvous_and_attempt_its_own_prefix():
-    """On a store that outlives rendezvous, 2 ranks x 2 stages get prefixes 0, 0, 1, 1; a torchrun attempt starts anew."""
+    """A store that outlives rendezvous: 2 ranks x 2 stages get prefixes 0, 0, 1, 1; a torchrun attempt starts anew."""
     base = dist.HashStore()
     views = [process_group.generation_store(base, world_size=2) for _ in range(4)]
     for i, view in enumerate(views):
         view.set(f"key{i}", "x")
     assert [base.check([f"ddp_strategy/rendezvous_{g}/key{i}"]) for i, g in enumerate([0, 0, 1, 1])] == [True] * 4
     process_group.generation_store(base, world_size=2, attempt="1").set("k", "y")
-    assert base.check(["ddp_strategy/attempt_1/rendezvous_0/k"])
+    process_group.generation_store(base, world_size=2, attempt="1").set("k", "y")
+    process_group.generation_store(base, world_size=1, attempt="1").set("k", "z")  # re-formed with 1 worker
+    assert base.check([f"ddp_strategy/attempt_1/world_{w}/rendezvous_0/k" for w in (1, 2)])
 
 
 def test_store_listens_on_loopback_on_one_node_and_on_master_addr_otherwise(caplog):
-    """One node: 127.0.0.1 whatever MASTER_ADDR is; several: MASTER_ADDR's address, or every interface with a warning."""
+    """One node: 127.0.0.1 whatever MASTER_ADDR is; several: MASTER_ADDR's address, or all interfaces and a warning."""
     assert process_group.listen_address("192.0.2.7", num_nodes=1) == "127.0.0.1"
     assert process_group.listen_address("192.0.2.7", num_nodes=2) == "192.0.2.7"
     assert process_group.listen_address("localhost", num_nodes=2) == ""

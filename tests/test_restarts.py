@@ -73,7 +73,7 @@ def _weights_close(a: dict, b: dict) -> None:
 
 @pytest.mark.timeout(600)
 def test_torchrun_restart_after_sigkill_ends_with_the_uninterrupted_weights(restarted, uninterrupted):
-    """A worker killed mid-epoch: torchrun restarts both, they rejoin, resume at step 6 and match every batch and weight."""
+    """A worker killed mid-epoch: torchrun restarts both; they rejoin, resume at step 6, equal the reference."""
     (out, log), (ref_out, ref_log) = restarted, uninterrupted
     ref = _records(ref_out, 2)
     for rank, record in enumerate(_records(out, 2)):
@@ -98,7 +98,7 @@ def test_torchrun_workers_listen_on_loopback_only(restarted):
 
 @pytest.mark.timeout(600)
 def test_relaunch_with_fewer_workers_trains_on_exactly_the_rest_of_the_epoch(tmp_path, uninterrupted):
-    """A 2-worker mid-epoch checkpoint resumed by `torchrun --nproc-per-node=1`: the rest of epoch 0, each sample once."""
+    """A 2-worker mid-epoch checkpoint resumed by `torchrun --nproc-per-node=1`: the rest of epoch 0, each once."""
     ref_out, _ = uninterrupted
     steps_left = -(-(N_TRAIN - 2 * 6 * BATCH) // BATCH)  # 1054 unseen samples, 33 batches on one worker
     _torchrun(tmp_path, 1, f"--ckpt={ref_out / 'ckpts' / 'epoch=0-step=6.ckpt'}", f"--max-steps={6 + steps_left}")
@@ -113,7 +113,7 @@ def test_relaunch_with_fewer_workers_trains_on_exactly_the_rest_of_the_epoch(tmp
 
 @pytest.mark.timeout(300)
 def test_stages_and_new_trainers_in_one_script_rejoin_while_rank0_is_slow_to_tear_down(tmp_path):
-    """fit, test, then a new Trainer's fit on one MASTER_PORT, rank 0 3 s late at each teardown: all rendezvous succeed."""
+    """fit, test, then a new Trainer's fit on one MASTER_PORT, rank 0 3 s late at each teardown: all rendezvous work."""
     log = _launch([sys.executable, str(SCRIPT), str(tmp_path), "--max-steps=4", "--stages=fit,test,refit",
                    "--slow-teardown=3"], tmp_path)
     records = _records(tmp_path, 2)
@@ -144,7 +144,7 @@ def _slurm_job(out: Path, *args: str) -> None:
 
 @pytest.mark.timeout(600)
 def test_slurm_requeue_checkpoint_holds_the_sampler_position_and_resumes_exactly(tmp_path):
-    """SIGUSR1 to rank 1 at step 4: every rank saves Lightning's hpc checkpoint after that step; the requeued job matches."""
+    """SIGUSR1 to rank 1 at step 4: all ranks save Lightning's hpc checkpoint after the step; the requeue matches."""
     first, requeued = tmp_path / "first", tmp_path / "requeued"
     _slurm_job(first, "--max-steps=12", "--usr1-step=4")
     checkpoint = load_file(first / "hpc_ckpt_1.ckpt", weights_only=True)
@@ -154,7 +154,7 @@ def test_slurm_requeue_checkpoint_holds_the_sampler_position_and_resumes_exactly
     requeued.mkdir()
     (requeued / "hpc_ckpt_1.ckpt").write_bytes((first / "hpc_ckpt_1.ckpt").read_bytes())
     _slurm_job(requeued, "--max-steps=12")
-    for full, resumed in zip(_records(first, 2), _records(requeued, 2)):
+    for full, resumed in zip(_records(first, 2), _records(requeued, 2), strict=True):
         assert resumed["batches"][0][:2] == (0, 5) and resumed["batches"] == full["batches"][5:]
         _weights_close(resumed["final"], full["final"])
 
