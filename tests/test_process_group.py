@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from datetime import timedelta
@@ -11,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from ddp_testing import free_port
+from ddp_testing import free_port, listening_sockets
 
 from ddp_strategy import process_group
 
@@ -157,3 +158,14 @@ def test_a_rank_that_reaches_the_previous_stores_server_waits_for_the_new_one(ca
     rejoin.join(60)
     result[0].set("written_by_rank_1", "yes")
     assert new.get("written_by_rank_1") == b"yes"
+
+
+def test_on_several_nodes_a_loopback_master_addr_makes_the_store_listen_everywhere(caplog):
+    """num_nodes=2, MASTER_ADDR=127.0.0.1 (no other node could reach it): all interfaces, a warning; ranks join."""
+    port = free_port()
+    server = process_group.rendezvous_store("127.0.0.1", port, 0, timedelta(seconds=30), num_nodes=2)
+    client = process_group.rendezvous_store("127.0.0.1", port, 1, timedelta(seconds=30), num_nodes=2)
+    client.set("k", "v")
+    assert server.get("k") == b"v"
+    assert "listens on every interface" in caplog.text
+    assert [a for a, p in listening_sockets(os.getpid()) if p == port] in (["::"], ["0.0.0.0"])

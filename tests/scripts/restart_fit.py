@@ -90,7 +90,8 @@ if __name__ == "__main__":
             t.fit(model, data, ckpt_path=args.ckpt)
             record.update(global_step=t.global_step, batches=model.batches, listening=model.listening,
                           final={k: v.detach().clone() for k, v in model.state_dict().items()},
-                          world_size=t.world_size, gloo_ifname=model.gloo_ifname)
+                          world_size=t.world_size, gloo_ifname=model.gloo_ifname,
+                          master_port=int(os.environ["MASTER_PORT"]))
         elif stage == "test":
             record["test_acc"] = t.test(model, data, verbose=False)[0]["test_acc"]
         elif stage == "refit":  # a new Trainer in the same script: another rendezvous on the same port
