@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Generator, Mapping
+from collections.abc import Callable, Generator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, Literal
@@ -189,7 +189,7 @@ class MyDDPStrategy(ParallelStrategy):
         self._barrier_timeout = process_group.as_timedelta(monitored_barrier_timeout or self._timeout)
         self._checkpoint_on_sigterm = checkpoint_on_sigterm
         self._rendezvous_store: dist.Store | None = None
-        self._undo_gloo_loopback: Any = _no_op
+        self._undo_gloo_loopback: Callable[[], None] = _no_op
         self._barrier_group: Any = None
         self._node_group: Any = None
         self._node_ranks: list[int] = []
@@ -299,7 +299,11 @@ class MyDDPStrategy(ParallelStrategy):
 
     @override
     def setup_environment(self) -> None:
-        """Set the device up, then join the process group (every rank, before any model code runs)."""
+        """Set the device up, then join the process group (every rank, before any model code runs).
+
+        Each call is a new rendezvous (a new stage, fit or torchrun attempt), kept apart from earlier ones; on
+        one node gloo and the store listen on loopback only (see :func:`process_group.init_process_group`).
+        """
         reset_seed()
         self.set_world_ranks()
         assert self.cluster_environment is not None
@@ -660,7 +664,11 @@ class MyDDPStrategy(ParallelStrategy):
     # --------------------------------------------------------------------------------------- teardown
     @override
     def teardown(self) -> None:
-        """Release the DDP wrapper, revert layer syncing, then destroy the process group (every backend)."""
+        """Release the DDP wrapper, revert layer syncing, then destroy the process group (every backend).
+
+        Destroying the group drops the last reference to the rendezvous store, so rank 0's store stops listening
+        here, before the next stage's rendezvous.
+        """
         pl_module = self.lightning_module
         if isinstance(self.model, DistributedDataParallel):
             self.model = pl_module

@@ -169,3 +169,14 @@ def test_on_several_nodes_a_loopback_master_addr_makes_the_store_listen_everywhe
     assert server.get("k") == b"v"
     assert "listens on every interface" in caplog.text
     assert [a for a, p in listening_sockets(os.getpid()) if p == port] in (["::"], ["0.0.0.0"])
+
+
+def test_destroying_the_group_closes_rank_0s_store_and_gloo_sockets():
+    """Rank 0's store listens on 127.0.0.1 only, at MASTER_PORT, while the group lives; nothing listens after destroy."""
+    port = free_port()
+    store = process_group.init_process_group("gloo", 0, 1, "127.0.0.1", port, timedelta(seconds=30))
+    listening = listening_sockets(os.getpid())
+    assert [address for address, p in listening if p == port] == ["127.0.0.1"]
+    del store  # as the strategy's teardown drops its handle
+    process_group.destroy_process_group()
+    assert listening_sockets(os.getpid()) == []
