@@ -172,7 +172,7 @@ def test_on_several_nodes_a_loopback_master_addr_makes_the_store_listen_everywhe
 
 
 def test_destroying_the_group_closes_rank_0s_store_and_gloo_sockets():
-    """Rank 0's store listens on 127.0.0.1 only, at MASTER_PORT, while the group lives; nothing listens after destroy."""
+    """Rank 0's store listens on 127.0.0.1 only, at MASTER_PORT, while the group lives; nothing after destroy."""
     port = free_port()
     store = process_group.init_process_group("gloo", 0, 1, "127.0.0.1", port, timedelta(seconds=30))
     listening = listening_sockets(os.getpid())
