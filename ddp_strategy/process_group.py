@@ -3,7 +3,9 @@
 Everything here follows ``torch.distributed``'s own documentation
 (https://pytorch.org/docs/stable/distributed.html): one default (world) process group per process,
 created with :func:`torch.distributed.init_process_group` over the ``env://`` rendezvous and destroyed
-with :func:`torch.distributed.destroy_process_group`.
+with :func:`torch.distributed.destroy_process_group`. The rendezvous store is made here rather than by
+torch's handlers, so that every rendezvous (stage, fit, torchrun attempt) is kept apart from the earlier
+ones, and so that on one node nothing listens beyond loopback.
 """
 
 from __future__ import annotations
