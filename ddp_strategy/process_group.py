@@ -210,7 +210,7 @@ def init_process_group(
     kwargs: dict = {"rank": rank, "world_size": world_size, "timeout": timeout}
     if device is not None and device.type == "cuda":
         kwargs["device_id"] = device
-    agent = store is None and init_method is None and uses_agent_store()
+    agent = store is None and (init_method is None or init_method.startswith("env://")) and uses_agent_store()
     if store is not None:
         where = f"the given {type(store).__name__}"
     elif init_method is not None and init_method.startswith("file://"):

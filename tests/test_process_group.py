@@ -180,3 +180,19 @@ def test_destroying_the_group_closes_rank_0s_store_and_gloo_sockets():
     del store  # as the strategy's teardown drops its handle
     process_group.destroy_process_group()
     assert listening_sockets(os.getpid()) == []
+
+
+def test_under_torchrun_env_rendezvous_uses_the_agents_store(monkeypatch):
+    """TORCHELASTIC_USE_AGENT_STORE=True: init_method None or 'env://' joins the agent's store as a client, prefixed."""
+    agent = dist.TCPStore("127.0.0.1", 0, None, is_master=True, timeout=timedelta(seconds=30), wait_for_workers=False)
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
+    served = []
+    monkeypatch.setattr(process_group, "rendezvous_store", lambda *a, **k: served.append(a))
+    for init_method in (None, "env://"):
+        store = process_group.init_process_group("gloo", 0, 1, "127.0.0.1", agent.port, timedelta(seconds=30),
+                                                 init_method=init_method)
+        store.set("mine", "1")
+        process_group.destroy_process_group()
+    assert served == []  # no store of our own next to the agent's
+    assert agent.check([f"ddp_strategy/attempt_2/world_1/rendezvous_{g}/mine" for g in (0, 1)])
