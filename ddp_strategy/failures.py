@@ -28,7 +28,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch import Callback
 
 log = logging.getLogger(__name__)
@@ -317,15 +316,18 @@ class RequeueAtStepBoundary(Callback):
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         """Take over the requeue signal from Lightning's handler, if SLURM auto-requeue is on (every rank)."""
+        # SLURMEnvironment's attributes, read by name: the class differs between the lightning and
+        # pytorch_lightning namespaces.
         env = trainer.strategy.cluster_environment
-        if not (isinstance(env, SLURMEnvironment) and env.auto_requeue and env.requeue_signal is not None):
+        requeue_signal = getattr(env, "requeue_signal", None) if getattr(env, "auto_requeue", False) else None
+        if requeue_signal is None:
             return
         if threading.current_thread() is not threading.main_thread():
             return
-        handler = signal.getsignal(env.requeue_signal)
+        handler = signal.getsignal(requeue_signal)
         if callable(handler):
-            self._signal, self._lightning_handler, self._received = env.requeue_signal, handler, False
-            signal.signal(env.requeue_signal, self._note_signal)
+            self._signal, self._lightning_handler, self._received = requeue_signal, handler, False
+            signal.signal(requeue_signal, self._note_signal)
 
     def _note_signal(self, signum: int, frame: Any) -> None:
         log.info("received signal %d: saving and requeueing after the current training step", signum)
