@@ -20,11 +20,13 @@ import logging
 import os
 import signal
 import socket
+import threading
 import time
 import traceback
 from datetime import timedelta
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from lightning.pytorch import Callback
 
@@ -293,3 +295,67 @@ class EpochBoundaryCheck(Callback):
 
     def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
         check_epoch_start(trainer, self.group, self.timeout, self.rank, self.world_size)
+
+
+class RequeueAtStepBoundary(Callback):
+    """Runs Lightning's SLURM auto-requeue (its ``SIGUSR1`` handler) at a step boundary, on every rank at once.
+
+    With ``SLURMEnvironment(auto_requeue=True)`` (Lightning's default under SLURM) Lightning saves
+    ``<default_root_dir>/hpc_ckpt_<n>.ckpt`` and runs ``scontrol requeue`` inside the signal handler, at
+    whatever point each rank happens to be. Saving is a collective here (every rank's sampler position goes
+    into the file), and a checkpoint taken in the middle of a step does not resume exactly. So, while
+    training, the signal only sets a flag; after every training batch the ranks agree on it (a one-element
+    all-reduce, only while auto-requeue is active) and, if any rank got the signal, all of them run
+    Lightning's handler there: the checkpoint is a step-boundary checkpoint, like ``ModelCheckpoint``'s, and
+    the requeued job resumes from it exactly. The strategy adds this callback while fitting.
+
+    Args:
+        group: a gloo process group for the flag (``None`` = the world group, gloo).
+        world_size: number of ranks; with one rank no collective is made.
+    """
+
+    def __init__(self, group: Any, world_size: int) -> None:
+        self.group, self.world_size = group, world_size
+        self._signal: int | None = None
+        self._lightning_handler: Any = None
+        self._received = False
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        """Take over the requeue signal from Lightning's handler, if SLURM auto-requeue is on (every rank)."""
+        # SLURMEnvironment's attributes, read by name: the class differs between the lightning and
+        # pytorch_lightning namespaces.
+        env = trainer.strategy.cluster_environment
+        requeue_signal = getattr(env, "requeue_signal", None) if getattr(env, "auto_requeue", False) else None
+        if requeue_signal is None:
+            return
+        if threading.current_thread() is not threading.main_thread():
+            return
+        handler = signal.getsignal(requeue_signal)
+        if callable(handler):
+            self._signal, self._lightning_handler, self._received = requeue_signal, handler, False
+            signal.signal(requeue_signal, self._note_signal)
+
+    def _note_signal(self, signum: int, frame: Any) -> None:
+        log.info("received signal %d: saving and requeueing after the current training step", signum)
+        self._received = True
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        """Agree on the flag (a collective, every rank); if set anywhere, run Lightning's handler on every rank."""
+        if self._lightning_handler is None:
+            return
+        flag = torch.tensor([int(self._received)])
+        if self.world_size > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        if flag.item():
+            self._received = False
+            self._lightning_handler(self._signal, None)
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        """Give the signal back to Lightning's handler (Lightning restores the original at teardown)."""
+        self.restore()
+
+    def restore(self) -> None:
+        """Put Lightning's handler back if ours is still installed (no collective)."""
+        if self._signal is not None and signal.getsignal(self._signal) == self._note_signal:
+            signal.signal(self._signal, self._lightning_handler)
+        self._signal = self._lightning_handler = None

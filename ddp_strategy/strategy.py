@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Generator, Mapping
+from collections.abc import Callable, Generator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, Literal
@@ -69,6 +69,10 @@ def default_start_method() -> StartMethod:
     has to be pickled and CUDA may be initialised in the parent.
     """
     return "fork" if _pl.is_interactive() else "popen"
+
+
+def _no_op() -> None:
+    pass
 
 
 class MyDDPStrategy(ParallelStrategy):
@@ -191,6 +195,7 @@ class MyDDPStrategy(ParallelStrategy):
         self._barrier_timeout = process_group.as_timedelta(monitored_barrier_timeout or self._timeout)
         self._checkpoint_on_sigterm = checkpoint_on_sigterm
         self._rendezvous_store: dist.Store | None = None
+        self._undo_gloo_loopback: Callable[[], None] = _no_op
         self._barrier_group: Any = None
         self._node_group: Any = None
         self._node_ranks: list[int] = []
@@ -302,13 +307,18 @@ class MyDDPStrategy(ParallelStrategy):
 
     @override
     def setup_environment(self) -> None:
-        """Set the device up, then join the process group (every rank, before any model code runs)."""
+        """Set the device up, then join the process group (every rank, before any model code runs).
+
+        Each call is a new rendezvous (a new stage, fit or torchrun attempt), kept apart from earlier ones; on
+        one node gloo and the store listen on loopback only (see :func:`process_group.init_process_group`).
+        """
         reset_seed()
         self.set_world_ranks()
         assert self.cluster_environment is not None
         launching.check_external_world(self.cluster_environment, self.num_nodes, self.num_processes)
         super().setup_environment()
         backend = process_group.resolve_backend(self.root_device, self._process_group_backend)
+        self._undo_gloo_loopback = process_group.gloo_on_loopback(self.num_nodes)
         self._rendezvous_store = process_group.init_process_group(
             backend,
             rank=self.global_rank,
@@ -319,6 +329,7 @@ class MyDDPStrategy(ParallelStrategy):
             device=self.root_device,
             init_method=self._init_method,
             store=self._store,
+            num_nodes=self.num_nodes,
         )
         self._process_group_backend = backend
         self._node_group, self._node_ranks = process_group.build_node_groups(self.num_nodes, self.num_processes)
@@ -351,6 +362,8 @@ class MyDDPStrategy(ParallelStrategy):
             if not any(isinstance(cb, failures.EpochBoundaryCheck) for cb in trainer.callbacks):
                 trainer.callbacks.append(failures.EpochBoundaryCheck(
                     self._barrier_group, self._barrier_timeout, self.global_rank, self.world_size))
+            if not any(isinstance(cb, failures.RequeueAtStepBoundary) for cb in trainer.callbacks):
+                trainer.callbacks.append(failures.RequeueAtStepBoundary(self._barrier_group, self.world_size))
             wrapping.check_trainable(self.model)
             self._check_checkpoint_dirs(trainer)
             ddp_kwargs = wrapping.resolve_process_group(self._ddp_kwargs)
@@ -732,7 +745,11 @@ class MyDDPStrategy(ParallelStrategy):
     # --------------------------------------------------------------------------------------- teardown
     @override
     def teardown(self) -> None:
-        """Release the DDP wrapper, revert layer syncing, then destroy the process group (every backend)."""
+        """Release the DDP wrapper, revert layer syncing, then destroy the process group (every backend).
+
+        Destroying the group drops the last reference to the rendezvous store, so rank 0's store stops listening
+        here, before the next stage's rendezvous.
+        """
         pl_module = self.lightning_module
         if isinstance(self.model, DistributedDataParallel):
             self.model = pl_module
@@ -742,13 +759,18 @@ class MyDDPStrategy(ParallelStrategy):
             self.model = self._layer_sync.revert(self.model)
         if self._trainer is not None:
             _pl.set_lightning_sampler_injection(self._trainer, enabled=True)
-            self._trainer.callbacks[:] = [cb for cb in self._trainer.callbacks
-                                          if not isinstance(cb, failures.EpochBoundaryCheck)]
+            for cb in self._trainer.callbacks:
+                if isinstance(cb, failures.RequeueAtStepBoundary):
+                    cb.restore()
+            self._trainer.callbacks[:] = [cb for cb in self._trainer.callbacks if not isinstance(
+                cb, (failures.EpochBoundaryCheck, failures.RequeueAtStepBoundary))]
         self._pending_positions = []
         super().teardown()
         self._node_group, self._node_ranks = None, []
         self._barrier_group = self._rendezvous_store = None
         process_group.destroy_process_group()
+        self._undo_gloo_loopback()
+        self._undo_gloo_loopback = _no_op
 
     @classmethod
     @override

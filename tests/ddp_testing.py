@@ -95,3 +95,41 @@ def session_members(sid: int) -> list[int]:
             if int(fields[3]) == sid and fields[0] not in "ZX":
                 members.append(int(entry.name))
     return members
+
+
+def _proc_net_address(hex_address: str) -> tuple[str, int]:
+    """Decode ``/proc/net/tcp{,6}``'s ``ADDR:PORT`` (the address in 32-bit little-endian words)."""
+    addr, port = hex_address.split(":")
+    raw = b"".join(bytes.fromhex(addr[i:i + 8])[::-1] for i in range(0, len(addr), 8))
+    return socket.inet_ntop(socket.AF_INET if len(raw) == 4 else socket.AF_INET6, raw), int(port, 16)
+
+
+def listening_sockets(pid: int) -> list[tuple[str, int]]:
+    """The TCP sockets process ``pid`` listens on, as ``(address, port)``: ``0.0.0.0`` or ``::`` is every interface."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[len("socket:["):-1])
+    found = []
+    for table in ("tcp", "tcp6"):
+        path = Path(f"/proc/{pid}/net/{table}")
+        if not path.exists():
+            continue
+        for line in path.read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and fields[9] in inodes:  # state 0A = LISTEN
+                found.append(_proc_net_address(fields[1]))
+    return sorted(found)
+
+
+def is_loopback(address: str) -> bool:
+    """Whether ``address`` (as :func:`listening_sockets` gives it) is 127.0.0.0/8, ::1 or IPv4-mapped loopback."""
+    import ipaddress
+
+    ip = ipaddress.ip_address(address)
+    mapped = getattr(ip, "ipv4_mapped", None)
+    return (mapped or ip).is_loopback

@@ -167,6 +167,7 @@ def test_two_torchrun_nodes_rendezvous_over_loopback_and_train_together(tmp_path
     for proc in procs:
         code, out = finish(proc, timeout=200)
         assert code == 0, out[-3000:]
+        assert "failed to bind" not in out  # the workers use the agents' store instead of starting their own
     ranks = {r: torch.load(tmp_path / f"rank{r}.pt") for r in range(2)}
     for r, seen in ranks.items():
         assert seen["env"] == "TorchElasticEnvironment"

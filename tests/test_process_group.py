@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import threading
+import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -9,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from ddp_testing import free_port
+from ddp_testing import free_port, listening_sockets
 
 from ddp_strategy import process_group
 
@@ -51,17 +54,17 @@ def test_cuda_device_is_passed_for_eager_nccl_init(monkeypatch):
     """On CUDA the device reaches init_process_group as device_id (checked without a GPU), with our own store."""
     calls, stores = {}, []
     monkeypatch.setattr(dist, "is_initialized", lambda: False)
-    monkeypatch.setattr(dist, "TCPStore", lambda *a, **k: stores.append((a, k)) or "store")
+    monkeypatch.setattr(process_group, "rendezvous_store", lambda *a, **k: stores.append(a) or "store")
     monkeypatch.setattr(dist, "init_process_group", lambda *a, **k: calls.update(args=a, kwargs=k))
     returned = process_group.init_process_group("nccl", 1, 2, "127.0.0.1", 29512, timedelta(seconds=9),
                                                 torch.device("cuda", 1))
     assert returned == "store"
-    assert stores == [(("127.0.0.1", 29512, 2), {"is_master": False, "timeout": timedelta(seconds=9)})]
+    assert stores == [("127.0.0.1", 29512, 1, timedelta(seconds=9), 1)]
     assert calls["args"] == ("nccl",)
     assert calls["kwargs"] == {"store": "store", "rank": 1, "world_size": 2, "timeout": timedelta(seconds=9),
                                "device_id": torch.device("cuda", 1)}
     process_group.init_process_group("gloo", 0, 2, "127.0.0.1", 29512, timedelta(seconds=9), torch.device("cpu"))
-    assert "device_id" not in calls["kwargs"] and stores[-1][1]["is_master"] is True
+    assert "device_id" not in calls["kwargs"] and stores[-1][2] == 0
 
 
 def test_all_reduce_without_group_is_a_copy():
@@ -113,3 +116,83 @@ def test_nccl_group_on_a_real_gpu(tmp_path):
     out = process_group.all_reduce(torch.ones(3, device="cuda"), "sum")
     assert out.device.type == "cuda" and out.tolist() == [1.0, 1.0, 1.0]
     process_group.destroy_process_group()
+
+
+def test_shared_store_gives_each_rendezvous_and_attempt_its_own_prefix():
+    """A store that outlives rendezvous: 2 ranks x 2 stages get prefixes 0, 0, 1, 1; a torchrun attempt starts anew."""
+    base = dist.HashStore()
+    views = [process_group.generation_store(base, world_size=2) for _ in range(4)]
+    for i, view in enumerate(views):
+        view.set(f"key{i}", "x")
+    assert [base.check([f"ddp_strategy/rendezvous_{g}/key{i}"]) for i, g in enumerate([0, 0, 1, 1])] == [True] * 4
+    process_group.generation_store(base, world_size=2, attempt="1").set("k", "y")
+    process_group.generation_store(base, world_size=2, attempt="1").set("k", "y")
+    process_group.generation_store(base, world_size=1, attempt="1").set("k", "z")  # re-formed with 1 worker
+    assert base.check([f"ddp_strategy/attempt_1/world_{w}/rendezvous_0/k" for w in (1, 2)])
+
+
+def test_store_listens_on_loopback_on_one_node_and_on_master_addr_otherwise(caplog):
+    """One node: 127.0.0.1 whatever MASTER_ADDR is; several: MASTER_ADDR's address, or all interfaces and a warning."""
+    assert process_group.listen_address("192.0.2.7", num_nodes=1) == "127.0.0.1"
+    assert process_group.listen_address("192.0.2.7", num_nodes=2) == "192.0.2.7"
+    assert process_group.listen_address("localhost", num_nodes=2) == ""
+    assert "resolves to the loopback address" in caplog.text
+
+
+def test_a_rank_that_reaches_the_previous_stores_server_waits_for_the_new_one(caplog):
+    """Rank 1 rejoins while rank 0's old store still answers: it recognises it, and ends up on the new store."""
+    port, timeout = free_port(), timedelta(seconds=30)
+    old = process_group.rendezvous_store("127.0.0.1", port, 0, timeout)
+    process_group.rendezvous_store("127.0.0.1", port, 1, timeout)  # rank 1's first rendezvous on this port
+    result = []
+    caplog.set_level("DEBUG", logger="ddp_strategy.process_group")
+    rejoin = threading.Thread(target=lambda: result.append(process_group.rendezvous_store("127.0.0.1", port, 1,
+                                                                                            timeout)))
+    rejoin.start()
+    deadline = time.monotonic() + 30
+    while "reached the previous rendezvous's store" not in caplog.text and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert "reached the previous rendezvous's store" in caplog.text
+    del old  # rank 0 finishes tearing down: its store closes, and it serves the next rendezvous on the same port
+    new = process_group.rendezvous_store("127.0.0.1", port, 0, timeout)
+    rejoin.join(60)
+    result[0].set("written_by_rank_1", "yes")
+    assert new.get("written_by_rank_1") == b"yes"
+
+
+def test_on_several_nodes_a_loopback_master_addr_makes_the_store_listen_everywhere(caplog):
+    """num_nodes=2, MASTER_ADDR=127.0.0.1 (no other node could reach it): all interfaces, a warning; ranks join."""
+    port = free_port()
+    server = process_group.rendezvous_store("127.0.0.1", port, 0, timedelta(seconds=30), num_nodes=2)
+    client = process_group.rendezvous_store("127.0.0.1", port, 1, timedelta(seconds=30), num_nodes=2)
+    client.set("k", "v")
+    assert server.get("k") == b"v"
+    assert "listens on every interface" in caplog.text
+    assert [a for a, p in listening_sockets(os.getpid()) if p == port] in (["::"], ["0.0.0.0"])
+
+
+def test_destroying_the_group_closes_rank_0s_store_and_gloo_sockets():
+    """Rank 0's store listens on 127.0.0.1 only, at MASTER_PORT, while the group lives; nothing after destroy."""
+    port = free_port()
+    store = process_group.init_process_group("gloo", 0, 1, "127.0.0.1", port, timedelta(seconds=30))
+    listening = listening_sockets(os.getpid())
+    assert [address for address, p in listening if p == port] == ["127.0.0.1"]
+    del store  # as the strategy's teardown drops its handle
+    process_group.destroy_process_group()
+    assert listening_sockets(os.getpid()) == []
+
+
+def test_under_torchrun_env_rendezvous_uses_the_agents_store(monkeypatch):
+    """TORCHELASTIC_USE_AGENT_STORE=True: init_method None or 'env://' joins the agent's store as a client, prefixed."""
+    agent = dist.TCPStore("127.0.0.1", 0, None, is_master=True, timeout=timedelta(seconds=30), wait_for_workers=False)
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
+    served = []
+    monkeypatch.setattr(process_group, "rendezvous_store", lambda *a, **k: served.append(a))
+    for init_method in (None, "env://"):
+        store = process_group.init_process_group("gloo", 0, 1, "127.0.0.1", agent.port, timedelta(seconds=30),
+                                                 init_method=init_method)
+        store.set("mine", "1")
+        process_group.destroy_process_group()
+    assert served == []  # no store of our own next to the agent's
+    assert agent.check([f"ddp_strategy/attempt_2/world_1/rendezvous_{g}/mine" for g in (0, 1)])
