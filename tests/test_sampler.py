@@ -16,7 +16,12 @@ from torch.utils.data import (
 )
 from torch.utils.data.distributed import DistributedSampler
 
-from ddp_strategy.injection import inject_distributed_sampler, injected_sampler, needs_distributed_sampler
+from ddp_strategy.injection import (
+    inject_distributed_sampler,
+    injected_sampler,
+    needs_distributed_sampler,
+    warn_if_not_shardable,
+)
 from ddp_strategy.sampler import EpochSeededDistributedSampler, ShardedSampler, draw_epoch, shard_iterable, shared_seed
 from ddp_strategy.sampler_state import merge_rank_positions
 
@@ -227,8 +232,9 @@ def test_iterable_dataset_is_not_sharded_and_warned_about():
             return iter(range(3))
 
     loader = DataLoader(Stream())
+    assert inject_distributed_sampler(loader, 2, 0, 0) is loader
     with pytest.warns(UserWarning, match="shard_iterable"):
-        assert inject_distributed_sampler(loader, 2, 0, 0) is loader
+        warn_if_not_shardable(loader, 2)
 
 
 def test_resume_position_same_and_other_world_sizes():
