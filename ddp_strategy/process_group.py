@@ -8,6 +8,7 @@ with :func:`torch.distributed.destroy_process_group`.
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 from datetime import timedelta
@@ -270,10 +271,14 @@ def destroy_process_group() -> None:
     """Destroy the default process group if one exists; a no-op otherwise.
 
     Called at teardown for every backend: with gloo, a process that exits with its group alive has been
-    seen to abort (SIGABRT) now and then.
+    seen to abort (SIGABRT) now and then. A garbage collection follows: objects kept alive only by a
+    reference cycle (after a ``torch.compile``'d fit, the DDP wrapper, which holds the group, which holds
+    rank 0's ``TCPStore``) would otherwise keep ``MASTER_PORT`` bound, and the next fit in the same process
+    would fail to start its rendezvous there ("address already in use").
     """
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+        gc.collect()
 
 
 def all_reduce(tensor: torch.Tensor, op: str = "mean") -> torch.Tensor:
