@@ -25,8 +25,8 @@ from ddp_strategy.checkpoint_io import (
     atomic_save,
     find_model_state_dict,
     load_file,
-    plain_state_dict,
     match_state_dict,
+    plain_state_dict,
     unwrapped_name,
     unwrapped_state_dict,
 )
@@ -138,7 +138,8 @@ def import_plain_checkpoint(
         raise TypeError(f"A Lightning checkpoint needs a LightningModule; got {type(model).__name__}. Pass the"
                         " LightningModule, or output_path=None to load the weights only.")
     name = os.fspath(source) if isinstance(source, (str, os.PathLike)) else "the given checkpoint"
-    checkpoint = (load_file(source, weights_only=weights_only, opt_out="import_plain_checkpoint(..., weights_only=False)")
+    opt_out = "import_plain_checkpoint(..., weights_only=False)"
+    checkpoint = (load_file(source, weights_only=weights_only, opt_out=opt_out)
                   if isinstance(source, (str, os.PathLike)) else source)
     state_dict = find_model_state_dict(checkpoint, name)
     prefixes = _submodule_prefixes(model)

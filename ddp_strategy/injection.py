@@ -139,9 +139,12 @@ def check_shard_sizes(dataloader: DataLoader, num_replicas: int, training: bool)
         num_replicas: world size W.
         training: True for the training loader (padded shards, equal step counts).
 
+    Warns (rank 0) for training when a ``batch_size`` is larger than each rank's shard: every step then sees
+    a short batch, which Lightning's ``ddp`` runs as well.
+
     Raises:
-        ValueError: fewer items than ranks; for training, a ``batch_size`` larger than each rank's shard;
-            ``drop_last=True`` with a shard smaller than one batch (no batch at all).
+        ValueError: fewer items than ranks; ``drop_last=True`` with a shard smaller than one batch (no batch
+            at all).
     """
     source = original_sampler(dataloader)
     n = len(source if source is not None else dataloader.batch_sampler)  # type: ignore[arg-type]
@@ -163,9 +166,10 @@ def check_shard_sizes(dataloader: DataLoader, num_replicas: int, training: bool)
             f" to at most {smallest_shard}, set drop_last=False, or use fewer devices."
         )
     if training and smallest_shard < batch_size:
-        raise ValueError(
+        # Lightning's ddp runs this (one short batch per rank and epoch): say so, do not refuse it.
+        rank_zero_warn(
             f"batch_size={batch_size} is per device, but each rank's training shard has only {smallest_shard}"
-            f" samples ({n} samples over {num_replicas} ranks), so every step would see a short batch. Lower"
+            f" samples ({n} samples over {num_replicas} ranks), so every step sees a short batch. Lower"
             f" batch_size to at most {smallest_shard} (the global batch is batch_size x {num_replicas}), or use"
             " fewer devices."
         )

@@ -75,8 +75,9 @@ class MyDDPStrategy(ParallelStrategy):
 
     ``Trainer(accelerator="cpu", devices=2, strategy=MyDDPStrategy())`` starts 2 processes, joins them in a
     gloo process group, shards every train/val/test loader with a ``DistributedSampler`` re-seeded each
-    epoch, wraps the LightningModule in ``DistributedDataParallel`` while fitting, and writes checkpoints
-    whose model keys load into the plain module. The loader's ``batch_size`` is the per-device batch size
+    epoch (unless ``Trainer(use_distributed_sampler=False)``: then the user's loaders are kept, as in
+    Lightning), wraps the LightningModule in ``DistributedDataParallel`` while fitting, and writes
+    checkpoints whose model keys load into the plain module. The loader's ``batch_size`` is the per-device batch size
     B; one optimizer step sees the global batch ``B * world_size``.
 
     Registered with Lightning as ``strategy="my_ddp"`` (start method chosen automatically) and
@@ -579,14 +580,19 @@ class MyDDPStrategy(ParallelStrategy):
         ``weights_only=None`` (what Lightning passes unless the user gave a value) means True (see
         :class:`DDPCheckpointIO`), except for a file this strategy itself saved in this process and that is
         unchanged since (same size and modification time): it is trusted and loaded with False, so Lightning's
-        internal restores (``Tuner.lr_find``, ``Tuner.scale_batch_size``, ``ckpt_path="best"``) work whatever
-        the checkpoint holds (an ``nn.Module`` among the hyper-parameters), as they do under Lightning's ddp.
+        internal restores (``Tuner.lr_find``'s temporary checkpoint, ``ckpt_path="best"``), which the user
+        cannot pass ``weights_only`` to, work whatever the checkpoint holds (an ``nn.Module`` among the
+        hyper-parameters; Lightning's ddp fails there with a raw unpickling error).
+
+        Raises:
+            UnsafeCheckpointError: a file from elsewhere holds an object ``weights_only=True`` refuses; the
+                message names it and the opt-outs that work here.
         """
         self._checkpoint_path = checkpoint_path
         stamp = checkpoint_io.file_stamp(checkpoint_path)
         if weights_only is None and stamp is not None and self._written_checkpoints.get(stamp[0]) == stamp[1]:
-            # This strategy wrote the file (unchanged since): Lightning's internal restores (the LR finder's and
-            # batch-size scaler's temporary checkpoint, ckpt_path="best"/"last") load it whatever it holds.
+            # This strategy wrote the file (unchanged since): Lightning's internal restores (the LR finder's
+            # temporary checkpoint, ckpt_path="best"/"last") load it whatever it holds.
             weights_only = False
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         entry = checkpoint.get(sampler_state.CHECKPOINT_KEY)

@@ -223,7 +223,7 @@ def scenario_data(out: Path) -> None:
 class Lossy(pl.LightningModule):
     """A regression model whose hyper-parameters hold an ``nn.MSELoss`` (so ``weights_only=True`` refuses them)."""
 
-    def __init__(self, loss_fn: nn.Module = nn.MSELoss(), lr: float = 0.01) -> None:
+    def __init__(self, loss_fn: nn.Module = nn.MSELoss(), lr: float = 0.01) -> None:  # noqa: B008 - the point
         super().__init__()
         self.save_hyperparameters()
         torch.manual_seed(SEED)

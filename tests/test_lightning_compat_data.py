@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 from compat_data_workers import (
-    N,
     N_BUCKETS,
     N_REVERSED,
     Batches,
     Buckets,
+    N,
     Reversed,
     TaggedLoader,
     scenario_data,
@@ -50,7 +50,7 @@ def test_dataloader_subclasses_with_custom_batch_samplers_are_sharded_by_whole_b
                             batch_sampler=Reversed(SequentialSampler(range(N_REVERSED)), 4, False, reverse=True))]
     user_batches = [Buckets(N_BUCKETS, (2, 3)).batches,  # 8 batches of 2 and 3
                     list(Reversed(SequentialSampler(range(N_REVERSED)), 4, False, reverse=True))]  # 5 batches
-    for loader, user in zip(loaders, user_batches):
+    for loader, user in zip(loaders, user_batches, strict=True):
         shards = []
         for r in range(2):
             new = inject_distributed_sampler(loader, 2, r, seed=0, pad=pad)

@@ -106,7 +106,7 @@ def test_compiled_models_are_accepted_for_our_strategy_only():
     from lightning.pytorch.trainer import trainer as trainer_module
     from lightning.pytorch.utilities import compile as pl_compile
 
-    from ddp_strategy import MyDDPStrategy, DigitsClassifier
+    from ddp_strategy import DigitsClassifier, MyDDPStrategy
 
     assert inspect.signature(pl_compile._verify_strategy_supports_compile).parameters.keys() == {"model", "strategy"}
     for method in (Trainer.fit, Trainer.validate, Trainer.test, Trainer.predict):
