@@ -145,6 +145,15 @@ def strip_ddp_prefix(state_dict: Mapping[str, Any]) -> dict[str, Any]:
     return dict(state_dict)
 
 
+#: Added to a :class:`StateDictMismatchError` raised by ``trainer.fit(ckpt_path=...)``.
+FIT_MISMATCH_HINT = (
+    "In trainer.fit, ckpt_path also resumes the optimizer state, which needs exactly the checkpoint's"
+    " parameters, so strict_loading=False is not enough there: to start a fit from the matching weights, load"
+    " them first with ddp_strategy.import_plain_checkpoint(ckpt_path, model, strict=False) and call"
+    " trainer.fit(model) without ckpt_path (strict_loading=False does work for validate, test and predict)."
+)
+
+
 class StateDictMismatchError(RuntimeError):
     """A checkpoint's keys do not match the model's, after wrapper prefixes were normalised.
 

@@ -605,12 +605,30 @@ class MyDDPStrategy(ParallelStrategy):
 
         Raises:
             StateDictMismatchError: ``strict`` (``LightningModule.strict_loading``, default True) and keys
-                are missing or unexpected; raised on every rank, since every rank loads the same file.
+                are missing or unexpected; raised on every rank, since every rank loads the same file. In a
+                fit the message adds how to start from the matching weights (the optimizer state of the
+                file cannot be resumed into another set of parameters).
         """
         assert self.lightning_module is not None
-        state_dict = checkpoint_io.match_state_dict(checkpoint["state_dict"], self.lightning_module, strict=strict,
-                                                    source=getattr(self, "_checkpoint_path", None))
+        try:
+            state_dict = checkpoint_io.match_state_dict(checkpoint["state_dict"], self.lightning_module,
+                                                        strict=strict, source=getattr(self, "_checkpoint_path", None))
+        except checkpoint_io.StateDictMismatchError as e:
+            if self._fitting_module():
+                # strict_loading=False would pass here, but fit(ckpt_path=...) then restores the optimizer,
+                # which needs exactly the checkpoint's parameters: say what works in a fit.
+                failures.augment_message(e, checkpoint_io.FIT_MISMATCH_HINT)
+            raise
         self.lightning_module.load_state_dict(state_dict, strict=strict)
+
+    def _fitting_module(self) -> bool:
+        """Whether the LightningModule's trainer is fitting (the strategy's own trainer is set only later, in
+        :meth:`setup`, after Lightning restored a ``ckpt_path``)."""
+        try:
+            trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        except RuntimeError:  # not attached to a trainer
+            return False
+        return trainer is not None and trainer.state.fn == TrainerFn.FITTING
 
     # ------------------------------------------------------------------------------------- diagnostics
     #: Set by ``on_train_start``, consumed by ``on_train_end`` (see :mod:`ddp_strategy.diagnostics`).
