@@ -271,14 +271,15 @@ def destroy_process_group() -> None:
     """Destroy the default process group if one exists; a no-op otherwise.
 
     Called at teardown for every backend: with gloo, a process that exits with its group alive has been
-    seen to abort (SIGABRT) now and then. A garbage collection follows: objects kept alive only by a
+    seen to abort (SIGABRT) now and then. A garbage collection comes first: objects kept alive only by a
     reference cycle (after a ``torch.compile``'d fit, the DDP wrapper, which holds the group, which holds
-    rank 0's ``TCPStore``) would otherwise keep ``MASTER_PORT`` bound, and the next fit in the same process
-    would fail to start its rendezvous there ("address already in use").
+    rank 0's ``TCPStore``) would otherwise keep ``MASTER_PORT`` listening after this returns; the next fit in
+    the same process would then fail to bind it ("address already in use"), or another rank would join the
+    old store. Collected first, the group and its store are freed here, by the destroy itself.
     """
     if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
         gc.collect()
+        dist.destroy_process_group()
 
 
 def all_reduce(tensor: torch.Tensor, op: str = "mean") -> torch.Tensor:

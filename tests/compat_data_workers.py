@@ -191,7 +191,9 @@ def scenario_data(out: Path) -> None:
     t = trainer(2, out)
     caught = record_warnings(lambda: t.test(iterable_model, [rows]))
     caught += record_warnings(lambda: t.test(iterable_model, Batches(9, 4)))
-    save(out, "iterables", {"test": iterable_model.seen["test"], "metrics_ok": True,
+    caught += record_warnings(lambda: trainer(2, out, max_epochs=1).fit(iterable_model, Batches(9, 4)))
+    save(out, "iterables", {"test": iterable_model.seen["test"], "train": iterable_model.seen["train"],
+                            "weights": weights(iterable_model),
                             "warnings": [w for w in caught if "MyDDPStrategy got a" in w]})
 
     # 3. DataLoader subclasses with custom batch samplers, built in the hooks (Lightning captures the arguments)

@@ -192,11 +192,16 @@ def test_uneven_user_shards_fail_clearly_before_a_step(runs):
 @pytest.mark.timeout(600)
 def test_any_iterable_is_read_whole_by_every_rank_as_under_lightning_ddp(runs):
     """trainer.test(model, [rows]) and a custom iterable of batches: every rank reads all of it, exactly what
-    Lightning's ddp gives each rank (no less data); rank 0 warns that it is not sharded, rank 1 does not."""
+    Lightning's ddp gives each rank (no less data); fit on the iterable trains every rank on all batches, with
+    identical weights; rank 0 warns that it is not sharded, rank 1 does not."""
     ours, lightning = load(runs, "iterables", 2), load(runs, "iterables_lightning", 2)
-    expected = [[i] for i in range(6)] + [b[3].tolist() for b in Batches(9, 4)]
+    batches = [b[3].tolist() for b in Batches(9, 4)]
+    expected = [[i] for i in range(6)] + batches
     for r in range(2):
         assert ours[r]["test"] == expected == lightning[r]["test"]
+        assert ours[r]["train"] == batches
+    for name, value in ours[0]["weights"].items():
+        assert torch.equal(value, ours[1]["weights"][name])
     assert any("got a Tensor" in w for w in ours[0]["warnings"])
     assert any("got a Batches" in w for w in ours[0]["warnings"])
     assert ours[1]["warnings"] == []
