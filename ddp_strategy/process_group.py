@@ -11,6 +11,7 @@ from __future__ import annotations
 import gc
 import logging
 import os
+import time
 from datetime import timedelta
 from typing import Any
 
@@ -209,11 +210,42 @@ def init_process_group(
         if store is None and init_method is not None and init_method.startswith("file://"):
             store = dist.FileStore(init_method[len("file://"):], world_size)
         elif store is None:
-            store = dist.TCPStore(main_address, main_port, world_size, is_master=rank == 0, timeout=timeout)
+            store = _fresh_tcp_store(main_address, main_port, world_size, rank, timeout)
         dist.init_process_group(backend, store=store, **kwargs)
+        store.set(_JOINED_KEY.format(rank=rank), "1")
     except (RuntimeError, OSError, ValueError) as e:
         raise RuntimeError(_rendezvous_error(rank, world_size, where, timeout, e)) from e
     return store
+
+
+#: Set by every rank in the store of each rendezvous it joins: a store that already holds it is a previous one.
+_JOINED_KEY = "ddp_strategy/joined/{rank}"
+
+
+def _fresh_tcp_store(address: str, port: int, world_size: int, rank: int, timeout: timedelta) -> dist.TCPStore:
+    """Rank 0: a new ``TCPStore`` listening at ``address:port``; other ranks: a client of the new one.
+
+    Consecutive runs in one process (``fit`` then ``test``) rendezvous on the same port, and ranks leave a
+    run at different times: a rank that starts the next run while rank 0 is still tearing down the previous
+    one would connect to rank 0's old store, which is about to close, and the new rendezvous would then wait
+    for it until the timeout. A client therefore checks that the store does not hold its own "joined" key
+    from the previous run, and otherwise reconnects until rank 0's new store answers (within ``timeout``).
+    """
+    if rank == 0:
+        return dist.TCPStore(address, port, world_size, is_master=True, timeout=timeout)
+    deadline = time.monotonic() + timeout.total_seconds()
+    while True:
+        store = dist.TCPStore(address, port, world_size, is_master=False, timeout=timeout)
+        try:
+            if not store.check([_JOINED_KEY.format(rank=rank)]):
+                return store
+        except RuntimeError:  # the old store closed while we asked: connect again
+            pass
+        del store
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"Timed out after {timeout.total_seconds():.0f} seconds waiting for rank 0 to"
+                               " close the previous run's store and open a new one.")
+        time.sleep(0.1)
 
 
 def _rendezvous_error(rank: int, world_size: int, where: str, timeout: timedelta, error: BaseException) -> str:

@@ -50,18 +50,48 @@ def test_bad_timeouts_are_refused(given, error):
 def test_cuda_device_is_passed_for_eager_nccl_init(monkeypatch):
     """On CUDA the device reaches init_process_group as device_id (checked without a GPU), with our own store."""
     calls, stores = {}, []
+
+    class FakeStore:
+        def __init__(self, *a, **k):
+            stores.append((a, k))
+            self.keys: set[str] = set()
+
+        def check(self, keys):
+            return all(k in self.keys for k in keys)
+
+        def set(self, key, value):
+            self.keys.add(key)
+
     monkeypatch.setattr(dist, "is_initialized", lambda: False)
-    monkeypatch.setattr(dist, "TCPStore", lambda *a, **k: stores.append((a, k)) or "store")
+    monkeypatch.setattr(dist, "TCPStore", FakeStore)
     monkeypatch.setattr(dist, "init_process_group", lambda *a, **k: calls.update(args=a, kwargs=k))
     returned = process_group.init_process_group("nccl", 1, 2, "127.0.0.1", 29512, timedelta(seconds=9),
                                                 torch.device("cuda", 1))
-    assert returned == "store"
+    assert isinstance(returned, FakeStore) and returned.keys == {"ddp_strategy/joined/1"}
     assert stores == [(("127.0.0.1", 29512, 2), {"is_master": False, "timeout": timedelta(seconds=9)})]
     assert calls["args"] == ("nccl",)
-    assert calls["kwargs"] == {"store": "store", "rank": 1, "world_size": 2, "timeout": timedelta(seconds=9),
+    assert calls["kwargs"] == {"store": returned, "rank": 1, "world_size": 2, "timeout": timedelta(seconds=9),
                                "device_id": torch.device("cuda", 1)}
     process_group.init_process_group("gloo", 0, 2, "127.0.0.1", 29512, timedelta(seconds=9), torch.device("cpu"))
     assert "device_id" not in calls["kwargs"] and stores[-1][1]["is_master"] is True
+
+
+def test_a_client_skips_the_previous_runs_store(monkeypatch):
+    """A rank that reaches the next rendezvous while rank 0 still holds the previous run's store (which holds
+    this rank's "joined" key) reconnects until it reaches a new store."""
+    made = []
+
+    class FakeStore:
+        def __init__(self, *a, **k):
+            made.append(self)
+            self.keys = {"ddp_strategy/joined/1"} if len(made) < 3 else set()
+
+        def check(self, keys):
+            return all(k in self.keys for k in keys)
+
+    monkeypatch.setattr(dist, "TCPStore", FakeStore)
+    store = process_group._fresh_tcp_store("127.0.0.1", 29512, 2, 1, timedelta(seconds=9))
+    assert len(made) == 3 and store is made[2]
 
 
 def test_all_reduce_without_group_is_a_copy():
