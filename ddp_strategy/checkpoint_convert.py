@@ -25,8 +25,8 @@ from ddp_strategy.checkpoint_io import (
     atomic_save,
     find_model_state_dict,
     load_file,
-    load_plain_state_dict,
     match_state_dict,
+    plain_state_dict,
     unwrapped_name,
     unwrapped_state_dict,
 )
@@ -138,7 +138,9 @@ def import_plain_checkpoint(
         raise TypeError(f"A Lightning checkpoint needs a LightningModule; got {type(model).__name__}. Pass the"
                         " LightningModule, or output_path=None to load the weights only.")
     name = os.fspath(source) if isinstance(source, (str, os.PathLike)) else "the given checkpoint"
-    checkpoint = load_file(source, weights_only=weights_only) if isinstance(source, (str, os.PathLike)) else source
+    opt_out = "import_plain_checkpoint(..., weights_only=False)"
+    checkpoint = (load_file(source, weights_only=weights_only, opt_out=opt_out)
+                  if isinstance(source, (str, os.PathLike)) else source)
     state_dict = find_model_state_dict(checkpoint, name)
     prefixes = _submodule_prefixes(model)
     loadable = match_state_dict(state_dict, model, strict=strict, source=name, prefixes=prefixes)
@@ -195,6 +197,7 @@ def export_weights(
     path: str | os.PathLike,
     submodule: str = "model",
     safetensors: bool | None = None,
+    weights_only: bool = True,
 ) -> dict[str, torch.Tensor]:
     """Write just the plain model weights (a ``state_dict``) for inference without Lightning.
 
@@ -203,12 +206,14 @@ def export_weights(
     ``safetensors.torch.load_file(path)``, then ``net.load_state_dict(...)``.
 
     Args:
-        source: a checkpoint file (Lightning or plain, loaded with ``weights_only=True``) or a module.
+        source: a checkpoint file (Lightning or plain; see ``weights_only``) or a module.
         path: the output file.
         submodule: attribute of the plain model inside the LightningModule (default ``"model"``); ``""``
             exports everything.
         safetensors: write safetensors (needs ``pip install ddp_strategy[safetensors]``); default ``None``
             decides by the suffix ``.safetensors``.
+        weights_only: load a checkpoint file with ``torch.load(weights_only=True)`` (default); False only for
+            files you trust.
 
     Returns:
         The exported state dict.
@@ -224,7 +229,8 @@ def export_weights(
         if not weights:
             raise KeyError(f"{type(source).__name__} has no key under {prefix!r}; found e.g. {list(full)[:5]}.")
     else:
-        weights = load_plain_state_dict(source, submodule=submodule)
+        checkpoint = load_file(source, weights_only=weights_only, opt_out="export_weights(..., weights_only=False)")
+        weights = plain_state_dict(checkpoint, source, submodule)
     weights = {k: v.detach().cpu().contiguous() for k, v in weights.items()}
     if safetensors is None:
         safetensors = os.fspath(path).endswith(".safetensors")

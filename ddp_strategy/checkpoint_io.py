@@ -145,6 +145,15 @@ def strip_ddp_prefix(state_dict: Mapping[str, Any]) -> dict[str, Any]:
     return dict(state_dict)
 
 
+#: Added to a :class:`StateDictMismatchError` raised by ``trainer.fit(ckpt_path=...)``.
+FIT_MISMATCH_HINT = (
+    "In trainer.fit, ckpt_path also resumes the optimizer state, which needs exactly the checkpoint's"
+    " parameters, so strict_loading=False is not enough there: to start a fit from the matching weights, load"
+    " them first with ddp_strategy.import_plain_checkpoint(ckpt_path, model, strict=False) and call"
+    " trainer.fit(model) without ckpt_path (strict_loading=False does work for validate, test and predict)."
+)
+
+
 class StateDictMismatchError(RuntimeError):
     """A checkpoint's keys do not match the model's, after wrapper prefixes were normalised.
 
@@ -283,7 +292,8 @@ class UnsafeCheckpointError(pickle.UnpicklingError):
     """``weights_only=True`` refused an object in the file (it could run code when unpickled)."""
 
 
-def load_file(path: str | os.PathLike, map_location: Any = "cpu", weights_only: bool = True) -> Any:
+def load_file(path: str | os.PathLike, map_location: Any = "cpu", weights_only: bool = True,
+              opt_out: str = "load_file(..., weights_only=False)") -> Any:
     """``torch.load`` a checkpoint file, with errors that name the file.
 
     Args:
@@ -291,6 +301,8 @@ def load_file(path: str | os.PathLike, map_location: Any = "cpu", weights_only: 
         map_location: as for :func:`torch.load`; default ``"cpu"``.
         weights_only: refuse to unpickle arbitrary objects (default True: an untrusted file cannot run
             code). Pass False only for files you trust.
+        opt_out: how the caller's caller turns ``weights_only`` off, quoted in the
+            :class:`UnsafeCheckpointError` message (each public loader passes its own call).
 
     Returns:
         What the file holds.
@@ -309,12 +321,12 @@ def load_file(path: str | os.PathLike, map_location: Any = "cpu", weights_only: 
         message = str(e)
         if weights_only and "Unsupported global" in message:
             first = next(line for line in message.splitlines() if "Unsupported global" in line)
-            first = first.split("Unsupported global:")[-1].split(" was not")[0]
+            first = first.split("Unsupported global:")[-1].split(" was not")[0].strip()
+            name = first.removeprefix("GLOBAL").strip()
             raise UnsafeCheckpointError(
-                f"Checkpoint {path} holds an object that weights_only=True loading refuses ({first.strip()})."
-                " If you trust this file, load it with weights_only=False (Trainer.fit(..., weights_only=False),"
-                " DDPCheckpointIO(weights_only=False)) or allow the type with"
-                " torch.serialization.add_safe_globals([...])."
+                f"Checkpoint {path} holds an object that weights_only=True loading refuses ({first}). If you"
+                f" trust this file, load it with {opt_out}, or allow the type before loading (on every rank) with"
+                f" torch.serialization.add_safe_globals([{name}])."
             ) from e
         size = os.path.getsize(path)
         raise DamagedCheckpointError(
@@ -422,7 +434,8 @@ def atomic_save(obj: Any, path: str | os.PathLike, save_fn: Callable[[Any, Any],
     log.debug("saved %s atomically", path)
 
 
-def load_plain_state_dict(path: str | os.PathLike, submodule: str = "model") -> dict[str, torch.Tensor]:
+def load_plain_state_dict(path: str | os.PathLike, submodule: str = "model",
+                          weights_only: bool = True) -> dict[str, torch.Tensor]:
     """Load the weights of one sub-module from a checkpoint, ready for the plain ``nn.Module``.
 
     Works for Lightning checkpoints (weights under ``"state_dict"``), plain PyTorch files holding a
@@ -435,6 +448,8 @@ def load_plain_state_dict(path: str | os.PathLike, submodule: str = "model") -> 
         path: checkpoint file.
         submodule: attribute name of the plain model inside the LightningModule (``"model"`` for
             :class:`~ddp_strategy.model.DigitsClassifier`); ``""`` returns the whole state dict.
+        weights_only: load with ``torch.load(weights_only=True)`` (default); False only for files you trust
+            (e.g. a checkpoint whose hyper-parameters hold an ``nn.Module``).
 
     Returns:
         Parameter and buffer name -> tensor, keys without ``module.``, ``_orig_mod.`` or ``<submodule>.``.
@@ -443,7 +458,22 @@ def load_plain_state_dict(path: str | os.PathLike, submodule: str = "model") -> 
         FileNotFoundError, DamagedCheckpointError, UnsafeCheckpointError: see :func:`load_file`.
         KeyError: no key starts with ``<submodule>.``; the message lists a few of the keys found.
     """
-    state_dict = find_model_state_dict(load_file(path), path)
+    checkpoint = load_file(path, weights_only=weights_only, opt_out="load_plain_state_dict(..., weights_only=False)")
+    return plain_state_dict(checkpoint, path, submodule)
+
+
+def plain_state_dict(checkpoint: Any, path: str | os.PathLike, submodule: str = "model") -> dict[str, torch.Tensor]:
+    """The part of :func:`load_plain_state_dict` after loading: find, clean and pick ``submodule``'s weights.
+
+    Args:
+        checkpoint: a loaded checkpoint (see :func:`find_model_state_dict`).
+        path: the file it came from (for error messages).
+        submodule: see :func:`load_plain_state_dict`.
+
+    Raises:
+        ValueError, KeyError: see :func:`find_model_state_dict` and :func:`load_plain_state_dict`.
+    """
+    state_dict = find_model_state_dict(checkpoint, path)
     state_dict = strip_ddp_prefix(strip_compile_prefixes(state_dict))
     if not submodule:
         return dict(state_dict)
@@ -460,8 +490,11 @@ def load_plain_state_dict(path: str | os.PathLike, submodule: str = "model") -> 
 def unwritable_reason(folders: list[str | os.PathLike]) -> str | None:
     """Check that checkpoints can be written to each folder; say why not for the first that fails.
 
-    Creates missing folders (as ``ModelCheckpoint`` would) and writes and removes a small probe file.
-    Local paths only; remote (``scheme://``) paths are skipped.
+    Writes and removes a small probe file in each folder. A missing folder (and any missing parent) is
+    created for the probe and removed again, so the check leaves no trace: ``ModelCheckpoint`` creates the
+    folder itself when it first saves, and a run that saves nothing (``fast_dev_run=True``) leaves
+    ``default_root_dir`` as it found it, as under Lightning. Local paths only; remote (``scheme://``) paths
+    are skipped.
 
     Args:
         folders: checkpoint folders.
@@ -473,8 +506,15 @@ def unwritable_reason(folders: list[str | os.PathLike]) -> str | None:
         folder = os.fspath(folder)
         if "://" in folder:
             continue
+        created: list[str] = []
         try:
-            os.makedirs(folder, exist_ok=True)
+            missing, parent = [], os.path.abspath(folder)
+            while not os.path.isdir(parent) and os.path.dirname(parent) != parent:
+                missing.append(parent)
+                parent = os.path.dirname(parent)
+            for path in reversed(missing):
+                os.mkdir(path)
+                created.append(path)
             probe = os.path.join(folder, f".ddp_strategy_write_test_{os.getpid()}")
             with open(probe, "wb") as f:
                 f.write(b"0")
@@ -482,6 +522,12 @@ def unwritable_reason(folders: list[str | os.PathLike]) -> str | None:
         except OSError as e:
             return (f"Checkpoint folder {folder} is not writable ({type(e).__name__}: {e.strerror or e}). Choose a"
                     " writable ModelCheckpoint(dirpath=...) or Trainer(default_root_dir=...) before training.")
+        finally:
+            for path in reversed(created):
+                try:
+                    os.rmdir(path)
+                except OSError:  # something else put a file there meanwhile: leave it
+                    break
     return None
 
 
@@ -551,7 +597,27 @@ class DDPCheckpointIO(TorchCheckpointIO):
         weights_only = self.weights_only if weights_only is None else weights_only
         if not _is_local(path):
             return super().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
-        return load_file(path, map_location=map_location, weights_only=weights_only)
+        return load_file(path, map_location=map_location, weights_only=weights_only, opt_out=LOAD_OPT_OUT)
+
+
+#: How a user of the Trainer opts out of ``weights_only=True`` for one file, or for every load.
+LOAD_OPT_OUT = ("weights_only=False in the Trainer call that loads it (trainer.fit(model, ckpt_path=...,"
+                " weights_only=False); also validate, test and predict), or for every load"
+                " MyDDPStrategy(checkpoint_io=DDPCheckpointIO(weights_only=False))")
+
+
+def file_stamp(path: Any) -> tuple[str, tuple[int, int]] | None:
+    """``(real path, (size in bytes, modification time in ns))`` of a local file, or None (remote or missing).
+
+    Lets a writer recognise, later, a file it wrote itself and that nobody changed since.
+    """
+    if not isinstance(path, (str, os.PathLike)) or "://" in os.fspath(path):
+        return None
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return os.path.realpath(path), (st.st_size, st.st_mtime_ns)
 
 
 def _is_local(path: Any) -> bool:

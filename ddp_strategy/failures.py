@@ -273,8 +273,9 @@ def check_epoch_start(trainer: Any, group: Any, timeout: timedelta, rank: int, w
         raise ValueError(
             f"[rank {rank}] ranks have different numbers of training batches in epoch {epoch}:"
             f" {dict(enumerate(counts))}. DDP needs every rank to take the same number of steps. Let"
-            " MyDDPStrategy shard the data (a map-style data set in a DataLoader), or make your own sampler"
-            " give every rank the same number of batches (e.g. drop_last=True)."
+            " MyDDPStrategy shard the data (a map-style data set in a DataLoader, with"
+            " Trainer(use_distributed_sampler=True), the default), or make the shards you give each rank (your"
+            " own sampler, or your split under use_distributed_sampler=False) hold the same number of batches."
         )
 
 

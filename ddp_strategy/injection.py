@@ -141,19 +141,29 @@ def check_shard_sizes(dataloader: DataLoader, num_replicas: int, training: bool,
         pad: whether the shards are padded (default: ``training``); an evaluation loader is padded, as
             Lightning pads it, when it has fewer samples than ranks.
 
+    Warns (rank 0) when a padded loader has fewer items than ranks (some ranks then read only repeats), and for
+    training when a ``batch_size`` is larger than each rank's shard (every step sees a short batch); Lightning's
+    ``ddp`` runs both.
+
     Raises:
-        ValueError: fewer items than ranks, except for a padded evaluation loader; for training, a
-            ``batch_size`` larger than each rank's shard;
+        ValueError: fewer items than ranks on an unpadded loader;
             ``drop_last=True`` with a shard smaller than one batch (no batch at all).
     """
     source = original_sampler(dataloader)
     n = len(source if source is not None else dataloader.batch_sampler)  # type: ignore[arg-type]
     what = "samples" if source is not None else "batches"
     pad = training if pad is None else pad
-    if n < num_replicas and (training or not pad):
+    if n < num_replicas and not pad:
         raise ValueError(
-            f"The loader has {n} {what} but there are {num_replicas} ranks: some rank would get nothing (or only"
-            f" repeats). Use a data set with at least {num_replicas} {what}, or fewer devices."
+            f"The loader has {n} {what} but there are {num_replicas} ranks: some rank would get nothing."
+            f" Use a data set with at least {num_replicas} {what}, or fewer devices."
+        )
+    if n < num_replicas:
+        # Lightning's ddp pads such a loader with repeats (DistributedSampler): run it, but say so.
+        rank_zero_warn(
+            f"The loader has {n} {what} but there are {num_replicas} ranks: the shards are padded with repeats"
+            f" (as Lightning's DistributedSampler pads them), so some ranks read the same {what}. Use a data set"
+            f" with at least {num_replicas} {what}, or fewer devices."
         )
     batch_sampler = dataloader.batch_sampler
     if source is None or batch_sampler is None:
@@ -167,26 +177,18 @@ def check_shard_sizes(dataloader: DataLoader, num_replicas: int, training: bool,
             f" to at most {smallest_shard}, set drop_last=False, or use fewer devices."
         )
     if training and smallest_shard < batch_size:
-        raise ValueError(
+        # Lightning's ddp runs this (one short batch per rank and epoch): say so, do not refuse it.
+        rank_zero_warn(
             f"batch_size={batch_size} is per device, but each rank's training shard has only {smallest_shard}"
-            f" samples ({n} samples over {num_replicas} ranks), so every step would see a short batch. Lower"
+            f" samples ({n} samples over {num_replicas} ranks), so every step sees a short batch. Lower"
             f" batch_size to at most {smallest_shard} (the global batch is batch_size x {num_replicas}), or use"
             " fewer devices."
         )
 
 
 def _rebuild_with_batch_sampler(dataloader: DataLoader, batch_sampler: Any) -> DataLoader:
-    """Re-create ``dataloader`` with ``batch_sampler`` and its other settings (workers, collate, ...)."""
-    names = ("num_workers", "collate_fn", "pin_memory", "timeout", "worker_init_fn", "multiprocessing_context",
-             "generator", "prefetch_factor", "persistent_workers", "pin_memory_device", "in_order")
-    kwargs = {name: getattr(dataloader, name) for name in names if hasattr(dataloader, name)}
-    if type(dataloader) is not DataLoader:
-        raise TypeError(
-            f"Cannot shard the batch sampler of a {type(dataloader).__name__} (a DataLoader subclass): rebuilding it"
-            " would lose its own arguments. Use torch.utils.data.DataLoader with your batch_sampler, or give the"
-            " batch sampler `num_replicas` and `rank` attributes and shard it yourself (it is then left alone)."
-        )
-    return DataLoader(dataloader.dataset, batch_sampler=batch_sampler, **kwargs)
+    """Re-create ``dataloader`` (any ``DataLoader`` subclass) with ``batch_sampler`` and its other arguments."""
+    return _pl.update_dataloader_batch_sampler(dataloader, batch_sampler)
 
 
 def inject_distributed_sampler(
@@ -218,15 +220,10 @@ def inject_distributed_sampler(
 
     Raises:
         ValueError: see :func:`check_shard_sizes`.
-        TypeError: a custom batch sampler inside a ``DataLoader`` subclass.
+        MisconfigurationException: a ``DataLoader`` subclass whose ``__init__`` arguments Lightning cannot
+            find (as under Lightning's own sampler injection).
     """
     if not needs_distributed_sampler(dataloader):
-        if isinstance(dataloader, DataLoader) and isinstance(dataloader.dataset, IterableDataset):
-            rank_zero_warn(
-                f"{type(dataloader.dataset).__name__} is an IterableDataset: it has no indices, so MyDDPStrategy"
-                " cannot shard it and every rank reads whatever its __iter__ yields. Shard it yourself in __iter__"
-                " with ddp_strategy.shard_iterable (by rank and DataLoader worker), or every rank sees the same data."
-            )
         return dataloader
     assert isinstance(dataloader, DataLoader)
     check_shard_sizes(dataloader, num_replicas, training=pad if training is None else training, pad=pad)
@@ -251,22 +248,32 @@ def flatten_loaders(loaders: Any) -> list[Any]:
     return [loaders]
 
 
-def check_dataloader_type(dataloader: object, world_size: int) -> None:
-    """Refuse loaders the strategy cannot shard: every rank would silently see the same data.
+def warn_if_not_shardable(dataloader: object, world_size: int) -> None:
+    """Warn once (rank 0) when ``dataloader`` cannot be sharded, so every rank reads all of it.
+
+    Lightning accepts any iterable as a loader (``trainer.test(model, [batch])``: it flattens the list and
+    iterates each tensor; a custom iterable; a ``DataLoader`` over an ``IterableDataset``). None of these has
+    indices to shard. As under Lightning's ``ddp``, every rank iterates the whole of it, which is what the
+    warning says, with what to do to shard it. An empty list (Lightning's "no loader") and ``DataLoader``
+    objects over map-style data sets are not warned about.
 
     Args:
-        dataloader: what a ``*_dataloader`` hook returned (one loader; Lightning unpacks collections).
-        world_size: W; with W == 1 anything goes.
-
-    Raises:
-        TypeError: ``dataloader`` is not a :class:`~torch.utils.data.DataLoader` and W > 1.
+        dataloader: what a ``*_dataloader`` hook (or ``dataloaders=``) gave, one loader after Lightning's
+            flattening.
+        world_size: W; with W == 1 there is nothing to shard and no warning.
     """
-    if isinstance(dataloader, (list, tuple)) and not dataloader:
-        return  # Lightning's way of saying "no loader here" (e.g. val_dataloader returning [])
-    if world_size > 1 and not isinstance(dataloader, DataLoader):
-        raise TypeError(
-            f"MyDDPStrategy got a {type(dataloader).__name__} where a torch.utils.data.DataLoader was expected."
-            f" With {world_size} processes each one needs its own shard of the data, which the strategy can only"
-            " arrange for a DataLoader. Wrap your data in a Dataset and a DataLoader (or, if you shard it yourself"
-            " by rank, in a DataLoader over an IterableDataset)."
-        )
+    if world_size == 1 or (isinstance(dataloader, (list, tuple)) and not dataloader):
+        return
+    if isinstance(dataloader, DataLoader):
+        if isinstance(dataloader.dataset, IterableDataset):
+            rank_zero_warn(
+                f"{type(dataloader.dataset).__name__} is an IterableDataset: it has no indices, so MyDDPStrategy"
+                " cannot shard it and every rank reads whatever its __iter__ yields. Shard it yourself in __iter__"
+                " with ddp_strategy.shard_iterable (by rank and DataLoader worker), or every rank sees the same data."
+            )
+        return
+    rank_zero_warn(
+        f"MyDDPStrategy got a {type(dataloader).__name__} as a loader, not a torch.utils.data.DataLoader: it cannot"
+        f" be sharded, so each of the {world_size} ranks iterates all of it (as under Lightning's ddp) and sees the"
+        " same batches. To give every rank its own part, wrap the data in a Dataset and a DataLoader."
+    )

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 from lightning.fabric.plugins import ClusterEnvironment
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from ddp_strategy import _lightning_private as _pl
 from ddp_strategy import failures
@@ -30,24 +31,24 @@ def available_cpus() -> int:
 
 
 def check_cpu_processes(num_processes: int, allow_oversubscription: bool = False) -> None:
-    """Refuse more CPU processes per node than cores, unless explicitly allowed.
+    """Warn (rank 0, once) when more CPU processes per node are started than there are cores.
 
     Each DDP process on CPU runs its own forward and backward; with fewer cores than processes they
-    time-share and training is slower than with fewer processes.
+    time-share, so training is slower than with fewer processes, but correct. Lightning's ``ddp`` runs such
+    set-ups (``devices=4`` on a 2-core CI runner is a common way to test DDP code), so they are not refused.
 
     Args:
         num_processes: processes on this node (``Trainer(devices=...)``).
-        allow_oversubscription: accept ``num_processes`` greater than the core count (e.g. for tests).
-
-    Raises:
-        ValueError: ``num_processes`` exceeds the cores and oversubscription is not allowed.
+        allow_oversubscription: the user asked for it (``MyDDPStrategy(allow_cpu_oversubscription=True)``):
+            no warning.
     """
     cores = available_cpus()
     if num_processes > cores and not allow_oversubscription:
-        raise ValueError(
+        rank_zero_warn(
             f"Trainer(devices={num_processes}) on CPU starts {num_processes} processes, but only {cores} CPU"
-            f" cores are available to this process. Pass devices={cores} or fewer, or"
-            " MyDDPStrategy(allow_cpu_oversubscription=True) if you really want more processes than cores."
+            f" cores are available to this process: the processes share the cores, so each step is slower than"
+            f" with devices={cores} (results are the same). Pass devices={cores} or fewer for speed, or"
+            " MyDDPStrategy(allow_cpu_oversubscription=True) to silence this warning."
         )
 
 

@@ -11,6 +11,7 @@ ones, and so that on one node nothing listens beyond loopback.
 from __future__ import annotations
 
 import errno
+import gc
 import ipaddress
 import logging
 import os
@@ -496,9 +497,13 @@ def destroy_process_group() -> None:
     """Destroy the default process group if one exists; a no-op otherwise.
 
     Called at teardown for every backend: with gloo, a process that exits with its group alive has been
-    seen to abort (SIGABRT) now and then.
+    seen to abort (SIGABRT) now and then. A garbage collection comes first: objects kept alive only by a
+    reference cycle (after a ``torch.compile``'d fit, the DDP wrapper, which holds the group, which holds
+    rank 0's ``TCPStore``) would otherwise keep ``MASTER_PORT`` listening after this returns, and the next
+    fit in the same process could not bind it. Collected first, the group and its store go here.
     """
     if dist.is_available() and dist.is_initialized():
+        gc.collect()
         dist.destroy_process_group()
 
 

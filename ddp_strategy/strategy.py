@@ -80,8 +80,9 @@ class MyDDPStrategy(ParallelStrategy):
 
     ``Trainer(accelerator="cpu", devices=2, strategy=MyDDPStrategy())`` starts 2 processes, joins them in a
     gloo process group, shards every train/val/test loader with a ``DistributedSampler`` re-seeded each
-    epoch, wraps the LightningModule in ``DistributedDataParallel`` while fitting, and writes checkpoints
-    whose model keys load into the plain module. The loader's ``batch_size`` is the per-device batch size
+    epoch (unless ``Trainer(use_distributed_sampler=False)``: then the user's loaders are kept, as in
+    Lightning), wraps the LightningModule in ``DistributedDataParallel`` while fitting, and writes
+    checkpoints whose model keys load into the plain module. The loader's ``batch_size`` is the per-device batch size
     B; one optimizer step sees the global batch ``B * world_size``.
 
     Registered with Lightning as ``strategy="my_ddp"`` (start method chosen automatically) and
@@ -104,7 +105,8 @@ class MyDDPStrategy(ParallelStrategy):
         store: a ready ``torch.distributed.Store`` (e.g. ``FileStore(path, world_size)``, which needs no
             port); takes precedence over ``init_method``. Works with ``fork`` and ``popen`` (a ``FileStore``
             path every process opens); ``spawn`` cannot pickle a store and is refused.
-        allow_cpu_oversubscription: allow more CPU processes per node than cores (default False).
+        allow_cpu_oversubscription: more CPU processes per node than cores run (slower, but correct) with a
+            rank-0 warning; True silences it (default False).
         monitored_barrier_timeout: at the start of each training epoch every rank meets at a gloo
             ``monitored_barrier`` that names any rank that did not arrive within this time (seconds or
             ``timedelta``); default ``None`` = ``timeout``.
@@ -134,7 +136,7 @@ class MyDDPStrategy(ParallelStrategy):
 
     Raises:
         ValueError: unknown ``start_method``, ``process_group_backend`` or ``init_method``, or a non-positive
-            ``timeout``; at Trainer construction: ``"nccl"`` on CPU, or more CPU processes than cores.
+            ``timeout``; at Trainer construction: ``"nccl"`` on CPU.
         TypeError: an unknown DDP option, or a ``timeout`` that is not a number or ``timedelta``.
     """
 
@@ -206,6 +208,8 @@ class MyDDPStrategy(ParallelStrategy):
         self._num_nodes = 1
         self._sampler_seed = sampler.shared_seed(seed)
         self._trainer: Trainer | None = None
+        self._use_distributed_sampler = True
+        self._written_checkpoints: dict[str, tuple[int, int]] = {}
         self._forward_redirection = wrapping.DDPForwardRedirection()
         self._eval_guard = evaluation.EvaluationStepGuard()
         self._warned_padded_gather = False
@@ -347,7 +351,7 @@ class MyDDPStrategy(ParallelStrategy):
         """Move the module to the device and, when fitting, wrap it in DDP and create the optimizers."""
         self._trainer = trainer
         predicting = trainer.state.fn == TrainerFn.PREDICTING
-        _pl.set_lightning_sampler_injection(trainer, enabled=predicting, force=predicting)
+        self._use_distributed_sampler = _pl.set_lightning_sampler_injection(trainer, enabled=predicting)
         self._sampler_seed = self.broadcast(sampler.shared_seed(self._seed))
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
@@ -439,6 +443,13 @@ class MyDDPStrategy(ParallelStrategy):
     def process_dataloader(self, dataloader: object) -> object:
         """Give ``dataloader`` a distributed sampler that keeps its order semantics and tracks the epoch.
 
+        With ``Trainer(use_distributed_sampler=False)`` every loader is left as it is, in every stage, as
+        Lightning does (the user shards the data); the ranks still agree on their evaluation batch counts,
+        and training batch counts are compared at each epoch's start, so uneven shards fail clearly.
+        Anything other than a ``DataLoader`` (a list of batches, a custom iterable) and a ``DataLoader`` over
+        an ``IterableDataset`` cannot be sharded: every rank reads all of it, as under Lightning's ``ddp``,
+        and rank 0 warns once.
+
         Training loaders are padded so every rank takes the same number of steps, and resume from the
         checkpoint's sampler position if there is one; validation and test loaders are not padded, so each
         sample is evaluated exactly once, yet hold the same number of batches on every rank
@@ -450,11 +461,16 @@ class MyDDPStrategy(ParallelStrategy):
         trainer = self._trainer
         if trainer is None:
             return dataloader
-        injection.check_dataloader_type(dataloader, self.world_size)
+        training = trainer.state.stage == RunningStage.TRAINING
+        if not self._use_distributed_sampler:
+            # Trainer(use_distributed_sampler=False): the user shards the data; as Lightning does, leave it be.
+            if not training:
+                evaluation.agree_batch_counts(dataloader)
+            return dataloader
+        injection.warn_if_not_shardable(dataloader, self.world_size)
         if trainer.state.fn == TrainerFn.PREDICTING:
             evaluation.agree_batch_counts(dataloader)
             return dataloader
-        training = trainer.state.stage == RunningStage.TRAINING
 
         def epoch_fn() -> int:
             return trainer.fit_loop.epoch_progress.current.processed
@@ -593,11 +609,17 @@ class MyDDPStrategy(ParallelStrategy):
             except Exception as e:
                 error = e
         self._raise_on_every_rank(error, f"saving checkpoint {filepath}")
+        stamp = checkpoint_io.file_stamp(filepath)
+        if stamp is not None:
+            self._written_checkpoints[stamp[0]] = stamp[1]
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:
         """Global rank 0 removes the file; a collective, like :meth:`save_checkpoint`."""
         error = None
+        stamp = checkpoint_io.file_stamp(filepath)
+        if stamp is not None:
+            self._written_checkpoints.pop(stamp[0], None)
         if self.is_global_zero:
             try:
                 self.checkpoint_io.remove_checkpoint(filepath)
@@ -615,9 +637,25 @@ class MyDDPStrategy(ParallelStrategy):
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        """Every rank reads the file (``weights_only=None`` means True, see :class:`DDPCheckpointIO`) and keeps
-        its sampler positions for the training loaders built next."""
+        """Every rank reads the file and keeps its sampler positions for the training loaders built next.
+
+        ``weights_only=None`` (what Lightning passes unless the user gave a value) means True (see
+        :class:`DDPCheckpointIO`), except for a file this strategy itself saved in this process and that is
+        unchanged since (same size and modification time): it is trusted and loaded with False, so Lightning's
+        internal restores (``Tuner.lr_find``'s temporary checkpoint, ``ckpt_path="best"``), which the user
+        cannot pass ``weights_only`` to, work whatever the checkpoint holds (an ``nn.Module`` among the
+        hyper-parameters; Lightning's ddp fails there with a raw unpickling error).
+
+        Raises:
+            UnsafeCheckpointError: a file from elsewhere holds an object ``weights_only=True`` refuses; the
+                message names it and the opt-outs that work here.
+        """
         self._checkpoint_path = checkpoint_path
+        stamp = checkpoint_io.file_stamp(checkpoint_path)
+        if weights_only is None and stamp is not None and self._written_checkpoints.get(stamp[0]) == stamp[1]:
+            # This strategy wrote the file (unchanged since): Lightning's internal restores (the LR finder's
+            # temporary checkpoint, ckpt_path="best"/"last") load it whatever it holds.
+            weights_only = False
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         entry = checkpoint.get(sampler_state.CHECKPOINT_KEY)
         self._pending_positions = list(sampler_state.loader_positions(entry)) if entry is not None else []
@@ -629,12 +667,30 @@ class MyDDPStrategy(ParallelStrategy):
 
         Raises:
             StateDictMismatchError: ``strict`` (``LightningModule.strict_loading``, default True) and keys
-                are missing or unexpected; raised on every rank, since every rank loads the same file.
+                are missing or unexpected; raised on every rank, since every rank loads the same file. In a
+                fit the message adds how to start from the matching weights (the optimizer state of the
+                file cannot be resumed into another set of parameters).
         """
         assert self.lightning_module is not None
-        state_dict = checkpoint_io.match_state_dict(checkpoint["state_dict"], self.lightning_module, strict=strict,
-                                                    source=getattr(self, "_checkpoint_path", None))
+        try:
+            state_dict = checkpoint_io.match_state_dict(checkpoint["state_dict"], self.lightning_module,
+                                                        strict=strict, source=getattr(self, "_checkpoint_path", None))
+        except checkpoint_io.StateDictMismatchError as e:
+            if self._fitting_module():
+                # strict_loading=False would pass here, but fit(ckpt_path=...) then restores the optimizer,
+                # which needs exactly the checkpoint's parameters: say what works in a fit.
+                failures.augment_message(e, checkpoint_io.FIT_MISMATCH_HINT)
+            raise
         self.lightning_module.load_state_dict(state_dict, strict=strict)
+
+    def _fitting_module(self) -> bool:
+        """Whether the LightningModule's trainer is fitting (the strategy's own trainer is set only later, in
+        :meth:`setup`, after Lightning restored a ``ckpt_path``)."""
+        try:
+            trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        except RuntimeError:  # not attached to a trainer
+            return False
+        return trainer is not None and trainer.state.fn == TrainerFn.FITTING
 
     # ------------------------------------------------------------------------------------- diagnostics
     #: Set by ``on_train_start``, consumed by ``on_train_end`` (see :mod:`ddp_strategy.diagnostics`).
@@ -783,5 +839,6 @@ class MyDDPStrategy(ParallelStrategy):
 
 
 MyDDPStrategy.register_strategies(StrategyRegistry)
+_pl.allow_compiled_models(MyDDPStrategy)
 
 __all__ = ["MyDDPStrategy", "default_start_method", "START_METHODS"]

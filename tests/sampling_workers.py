@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib
 import os
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -159,11 +160,10 @@ def scenario_two(out: Path) -> None:
     pl.seed_everything(SEED)
     fit("full2", out, 2, save_every=CKPT_STEP)
     fit("resume2to2", out, 2, ckpt_path=str(out / "full2_ckpt" / f"step={CKPT_STEP}.ckpt"))
-    # A weighted sampler with use_distributed_sampler=False: still injected, exactly once.
+    # A weighted sampler: injected exactly once (Lightning's own injection is off while we inject).
     weighted = DataLoader(Indexed(N_TRAIN, 0), batch_size=BATCH,
                           sampler=WeightedRandomSampler(torch.linspace(1, 3, N_TRAIN), num_samples=20))
-    fit("weighted", out, 2, model=Recorder(train_loader=weighted, val=False), max_epochs=2,
-        use_distributed_sampler=False)
+    fit("weighted", out, 2, model=Recorder(train_loader=weighted, val=False), max_epochs=2)
     ordered = DataLoader(Indexed(N_TRAIN, 0), batch_size=BATCH, shuffle=False)
     fit("ordered", out, 2, model=Recorder(train_loader=ordered, val=False), max_epochs=1)
     model, writer = Recorder(), IndexWriter()
@@ -214,37 +214,42 @@ def scenario_one_to_two(out: Path) -> None:
 SCENARIOS = {"two": scenario_two, "one": scenario_one, "three": scenario_three, "one_to_two": scenario_one_to_two}
 
 
-def _scenario(name: str) -> Any:
-    """A scenario of this module by name, or any module's as ``"module:function"`` (tests/ is on the path)."""
-    if ":" not in name:
-        return SCENARIOS[name]
-    module, function = name.split(":")
+def _scenario(scenario: str | Callable[[Path], None]) -> Callable[[Path], None]:
+    """A scenario: a module-level function, a name in SCENARIOS, or any module's ``"module:function"``."""
+    if not isinstance(scenario, str):
+        return scenario
+    if ":" not in scenario:
+        return SCENARIOS[scenario]
+    module, function = scenario.split(":")
     return getattr(importlib.import_module(module), function)
 
 
-def _entry(rank: int, scenario: str, world_size: int, port: int, out: str) -> None:
+def _entry(rank: int, scenario: str | Callable[[Path], None], world_size: int, port: int, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(rank), NODE_RANK="0",
                       WORLD_SIZE=str(world_size))
     torch.set_num_threads(1)
+    run = _scenario(scenario)
     try:
-        _scenario(scenario)(Path(out))
+        run(Path(out))
     except BaseException:
-        (Path(out) / f"error.{scenario}.rank{rank}.txt").write_text(traceback.format_exc())
+        (Path(out) / f"error.{run.__name__}.rank{rank}.txt").write_text(traceback.format_exc())
         raise
 
 
-def launch(scenario: str, world_size: int, out: Path) -> None:
-    """Run ``scenario`` (a name, or ``"module:function"``) on ``world_size`` spawned processes.
+def launch(scenario: str | Callable[[Path], None], world_size: int, out: Path) -> None:
+    """Run ``scenario`` (a module-level function of the output folder, a name in SCENARIOS, or
+    ``"module:function"``, so other test modules can share this launcher) on ``world_size`` spawned processes.
 
     Raises:
         AssertionError: with the ranks' tracebacks, when a rank fails.
     """
+    name = _scenario(scenario).__name__
     try:
         mp.start_processes(_entry, args=(scenario, world_size, free_port(), str(out)), nprocs=world_size,
                            start_method="spawn", join=True)
     except Exception as error:
-        details = "\n".join(p.read_text() for p in sorted(out.glob(f"error.{scenario}.rank*.txt")))
-        raise AssertionError(f"scenario {scenario!r} failed:\n{details}") from error
+        details = "\n".join(p.read_text() for p in sorted(out.glob(f"error.{name}.rank*.txt")))
+        raise AssertionError(f"scenario {name!r} failed:\n{details}") from error
 
 
 def load(out: Path, name: str, world_size: int) -> list[dict[str, Any]]:

@@ -10,18 +10,21 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from ddp_strategy import DigitsClassifier, DigitsDataModule
 from ddp_strategy.checkpoint_io import unwritable_reason
-from ddp_strategy.injection import check_dataloader_type
+from ddp_strategy.injection import warn_if_not_shardable
 from ddp_strategy.wrapping import check_trainable
 
 
-def test_a_loader_that_is_not_a_dataloader_is_refused_under_ddp():
-    """A list of batches would reach every rank whole; with 2 ranks it is refused, with 1 it is fine."""
+def test_a_loader_that_is_not_a_dataloader_is_accepted_with_a_warning(recwarn):
+    """A list of batches (Lightning accepts any iterable) is not refused: with 2 ranks a warning says every rank
+    reads all of it; with 1 rank, for an empty list (Lightning's "no loader") and for a DataLoader, no warning."""
     batches = [torch.zeros(2, 64)]
-    with pytest.raises(TypeError, match="MyDDPStrategy got a list where a torch.utils.data.DataLoader was expected"):
-        check_dataloader_type(batches, world_size=2)
-    check_dataloader_type(batches, world_size=1)
-    check_dataloader_type([], world_size=2)  # an empty list is Lightning's "no loader", not data
-    check_dataloader_type(DataLoader(TensorDataset(torch.zeros(2))), world_size=2)
+    with pytest.warns(UserWarning, match="MyDDPStrategy got a list as a loader.*each of the 2 ranks iterates all"):
+        warn_if_not_shardable(batches, world_size=2)
+    recwarn.clear()
+    warn_if_not_shardable(batches, world_size=1)
+    warn_if_not_shardable([], world_size=2)
+    warn_if_not_shardable(DataLoader(TensorDataset(torch.zeros(2))), world_size=2)
+    assert not recwarn.list
 
 
 def test_a_module_with_nothing_to_train_is_refused():
@@ -33,8 +36,12 @@ def test_a_module_with_nothing_to_train_is_refused():
 
 
 def test_an_unwritable_checkpoint_folder_is_named(tmp_path):
-    """A folder that cannot be created is reported with its path; a writable one is fine and left clean."""
+    """A folder that cannot be created is reported with its path; a writable one is fine, and a missing one
+    (with missing parents) is not left behind: the check leaves no trace."""
+    (tmp_path / "ok").mkdir()
     assert unwritable_reason([tmp_path / "ok"]) is None and list((tmp_path / "ok").iterdir()) == []
+    assert unwritable_reason([tmp_path / "new" / "checkpoints"]) is None
+    assert list(tmp_path.iterdir()) == [tmp_path / "ok"]
     blocker = tmp_path / "file"
     blocker.write_text("not a folder")
     reason = unwritable_reason([blocker / "ckpts"])

@@ -117,16 +117,20 @@ def test_external_launchers_are_detected_by_lightnings_cluster_environments(monk
     assert (s.global_rank, s.world_size, s.local_rank) == (1, 2, 0)
 
 
-def test_bad_device_counts_fail_at_trainer_construction():
-    """devices=0 (Lightning's check) and more CPU processes than cores (ours) fail before any process starts."""
+def test_device_counts_at_trainer_construction(recwarn):
+    """devices=0 fails before any process starts (Lightning's check); more CPU processes than cores only warns,
+    and allow_cpu_oversubscription=True silences the warning."""
     with pytest.raises(MisconfigurationException, match="`devices` can not be 0|devices=0"):
         pl.Trainer(accelerator="cpu", devices=0, strategy=MyDDPStrategy(), logger=False)
     too_many = os.cpu_count() * 4
-    with pytest.raises(ValueError, match=rf"Trainer\(devices={too_many}\) on CPU starts {too_many} processes, but"):
-        pl.Trainer(accelerator="cpu", devices=too_many, strategy=MyDDPStrategy(), logger=False)
+    with pytest.warns(UserWarning, match=rf"Trainer\(devices={too_many}\) on CPU starts {too_many} processes, but"):
+        trainer = pl.Trainer(accelerator="cpu", devices=too_many, strategy=MyDDPStrategy(), logger=False)
+    assert trainer.strategy.num_processes == too_many
+    recwarn.clear()
     trainer = pl.Trainer(accelerator="cpu", devices=too_many, logger=False,
                          strategy=MyDDPStrategy(allow_cpu_oversubscription=True))
     assert trainer.strategy.num_processes == too_many
+    assert not [w for w in recwarn if "CPU cores are available" in str(w.message)]
 
 
 def test_nccl_on_cpu_fails_before_any_process_starts():

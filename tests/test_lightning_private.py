@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import lightning
+import pytest
 import torch
 from lightning.pytorch import Trainer
 from torch.utils.data import DataLoader, TensorDataset
@@ -60,13 +61,67 @@ def test_is_interactive_needs_a_running_ipython_not_just_an_import(monkeypatch):
     assert _pl.is_interactive() is True
 
 
-def test_sampler_injection_can_be_forced_on_for_predict():
-    """force=True turns Lightning's injection on even when the user switched it off."""
+def test_sampler_injection_keeps_the_users_false():
+    """Enabling Lightning's injection (predict) restores the user's use_distributed_sampler=False, never forces True."""
     trainer = Trainer(accelerator="cpu", devices=1, use_distributed_sampler=False, logger=False)
-    assert _pl.set_lightning_sampler_injection(trainer, enabled=True, force=True) is False
-    assert trainer._accelerator_connector.use_distributed_sampler is True
-    _pl.set_lightning_sampler_injection(trainer, enabled=True)
+    assert _pl.set_lightning_sampler_injection(trainer, enabled=True) is False
     assert trainer._accelerator_connector.use_distributed_sampler is False
+
+
+def test_update_dataloader_batch_sampler_keeps_subclass_arguments():
+    """A DataLoader subclass with its own __init__ argument is re-created around a given batch sampler: the
+    subclass, its argument, num_workers and collate_fn stay; Lightning's private resolution helpers still exist."""
+    from lightning.pytorch.utilities import data as pl_data
+
+    class Tagged(DataLoader):
+        def __init__(self, dataset, tag, **kwargs):
+            super().__init__(dataset, **kwargs)
+            self.tag = tag
+
+    class Odd(torch.utils.data.Sampler):
+        def __iter__(self):
+            return iter([[1], [3, 5]])
+
+        def __len__(self):
+            return 2
+
+    def collate(items):
+        return torch.stack([t[0] for t in items]) * 10
+
+    loader = Tagged(TensorDataset(torch.arange(6)), tag="x", batch_sampler=Odd(), collate_fn=collate)
+    new = _pl.update_dataloader_batch_sampler(loader, [[0, 2], [4]])
+    assert type(new) is Tagged and new.tag == "x" and new.collate_fn is collate
+    assert [b.tolist() for b in new] == [[0, 20], [40]]
+    assert loader.batch_sampler.__class__ is Odd  # the user's loader is untouched
+    for name in ("_get_dataloader_init_args_and_kwargs", "_reinstantiate_wrapped_cls"):
+        assert callable(getattr(pl_data, name))
+
+
+def test_compiled_models_are_accepted_for_our_strategy_only():
+    """Lightning's trainer module calls _verify_strategy_supports_compile(model, strategy) in fit/validate/test/
+    predict; our replacement accepts MyDDPStrategy and still refuses a compiled model on other strategies."""
+    import inspect
+
+    from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
+    from lightning.pytorch.trainer import trainer as trainer_module
+    from lightning.pytorch.utilities import compile as pl_compile
+
+    from ddp_strategy import DigitsClassifier, MyDDPStrategy
+
+    assert inspect.signature(pl_compile._verify_strategy_supports_compile).parameters.keys() == {"model", "strategy"}
+    for method in (Trainer.fit, Trainer.validate, Trainer.test, Trainer.predict):
+        assert "_verify_strategy_supports_compile" in method.__code__.co_names
+    check = trainer_module._verify_strategy_supports_compile
+    assert MyDDPStrategy in check._ddp_strategy_accepts
+    model = DigitsClassifier()
+    model._compiler_ctx = {"compiler": "dynamo"}
+    check(model, MyDDPStrategy())
+    check(model, SingleDeviceStrategy("cpu"))
+    assert not issubclass(MyDDPStrategy, DDPStrategy)  # accepted by the replacement, not by Lightning's list
+    with pytest.raises(RuntimeError, match="Using a compiled model is incompatible with the current strategy"):
+        check(model, object())  # any strategy outside Lightning's list is still refused
+    _pl.allow_compiled_models(MyDDPStrategy)  # idempotent
+    assert trainer_module._verify_strategy_supports_compile is check
 
 
 def test_epoch_batch_progress_counters_shift_together():

@@ -16,7 +16,12 @@ from torch.utils.data import (
 )
 from torch.utils.data.distributed import DistributedSampler
 
-from ddp_strategy.injection import inject_distributed_sampler, injected_sampler, needs_distributed_sampler
+from ddp_strategy.injection import (
+    inject_distributed_sampler,
+    injected_sampler,
+    needs_distributed_sampler,
+    warn_if_not_shardable,
+)
 from ddp_strategy.sampler import EpochSeededDistributedSampler, ShardedSampler, draw_epoch, shard_iterable, shared_seed
 from ddp_strategy.sampler_state import merge_rank_positions
 
@@ -187,17 +192,24 @@ def test_epoch_fn_with_persistent_workers_reshuffles_each_epoch():
     new._iterator._shutdown_workers()
 
 
+def test_a_training_batch_larger_than_a_shard_runs_with_a_warning():
+    """10 samples, batch_size=6, 2 ranks: Lightning's ddp runs it (one batch of 5 per rank), so do we, and warn."""
+    loader = DataLoader(TensorDataset(torch.arange(10)), batch_size=6)
+    with pytest.warns(UserWarning, match="batch_size=6 is per device.*only 5 samples"):
+        new = inject_distributed_sampler(loader, 2, 1, 0, pad=True)
+    assert [b[0].tolist() for b in new] == [[1, 3, 5, 7, 9]]
+
+
 @pytest.mark.parametrize(
     ("n", "batch_size", "drop_last", "training", "message"),
     [
         (1, 1, False, True, "1 samples but there are 2 ranks"),
         (1, 1, False, False, "1 samples but there are 2 ranks"),
-        (10, 6, False, True, "batch_size=6 is per device"),
         (10, 6, True, False, "drop_last=True with batch_size=6"),
     ],
 )
 def test_bad_shard_sizes_raise_clear_errors(n, batch_size, drop_last, training, message):
-    """Fewer samples than ranks, a batch larger than a shard, drop_last with no full batch: clear ValueErrors."""
+    """Fewer samples than ranks, drop_last with no full batch: clear ValueErrors."""
     loader = DataLoader(TensorDataset(torch.arange(n)), batch_size=batch_size, drop_last=drop_last)
     with pytest.raises(ValueError, match=message):
         inject_distributed_sampler(loader, 2, 0, 0, pad=training)
@@ -227,8 +239,9 @@ def test_iterable_dataset_is_not_sharded_and_warned_about():
             return iter(range(3))
 
     loader = DataLoader(Stream())
+    assert inject_distributed_sampler(loader, 2, 0, 0) is loader
     with pytest.warns(UserWarning, match="shard_iterable"):
-        assert inject_distributed_sampler(loader, 2, 0, 0) is loader
+        warn_if_not_shardable(loader, 2)
 
 
 def test_resume_position_same_and_other_world_sizes():

@@ -169,7 +169,7 @@ def test_per_step_collective_on_uneven_predict_shards_raises_on_every_rank(runs)
 
 
 def test_weighted_sampler_is_sharded_from_one_shared_draw(runs):
-    """WeightedRandomSampler under use_distributed_sampler=False: ranks read interleaved parts of one draw per epoch."""
+    """WeightedRandomSampler: ranks read interleaved parts of one draw per epoch (injected once, not twice)."""
     records = load(runs, "weighted", 2)
     for epoch in range(2):
         draw = draw_epoch(WeightedRandomSampler(torch.linspace(1, 3, N_TRAIN), num_samples=20), SEED, epoch)

@@ -1,9 +1,11 @@
 """A short 2-process fit with the default (popen) start method, then a normal interpreter exit.
 
-Usage: python fit_once.py OUT_DIR [extra: torchrun]. Under torchrun it joins as one of 2 nodes instead of
-launching. Each rank writes what it saw to OUT_DIR/rank{global_rank}.pt.
+Usage: python fit_once.py OUT_DIR [extra: torchrun | cpu3]. Under torchrun it joins as one of 2 nodes instead of
+launching. With cpu3 it pins itself (and so its ranks) to 2 CPU cores and fits on devices=3: more processes
+than cores. Each rank writes what it saw to OUT_DIR/rank{global_rank}.pt.
 """
 
+import os
 import sys
 from pathlib import Path
 
@@ -28,6 +30,9 @@ if __name__ == "__main__":
     out, mode = Path(sys.argv[1]), sys.argv[2] if len(sys.argv) > 2 else "local"
     L.seed_everything(7)
     topology = {"devices": 1, "num_nodes": 2} if mode == "torchrun" else {"devices": 2}
+    if mode == "cpu3":
+        os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:2])
+        topology = {"devices": 3}
     record = Record()
     trainer = L.Trainer(accelerator="cpu", strategy=MyDDPStrategy(timeout=60), logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,

@@ -1,0 +1,284 @@
+"""Code that runs under Lightning's ``strategy="ddp"`` runs under ``MyDDPStrategy()``: the user's data and settings.
+
+Real gloo processes (see tests/compat_data_workers.py): two launches of 2 processes share the fits, and one
+popen fit starts 3 processes on 2 cores. One-process tests of the same kinds come first.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from compat_data_workers import (
+    N_BUCKETS,
+    N_REVERSED,
+    Batches,
+    Buckets,
+    N,
+    Reversed,
+    Seen,
+    TaggedLoader,
+    scenario_data,
+    scenario_models,
+)
+from ddp_testing import finish
+from lightning.pytorch.callbacks import ModelCheckpoint
+from sampling_workers import Indexed, launch, load
+from torch import nn
+from torch.utils.data import BatchSampler, DataLoader, SequentialSampler
+
+from ddp_strategy import (
+    MyDDPStrategy,
+    StateDictMismatchError,
+    UnsafeCheckpointError,
+    export_weights,
+    import_plain_checkpoint,
+    load_plain_state_dict,
+)
+from ddp_strategy.injection import inject_distributed_sampler
+
+SCRIPTS = Path(__file__).parent / "scripts"
+
+
+# ------------------------------------------------------------------------------------------ one process
+def batches_of(loader: DataLoader) -> list[list[int]]:
+    return [b[3].tolist() for b in loader]
+
+
+@pytest.mark.parametrize("pad", [True, False])
+def test_dataloader_subclasses_with_custom_batch_samplers_are_sharded_by_whole_batches(pad):
+    """A DataLoader subclass with its own __init__ argument, around a custom batch sampler with its own arguments
+    (a plain Sampler, or a BatchSampler subclass with an extra required argument): re-created with its class and
+    argument, rank r reads batches r, r + 2, ... of the user's batches (training pads with the first ones)."""
+    loaders = [TaggedLoader(Indexed(N_BUCKETS, 0), tag="t", batch_sampler=Buckets(N_BUCKETS, (2, 3))),
+               TaggedLoader(Indexed(N_REVERSED, 0), tag="t",
+                            batch_sampler=Reversed(SequentialSampler(range(N_REVERSED)), 4, False, reverse=True))]
+    user_batches = [Buckets(N_BUCKETS, (2, 3)).batches,  # 8 batches of 2 and 3
+                    list(Reversed(SequentialSampler(range(N_REVERSED)), 4, False, reverse=True))]  # 5 batches
+    for loader, user in zip(loaders, user_batches, strict=True):
+        shards = []
+        for r in range(2):
+            new = inject_distributed_sampler(loader, 2, r, seed=0, pad=pad)
+            assert type(new) is TaggedLoader and new.tag == "t"
+            shards.append(batches_of(new))
+        padded = user + user[:1] if pad and len(user) % 2 else user
+        assert shards == [padded[0::2], padded[1::2]]
+
+
+def test_a_lightning_captured_batch_sampler_subclass_in_a_loader_subclass():
+    """Loaders built inside a hook carry Lightning's captured arguments; re-creating one keeps them too."""
+    from lightning.fabric.utilities.data import _replace_dunder_methods  # what Lightning wraps hooks in
+
+    with _replace_dunder_methods(DataLoader, "dataset"), _replace_dunder_methods(BatchSampler):
+        loader = TaggedLoader(Indexed(N_REVERSED, 0), "hooked",
+                              batch_sampler=Reversed(SequentialSampler(range(N_REVERSED)), 4, False, reverse=False))
+    assert hasattr(loader, "__pl_saved_args")
+    new = inject_distributed_sampler(loader, 2, 1, seed=0, pad=False)
+    assert type(new) is TaggedLoader and new.tag == "hooked"
+    assert batches_of(new) == [[4, 5, 6, 7], [12, 13, 14, 15]]
+
+
+def test_unsafe_checkpoint_suggestions_name_the_function_that_raised(tmp_path):
+    """load_plain_state_dict, export_weights and import_plain_checkpoint refuse a checkpoint holding an nn.MSELoss
+    with a message naming their own weights_only=False and the exact add_safe_globals call; both then work."""
+    path = tmp_path / "lossy.ckpt"
+    net = nn.Linear(3, 1)
+    holder = nn.Module()
+    holder.model = nn.Linear(3, 1)
+    torch.save({"state_dict": {f"model.{k}": v for k, v in net.state_dict().items()},
+                "hyper_parameters": {"loss_fn": nn.MSELoss()}}, path)
+    calls = {
+        "load_plain_state_dict": lambda **kw: load_plain_state_dict(path, **kw),
+        "export_weights": lambda **kw: export_weights(path, tmp_path / "w.pt", **kw),
+        "import_plain_checkpoint": lambda **kw: import_plain_checkpoint(path, holder, **kw),
+    }
+    for name, call in calls.items():
+        with pytest.raises(UnsafeCheckpointError) as raised:
+            call()
+        message = str(raised.value)
+        assert f"{name}(..., weights_only=False)" in message
+        assert "torch.serialization.add_safe_globals([torch.nn.modules.loss.MSELoss])" in message
+        call(weights_only=False)  # the first suggestion, where the error was raised
+    assert torch.equal(load_plain_state_dict(path, weights_only=False)["weight"], net.weight)
+    with torch.serialization.safe_globals([torch.nn.modules.loss.MSELoss]):  # the second
+        assert torch.equal(load_plain_state_dict(path)["weight"], net.weight)
+
+
+class Wider(Seen):
+    """Seen plus a layer the checkpoint does not have."""
+
+    def __init__(self, loaders: dict) -> None:
+        super().__init__(loaders)
+        self.extra = nn.Linear(2, 2)
+
+    def training_step(self, batch, batch_idx):
+        return super().training_step(batch, batch_idx) + self.extra(self.layer(batch[0])).square().mean()
+
+
+def test_state_dict_mismatch_suggestions_work_where_raised(tmp_path):
+    """A checkpoint into a model with an extra layer: validate(ckpt_path=...) raises StateDictMismatchError
+    suggesting model.strict_loading = False, which then loads the matching weights; fit(ckpt_path=...) raises with
+    the fit's own suggestion (import_plain_checkpoint(..., strict=False), then fit without ckpt_path), which fits."""
+    loaders = {"train": lambda: DataLoader(Indexed(8, 0), batch_size=4),
+               "val": lambda: DataLoader(Indexed(8, 1), batch_size=4)}
+
+    def trainer(max_steps: int = 1) -> pl.Trainer:
+        return pl.Trainer(accelerator="cpu", devices=1, strategy=MyDDPStrategy(timeout=30), max_steps=max_steps,
+                          logger=False, enable_progress_bar=False, enable_model_summary=False,
+                          default_root_dir=str(tmp_path), num_sanity_val_steps=0,
+                          callbacks=[ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), filename="last")])
+
+    source = Seen(loaders)
+    trainer().fit(source)
+    ckpt = str(tmp_path / "ckpt" / "last.ckpt")
+    wider = Wider(loaders)
+    with pytest.raises(StateDictMismatchError, match=r"model.strict_loading = False") as raised:
+        trainer().validate(wider, ckpt_path=ckpt)
+    assert "'extra.weight'" in str(raised.value) and "trainer.fit" not in str(raised.value)
+    wider.strict_loading = False
+    trainer().validate(wider, ckpt_path=ckpt)
+    assert torch.equal(wider.layer.weight, source.layer.weight)
+
+    wider = Wider(loaders)
+    with pytest.raises(StateDictMismatchError, match=r"import_plain_checkpoint\(ckpt_path, model, strict=False\)"):
+        trainer(2).fit(wider, ckpt_path=ckpt)
+    import_plain_checkpoint(ckpt, wider, strict=False)
+    assert torch.equal(wider.layer.weight, source.layer.weight)
+    fitted = trainer(2)
+    fitted.fit(wider)
+    assert fitted.global_step == 2 and not torch.equal(wider.layer.weight, source.layer.weight)
+
+
+# ------------------------------------------------------------------------------------------ processes
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> Path:
+    """Both 2-process launches; returns the folder holding every rank's records."""
+    out = tmp_path_factory.mktemp("compat_data")
+    launch(scenario_data, 2, out)
+    launch(scenario_models, 2, out)
+    return out
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_use_distributed_sampler_false_keeps_the_users_split_in_every_stage(runs):
+    """Trainer(use_distributed_sampler=False), data split by rank: train, val, test and predict each read
+    exactly this rank's own 12 of 24 samples (not 6 of them, as when sharded again); the union is all 24."""
+    records = load(runs, "user_split", 2)
+    for r, rec in enumerate(records):
+        own = list(range(r, N, 2))
+        for stage in ("train", "val", "test", "predict"):
+            assert sorted(i for b in rec[stage] for i in b) == own, (r, stage)
+        assert sorted(i for p in rec["predictions"] for i in p) == own
+    assert sorted(i for rec in records for b in rec["train"] for i in b) == list(range(N))
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_uneven_user_shards_fail_clearly_before_a_step(runs):
+    """use_distributed_sampler=False, 12 and 8 samples (3 and 2 training batches): every rank raises the counts
+    at the epoch's start and names the flag, instead of hanging in DDP's all-reduce."""
+    for rec in load(runs, "uneven", 2):
+        assert rec["error"] is not None and "{0: 3, 1: 2}" in rec["error"], rec["error"]
+        assert "use_distributed_sampler" in rec["error"] and rec["steps"] == 0
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_any_iterable_is_read_whole_by_every_rank_as_under_lightning_ddp(runs):
+    """trainer.test(model, [rows]) and a custom iterable of batches: every rank reads all of it, exactly what
+    Lightning's ddp gives each rank (no less data); fit on the iterable trains every rank on all batches, with
+    identical weights; rank 0 warns that it is not sharded, rank 1 does not."""
+    ours, lightning = load(runs, "iterables", 2), load(runs, "iterables_lightning", 2)
+    batches = [b[3].tolist() for b in Batches(9, 4)]
+    expected = [[i] for i in range(6)] + batches
+    for r in range(2):
+        assert ours[r]["test"] == expected == lightning[r]["test"]
+        assert ours[r]["train"] == batches
+    for name, value in ours[0]["weights"].items():
+        assert torch.equal(value, ours[1]["weights"][name])
+    assert any("got a Tensor" in w for w in ours[0]["warnings"])
+    assert any("got a Batches" in w for w in ours[0]["warnings"])
+    assert ours[1]["warnings"] == []
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_dataloader_subclass_with_custom_batch_sampler_fits(runs):
+    """A fit with TaggedLoader(batch_sampler=Buckets(...)) built in the hook and a ready TaggedLoader with a
+    Reversed batch sampler for validation: each rank reads its whole batches; validation covers all once."""
+    records = load(runs, "subclass", 2)
+    train = Buckets(N_BUCKETS, (2, 3)).batches
+    val = list(Reversed(SequentialSampler(range(N_REVERSED)), 4, False, reverse=True))
+    for r, rec in enumerate(records):
+        assert rec["train"] == train[r::2] and rec["val"] == val[r::2]
+        assert rec["loaders"] == [("TaggedLoader", "train"), ("TaggedLoader", "val")]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_fast_dev_run_leaves_default_root_dir_untouched(runs):
+    """fast_dev_run=True saves nothing, and the checkpoint-folder check leaves no empty checkpoints/ behind."""
+    for rec in load(runs, "fast_dev_run", 2):
+        assert rec["left"] == []
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_a_compiled_model_fits_like_the_plain_one(runs):
+    """trainer.fit(torch.compile(model, backend="eager")) on 2 processes: dynamo traced the steps, and the weights
+    equal the uncompiled fit's on both ranks (and moved from the initial ones); afterwards nothing listens on
+    MASTER_PORT any more, so the next fit in the process can rendezvous there."""
+    for rec in load(runs, "compile", 2):
+        assert rec["compiler_ctx"] and rec["frames"] > 0 and rec["port_free"]
+        for name, value in rec["plain"].items():
+            assert torch.allclose(rec["compiled"][name], value, atol=1e-6), name
+            assert not torch.equal(value, rec["initial"][name])
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_lr_finder_restores_its_own_checkpoint_holding_a_module(runs):
+    """Tuner.lr_find on 2 processes, hyper-parameters holding an nn.MSELoss: its temporary checkpoint (ours) is
+    restored (weights back to the initial ones), 20 learning rates tried and one suggested, the file removed."""
+    for rec in load(runs, "lr_find", 2):
+        assert rec["lrs"] == 20 and rec["left"] == [] and rec["lr"] == rec["suggestion"] is not None
+        for name, value in rec["before"].items():
+            assert torch.equal(rec["after"][name], value), name
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_unsafe_checkpoint_error_suggestions_work_where_raised(runs):
+    """ckpt_path="best" (our own file) restores; the same file in a new run is refused with a message whose three
+    suggestions (fit(..., weights_only=False), DDPCheckpointIO(weights_only=False), add_safe_globals) each resume."""
+    for rec in load(runs, "unsafe", 2):
+        assert torch.isfinite(torch.tensor(rec["best_test_loss"]))
+        message = rec["error"]
+        assert message is not None and "last.ckpt" in message
+        assert "trainer.fit(model, ckpt_path=..., weights_only=False)" in message
+        assert "MyDDPStrategy(checkpoint_io=DDPCheckpointIO(weights_only=False))" in message
+        assert "torch.serialization.add_safe_globals([torch.nn.modules.loss.MSELoss])" in message
+        assert rec["weights_only_false_step"] == rec["checkpoint_io_step"] == rec["safe_globals_step"] == 3
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_more_cpu_processes_than_cores_run_with_one_warning(tmp_path):
+    """devices=3 pinned to 2 cores (popen launcher): the fit runs on 3 ranks with identical final weights, and
+    rank 0 alone warns once about the oversubscription."""
+    proc = subprocess.Popen([sys.executable, str(SCRIPTS / "fit_once.py"), str(tmp_path), "cpu3"], cwd=tmp_path,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"}, text=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    code, out = finish(proc, 240)
+    assert code == 0, out[-3000:]
+    assert out.count("Trainer(devices=3) on CPU starts 3 processes, but only 2 CPU cores") == 1, out[-3000:]
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(3)]
+    assert [r["world_size"] for r in ranks] == [3, 3, 3]
+    for rec in ranks[1:]:
+        assert all(torch.equal(v, rec["final"][k]) for k, v in ranks[0]["final"].items())
