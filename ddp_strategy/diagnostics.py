@@ -114,7 +114,7 @@ class FitSummary:
               batch: 32 per device x 2 processes x 2 accumulation = global batch size 128 samples per step
               data: 1437 training samples, 719 per rank per epoch (1 repeated as padding), 23 batches
                 per epoch per rank = 12 optimizer steps
-              DDP options: find_unused_parameters=True, gradient_as_bucket_view=True; comm hook: none
+              DDP options: find_unused_parameters=True; comm hook: none
         """
         per_node = self.world_size // max(self.num_nodes, 1)
         nodes = f"{_plural(self.num_nodes, 'node')} x {_plural(per_node, 'process')}"

@@ -31,10 +31,11 @@ log = logging.getLogger(__name__)
 DEVICE_BACKENDS: dict[str, str] = {"cuda": "nccl", "cpu": "gloo"}
 #: Backends ``torch.distributed`` may provide; which ones are compiled in is asked at run time.
 KNOWN_BACKENDS: tuple[str, ...] = ("gloo", "nccl", "mpi", "ucc", "xccl")
-#: Default process-group timeout: 5 minutes, far shorter than PyTorch's 30 (gloo) or 10 (NCCL), so a stalled
-#: rank costs minutes, not half an hour. Raise it (``MyDDPStrategy(timeout=...)``) when rank 0 alone does
-#: long work while the others wait, e.g. writing a checkpoint of many GiB.
-DEFAULT_TIMEOUT = timedelta(minutes=5)
+#: Default process-group timeout: 30 minutes, Lightning's ``default_pg_timeout``, so that code in which one
+#: rank works alone for a long time while the others wait (rank 0 writing a checkpoint of many GiB) runs as
+#: under Lightning's ``ddp``. A failed or killed rank does not wait for it: :mod:`ddp_strategy.failures` names
+#: it and stops the job within seconds. Lower it (``MyDDPStrategy(timeout=...)``) to bound a true stall.
+DEFAULT_TIMEOUT = timedelta(minutes=30)
 
 
 def default_backend(device: torch.device) -> str:

@@ -95,7 +95,7 @@ class MyDDPStrategy(ParallelStrategy):
         process_group_backend: ``"gloo"``, ``"nccl"``, ...; default ``None`` picks ``"nccl"`` on CUDA and
             ``"gloo"`` on CPU.
         timeout: how long a collective may wait for the other ranks, in seconds or as a ``timedelta``;
-            default 5 minutes (PyTorch's is 30; see :data:`ddp_strategy.process_group.DEFAULT_TIMEOUT`).
+            default 30 minutes, Lightning's (see :data:`ddp_strategy.process_group.DEFAULT_TIMEOUT`).
         start_method: ``"popen"`` (re-run the script), ``"spawn"``, ``"fork"`` or ``"forkserver"``; default
             ``None`` = :func:`default_start_method`.
         seed: shuffle seed of the injected samplers; default ``None`` = ``seed_everything``'s seed, else 0.
@@ -128,11 +128,10 @@ class MyDDPStrategy(ParallelStrategy):
         find_unused_parameters, static_graph, gradient_as_bucket_view, bucket_cap_mb, broadcast_buffers:
             the common :class:`torch.nn.parallel.DistributedDataParallel` options, named so that
             ``LightningCLI``/YAML can set them (``--trainer.strategy.find_unused_parameters=true``); defaults
-            are DDP's, except ``gradient_as_bucket_view=True``. ``bucket_cap_mb`` is in MiB (None = DDP's 25).
+            are DDP's (and Lightning's). ``bucket_cap_mb`` is in MiB (None = DDP's 25).
         **ddp_kwargs: options for :class:`torch.nn.parallel.DistributedDataParallel`
             (``find_unused_parameters``, ``bucket_cap_mb`` in MiB, ``static_graph``, ``broadcast_buffers``,
-            ``process_group`` (a group, or a zero-argument callable that builds one after launch), ...);
-            ``gradient_as_bucket_view`` defaults to True here.
+            ``process_group`` (a group, or a zero-argument callable that builds one after launch), ...).
 
     Raises:
         ValueError: unknown ``start_method``, ``process_group_backend`` or ``init_method``, or a non-positive
@@ -165,7 +164,7 @@ class MyDDPStrategy(ParallelStrategy):
         exact_evaluation: bool = True,
         find_unused_parameters: bool = False,
         static_graph: bool = False,
-        gradient_as_bucket_view: bool = True,
+        gradient_as_bucket_view: bool = False,
         bucket_cap_mb: float | None = None,
         broadcast_buffers: bool = True,
         **ddp_kwargs: Any,
@@ -381,20 +380,17 @@ class MyDDPStrategy(ParallelStrategy):
         self.setup_precision_plugin()
 
     def _check_checkpoint_dirs(self, trainer: Trainer) -> None:
-        """Before the first step: can rank 0 write to every ``ModelCheckpoint`` folder? Raise on every rank if not.
+        """Before the first step: can rank 0 write to every ``ModelCheckpoint`` folder? Warn at once if not.
 
-        Only rank 0 writes checkpoints, so it checks and broadcasts what it found (a collective).
-
-        Raises:
-            PermissionError: a checkpoint folder cannot be created or written; the message names it.
+        Only rank 0 writes checkpoints, so it checks (leaving no trace). A warning, not an error: Lightning's
+        ``ddp`` runs such a fit and fails only at the first save, and a fit that never saves there succeeds;
+        the warning names the folder minutes or hours before that save would fail.
         """
-        problem = None
         if self.is_global_zero:
             problem = checkpoint_io.unwritable_reason([cb.dirpath for cb in trainer.checkpoint_callbacks
                                                        if getattr(cb, "dirpath", None)])
-        problem = self.broadcast(problem)
-        if problem:
-            raise PermissionError(f"[rank {self.global_rank}] {problem}")
+            if problem:
+                rank_zero_warn(f"{problem} The first checkpoint saved there will fail; fix the folder now.")
 
     @override
     def model_to_device(self) -> None:

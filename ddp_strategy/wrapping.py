@@ -27,8 +27,9 @@ _SET_BY_STRATEGY = ("self", "module", "device_ids", "output_device")
 DDP_OPTIONS: tuple[str, ...] = tuple(
     name for name in inspect.signature(DistributedDataParallel.__init__).parameters if name not in _SET_BY_STRATEGY
 )
-#: Defaults this package changes from DDP's: a bucket view saves one gradient-sized copy per parameter.
-DDP_DEFAULTS: dict[str, Any] = {"gradient_as_bucket_view": True}
+#: Defaults this package changes from DDP's: none, so that code written for Lightning's ``ddp`` (which passes
+#: DDP's defaults) runs unchanged; ``gradient_as_bucket_view=True`` saves one gradient-sized copy of memory.
+DDP_DEFAULTS: dict[str, Any] = {}
 
 
 #: DistributedDataParallel's own defaults for the options MyDDPStrategy names explicitly.
@@ -40,8 +41,8 @@ _DDP_OWN_DEFAULTS: dict[str, Any] = {"find_unused_parameters": False, "static_gr
 def non_default_options(named: dict[str, Any]) -> dict[str, Any]:
     """Keep the named DDP options that differ from DDP's defaults, plus this package's own defaults.
 
-    So ``MyDDPStrategy()`` passes DDP only ``gradient_as_bucket_view=True`` and the logged options stay
-    short; an explicit ``find_unused_parameters=True`` is passed on.
+    So ``MyDDPStrategy()`` passes DDP no option and the logged options stay short; an explicit
+    ``find_unused_parameters=True`` is passed on.
     """
     return {k: v for k, v in named.items() if k in DDP_DEFAULTS or v != _DDP_OWN_DEFAULTS.get(k)}
 

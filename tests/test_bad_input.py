@@ -64,3 +64,22 @@ def test_a_missing_checkpoint_path_fails_before_training(tmp_path):
     with pytest.raises(FileNotFoundError, match="nope.ckpt"):
         trainer.fit(DigitsClassifier(), DigitsDataModule(), ckpt_path=str(missing))
     assert trainer.global_step == 0
+
+
+def test_an_unwritable_checkpoint_folder_warns_and_a_fit_that_never_saves_there_succeeds(tmp_path):
+    """A ModelCheckpoint folder that cannot be written is named in a warning before the first step, and the fit
+    runs (Lightning's ddp runs it too, and fails only if it saves there): no refusal of what Lightning accepts."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from ddp_strategy import MyDDPStrategy
+
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    never_saves = ModelCheckpoint(dirpath=str(blocker / "ckpts"), every_n_epochs=5)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_epochs=1, limit_train_batches=2, limit_val_batches=0,
+                         logger=False, enable_progress_bar=False, enable_model_summary=False,
+                         callbacks=[never_saves], strategy=MyDDPStrategy(timeout=30),
+                         default_root_dir=str(tmp_path))
+    with pytest.warns(UserWarning, match=f"Checkpoint folder {blocker / 'ckpts'} is not writable"):
+        trainer.fit(DigitsClassifier(), DigitsDataModule())
+    assert trainer.global_step == 2 and blocker.read_text() == "not a folder"

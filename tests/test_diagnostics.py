@@ -208,7 +208,7 @@ def test_one_process_fit_logs_summary_and_names_the_unused_head(tmp_path, lightn
         "  batch: 1024 per device x 1 process x 1 accumulation = global batch size 1024 samples per step",
         "  data: 1438 training samples, 1438 per rank per epoch (0 repeated as padding), 2 batches per epoch per"
         " rank = 2 optimizer steps",
-        "  DDP options: find_unused_parameters=True, gradient_as_bucket_view=True; comm hook: none",
+        "  DDP options: find_unused_parameters=True; comm hook: none",
     ]
     assert any(m.startswith("DDP communication per step (ms, averaged over DDP's sampled steps and 1 rank)")
                for m in lightning_log)
@@ -274,7 +274,7 @@ def test_two_process_summary_is_logged_once_with_the_fit_numbers(two_process_out
         "  batch: 32 per device x 2 processes x 2 accumulation = global batch size 128 samples per step",
         "  data: 1437 training samples, 719 per rank per epoch (1 repeated as padding), 23 batches per epoch per"
         " rank = 12 optimizer steps",
-        "  DDP options: find_unused_parameters=True, gradient_as_bucket_view=True; comm hook: none",
+        "  DDP options: find_unused_parameters=True; comm hook: none",
     ]
 
 

@@ -21,12 +21,12 @@ def test_is_a_parallel_strategy_not_lightnings_ddp():
 
 
 def test_defaults():
-    """Defaults: 5-minute timeout (not PyTorch's 30), backend chosen later, DDPCheckpointIO, bucket views on."""
+    """Defaults as Lightning's ddp: 30-minute timeout, DDP's own options; backend chosen later, DDPCheckpointIO."""
     s = MyDDPStrategy()
-    assert s._timeout == timedelta(minutes=5) and s._barrier_timeout == timedelta(minutes=5)
+    assert s._timeout == timedelta(minutes=30) and s._barrier_timeout == timedelta(minutes=30)
     assert s.process_group_backend is None
     assert isinstance(s.checkpoint_io, DDPCheckpointIO)
-    assert s._ddp_kwargs == {"gradient_as_bucket_view": True}
+    assert s._ddp_kwargs == {}
     assert MyDDPStrategy(timeout=5)._timeout == timedelta(seconds=5)
 
 

@@ -11,12 +11,12 @@ from torch.nn.parallel import DistributedDataParallel
 from ddp_strategy import wrapping
 
 
-def test_known_options_pass_through_with_bucket_view_default():
-    """DDP options pass through; gradient_as_bucket_view defaults to True and can be turned off."""
-    assert wrapping.validate_ddp_kwargs({}) == {"gradient_as_bucket_view": True}
+def test_known_options_pass_through_with_ddps_defaults():
+    """DDP options pass through; no default is changed from DDP's (Lightning's ddp passes none either)."""
+    assert wrapping.validate_ddp_kwargs({}) == {}
     opts = wrapping.validate_ddp_kwargs({"find_unused_parameters": True, "bucket_cap_mb": 5,
-                                         "gradient_as_bucket_view": False})
-    assert opts == {"find_unused_parameters": True, "bucket_cap_mb": 5, "gradient_as_bucket_view": False}
+                                         "gradient_as_bucket_view": True})
+    assert opts == {"find_unused_parameters": True, "bucket_cap_mb": 5, "gradient_as_bucket_view": True}
     assert {"static_graph", "broadcast_buffers", "process_group"} <= set(wrapping.DDP_OPTIONS)
 
 
@@ -38,7 +38,8 @@ def test_wrap_and_unwrap_in_a_one_rank_group():
     """wrap_module returns a DDP around the same module with our options; unwrap_module gives it back."""
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     module = nn.Linear(3, 2)
-    wrapped = wrapping.wrap_module(module, torch.device("cpu"), wrapping.validate_ddp_kwargs({"bucket_cap_mb": 1}))
+    options = wrapping.validate_ddp_kwargs({"bucket_cap_mb": 1, "gradient_as_bucket_view": True})
+    wrapped = wrapping.wrap_module(module, torch.device("cpu"), options)
     assert isinstance(wrapped, DistributedDataParallel) and wrapped.module is module
     assert wrapped.gradient_as_bucket_view and wrapped.device_ids is None
     assert wrapping.unwrap_module(wrapped) is module and wrapping.unwrap_module(module) is module
