@@ -19,7 +19,7 @@ from lightning.fabric.plugins import ClusterEnvironment
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from ddp_strategy import _lightning_private as _pl
-from ddp_strategy import failures
+from ddp_strategy import failures, process_group
 
 
 def available_cpus() -> int:
@@ -220,4 +220,7 @@ class CheckedMultiProcessingLauncher(_pl.MultiProcessingLauncher):
                     raise RuntimeError(f"[rank {strategy.global_rank}] stopped by SIGTERM") from exception
                 raise
 
-        return super()._wrapping_function(process_idx, trainer, guarded, *rest, **kw)
+        try:
+            return super()._wrapping_function(process_idx, trainer, guarded, *rest, **kw)
+        finally:  # a spawned/forked rank ends with its work: no atexit hook runs there (os._exit)
+            process_group.destroy_process_group()

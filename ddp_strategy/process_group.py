@@ -10,6 +10,7 @@ ones, and so that on one node nothing listens beyond loopback.
 
 from __future__ import annotations
 
+import atexit
 import errno
 import gc
 import ipaddress
@@ -503,9 +504,44 @@ def destroy_process_group() -> None:
     rank 0's ``TCPStore``) would otherwise keep ``MASTER_PORT`` listening after this returns, and the next
     fit in the same process could not bind it. Collected first, the group and its store go here.
     """
+    global _kept_for_user_code
+    _kept_for_user_code = False
     if dist.is_available() and dist.is_initialized():
         gc.collect()
         dist.destroy_process_group()
+
+
+#: Whether the default process group is one that a finished run left for the user's code.
+_kept_for_user_code = False
+_exit_hook_registered = False
+
+
+def keep_process_group() -> None:
+    """After a run that finished: leave the default process group for the user's code, as Lightning's ddp does.
+
+    Code after ``trainer.fit(...)`` may call ``torch.distributed`` (``dist.get_rank()``, an ``all_reduce`` of
+    results, a ``barrier`` before rank 0 writes a file): under Lightning's ``DDPStrategy`` the group outlives
+    the run, so it does here. It is destroyed, for every backend, by the next run's
+    :func:`release_kept_process_group` (each run has its own rendezvous), at interpreter exit (an ``atexit``
+    hook), or when a spawned or forked rank's work ends (:mod:`ddp_strategy.launching`). A no-op without a group.
+    """
+    global _kept_for_user_code, _exit_hook_registered
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    _kept_for_user_code = True
+    if not _exit_hook_registered:
+        atexit.register(destroy_process_group)
+        _exit_hook_registered = True
+
+
+def release_kept_process_group() -> None:
+    """Destroy the group a finished run kept (:func:`keep_process_group`); leave any other group alone.
+
+    Called before each rendezvous, so a new run never reuses the previous run's group (its store, ranks and
+    timeout), while a group the user made (or Lightning's own ``ddp`` left) is still reused as before.
+    """
+    if _kept_for_user_code:
+        destroy_process_group()
 
 
 def all_reduce(tensor: torch.Tensor, op: str = "mean") -> torch.Tensor:

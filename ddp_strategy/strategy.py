@@ -213,6 +213,7 @@ class MyDDPStrategy(ParallelStrategy):
         self._eval_guard = evaluation.EvaluationStepGuard()
         self._warned_padded_gather = False
         self._pending_positions: list[dict[str, Any]] = []
+        self._run_failed = False
         self._comm_hook = comm_hooks.CommHookConfig(ddp_comm_hook, ddp_comm_state, ddp_comm_wrapper)
         if verify_sync_every_n_steps is not None and verify_sync_every_n_steps < 1:
             raise ValueError(f"verify_sync_every_n_steps must be a positive number of optimizer steps or None,"
@@ -321,6 +322,8 @@ class MyDDPStrategy(ParallelStrategy):
         launching.check_external_world(self.cluster_environment, self.num_nodes, self.num_processes)
         super().setup_environment()
         backend = process_group.resolve_backend(self.root_device, self._process_group_backend)
+        process_group.release_kept_process_group()
+        self._run_failed = False
         self._undo_gloo_loopback = process_group.gloo_on_loopback(self.num_nodes)
         self._rendezvous_store = process_group.init_process_group(
             backend,
@@ -728,6 +731,7 @@ class MyDDPStrategy(ParallelStrategy):
         other ranks may be gone).
         """
         super().on_exception(exception)
+        self._run_failed = True  # teardown then destroys the group: a failed run's group is of no use
         record, self._fit_record = self._fit_record, None
         if record is not None:
             record.tracker.close()
@@ -797,10 +801,12 @@ class MyDDPStrategy(ParallelStrategy):
     # --------------------------------------------------------------------------------------- teardown
     @override
     def teardown(self) -> None:
-        """Release the DDP wrapper, revert layer syncing, then destroy the process group (every backend).
+        """Release the DDP wrapper and revert layer syncing; keep the process group for the user's code.
 
-        Destroying the group drops the last reference to the rendezvous store, so rank 0's store stops listening
-        here, before the next stage's rendezvous.
+        As under Lightning's ``ddp``, code after ``trainer.fit`` may still call ``torch.distributed``: the group
+        of a run that finished stays until the next run's rendezvous, the end of a spawned/forked rank, or
+        interpreter exit (:func:`process_group.keep_process_group`); a failed run's group is destroyed here.
+        Either way every backend's group is destroyed before its process exits.
         """
         pl_module = self.lightning_module
         if isinstance(self.model, DistributedDataParallel):
@@ -820,7 +826,10 @@ class MyDDPStrategy(ParallelStrategy):
         super().teardown()
         self._node_group, self._node_ranks = None, []
         self._barrier_group = self._rendezvous_store = None
-        process_group.destroy_process_group()
+        if self._run_failed:
+            process_group.destroy_process_group()
+        else:
+            process_group.keep_process_group()
         self._undo_gloo_loopback()
         self._undo_gloo_loopback = _no_op
 

@@ -22,7 +22,7 @@ from torch import nn
 from torch.utils.data import BatchSampler, DataLoader, Sampler, SequentialSampler, Subset
 from torch.utils.data._utils.collate import default_collate
 
-from ddp_strategy import DDPCheckpointIO, MyDDPStrategy, UnsafeCheckpointError
+from ddp_strategy import DDPCheckpointIO, MyDDPStrategy, UnsafeCheckpointError, process_group
 
 N = 24  # samples the user splits by rank: 12 each
 BATCH = 4
@@ -173,9 +173,16 @@ def scenario_data(out: Path) -> None:
                   "predict": own_half(3)})
     t = trainer(2, out, max_epochs=1, use_distributed_sampler=False)
     t.fit(model)
+    # User code after fit may use torch.distributed, as under Lightning's ddp (the group outlives the run).
+    after_fit = torch.tensor([t.global_rank + 1.0])
+    torch.distributed.all_reduce(after_fit)
+    user_code = {"rank": torch.distributed.get_rank(), "world": torch.distributed.get_world_size(),
+                 "sum": after_fit.item()}
     t.test(model)
     predictions = t.predict(model)
-    save(out, "user_split", {**model.seen, "predictions": [p.tolist() for p in predictions]})
+    torch.distributed.barrier()  # the group of the last run is there too
+    save(out, "user_split", {**model.seen, "predictions": [p.tolist() for p in predictions],
+                             "after_fit": user_code, "trainer_rank": t.global_rank})
     # Uneven user shards (12 and 8 samples: 3 and 2 batches): a clear error on every rank, not a hang.
     uneven = Seen({"train": lambda: DataLoader(Subset(Indexed(N, 0), range(rank(), N - 8 * rank(), 2)),
                                                batch_size=BATCH)})
@@ -264,8 +271,10 @@ def scenario_models(out: Path) -> None:
     trainer(2, out, max_epochs=1).fit(plain)
     torch._dynamo.utils.counters.clear()
     trainer(2, out, max_epochs=1).fit(torch.compile(compiled, backend="eager"))
+    kept = torch.distributed.is_initialized()  # for the user's code after fit, as under Lightning's ddp
+    process_group.release_kept_process_group()  # what the next fit's rendezvous does first
     port_free = _can_bind(int(os.environ["MASTER_PORT"])) if rank() == 0 else True
-    save(out, "compile", {"port_free": port_free, "plain": weights(plain), "compiled": weights(compiled),
+    save(out, "compile", {"kept": kept, "port_free": port_free, "plain": weights(plain), "compiled": weights(compiled),
                           "initial": weights(Recorder(val=False)), "train": compiled.rec["train"],
                           "frames": sum(torch._dynamo.utils.counters["frames"].values()),
                           "compiler_ctx": compiled._compiler_ctx is not None})
