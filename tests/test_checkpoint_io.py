@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import os
 import pathlib
+import random
 import signal
 import subprocess
 import sys
@@ -143,12 +144,12 @@ def test_weights_only_refuses_foreign_objects_with_a_clear_error(tmp_path):
 
 
 def test_missing_truncated_and_garbage_files_give_clear_errors(tmp_path):
-    """A missing file names its path; truncated, empty and random files are reported as damaged."""
+    """A missing file names its path; truncated, empty and random (seeded) files are reported as damaged."""
     with pytest.raises(FileNotFoundError, match="nope.ckpt"):
         load_file(tmp_path / "nope.ckpt")
     good = tmp_path / "good.ckpt"
     torch.save({"state_dict": nn.Linear(64, 64).state_dict()}, good)
-    cases = {"truncated.ckpt": good.read_bytes()[:200], "empty.ckpt": b"", "garbage.ckpt": os.urandom(4096)}
+    cases = {"truncated.ckpt": good.read_bytes()[:200], "empty.ckpt": b"", "garbage.ckpt": random.Random(0).randbytes(4096)}
     for name, content in cases.items():
         (tmp_path / name).write_bytes(content)
         with pytest.raises(DamagedCheckpointError, match=rf"{name} is damaged"):
