@@ -114,8 +114,9 @@ def check_launch_env(
         environ: the variables; default ``os.environ``.
 
     Raises:
-        ValueError: a variable is empty, not a whole number, or out of range (a port outside 1..65535; a
-            rank below 0 or not below the matching size); the message names the variable and its value.
+        ValueError: a variable is empty, not a whole number, or out of range (a port outside 1..65535, 0
+            allowed for one process; a negative rank; ``WORLD_SIZE < 1``; ``NODE_RANK >= num_nodes``); the
+            message names the variable and its value.
     """
     environ = os.environ if environ is None else environ
     if isinstance(env, TorchElasticEnvironment):
@@ -140,14 +141,15 @@ def check_launch_env(
             example = "29500" if name == "MASTER_PORT" else "0"
             raise ValueError(f"Environment variable {name}={raw!r} {what}. Set it to an integer (e.g."
                              f" {name}={example}) or unset it.") from None
+    # Upper bounds against the Trainer (RANK < WORLD_SIZE, LOCAL_RANK < devices) are check_external_world's,
+    # which runs before the rendezvous; NODE_RANK is bounded here since a Lightning-launched job skips that.
     world = values.get("WORLD_SIZE", num_nodes * num_processes)
-    per_node = num_processes if type(env) is LightningEnvironment else world
-    node = f"a node index below Trainer(num_nodes={num_nodes})"
+    node_limit = num_nodes - 1 if type(env) is LightningEnvironment else None
+    node = f"a node index below Trainer(num_nodes={num_nodes})" if node_limit is not None else "a node index"
     limits = {"MASTER_PORT": (1 if world > 1 else 0, 65535, "a TCP port"),
               "WORLD_SIZE": (1, None, "the number of processes"),
-              "RANK": (0, world - 1, f"a global rank below WORLD_SIZE={world}"),
-              "LOCAL_RANK": (0, per_node - 1 if per_node > 0 else None, f"a rank on this node below {per_node}"),
-              "NODE_RANK": (0, num_nodes - 1, node), "GROUP_RANK": (0, num_nodes - 1, node)}
+              "RANK": (0, None, "a global rank"), "LOCAL_RANK": (0, None, "a rank on this node"),
+              "NODE_RANK": (0, node_limit, node), "GROUP_RANK": (0, node_limit, node)}
     for name, value in values.items():
         low, high, meaning = limits[name]
         if value < low or (high is not None and value > high):
