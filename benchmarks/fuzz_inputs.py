@@ -87,14 +87,13 @@ def main() -> int:
     def wrong(obj):
         record("valid pickle, wrong content", saved(obj))
 
-    env_rows = rows["launch variables"]
-
     @fuzz
     @given(st.dictionaries(st.sampled_from(["MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK"]),
                            st.one_of(st.text(max_size=6), st.integers(-(2**40), 2**40).map(str)), max_size=5),
            st.booleans())
     def launch_env(environ, elastic):
         tried["launch variables"] += 1
+        env_rows = rows["launch variables"]
         env = TorchElasticEnvironment() if elastic else LightningEnvironment()
         try:
             check_launch_env(env, 1, 2, {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0", **environ}
