@@ -28,6 +28,7 @@ from __future__ import annotations
 import logging
 import os
 import pickle
+import pickletools
 import re
 import socket
 import tempfile
@@ -337,6 +338,8 @@ def load_file(
                 _verify_zip_checksums(f, path, size)
     except OSError as e:
         raise _open_error(path, e) from e
+    if callable(map_location):
+        map_location = _TaggedMapLocation(map_location)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
@@ -344,12 +347,44 @@ def load_file(
         except OSError as e:  # the file changed (removed, chmod) since it was opened above
             raise _open_error(path, e) from e
         except Exception as e:  # whatever the unpickler raised, the file is not a checkpoint we can load
+            user_error = _map_location_error(e)
+            if user_error is not None:
+                raise user_error  # the caller's map_location failed, not the file
             if isinstance(e, RuntimeError) and "Attempting to deserialize object on" in str(e):
                 raise  # a valid file for a device this machine lacks: PyTorch's message says what to do
             raise _load_error(path, size, weights_only, e) from e
     for w in caught:
         warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)
     return loaded
+
+
+class _MapLocationFailed(Exception):
+    """Raised in place of an exception from the caller's ``map_location`` callable; the original is the cause."""
+
+
+class _TaggedMapLocation:
+    """Wraps a ``map_location`` callable so that its own failures are told apart from a damaged file's."""
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self.fn = fn
+
+    def __call__(self, storage: Any, location: str) -> Any:
+        try:
+            return self.fn(storage, location)
+        except Exception as e:
+            raise _MapLocationFailed() from e
+
+
+def _map_location_error(error: BaseException) -> BaseException | None:
+    """The caller's own ``map_location`` exception if ``error`` came from it (anywhere in the chain), else None."""
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        if isinstance(current, _MapLocationFailed):
+            return current.__cause__
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return None
 
 
 def _open_error(path: str, error: OSError) -> OSError:
@@ -381,11 +416,33 @@ def _load_error(path: str, size: int, weights_only: bool, error: Exception) -> E
             " DDPCheckpointIO(weights_only=False)) or allow the type with"
             " torch.serialization.add_safe_globals([...])."
         )
+    if weights_only and isinstance(error, pickle.UnpicklingError) and _well_formed_zip_pickle(path):
+        # A complete, well-formed pickle the weights-only unpickler cannot read (e.g. torch.save(...,
+        # pickle_protocol=4), or another library's pickle inside a torch zip): not damaged, but refused.
+        reason = next((line.strip() for line in message.splitlines() if "Unsupported" in line), message[:120])
+        return UnsafeCheckpointError(
+            f"Checkpoint {path} is a well-formed PyTorch file, but weights_only=True loading cannot read its"
+            f" pickle ({reason}); torch.save(..., pickle_protocol=N) with N > 2 does this. If you trust this file,"
+            " load it with weights_only=False (Trainer.fit(..., weights_only=False),"
+            " DDPCheckpointIO(weights_only=False)), or save it again with the default protocol."
+        )
     detail = next((line for line in message.splitlines() if line.strip()), "")[:200]
     return DamagedCheckpointError(
         f"Checkpoint file {path} is damaged (truncated or corrupt, {size} bytes) or is not a PyTorch"
         f" checkpoint: {type(error).__name__}: {detail}. Use an earlier checkpoint or save this one again."
     )
+
+
+def _well_formed_zip_pickle(path: str) -> bool:
+    """Whether ``path`` is a zip whose ``data.pkl`` is one complete pickle stream (parsed, never executed)."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            name = next(n for n in archive.namelist() if n.endswith("/data.pkl") or n == "data.pkl")
+            data = archive.read(name)
+        ops = list(pickletools.genops(data))
+        return bool(ops) and ops[-1][0].name == "STOP" and ops[-1][2] + 1 == len(data)
+    except Exception:  # not a zip, no data.pkl, or a malformed stream: damaged
+        return False
 
 
 def _verify_zip_checksums(f: Any, path: str, size: int) -> None:

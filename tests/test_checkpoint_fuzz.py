@@ -7,9 +7,11 @@ benchmarks/fuzz_inputs.py runs the same generators with many more examples and p
 from __future__ import annotations
 
 import tempfile
+import warnings
 from pathlib import Path
 
 import pytest
+import torch
 from checkpoint_fuzzing import (
     LOADERS,
     flip_bit,
@@ -26,6 +28,8 @@ from checkpoint_fuzzing import (
 )
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
+from ddp_strategy import DDPCheckpointIO, UnsafeCheckpointError
 
 GOOD = reference_checkpoint()
 FUZZ = settings(max_examples=25, derandomize=True, deadline=None, database=None,
@@ -108,3 +112,44 @@ def test_missing_file_directory_and_unreadable_file(scratch):
     folder.mkdir()
     assert outcomes(folder, scratch) == dict.fromkeys(LOADERS, "documented: FileNotFoundError")
     assert unreadable_outcomes(GOOD) == dict.fromkeys(LOADERS, "documented: PermissionError")
+
+
+def test_errors_that_are_not_about_the_file_pass_through(scratch):
+    """A failing map_location callable raises its own error, not DamagedCheckpointError; so does a missing device."""
+    from ddp_strategy.checkpoint_io import load_file
+
+    path = write(scratch, GOOD)
+
+    def refuse(storage, location):
+        raise ZeroDivisionError("my map_location failed")
+
+    with pytest.raises(ZeroDivisionError, match="my map_location failed"):
+        load_file(path, map_location=refuse)
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match="Attempting to deserialize object on a CUDA device"):
+            load_file(path, map_location="cuda")
+
+
+def test_a_pickle_weights_only_cannot_read_is_unsafe_not_damaged(scratch):
+    """torch.save(pickle_protocol=4) is a sound file weights_only=True cannot read: UnsafeCheckpointError, no warning."""
+    path = scratch / "protocol4.ckpt"
+    torch.save({"state_dict": {"w": torch.ones(2)}}, path, pickle_protocol=4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # torch's "Detected pickle protocol 4" warning must not leak
+        with pytest.raises(UnsafeCheckpointError, match=r"protocol4.ckpt is a well-formed .*weights_only=False"):
+            DDPCheckpointIO().load_checkpoint(path)
+    assert torch.equal(DDPCheckpointIO(weights_only=False).load_checkpoint(path)["state_dict"]["w"], torch.ones(2))
+
+
+def test_warnings_of_a_successful_load_are_passed_on(scratch, monkeypatch):
+    """Only a failed load's warnings are dropped: one torch.load emits while succeeding reaches the caller."""
+    path = write(scratch, GOOD)
+    real_load = torch.load
+
+    def warning_load(*args, **kwargs):
+        warnings.warn("torch says something about this file", UserWarning)
+        return real_load(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "load", warning_load)
+    with pytest.warns(UserWarning, match="torch says something about this file"):
+        assert "state_dict" in DDPCheckpointIO().load_checkpoint(path)
