@@ -349,7 +349,7 @@ def load_file(
         except Exception as e:  # whatever the unpickler raised, the file is not a checkpoint we can load
             user_error = _map_location_error(e)
             if user_error is not None:
-                raise user_error  # the caller's map_location failed, not the file
+                raise user_error  # noqa: B904 (the caller's map_location failed, not the file: its own error)
             if isinstance(e, RuntimeError) and "Attempting to deserialize object on" in str(e):
                 raise  # a valid file for a device this machine lacks: PyTorch's message says what to do
             raise _load_error(path, size, weights_only, e) from e

@@ -98,7 +98,7 @@ def loads_unchanged(path: Path, original: bytes) -> bool:
         if isinstance(a, dict) and isinstance(b, dict):
             return a.keys() == b.keys() and all(tree_equal(a[k], b[k]) for k in a)
         if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-            return len(a) == len(b) and all(tree_equal(x, y) for x, y in zip(a, b))
+            return len(a) == len(b) and all(tree_equal(x, y) for x, y in zip(a, b, strict=True))
         return type(a) is type(b) and a == b
 
     try:

@@ -131,7 +131,7 @@ def test_errors_that_are_not_about_the_file_pass_through(scratch):
 
 
 def test_a_pickle_weights_only_cannot_read_is_unsafe_not_damaged(scratch):
-    """torch.save(pickle_protocol=4) is a sound file weights_only=True cannot read: UnsafeCheckpointError, no warning."""
+    """torch.save(pickle_protocol=4): a sound file weights_only=True cannot read gives UnsafeCheckpointError."""
     path = scratch / "protocol4.ckpt"
     torch.save({"state_dict": {"w": torch.ones(2)}}, path, pickle_protocol=4)
     with warnings.catch_warnings():
@@ -147,7 +147,7 @@ def test_warnings_of_a_successful_load_are_passed_on(scratch, monkeypatch):
     real_load = torch.load
 
     def warning_load(*args, **kwargs):
-        warnings.warn("torch says something about this file", UserWarning)
+        warnings.warn("torch says something about this file", UserWarning, stacklevel=2)
         return real_load(*args, **kwargs)
 
     monkeypatch.setattr(torch, "load", warning_load)

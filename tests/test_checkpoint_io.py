@@ -149,7 +149,8 @@ def test_missing_truncated_and_garbage_files_give_clear_errors(tmp_path):
         load_file(tmp_path / "nope.ckpt")
     good = tmp_path / "good.ckpt"
     torch.save({"state_dict": nn.Linear(64, 64).state_dict()}, good)
-    cases = {"truncated.ckpt": good.read_bytes()[:200], "empty.ckpt": b"", "garbage.ckpt": random.Random(0).randbytes(4096)}
+    cases = {"truncated.ckpt": good.read_bytes()[:200], "empty.ckpt": b"",
+             "garbage.ckpt": random.Random(0).randbytes(4096)}
     for name, content in cases.items():
         (tmp_path / name).write_bytes(content)
         with pytest.raises(DamagedCheckpointError, match=rf"{name} is damaged"):
