@@ -407,7 +407,7 @@ def _open_error(path: str, error: OSError) -> OSError:
 def _load_error(path: str, size: int, weights_only: bool, error: Exception) -> Exception:
     """The documented error for a file ``torch.load`` failed on: unsafe content, else damaged."""
     message = str(error)
-    if weights_only and "Unsupported global" in message:
+    if weights_only is not False and "Unsupported global" in message:  # None: torch.load's default, True
         first = next(line for line in message.splitlines() if "Unsupported global" in line)
         first = first.split("Unsupported global:")[-1].split(" was not")[0]
         return UnsafeCheckpointError(
@@ -416,7 +416,7 @@ def _load_error(path: str, size: int, weights_only: bool, error: Exception) -> E
             " DDPCheckpointIO(weights_only=False)) or allow the type with"
             " torch.serialization.add_safe_globals([...])."
         )
-    if weights_only and isinstance(error, pickle.UnpicklingError) and _well_formed_zip_pickle(path):
+    if weights_only is not False and isinstance(error, pickle.UnpicklingError) and _well_formed_zip_pickle(path):
         # A complete, well-formed pickle the weights-only unpickler cannot read (e.g. torch.save(...,
         # pickle_protocol=4), or another library's pickle inside a torch zip): not damaged, but refused.
         reason = next((line.strip() for line in message.splitlines() if "Unsupported" in line), message[:120])
