@@ -426,7 +426,9 @@ def _load_error(path: str, size: int, weights_only: bool, error: Exception) -> E
             " load it with weights_only=False (Trainer.fit(..., weights_only=False),"
             " DDPCheckpointIO(weights_only=False)), or save it again with the default protocol."
         )
-    detail = next((line for line in message.splitlines() if line.strip()), "")[:200]
+    if "WeightsUnpickler error:" in message:  # skip torch's long preamble about weights_only defaults
+        message = message.split("WeightsUnpickler error:", 1)[1]
+    detail = next((line.strip() for line in message.splitlines() if line.strip()), "")[:200]
     return DamagedCheckpointError(
         f"Checkpoint file {path} is damaged (truncated or corrupt, {size} bytes) or is not a PyTorch"
         f" checkpoint: {type(error).__name__}: {detail}. Use an earlier checkpoint or save this one again."
