@@ -122,11 +122,16 @@ def test_launch_variables_fuzz(environ, elastic):
     ("NODE_RANK", "abc", "NODE_RANK='abc' is not a whole number"),
 ])
 def test_a_bad_launch_variable_fails_in_trainer_construction(monkeypatch, variable, value, words):
-    """Trainer(strategy=MyDDPStrategy()) raises the named ValueError before launching, as every rank would."""
+    """Trainer(strategy=MyDDPStrategy()) raises the named ValueError before launching; unsetting it (the fix) works."""
+    def build() -> pl.Trainer:
+        return pl.Trainer(accelerator="cpu", devices=2, strategy=MyDDPStrategy(allow_cpu_oversubscription=True),
+                          logger=False, enable_progress_bar=False, enable_model_summary=False)
+
     monkeypatch.setenv(variable, value)
     with pytest.raises(ValueError, match=words):
-        pl.Trainer(accelerator="cpu", devices=2, strategy=MyDDPStrategy(allow_cpu_oversubscription=True),
-                   logger=False, enable_progress_bar=False, enable_model_summary=False)
+        build()
+    monkeypatch.delenv(variable)
+    assert build().strategy.num_processes == 2
 
 
 def test_variables_lightning_ignores_are_not_checked(monkeypatch):
