@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from ddp_strategy.checkpoint_io import (
+    DamagedCheckpointError,
     atomic_save,
     find_model_state_dict,
     load_file,
@@ -51,8 +52,48 @@ def _submodule_prefixes(model: nn.Module) -> list[str]:
     return [""] + sorted(names - {""}, key=lambda n: (n.count("."), n))
 
 
+def _check_optimizer_layout(optimizer_state: Mapping[str, Any], source: str) -> None:
+    """``torch.optim.Optimizer.state_dict()``'s layout: ``param_groups`` a list of dicts with a ``params`` list
+    of ints, ``state`` a dict of dicts.
+
+    Raises:
+        DamagedCheckpointError: the entry has another shape, so it was not written by ``Optimizer.state_dict()``.
+    """
+    groups, state = optimizer_state["param_groups"], optimizer_state["state"]
+    ok = (isinstance(groups, (list, tuple)) and isinstance(state, Mapping)
+          and all(isinstance(g, Mapping) and isinstance(g.get("params"), (list, tuple))
+                  and all(isinstance(i, int) for i in g["params"]) for g in groups)
+          and all(isinstance(v, Mapping) for v in state.values()))
+    if not ok:
+        raise DamagedCheckpointError(
+            f"The optimizer state in {source} is not laid out as torch.optim.Optimizer.state_dict() writes it"
+            " ('param_groups': a list of dicts with a 'params' list of ints, 'state': a dict of dicts). Is the"
+            " file damaged or written by something else? Load the weights only with output_path=None.")
+
+
+def _int_entry(checkpoint: Mapping[str, Any], keys: tuple[str, ...], source: str) -> int:
+    """The first of ``keys`` present in ``checkpoint`` as a non-negative int (0 if none is).
+
+    Raises:
+        DamagedCheckpointError: the entry is not a whole number >= 0 (e.g. a string or a list).
+    """
+    key = next((k for k in keys if k in checkpoint), None)
+    if key is None:
+        return 0
+    value = checkpoint[key]
+    try:
+        number = int(value)
+        whole = number == value or isinstance(value, str)
+    except (TypeError, ValueError, OverflowError, RuntimeError) as e:  # RuntimeError: a tensor of many values
+        raise DamagedCheckpointError(f"The {key!r} entry of {source} is {value!r:.80}, not a whole number.") from e
+    if number < 0 or not whole:
+        raise DamagedCheckpointError(f"The {key!r} entry of {source} is {value!r:.80}; expected a whole number >= 0.")
+    return number
+
+
 def _check_optimizer_lines_up(optimizer_state: Mapping[str, Any], params: list[torch.Tensor], source: str) -> None:
     """Each optimizer slot's per-parameter tensors must have the shape of the parameter at that position."""
+    _check_optimizer_layout(optimizer_state, source)
     ids = [i for group in optimizer_state["param_groups"] for i in group["params"]]
     if len(ids) != len(params):
         raise ValueError(f"The optimizer state in {source} covers {len(ids)} parameters but the model part it"
@@ -129,9 +170,12 @@ def import_plain_checkpoint(
         The Lightning checkpoint dict (also when nothing is written).
 
     Raises:
-        FileNotFoundError, DamagedCheckpointError, UnsafeCheckpointError: loading the file failed.
+        FileNotFoundError, PermissionError, DamagedCheckpointError, UnsafeCheckpointError: loading the file
+            failed, or what it holds is not a checkpoint (no model state dict, a weight that is not a tensor,
+            an ``epoch`` that is not a whole number, an optimizer entry not laid out as PyTorch writes it).
         StateDictMismatchError: ``strict`` and the keys or shapes do not match (lists them).
-        ValueError: no model state dict in the file, or the optimizer state does not line up.
+        ValueError: the optimizer state does not line up with the parameters, or ``output_path`` is given
+            and the file has no optimizer state.
         TypeError: ``output_path`` is given but ``model`` is not a LightningModule.
     """
     if output_path is not None and not isinstance(model, pl.LightningModule):
@@ -144,11 +188,16 @@ def import_plain_checkpoint(
     state_dict = find_model_state_dict(checkpoint, name)
     prefixes = _submodule_prefixes(model)
     loadable = match_state_dict(state_dict, model, strict=strict, source=name, prefixes=prefixes)
+    own = model.state_dict()
+    for key, value in loadable.items():
+        if isinstance(own[key], torch.Tensor) and not isinstance(value, torch.Tensor):
+            raise DamagedCheckpointError(f"{name}: the weight for {key!r} is a {type(value).__name__}, not a"
+                                         " tensor. Is this file a checkpoint?")
     model.load_state_dict(loadable, strict=strict)
 
     if epochs_completed is None:
-        epochs_completed = int(checkpoint.get("epoch", 0))
-    global_step = int(checkpoint.get("global_step", checkpoint.get("step", 0)))
+        epochs_completed = _int_entry(checkpoint, ("epoch",), name)
+    global_step = _int_entry(checkpoint, ("global_step", "step"), name)
     result: dict[str, Any] = {
         "epoch": max(epochs_completed - 1, 0),
         "global_step": global_step,
@@ -219,8 +268,11 @@ def export_weights(
         The exported state dict.
 
     Raises:
+        FileNotFoundError, PermissionError, DamagedCheckpointError, UnsafeCheckpointError: ``source`` is a file
+            that cannot be loaded or holds no model state dict of tensors (see :func:`load_plain_state_dict`).
         ImportError: safetensors requested but not installed.
         KeyError: no key under ``submodule``.
+        TypeError: ``source`` is a module whose state dict holds a non-tensor (extra state) under ``submodule``.
     """
     if isinstance(source, nn.Module):
         full = unwrapped_state_dict(source)
@@ -231,6 +283,13 @@ def export_weights(
     else:
         checkpoint = load_file(source, weights_only=weights_only, opt_out="export_weights(..., weights_only=False)")
         weights = plain_state_dict(checkpoint, source, submodule)
+    odd = next((k for k, v in weights.items() if not isinstance(v, torch.Tensor)), None)
+    if odd is not None:
+        what = f"{type(weights[odd]).__name__} under {odd!r}, not a tensor"
+        if isinstance(source, nn.Module):
+            raise TypeError(f"{type(source).__name__}'s state dict holds a {what}; only tensors can be exported.")
+        raise DamagedCheckpointError(f"The model state dict in {os.fspath(source)} holds a {what}. Is this file a"
+                                     " checkpoint?")
     weights = {k: v.detach().cpu().contiguous() for k, v in weights.items()}
     if safetensors is None:
         safetensors = os.fspath(path).endswith(".safetensors")

@@ -29,6 +29,18 @@ TRAINER_DEFAULTS: dict[str, Any] = {
 class DigitsCLI(LightningCLI):
     """LightningCLI that reports the final metrics and checkpoint after ``fit`` (on rank 0)."""
 
+    def instantiate_classes(self) -> None:
+        """Build the model, data and trainer; a bad value found only now ends as a usage error, like a bad flag.
+
+        jsonargparse checks types while parsing, but values are checked by the classes themselves (e.g.
+        ``--trainer.strategy.timeout=-5``, ``--data.batch_size=0``). Their ``ValueError``/``TypeError`` is
+        reported through the parser: the usage line, ``error: <message>`` and exit status 2, no traceback.
+        """
+        try:
+            super().instantiate_classes()
+        except (ValueError, TypeError) as e:
+            self.parser.error(str(e))
+
     def after_fit(self) -> None:
         """Log final validation metrics and the checkpoint path."""
         metrics = {k: round(float(v), 4) for k, v in self.trainer.callback_metrics.items()}

@@ -12,10 +12,12 @@ import os
 import pickle
 import signal
 import threading
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 from lightning.fabric.plugins import ClusterEnvironment
+from lightning.fabric.plugins.environments import LightningEnvironment, TorchElasticEnvironment
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from ddp_strategy import _lightning_private as _pl
@@ -83,6 +85,78 @@ def check_external_world(env: ClusterEnvironment, num_nodes: int, num_processes:
     if not 0 <= local < num_processes:
         raise ValueError(f"[rank {rank}] {name} reports LOCAL_RANK={local}, but Trainer(devices={num_processes})"
                          " has only that many processes per node. Check --nproc-per-node and devices.")
+
+
+def check_launch_env(
+    env: ClusterEnvironment,
+    num_nodes: int,
+    num_processes: int,
+    environ: Mapping[str, str] | None = None,
+) -> None:
+    """Check the launch variables ``env`` will read as integers, before anything uses them.
+
+    Lightning's cluster environments read them with a bare ``int(os.environ[...])``, so a bad value fails
+    deep inside Lightning (``invalid literal for int()``) or, out of range, only at the rendezvous. Only
+    variables that ``env`` actually reads are checked, parsed exactly as it parses them (``int()``: spaces
+    and ``+`` are fine), so nothing Lightning accepts is refused:
+
+    - :class:`~lightning.fabric.plugins.environments.LightningEnvironment`: ``MASTER_PORT``, ``LOCAL_RANK``
+      and ``NODE_RANK`` (else ``GROUP_RANK``), each only when set;
+    - :class:`~lightning.fabric.plugins.environments.TorchElasticEnvironment` (torchrun): ``MASTER_PORT``
+      (when set), ``WORLD_SIZE``, ``RANK``, ``LOCAL_RANK`` and ``GROUP_RANK`` (when set);
+    - other environments (SLURM, LSF, MPI, Kubeflow, your own) read their own variables: not checked.
+
+    Deterministic, so every rank that reads a bad value raises the same error, before any rendezvous.
+
+    Args:
+        env: the cluster environment Lightning chose.
+        num_nodes: ``Trainer(num_nodes=...)``.
+        num_processes: ``Trainer(devices=...)``: processes per node.
+        environ: the variables; default ``os.environ``.
+
+    Raises:
+        ValueError: a variable is empty, not a whole number, or out of range (a port outside 1..65535, 0
+            allowed for one process; a negative rank; ``WORLD_SIZE < 1``; ``NODE_RANK >= num_nodes``); the
+            message names the variable and its value.
+    """
+    environ = os.environ if environ is None else environ
+    if isinstance(env, TorchElasticEnvironment):
+        required, optional = ("WORLD_SIZE", "RANK", "LOCAL_RANK"), ("MASTER_PORT", "GROUP_RANK")
+    elif type(env) is LightningEnvironment:
+        node_rank = "NODE_RANK" if "NODE_RANK" in environ else "GROUP_RANK"
+        required, optional = (), ("MASTER_PORT", "LOCAL_RANK", node_rank)
+    else:
+        return
+    values: dict[str, int] = {}
+    for name in required + optional:
+        if name not in environ:
+            if name in required:
+                raise ValueError(f"{type(env).__name__} needs the environment variable {name}, which is not set;"
+                                 " launch with torchrun (it sets WORLD_SIZE, RANK and LOCAL_RANK) or set it.")
+            continue
+        raw = environ[name]
+        try:
+            values[name] = int(raw)
+        except ValueError:
+            what = "is empty" if not raw.strip() else "is not a whole number"
+            example = "29500" if name == "MASTER_PORT" else "0"
+            raise ValueError(f"Environment variable {name}={raw!r} {what}. Set it to an integer (e.g."
+                             f" {name}={example}) or unset it.") from None
+    # Upper bounds against the Trainer (RANK < WORLD_SIZE, LOCAL_RANK < devices) are check_external_world's,
+    # which runs before the rendezvous; NODE_RANK is bounded here since a Lightning-launched job skips that.
+    world = values.get("WORLD_SIZE", num_nodes * num_processes)
+    node_limit = num_nodes - 1 if type(env) is LightningEnvironment else None
+    node = f"a node index below Trainer(num_nodes={num_nodes})" if node_limit is not None else "a node index"
+    limits = {"MASTER_PORT": (1 if world > 1 else 0, 65535, "a TCP port"),
+              "WORLD_SIZE": (1, None, "the number of processes"),
+              "RANK": (0, None, "a global rank"), "LOCAL_RANK": (0, None, "a rank on this node"),
+              "NODE_RANK": (0, node_limit, node), "GROUP_RANK": (0, node_limit, node)}
+    for name, value in values.items():
+        low, high, meaning = limits[name]
+        if value < low or (high is not None and value > high):
+            bounds = f"{low}..{high}" if high is not None else f">= {low}"
+            raise ValueError(f"Environment variable {name}={environ[name]!r} is out of range: it is {meaning},"
+                             f" so {bounds}. Fix the launcher's {name}, or unset it.")
 
 
 def check_fork_safe(start_method: str, device_type: str) -> None:

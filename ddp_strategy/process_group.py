@@ -115,7 +115,10 @@ def as_timedelta(timeout: float | timedelta) -> timedelta:
     """
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float, timedelta)):
         raise TypeError(f"timeout must be seconds (a number) or a datetime.timedelta, got {timeout!r}.")
-    delta = timeout if isinstance(timeout, timedelta) else timedelta(seconds=timeout)
+    try:
+        delta = timeout if isinstance(timeout, timedelta) else timedelta(seconds=timeout)
+    except (ValueError, OverflowError) as e:  # NaN, inf, more than 999999999 days
+        raise ValueError(f"timeout must be a finite number of seconds, got {timeout!r}.") from e
     if delta.total_seconds() <= 0:
         raise ValueError(f"timeout must be positive, got {delta.total_seconds()} s.")
     return delta

@@ -38,6 +38,7 @@ from typing_extensions import override
 
 from ddp_strategy import _lightning_private as _pl
 from ddp_strategy import (
+    argument_checks,
     checkpoint_io,
     comm_hooks,
     diagnostics,
@@ -134,9 +135,15 @@ class MyDDPStrategy(ParallelStrategy):
             ``process_group`` (a group, or a zero-argument callable that builds one after launch), ...).
 
     Raises:
-        ValueError: unknown ``start_method``, ``process_group_backend`` or ``init_method``, or a non-positive
-            ``timeout``; at Trainer construction: ``"nccl"`` on CPU.
-        TypeError: an unknown DDP option, or a ``timeout`` that is not a number or ``timedelta``.
+        ValueError: unknown ``start_method``, ``process_group_backend`` or ``init_method``, a non-positive
+            ``timeout`` or ``monitored_barrier_timeout``, ``verify_sync_every_n_steps < 1``; at Trainer
+            construction: ``"nccl"`` on CPU, or a bad launch variable
+            (``MASTER_PORT``, ``LOCAL_RANK``, ``NODE_RANK``, ``WORLD_SIZE``, ``RANK``; see
+            :func:`ddp_strategy.launching.check_launch_env`).
+        TypeError: an unknown DDP option, or an argument of the wrong type (a ``timeout`` that is not a number
+            or ``timedelta``, ``seed="1"``, ``init_method=5``, ...; see
+            :func:`ddp_strategy.argument_checks.check_strategy_arguments`). The named DDP flags
+            (``find_unused_parameters``, ...) accept any value as Lightning does, with a warning if not a bool.
     """
 
     strategy_name = "my_ddp"
@@ -176,6 +183,11 @@ class MyDDPStrategy(ParallelStrategy):
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
         )
+        argument_checks.check_strategy_arguments(
+            process_group_backend, start_method, seed, init_method, store, allow_cpu_oversubscription,
+            checkpoint_on_sigterm, verify_sync_every_n_steps, bucket_cap_mb,
+            {"find_unused_parameters": find_unused_parameters, "static_graph": static_graph,
+             "gradient_as_bucket_view": gradient_as_bucket_view, "broadcast_buffers": broadcast_buffers})
         if start_method is not None and start_method not in START_METHODS:
             raise ValueError(f"Unknown start_method={start_method!r}; use one of {list(START_METHODS)} or None.")
         process_group.validate_backend_name(process_group_backend)
@@ -193,7 +205,8 @@ class MyDDPStrategy(ParallelStrategy):
         self._init_method = init_method
         self._store = store
         self._allow_cpu_oversubscription = allow_cpu_oversubscription
-        self._barrier_timeout = process_group.as_timedelta(monitored_barrier_timeout or self._timeout)
+        self._barrier_timeout = (self._timeout if monitored_barrier_timeout is None
+                                 else process_group.as_timedelta(monitored_barrier_timeout))
         self._checkpoint_on_sigterm = checkpoint_on_sigterm
         self._rendezvous_store: dist.Store | None = None
         self._undo_gloo_loopback: Callable[[], None] = _no_op
@@ -215,9 +228,6 @@ class MyDDPStrategy(ParallelStrategy):
         self._pending_positions: list[dict[str, Any]] = []
         self._run_failed = False
         self._comm_hook = comm_hooks.CommHookConfig(ddp_comm_hook, ddp_comm_state, ddp_comm_wrapper)
-        if verify_sync_every_n_steps is not None and verify_sync_every_n_steps < 1:
-            raise ValueError(f"verify_sync_every_n_steps must be a positive number of optimizer steps or None,"
-                             f" got {verify_sync_every_n_steps}.")
         self._verify_sync_every_n_steps = verify_sync_every_n_steps
         self._exact_evaluation = exact_evaluation
         self._optimizer_steps = 0
@@ -289,8 +299,17 @@ class MyDDPStrategy(ParallelStrategy):
         self._checkpoint_io = io
 
     def set_world_ranks(self) -> None:
-        """Tell the cluster environment and Lightning's rank-zero helpers this process's global rank."""
+        """Tell the cluster environment and Lightning's rank-zero helpers this process's global rank.
+
+        Lightning calls this in ``Trainer(...)``, before launching: the launch variables (``MASTER_PORT``,
+        ``LOCAL_RANK``, ``NODE_RANK``, ``WORLD_SIZE``, ``RANK``) are checked here first, on every rank.
+
+        Raises:
+            ValueError: a launch variable is empty, not an integer or out of range (see
+                :func:`ddp_strategy.launching.check_launch_env`).
+        """
         if self.cluster_environment is not None:
+            launching.check_launch_env(self.cluster_environment, self.num_nodes, self.num_processes)
             self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
             self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
         rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import os
 import pathlib
+import random
 import signal
 import subprocess
 import sys
@@ -143,12 +144,13 @@ def test_weights_only_refuses_foreign_objects_with_a_clear_error(tmp_path):
 
 
 def test_missing_truncated_and_garbage_files_give_clear_errors(tmp_path):
-    """A missing file names its path; truncated, empty and random files are reported as damaged."""
+    """A missing file names its path; truncated, empty and random (seeded) files are reported as damaged."""
     with pytest.raises(FileNotFoundError, match="nope.ckpt"):
         load_file(tmp_path / "nope.ckpt")
     good = tmp_path / "good.ckpt"
     torch.save({"state_dict": nn.Linear(64, 64).state_dict()}, good)
-    cases = {"truncated.ckpt": good.read_bytes()[:200], "empty.ckpt": b"", "garbage.ckpt": os.urandom(4096)}
+    cases = {"truncated.ckpt": good.read_bytes()[:200], "empty.ckpt": b"",
+             "garbage.ckpt": random.Random(0).randbytes(4096)}
     for name, content in cases.items():
         (tmp_path / name).write_bytes(content)
         with pytest.raises(DamagedCheckpointError, match=rf"{name} is damaged"):
@@ -158,32 +160,41 @@ def test_missing_truncated_and_garbage_files_give_clear_errors(tmp_path):
 
 
 _WRITER = """
-import sys, torch
+import io, sys, time, torch
 from ddp_strategy.checkpoint_io import atomic_save
-path, ready = sys.argv[1], sys.argv[2]
+path, ready, halfway = sys.argv[1], sys.argv[2], sys.argv[3]
 big = {"state_dict": {f"w{i}": torch.full((1024, 1024), float(i)) for i in range(16)}}  # 16 x 4 MiB
 atomic_save({"version": 1, **big}, path)
 open(ready, "w").close()
-version = 2
-while True:
-    atomic_save({"version": version, **big}, path)
-    version += 1
+
+def half_then_wait(obj, f):  # torch.save's bytes, cut off half-way: the kill lands mid-write, every run
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    f.write(buffer.getvalue()[: buffer.tell() // 2])
+    f.flush()
+    open(halfway, "w").close()
+    time.sleep(600)
+
+atomic_save({"version": 2, **big}, path, save_fn=half_then_wait)
 """
 
 
+def _wait_for_file(marker: pathlib.Path, proc: subprocess.Popen, timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not marker.exists():
+        assert proc.poll() is None, f"the writer exited ({proc.returncode}) before {marker.name}"
+        assert time.monotonic() < deadline, f"{marker.name} did not appear within {timeout_s} s"
+        time.sleep(0.01)
+
+
 def test_sigkill_mid_save_keeps_the_previous_checkpoint(tmp_path):
-    """A writer killed (SIGKILL) while writing 64 MiB leaves a complete previous checkpoint; its temp file goes."""
-    path, ready = tmp_path / "ckpts" / "last.ckpt", tmp_path / "ready"
+    """A writer killed (SIGKILL) half-way through a 64 MiB save leaves the previous checkpoint; its temp file goes."""
+    path, ready, halfway = tmp_path / "ckpts" / "last.ckpt", tmp_path / "ready", tmp_path / "halfway"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    proc = subprocess.Popen([sys.executable, "-c", _WRITER, str(path), str(ready)], env=env)
+    proc = subprocess.Popen([sys.executable, "-c", _WRITER, str(path), str(ready), str(halfway)], env=env)
     try:
-        deadline = time.monotonic() + 120
-        while not ready.exists() and time.monotonic() < deadline and proc.poll() is None:
-            time.sleep(0.01)
-        assert ready.exists(), "the writer never finished its first checkpoint"
-        temps = []
-        while not temps and time.monotonic() < deadline:  # wait until a later save is half-way through
-            temps = [p for p in path.parent.iterdir() if p.name.endswith(".tmp") and p.stat().st_size > 1 << 20]
+        _wait_for_file(ready, proc)
+        _wait_for_file(halfway, proc)  # the second save has written half its bytes and waits: kill it there
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
     finally:
@@ -191,10 +202,10 @@ def test_sigkill_mid_save_keeps_the_previous_checkpoint(tmp_path):
             proc.kill()
             proc.wait()
     leftovers = [p for p in path.parent.iterdir() if p.name.endswith(".tmp")]
-    assert leftovers, "the kill should have landed mid-write (a temporary file left behind)"
+    assert len(leftovers) == 1 and leftovers[0].stat().st_size > 1 << 20  # the half-written second save
     assert all(p.name.startswith(".last.ckpt.") for p in leftovers)  # hidden, never *.ckpt
     checkpoint = load_file(path)
-    assert checkpoint["version"] >= 1 and len(checkpoint["state_dict"]) == 16
+    assert checkpoint["version"] == 1 and len(checkpoint["state_dict"]) == 16
     assert torch.equal(checkpoint["state_dict"]["w15"], torch.full((1024, 1024), 15.0))
     assert set(remove_stale_temp_files(path.parent)) == set(leftovers)
     assert [p.name for p in path.parent.iterdir()] == ["last.ckpt"]

@@ -127,8 +127,8 @@ def test_collectives_out_of_step_fail_within_the_timeout_with_the_likely_cause(t
 def test_sigterm_saves_a_checkpoint_that_resumes_and_leaves_no_process(tmp_path, start_method):
     """SIGTERM to the launcher (pre-emption): all ranks stop, a checkpoint is written, and fit resumes from it."""
     job = Job(tmp_path / "run", "sigterm", start_method)
-    job.wait_for("started_rank1")
-    time.sleep(2)
+    job.wait_for("waiting_rank0")  # both ranks wait at step 3 for the signal (no sleep: explicit sync)
+    job.wait_for("waiting_rank1")
     job.proc.send_signal(signal.SIGTERM)
     code, out, _ = job.finish()
     # popen: Lightning's SIGTERMException is a SystemExit (status 0); spawn: the stopped ranks are errors.
@@ -137,7 +137,7 @@ def test_sigterm_saves_a_checkpoint_that_resumes_and_leaves_no_process(tmp_path,
     assert ckpt.exists() and not (tmp_path / "run" / "finished").exists(), out[-3000:]
     assert "did not exit after a failure" not in out  # every rank exited by itself
     saved = torch.load(ckpt, weights_only=True)
-    assert saved["global_step"] > 0
+    assert saved["global_step"] >= 3  # the ranks waited for the signal at step 3
     resumed = Job(tmp_path / "resume", "none", ckpt=str(ckpt))
     code, out, _ = resumed.finish()
     assert code == 0, out[-3000:]
@@ -148,8 +148,8 @@ def test_sigterm_saves_a_checkpoint_that_resumes_and_leaves_no_process(tmp_path,
 def test_ctrl_c_to_the_launcher_stops_every_rank(tmp_path):
     """SIGINT to the launching process: it exits non-zero and no rank survives it."""
     job = Job(tmp_path, "sigint")
-    job.wait_for("started_rank1")
-    time.sleep(1)
+    job.wait_for("waiting_rank0")
+    job.wait_for("waiting_rank1")
     job.proc.send_signal(signal.SIGINT)
     code, out, _ = job.finish()
     assert code != 0 and "KeyboardInterrupt" in out

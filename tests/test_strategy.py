@@ -6,6 +6,7 @@ from datetime import timedelta
 
 import pytest
 import torch
+import torch.distributed as dist
 from lightning.pytorch import Trainer
 from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
 
@@ -37,7 +38,8 @@ def test_defaults():
         ({"process_group_backend": "nccl2"}, ValueError, "Unknown process_group_backend"),
         ({"timeout": 0}, ValueError, "timeout must be positive"),
         ({"find_unused_params": True}, TypeError, "unknown DistributedDataParallel option"),
-        ({"store": object(), "start_method": "spawn"}, ValueError, "store= cannot be used with start_method='spawn'"),
+        ({"store": dist.HashStore(), "start_method": "spawn"}, ValueError,
+         "store= cannot be used with start_method='spawn'"),
     ],
 )
 def test_bad_arguments_fail_at_construction(kwargs, error, message):

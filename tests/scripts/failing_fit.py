@@ -3,7 +3,8 @@
 Usage: python failing_fit.py OUT_DIR SCENARIO START_METHOD [CKPT_PATH]
 
 Each rank writes OUT_DIR/started_rank{r} when training starts and OUT_DIR/failing_at when it triggers the
-failure (a time.time() stamp), so the test can measure how long the job takes to end.
+failure (a time.time() stamp), so the test can measure how long the job takes to end. In the sigterm and
+sigint scenarios each rank writes OUT_DIR/waiting_rank{r} at step 3 and waits there for the test's signal.
 """
 
 import os
@@ -27,6 +28,19 @@ def mark_failing() -> None:
     (OUT / "failing_at").write_text(str(time.time()))
 
 
+def wait_for_the_signal(trainer: L.Trainer, limit_s: float = 120.0) -> None:
+    """Mid-training, tell the test (OUT/waiting_rank{r}) and wait until the signal it then sends has come.
+
+    Explicit synchronisation with the test, so the signal always lands mid-training whatever the machine's
+    speed: SIGTERM sets ``trainer.received_sigterm`` (on every rank: it is forwarded); SIGINT raises
+    KeyboardInterrupt in the launching rank, and the launcher stops the others.
+    """
+    (OUT / f"waiting_rank{trainer.global_rank}").write_text(str(os.getpid()))
+    deadline = time.monotonic() + limit_s
+    while not trainer.received_sigterm and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
 class Model(DigitsClassifier):
     def training_step(self, batch, batch_idx):
         if SCENARIO == "train_raise" and self.global_rank == 1 and self.global_step == FAIL_STEP:
@@ -39,8 +53,8 @@ class Model(DigitsClassifier):
             self.log("synced", torch.tensor(1.0), on_step=True, sync_dist=True)
         elif SCENARIO == "skip_log":
             mark_failing()
-        if SCENARIO in ("sigterm", "sigint"):
-            time.sleep(0.5)  # slow enough for the test to send the signal mid-training
+        if SCENARIO in ("sigterm", "sigint") and self.global_step == FAIL_STEP:
+            wait_for_the_signal(self.trainer)
         return super().training_step(batch, batch_idx)
 
     def validation_step(self, batch, batch_idx):
