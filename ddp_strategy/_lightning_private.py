@@ -1,8 +1,11 @@
-"""Every use of Lightning's private (underscore) API, in one place.
+"""Every use of Lightning's private (underscore) API, in one place, for either namespace.
 
 Lightning does not promise these names across releases. ``tests/test_lightning_private.py`` checks each
-one against the installed Lightning, so an upgrade that moves or changes one fails loudly there instead of
-deep inside a training run. Tested with Lightning 2.6.
+one against the installed Lightning, in each namespace installed (``lightning.pytorch`` and
+``pytorch_lightning``), so an upgrade that moves or changes one fails loudly there instead of deep inside a
+training run. Tested with Lightning 2.4, 2.5 and 2.6 (the names and signatures used here are the same in
+all three). Classes we derive from or construct are per namespace (see :mod:`ddp_strategy._namespace`);
+the namespace-neutral helpers come from the default namespace.
 """
 
 from __future__ import annotations
@@ -11,34 +14,81 @@ import inspect
 import sys
 from typing import TYPE_CHECKING, Any
 
-from lightning.fabric.utilities.imports import _IS_INTERACTIVE
-from lightning.pytorch.overrides.distributed import prepare_for_backward
-from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
-from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
-from lightning.pytorch.strategies.strategy import _ForwardRedirection
-from lightning.pytorch.utilities.data import _update_dataloader
+from ddp_strategy import _namespace
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
     from torch.utils.data import DataLoader, Sampler
 
 __all__ = [
+    "PRIVATE_NAMES",
     "ForwardRedirection",
     "MultiProcessingLauncher",
     "SubprocessScriptLauncher",
     "is_interactive",
     "prepare_for_backward",
+    "save_hyperparameters",
     "set_lightning_sampler_injection",
     "shift_epoch_batch_progress",
     "update_dataloader",
 ]
 
-#: Lightning's launcher that re-runs the user's script once per extra local rank (``start_method="popen"``).
-SubprocessScriptLauncher = _SubprocessScriptLauncher
-#: Lightning's launcher for ``spawn``, ``fork`` and ``forkserver`` (``torch.multiprocessing``).
-MultiProcessingLauncher = _MultiProcessingLauncher
-#: Base class that routes ``training_step`` and friends through the DDP wrapper's ``forward``.
-ForwardRedirection = _ForwardRedirection
+#: Every private (or internal) Lightning name used, by path (see ``_namespace.Namespace.get``); the guard
+#: tests resolve each in every installed namespace.
+PRIVATE_NAMES: dict[str, str] = {
+    "is_interactive": "fabric.utilities.imports:_IS_INTERACTIVE",
+    "prepare_for_backward": "pytorch.overrides.distributed:prepare_for_backward",
+    "MultiProcessingLauncher": "pytorch.strategies.launchers.multiprocessing:_MultiProcessingLauncher",
+    "SubprocessScriptLauncher": "pytorch.strategies.launchers.subprocess_script:_SubprocessScriptLauncher",
+    "ForwardRedirection": "pytorch.strategies.strategy:_ForwardRedirection",
+    "update_dataloader": "pytorch.utilities.data:_update_dataloader",
+    "given_hyperparameters": "pytorch.core.mixins.hparams_mixin:_given_hyperparameters",
+    "collect_init_args": "pytorch.utilities.parsing:collect_init_args",
+    "save_hyperparameters": "pytorch.utilities.parsing:save_hyperparameters",
+}
+
+_default = _namespace.default
+
+
+class SubprocessScriptLauncher(_namespace.lightning_base(PRIVATE_NAMES["SubprocessScriptLauncher"])):  # type: ignore[misc]
+    """Lightning's launcher that re-runs the user's script once per extra local rank (``start_method="popen"``).
+
+    Built for the namespace of the cluster environment it is given (the Trainer's).
+    """
+
+
+#: Lightning's launcher for ``spawn``, ``fork`` and ``forkserver`` (``torch.multiprocessing``): a base class
+#: for the namespace of the strategy it is given.
+MultiProcessingLauncher: type = _namespace.lightning_base(PRIVATE_NAMES["MultiProcessingLauncher"])
+#: Base class that routes ``training_step`` and friends through the DDP wrapper's ``forward`` (plain Python,
+#: namespace-neutral).
+ForwardRedirection: type = _default.get(PRIVATE_NAMES["ForwardRedirection"])
+prepare_for_backward = _default.get(PRIVATE_NAMES["prepare_for_backward"])
+_IS_INTERACTIVE: bool = _default.get(PRIVATE_NAMES["is_interactive"])
+_update_dataloader = _default.get(PRIVATE_NAMES["update_dataloader"])
+
+
+def save_hyperparameters(namespace: _namespace.Namespace, obj: Any, *args: Any, ignore: Any, frame: Any,
+                         logger: bool, classes: tuple[type, ...]) -> None:
+    """Lightning's ``HyperparametersMixin.save_hyperparameters``, also collecting ``__init__`` arguments
+    from frames of ``classes`` (our namespace-free public classes).
+
+    Args:
+        namespace: the namespace of ``obj``'s class.
+        obj: the LightningModule or LightningDataModule.
+        args, ignore, logger: as Lightning's ``save_hyperparameters``.
+        frame: the frame of the ``__init__`` that called it.
+        classes: further classes whose ``__init__`` frames hold hyperparameters.
+    """
+    given = namespace.get(PRIVATE_NAMES["given_hyperparameters"]).get()
+    if given is None:
+        given = {}
+        mixin = namespace.get("pytorch.core.mixins:HyperparametersMixin")
+        for local_args in namespace.get(PRIVATE_NAMES["collect_init_args"])(frame, [], classes=(mixin, *classes)):
+            given.update(local_args)
+    obj._log_hyperparams = logger
+    namespace.get(PRIVATE_NAMES["save_hyperparameters"])(obj, *args, ignore=ignore, frame=frame, given_hparams=given)
+
 
 _USER_SAMPLER_FLAG = "_ddp_strategy_user_use_distributed_sampler"
 

@@ -32,13 +32,19 @@ import tempfile
 import zipfile
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
-from lightning.fabric.utilities.cloud_io import get_filesystem
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
+
+from ddp_strategy import _namespace
+from ddp_strategy._namespace import get_filesystem
+
+if TYPE_CHECKING:
+    from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+else:  # built for the user's Lightning namespace on construction (see ddp_strategy._namespace)
+    TorchCheckpointIO = _namespace.lightning_base("fabric.plugins.io.torch_io:TorchCheckpointIO")
 
 log = logging.getLogger(__name__)
 

@@ -12,13 +12,15 @@ import os
 import pickle
 import signal
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from lightning.fabric.plugins import ClusterEnvironment
 
 from ddp_strategy import _lightning_private as _pl
 from ddp_strategy import failures
+
+if TYPE_CHECKING:
+    from lightning.fabric.plugins import ClusterEnvironment
 
 
 def available_cpus() -> int:

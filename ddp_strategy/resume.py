@@ -9,14 +9,14 @@ batch counter.
 from __future__ import annotations
 
 import warnings
-from typing import Any
-
-from lightning.pytorch import Trainer
-from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from typing import TYPE_CHECKING, Any
 
 from ddp_strategy import _lightning_private as _pl
 from ddp_strategy import injection, sampler, sampler_state
+from ddp_strategy._namespace import TrainerFn, rank_zero_info, rank_zero_warn
+
+if TYPE_CHECKING:
+    from lightning.pytorch import Trainer
 
 
 def train_samplers(trainer: Trainer) -> list[Any]:
