@@ -25,7 +25,9 @@ __all__ = [
     "ForwardRedirection",
     "MultiProcessingLauncher",
     "SubprocessScriptLauncher",
+    "call_with_weights_only",
     "is_interactive",
+    "load_checkpoint_with_weights_only",
     "prepare_for_backward",
     "save_hyperparameters",
     "set_lightning_sampler_injection",
@@ -45,6 +47,7 @@ PRIVATE_NAMES: dict[str, str] = {
     "given_hyperparameters": "pytorch.core.mixins.hparams_mixin:_given_hyperparameters",
     "collect_init_args": "pytorch.utilities.parsing:collect_init_args",
     "save_hyperparameters": "pytorch.utilities.parsing:save_hyperparameters",
+    "cloud_load": "fabric.utilities.cloud_io:_load",
 }
 
 _default = _namespace.default
@@ -66,6 +69,39 @@ ForwardRedirection: type = _default.get(PRIVATE_NAMES["ForwardRedirection"])
 prepare_for_backward = _default.get(PRIVATE_NAMES["prepare_for_backward"])
 _IS_INTERACTIVE: bool = _default.get(PRIVATE_NAMES["is_interactive"])
 _update_dataloader = _default.get(PRIVATE_NAMES["update_dataloader"])
+
+
+def takes_weights_only(method: Any) -> bool:
+    """Whether a Lightning checkpoint-loading method takes ``weights_only`` (Lightning 2.6; 2.4 and 2.5 do not)."""
+    return "weights_only" in inspect.signature(method).parameters
+
+
+def call_with_weights_only(method: Any, *args: Any, weights_only: bool | None, **kwargs: Any) -> Any:
+    """Call ``method`` (e.g. ``Strategy.load_checkpoint``), passing ``weights_only`` only where it takes it.
+
+    Lightning 2.4 and 2.5 have no ``Trainer.fit(weights_only=...)`` and their ``Strategy.load_checkpoint``
+    takes only the path: the checkpoint IO's own default decides (True for :class:`DDPCheckpointIO`).
+    """
+    if takes_weights_only(method):
+        return method(*args, weights_only=weights_only, **kwargs)
+    return method(*args, **kwargs)
+
+
+def load_checkpoint_with_weights_only(method: Any, path: Any, map_location: Any, weights_only: bool) -> Any:
+    """``TorchCheckpointIO.load_checkpoint`` (``method``) honouring ``weights_only`` in every version.
+
+    Lightning 2.6's takes ``weights_only``; 2.4's and 2.5's do not (they load remote files with
+    ``weights_only=False``), so there: the same existence check, then Fabric's ``cloud_io._load``, which does.
+
+    Raises:
+        FileNotFoundError: no file at ``path``.
+    """
+    if takes_weights_only(method):
+        return method(path, map_location=map_location, weights_only=weights_only)
+    fs = _namespace.get_filesystem(path)
+    if not fs.exists(path):
+        raise FileNotFoundError(f"Checkpoint file not found: {path}")
+    return _default.get(PRIVATE_NAMES["cloud_load"])(path, map_location=map_location, weights_only=weights_only)
 
 
 def save_hyperparameters(namespace: _namespace.Namespace, obj: Any, *args: Any, ignore: Any, frame: Any,

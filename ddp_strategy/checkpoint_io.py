@@ -38,6 +38,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from ddp_strategy import _lightning_private as _pl
 from ddp_strategy import _namespace
 from ddp_strategy._namespace import get_filesystem
 
@@ -556,7 +557,7 @@ class DDPCheckpointIO(TorchCheckpointIO):
         """
         weights_only = self.weights_only if weights_only is None else weights_only
         if not _is_local(path):
-            return super().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
+            return _pl.load_checkpoint_with_weights_only(super().load_checkpoint, path, map_location, weights_only)
         return load_file(path, map_location=map_location, weights_only=weights_only)
 
 

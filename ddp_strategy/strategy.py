@@ -565,7 +565,7 @@ class MyDDPStrategy(ParallelStrategy):
         """Every rank reads the file (``weights_only=None`` means True, see :class:`DDPCheckpointIO`) and keeps
         its sampler positions for the training loaders built next."""
         self._checkpoint_path = checkpoint_path
-        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        checkpoint = _pl.call_with_weights_only(super().load_checkpoint, checkpoint_path, weights_only=weights_only)
         entry = checkpoint.get(sampler_state.CHECKPOINT_KEY)
         self._pending_positions = list(sampler_state.loader_positions(entry)) if entry is not None else []
         return checkpoint

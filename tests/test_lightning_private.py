@@ -62,6 +62,36 @@ def test_forward_redirection_hooks_exist(namespace):
     assert _pl.signature_of(_private(namespace, "prepare_for_backward")) == ["model", "output"]
 
 
+def test_checkpoint_loading_takes_weights_only_or_we_load_ourselves(namespace):
+    """Strategy.load_checkpoint and TorchCheckpointIO.load_checkpoint take weights_only together (2.6) or not at
+    all (2.4, 2.5); where not, Fabric's cloud_io._load, which we then call, takes it."""
+    strategy_takes = _pl.takes_weights_only(namespace.get("pytorch.strategies:Strategy.load_checkpoint"))
+    io_method = namespace.get("fabric.plugins.io.torch_io:TorchCheckpointIO.load_checkpoint")
+    assert _pl.takes_weights_only(io_method) == strategy_takes == namespace.version.startswith("2.6.")
+    assert _pl.signature_of(_private(namespace, "cloud_load"))[:3] == ["path_or_url", "map_location", "weights_only"]
+
+
+def test_remote_loading_honours_weights_only(namespace):
+    """From a non-local fsspec file system (memory://), DDPCheckpointIO refuses a pickled object by default."""
+    import argparse
+    import pickle
+
+    import fsspec
+
+    from ddp_strategy import DDPCheckpointIO
+
+    fs = fsspec.filesystem("memory")
+    with fs.open(f"/{namespace.name}/object.ckpt", "wb") as f:
+        torch.save({"state_dict": {}, "object": argparse.Namespace(a=1)}, f)
+    io = DDPCheckpointIO.for_namespace(namespace.name)()
+    with pytest.raises(pickle.UnpicklingError):
+        io.load_checkpoint(f"memory://{namespace.name}/object.ckpt")
+    assert io.load_checkpoint(f"memory://{namespace.name}/object.ckpt", weights_only=False)["object"].a == 1
+    with pytest.raises(FileNotFoundError):
+        io.load_checkpoint(f"memory://{namespace.name}/missing.ckpt")
+    fs.rm(f"/{namespace.name}", recursive=True)
+
+
 def test_hyperparameter_helpers_keep_their_signatures(namespace):
     """save_hyperparameters for our classes calls Lightning's parsing helpers and reads its context variable."""
     assert _pl.signature_of(_private(namespace, "collect_init_args")) == ["frame", "path_args", "inside", "classes"]

@@ -106,6 +106,8 @@ def test_save_hyperparameters_collects_our_init_arguments_in_each_namespace(name
                 "pytorch-lightning_version": namespace.version}, path)
     loaded = SubClassifier.for_namespace(namespace.name).load_from_checkpoint(path)
     assert dict(loaded.hparams) == dict(sub.hparams) and loaded.model.layers[0].out_features == 4
+    by_public_name = SubClassifier.load_from_checkpoint(path)  # a class method of Lightning's, on our class
+    assert isinstance(by_public_name, SubClassifier) and dict(by_public_name.hparams) == dict(sub.hparams)
 
 
 def test_flavoured_objects_pickle_to_the_same_flavour(namespace):
