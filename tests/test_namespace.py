@@ -159,12 +159,17 @@ def test_the_users_imports_choose_the_namespace():
 
 
 def test_a_wrong_namespace_name_is_refused_with_the_choices(monkeypatch):
-    """DDP_STRATEGY_LIGHTNING=<not a namespace> fails at construction, naming what to use."""
+    """DDP_STRATEGY_LIGHTNING=<not a namespace> fails at construction, naming what to use; one that is not
+    installed names the extra that installs it."""
     monkeypatch.setenv("DDP_STRATEGY_LIGHTNING", "lightining")
     with pytest.raises(ValueError, match="'lightning' or 'pytorch_lightning'"):
         MyDDPStrategy()
-    monkeypatch.setenv("DDP_STRATEGY_LIGHTNING", "pytorch-lightning")
-    assert _namespace.namespace_of(MyDDPStrategy()) == "pytorch_lightning"
+    monkeypatch.setenv("DDP_STRATEGY_LIGHTNING", "pytorch-lightning")  # the pip name works too
+    if "pytorch_lightning" in INSTALLED:
+        assert _namespace.namespace_of(MyDDPStrategy()) == "pytorch_lightning"
+    else:  # the suggested fix: install it with our extra
+        with pytest.raises(ModuleNotFoundError, match=r"pip install 'ddp_strategy\[pytorch-lightning\]'"):
+            MyDDPStrategy()
 
 
 def _fit(namespace: str, out: Path, epochs: int, ckpt: Path | None = None, start_method: str = "popen") -> dict:
