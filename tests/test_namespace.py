@@ -40,6 +40,32 @@ def namespace(request) -> _namespace.Namespace:
     return _namespace.load(request.param)
 
 
+def _runtime_lightning_imports(path: Path) -> list[str]:
+    """``import``s of either namespace in ``path`` that run (not under ``if TYPE_CHECKING:``)."""
+    import ast
+
+    tree = ast.parse(path.read_text())
+    typing_only = {id(node) for block in ast.walk(tree) if isinstance(block, ast.If)
+                   and ast.unparse(block.test) == "TYPE_CHECKING" for stmt in block.body for node in ast.walk(stmt)}
+    found = []
+    for node in ast.walk(tree):
+        names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                 else [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+        for name in names:
+            namespace_root = name.split(".")[0] in ("lightning", "pytorch_lightning", "lightning_fabric")
+            if namespace_root and id(node) not in typing_only:
+                found.append(f"{path.name}:{node.lineno} {name}")
+    return found
+
+
+def test_no_module_but_namespace_imports_either_namespace():
+    """Every runtime import of lightning/pytorch_lightning is in _namespace.py (which imports by name): the rest
+    of the package imports from it, so it never imports a namespace the user does not have."""
+    package = Path(_namespace.__file__).parent
+    found = [hit for path in sorted(package.rglob("*.py")) for hit in _runtime_lightning_imports(path)]
+    assert found == []
+
+
 def test_each_namespace_gets_classes_deriving_from_its_own_bases(namespace):
     """Built for one namespace, each of our Lightning-derived classes is that namespace's subclass, and ours."""
     get = namespace.get
