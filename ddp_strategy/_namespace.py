@@ -33,6 +33,7 @@ from __future__ import annotations
 import abc
 import copyreg
 import importlib
+import importlib.abc
 import importlib.util
 import inspect
 import logging
@@ -399,6 +400,50 @@ def any_namespace(path: str) -> type:
     return _AnyNamespaceMeta(path.rpartition(":")[2], (), {"_ddp_path": path, "__module__": __name__})
 
 
+class _LoadOnImport(importlib.abc.MetaPathFinder):
+    """When a namespace is imported after ``ddp_strategy``, load it (register ``"my_ddp"`` and our ABCs).
+
+    Without this, ``import ddp_strategy`` then ``import pytorch_lightning`` (with both installed) would leave
+    ``pytorch_lightning.Trainer(strategy="my_ddp")`` unregistered until one of our objects is built.
+    """
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
+        names = {roots[0]: name for name, roots in _ROOTS.items()}
+        if fullname not in names or names[fullname] in _LOADED:
+            return None
+        sys.meta_path.remove(self)  # find the real spec without finding ourselves
+        try:
+            spec = importlib.util.find_spec(fullname)
+        finally:
+            sys.meta_path.insert(0, self)
+        if spec is not None and spec.loader is not None and hasattr(spec.loader, "exec_module"):
+            spec.loader = _LoadAfter(spec.loader, names[fullname])
+        return spec
+
+
+class _LoadAfter(importlib.abc.Loader):
+    """Wraps a namespace's loader: execute the module as usual, then :func:`load` the namespace."""
+
+    def __init__(self, loader: Any, name: str) -> None:
+        self._loader, self._name = loader, name
+
+    def create_module(self, spec: Any) -> Any:
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module: ModuleType) -> None:
+        module.__loader__ = self._loader
+        if module.__spec__ is not None:
+            module.__spec__.loader = self._loader
+        self._loader.exec_module(module)
+        try:
+            load(self._name)
+        except Exception as e:  # never break the user's import; our objects register on construction anyway
+            log.debug("could not register with %s after its import: %s", self._name, e)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._loader, name)
+
+
 # ------------------------------------------------------------------------------ the default namespace
 def _load_default() -> Namespace:
     name = resolve()
@@ -409,6 +454,8 @@ def _load_default() -> Namespace:
 
 #: The namespace imported with ``ddp_strategy``, for namespace-neutral helpers.
 default: Namespace = _load_default()
+if not any(isinstance(finder, _LoadOnImport) for finder in sys.meta_path):
+    sys.meta_path.insert(0, _LoadOnImport())
 
 # Namespace-neutral helpers, from the default namespace (the same functions and equal enums in both).
 rank_zero_info = default.get("pytorch.utilities.rank_zero:rank_zero_info")

@@ -177,6 +177,10 @@ def test_the_users_imports_choose_the_namespace():
                         "pytorch_lightning_imported": True}
     pl_after = _fresh(_REPORT.replace("print(", "import pytorch_lightning\nprint(", 1))
     assert pl_after["strategy"] == pl_after["model"] == "pytorch_lightning"
+    by_name = _fresh("import json, ddp_strategy, pytorch_lightning as pl\n"  # nothing of ours built before
+                     "t = pl.Trainer(accelerator='cpu', devices=2, strategy='my_ddp', logger=False)\n"
+                     "print(json.dumps({'strategy': ddp_strategy._namespace.namespace_of(t.strategy)}))")
+    assert by_name == {"strategy": "pytorch_lightning"}
     lightning_after = _fresh(_REPORT.replace("print(", "import lightning\nprint(", 1))
     assert lightning_after["strategy"] == lightning_after["model"] == "lightning"
     assert not lightning_after["pytorch_lightning_imported"]
