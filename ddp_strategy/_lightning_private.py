@@ -29,6 +29,7 @@ __all__ = [
     "is_interactive",
     "load_checkpoint_with_weights_only",
     "prepare_for_backward",
+    "restart_finished_validation_from_zero",
     "save_hyperparameters",
     "set_lightning_sampler_injection",
     "shift_epoch_batch_progress",
@@ -191,6 +192,27 @@ def shift_epoch_batch_progress(trainer: pl.Trainer, delta: int) -> None:
     for tracker in (progress.current, progress.total):
         for field in _PROGRESS_FIELDS:
             setattr(tracker, field, getattr(tracker, field) + delta)
+
+
+def restart_finished_validation_from_zero(trainer: pl.Trainer) -> bool:
+    """Lightning 2.4 only: after a mid-epoch resume, run the epoch's next validation in full.
+
+    Lightning 2.4's evaluation loop, restored from a checkpoint saved during training (after a finished
+    validation), keeps that validation's counters and counts them as batches already fetched, so the first
+    validation after the resume runs on no batch or one (each sample exactly once no longer holds). 2.5
+    tracks a restart stage instead (``_EvaluationLoop.restarted_mid_evaluation``) and needs nothing. Where the
+    saved validation had finished (``is_last_batch``), its current counters are reset as at any new run.
+
+    Returns:
+        Whether the counters were reset.
+    """
+    val_loop: Any = trainer.fit_loop.epoch_loop.val_loop
+    if hasattr(val_loop, "restarted_mid_evaluation") or not val_loop.restarting:
+        return False
+    if not val_loop.batch_progress.is_last_batch:
+        return False
+    val_loop.batch_progress.reset_on_run()
+    return True
 
 
 def signature_of(obj: Any) -> list[str]:

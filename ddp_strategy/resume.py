@@ -57,6 +57,7 @@ def restore_batch_counter(trainer: Trainer, world_size: int) -> None:
     Raises:
         ValueError: a mid-epoch resume with more than one training loader.
     """
+    _pl.restart_finished_validation_from_zero(trainer)  # Lightning 2.4 only; see there
     samplers = train_samplers(trainer)
     epoch = trainer.fit_loop.epoch_progress.current.processed
     pending = [(s, s.pending_resume_batches(epoch)) for s in samplers]

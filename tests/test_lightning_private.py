@@ -180,6 +180,20 @@ def test_base_class_attributes_the_strategy_sets_or_reads(namespace):
     assert trainer.strategy._launcher is trainer.strategy.launcher
 
 
+def test_validation_restart_fix_applies_to_lightning_2_4_only(namespace):
+    """2.4's evaluation loop lacks restarted_mid_evaluation (and has the counters we reset); 2.5+ have it."""
+    trainer = namespace.pytorch.Trainer(accelerator="cpu", devices=1, logger=False)
+    val_loop = trainer.fit_loop.epoch_loop.val_loop
+    assert hasattr(val_loop, "restarted_mid_evaluation") == (not namespace.version.startswith("2.4."))
+    progress = val_loop.batch_progress
+    progress.current.ready = progress.current.completed = 3
+    progress.is_last_batch = True
+    val_loop._restarting = True
+    assert _pl.restart_finished_validation_from_zero(trainer) == namespace.version.startswith("2.4.")
+    if namespace.version.startswith("2.4."):
+        assert (progress.current.ready, progress.current.completed, progress.is_last_batch) == (0, 0, False)
+
+
 def test_multiprocessing_launcher_worker_signature(namespace):
     """launching.CheckedMultiProcessingLauncher overrides Lightning's private _wrapping_function (to run the
     strategy's on_exception inside each rank): its leading parameters must stay (process_idx, trainer, function)."""
