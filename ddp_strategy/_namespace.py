@@ -258,9 +258,9 @@ class Flavoured(metaclass=_FlavouredMeta):
     _ddp_base: ClassVar[str]
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Any:
-        if _own_namespace(cls) is None:
-            cls = cls.for_namespace(_namespace_of_arguments(args, kwargs) or resolve())
-        obj = super().__new__(cls)  # type: ignore[misc]
+        flavour = cls if _own_namespace(cls) is not None else cls.for_namespace(
+            _namespace_of_arguments(args, kwargs) or resolve())
+        obj = super(Flavoured, flavour).__new__(flavour)  # noqa: UP008  (flavour, not cls)
         if isinstance(obj, _ConnectsToEitherTrainer):
             obj.__dict__["_ddp_init_args"] = (args, kwargs)
         return obj
