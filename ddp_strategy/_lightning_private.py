@@ -29,7 +29,7 @@ __all__ = [
     "is_interactive",
     "load_checkpoint_with_weights_only",
     "prepare_for_backward",
-    "restart_finished_validation_from_zero",
+    "resumed_batch_count",
     "save_hyperparameters",
     "set_lightning_sampler_injection",
     "shift_epoch_batch_progress",
@@ -194,25 +194,20 @@ def shift_epoch_batch_progress(trainer: pl.Trainer, delta: int) -> None:
             setattr(tracker, field, getattr(tracker, field) + delta)
 
 
-def restart_finished_validation_from_zero(trainer: pl.Trainer) -> bool:
-    """Lightning 2.4 only: after a mid-epoch resume, run the epoch's next validation in full.
+def resumed_batch_count(trainer: pl.Trainer) -> int:
+    """The number of batches of the current epoch that Lightning's training loop will count as done on restart.
 
-    Lightning 2.4's evaluation loop, restored from a checkpoint saved during training (after a finished
-    validation), keeps that validation's counters and counts them as batches already fetched, so the first
-    validation after the resume runs on no batch or one (each sample exactly once no longer holds). 2.5
-    tracks a restart stage instead (``_EvaluationLoop.restarted_mid_evaluation``) and needs nothing. Where the
-    saved validation had finished (``is_last_batch``), its current counters are reset as at any new run.
-
-    Returns:
-        Whether the counters were reset.
+    Every version resumes at ``completed`` (``reset_on_restart``). A checkpoint saved in
+    ``on_train_batch_end`` holds ``completed = processed - 1``; Lightning 2.5+ first count that batch as
+    completed (``RestartStage.RESTARTED_ON_TRAIN_BATCH_END``, same test on the ``total`` counters as
+    ``_TrainingEpochLoop.update_restart_stage``), 2.4 does not and resumes one batch earlier. Read at
+    ``on_train_start``, before the epoch loop's reset.
     """
-    val_loop: Any = trainer.fit_loop.epoch_loop.val_loop
-    if hasattr(val_loop, "restarted_mid_evaluation") or not val_loop.restarting:
-        return False
-    if not val_loop.batch_progress.is_last_batch:
-        return False
-    val_loop.batch_progress.reset_on_run()
-    return True
+    epoch_loop: Any = trainer.fit_loop.epoch_loop
+    total = epoch_loop.batch_progress.total
+    on_batch_end = total.started == total.ready == total.processed and total.completed == total.processed - 1
+    counts_it = hasattr(epoch_loop, "restarted_on_train_batch_end") and on_batch_end
+    return epoch_loop.batch_progress.current.completed + int(counts_it)
 
 
 def signature_of(obj: Any) -> list[str]:

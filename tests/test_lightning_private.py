@@ -180,18 +180,18 @@ def test_base_class_attributes_the_strategy_sets_or_reads(namespace):
     assert trainer.strategy._launcher is trainer.strategy.launcher
 
 
-def test_validation_restart_fix_applies_to_lightning_2_4_only(namespace):
-    """2.4's evaluation loop lacks restarted_mid_evaluation (and has the counters we reset); 2.5+ have it."""
+def test_resumed_batch_count_follows_the_versions_restart_rule(namespace):
+    """Saved at a batch end (completed one behind): 2.5+ resume after that batch, 2.4 one earlier; saved
+    elsewhere (all counters equal): every version resumes at completed."""
     trainer = namespace.pytorch.Trainer(accelerator="cpu", devices=1, logger=False)
-    val_loop = trainer.fit_loop.epoch_loop.val_loop
-    assert hasattr(val_loop, "restarted_mid_evaluation") == (not namespace.version.startswith("2.4."))
-    progress = val_loop.batch_progress
-    progress.current.ready = progress.current.completed = 3
-    progress.is_last_batch = True
-    val_loop._restarting = True
-    assert _pl.restart_finished_validation_from_zero(trainer) == namespace.version.startswith("2.4.")
-    if namespace.version.startswith("2.4."):
-        assert (progress.current.ready, progress.current.completed, progress.is_last_batch) == (0, 0, False)
+    epoch_loop = trainer.fit_loop.epoch_loop
+    assert hasattr(epoch_loop, "restarted_on_train_batch_end") == (not namespace.version.startswith("2.4."))
+    for tracker in (epoch_loop.batch_progress.current, epoch_loop.batch_progress.total):
+        tracker.ready = tracker.started = tracker.processed = 5
+        tracker.completed = 4
+    assert _pl.resumed_batch_count(trainer) == (4 if namespace.version.startswith("2.4.") else 5)
+    epoch_loop.batch_progress.total.completed = epoch_loop.batch_progress.current.completed = 5
+    assert _pl.resumed_batch_count(trainer) == 5
 
 
 def test_multiprocessing_launcher_worker_signature(namespace):
