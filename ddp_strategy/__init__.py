@@ -2,6 +2,10 @@
 
     from ddp_strategy import MyDDPStrategy
     trainer = lightning.Trainer(accelerator="cpu", devices=2, strategy=MyDDPStrategy())
+    trainer = pytorch_lightning.Trainer(accelerator="cpu", devices=2, strategy=MyDDPStrategy())  # the same
+
+Works with either Lightning namespace (``lightning`` or ``pytorch_lightning``), see
+:mod:`ddp_strategy._namespace`.
 """
 
 from ddp_strategy.checkpoint_convert import export_weights, import_plain_checkpoint

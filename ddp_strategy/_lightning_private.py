@@ -1,8 +1,11 @@
-"""Every use of Lightning's private (underscore) API, in one place.
+"""Every use of Lightning's private (underscore) API, in one place, for either namespace.
 
 Lightning does not promise these names across releases. ``tests/test_lightning_private.py`` checks each
-one against the installed Lightning, so an upgrade that moves or changes one fails loudly there instead of
-deep inside a training run. Tested with Lightning 2.6.
+one against the installed Lightning, in each namespace installed (``lightning.pytorch`` and
+``pytorch_lightning``), so an upgrade that moves or changes one fails loudly there instead of deep inside a
+training run. Tested with Lightning 2.4, 2.5 and 2.6 (the names and signatures used here are the same in
+all three). Classes we derive from or construct are per namespace (see :mod:`ddp_strategy._namespace`);
+the namespace-neutral helpers come from the default namespace.
 """
 
 from __future__ import annotations
@@ -12,42 +15,127 @@ import inspect
 import sys
 from typing import TYPE_CHECKING, Any
 
-from lightning.fabric.utilities.imports import _IS_INTERACTIVE
-from lightning.pytorch.overrides.distributed import prepare_for_backward
-from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
-from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
-from lightning.pytorch.strategies.strategy import _ForwardRedirection
-from lightning.pytorch.trainer import trainer as _trainer_module
-from lightning.pytorch.utilities.data import (
-    _get_dataloader_init_args_and_kwargs,
-    _reinstantiate_wrapped_cls,
-    _update_dataloader,
-)
 from torch.utils.data import BatchSampler, SequentialSampler
+
+from ddp_strategy import _namespace
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
     from torch.utils.data import DataLoader, Sampler
 
 __all__ = [
+    "PRIVATE_NAMES",
     "ForwardRedirection",
     "allow_compiled_models",
     "MultiProcessingLauncher",
     "SubprocessScriptLauncher",
+    "call_with_weights_only",
     "is_interactive",
+    "load_checkpoint_with_weights_only",
     "prepare_for_backward",
+    "resumed_batch_count",
+    "save_hyperparameters",
     "set_lightning_sampler_injection",
     "shift_epoch_batch_progress",
     "update_dataloader",
     "update_dataloader_batch_sampler",
 ]
 
-#: Lightning's launcher that re-runs the user's script once per extra local rank (``start_method="popen"``).
-SubprocessScriptLauncher = _SubprocessScriptLauncher
-#: Lightning's launcher for ``spawn``, ``fork`` and ``forkserver`` (``torch.multiprocessing``).
-MultiProcessingLauncher = _MultiProcessingLauncher
-#: Base class that routes ``training_step`` and friends through the DDP wrapper's ``forward``.
-ForwardRedirection = _ForwardRedirection
+#: Every private (or internal) Lightning name used, by path (see ``_namespace.Namespace.get``); the guard
+#: tests resolve each in every installed namespace.
+PRIVATE_NAMES: dict[str, str] = {
+    "is_interactive": "fabric.utilities.imports:_IS_INTERACTIVE",
+    "prepare_for_backward": "pytorch.overrides.distributed:prepare_for_backward",
+    "MultiProcessingLauncher": "pytorch.strategies.launchers.multiprocessing:_MultiProcessingLauncher",
+    "SubprocessScriptLauncher": "pytorch.strategies.launchers.subprocess_script:_SubprocessScriptLauncher",
+    "ForwardRedirection": "pytorch.strategies.strategy:_ForwardRedirection",
+    "update_dataloader": "pytorch.utilities.data:_update_dataloader",
+    "given_hyperparameters": "pytorch.core.mixins.hparams_mixin:_given_hyperparameters",
+    "collect_init_args": "pytorch.utilities.parsing:collect_init_args",
+    "save_hyperparameters": "pytorch.utilities.parsing:save_hyperparameters",
+    "cloud_load": "fabric.utilities.cloud_io:_load",
+    "get_dataloader_init_args_and_kwargs": "pytorch.utilities.data:_get_dataloader_init_args_and_kwargs",
+    "reinstantiate_wrapped_cls": "pytorch.utilities.data:_reinstantiate_wrapped_cls",
+    "verify_strategy_supports_compile": "pytorch.trainer.trainer:_verify_strategy_supports_compile",
+}
+
+_default = _namespace.default
+
+
+class SubprocessScriptLauncher(_namespace.lightning_base(PRIVATE_NAMES["SubprocessScriptLauncher"])):  # type: ignore[misc]
+    """Lightning's launcher that re-runs the user's script once per extra local rank (``start_method="popen"``).
+
+    Built for the namespace of the cluster environment it is given (the Trainer's).
+    """
+
+
+#: Lightning's launcher for ``spawn``, ``fork`` and ``forkserver`` (``torch.multiprocessing``): a base class
+#: for the namespace of the strategy it is given.
+MultiProcessingLauncher: type = _namespace.lightning_base(PRIVATE_NAMES["MultiProcessingLauncher"])
+#: Base class that routes ``training_step`` and friends through the DDP wrapper's ``forward`` (plain Python,
+#: namespace-neutral).
+ForwardRedirection: type = _default.get(PRIVATE_NAMES["ForwardRedirection"])
+prepare_for_backward = _default.get(PRIVATE_NAMES["prepare_for_backward"])
+_IS_INTERACTIVE: bool = _default.get(PRIVATE_NAMES["is_interactive"])
+_update_dataloader = _default.get(PRIVATE_NAMES["update_dataloader"])
+_get_dataloader_init_args_and_kwargs = _default.get(PRIVATE_NAMES["get_dataloader_init_args_and_kwargs"])
+_reinstantiate_wrapped_cls = _default.get(PRIVATE_NAMES["reinstantiate_wrapped_cls"])
+
+
+def takes_weights_only(method: Any) -> bool:
+    """Whether a Lightning checkpoint-loading method takes ``weights_only`` (Lightning 2.6; 2.4 and 2.5 do not)."""
+    return "weights_only" in inspect.signature(method).parameters
+
+
+def call_with_weights_only(method: Any, *args: Any, weights_only: bool | None, **kwargs: Any) -> Any:
+    """Call ``method`` (e.g. ``Strategy.load_checkpoint``), passing ``weights_only`` only where it takes it.
+
+    Lightning 2.4 and 2.5 have no ``Trainer.fit(weights_only=...)`` and their ``Strategy.load_checkpoint``
+    takes only the path: the checkpoint IO's own default decides (True for :class:`DDPCheckpointIO`).
+    """
+    if takes_weights_only(method):
+        return method(*args, weights_only=weights_only, **kwargs)
+    return method(*args, **kwargs)
+
+
+def load_checkpoint_with_weights_only(method: Any, path: Any, map_location: Any, weights_only: bool) -> Any:
+    """``TorchCheckpointIO.load_checkpoint`` (``method``) honouring ``weights_only`` in every version.
+
+    Lightning 2.6's takes ``weights_only``; 2.4's and 2.5's do not (they load remote files with
+    ``weights_only=False``), so there: the same existence check, then Fabric's ``cloud_io._load``, which does.
+
+    Raises:
+        FileNotFoundError: no file at ``path``.
+    """
+    if takes_weights_only(method):
+        return method(path, map_location=map_location, weights_only=weights_only)
+    fs = _namespace.get_filesystem(path)
+    if not fs.exists(path):
+        raise FileNotFoundError(f"Checkpoint file not found: {path}")
+    return _default.get(PRIVATE_NAMES["cloud_load"])(path, map_location=map_location, weights_only=weights_only)
+
+
+def save_hyperparameters(namespace: _namespace.Namespace, obj: Any, *args: Any, ignore: Any, frame: Any,
+                         logger: bool, classes: tuple[type, ...]) -> None:
+    """Lightning's ``HyperparametersMixin.save_hyperparameters``, also collecting ``__init__`` arguments
+    from frames of ``classes`` (our namespace-free public classes).
+
+    Args:
+        namespace: the namespace of ``obj``'s class.
+        obj: the LightningModule or LightningDataModule.
+        args, ignore, logger: as Lightning's ``save_hyperparameters``.
+        frame: the frame of the ``__init__`` that called it.
+        classes: further classes whose ``__init__`` frames hold hyperparameters.
+    """
+    given = namespace.get(PRIVATE_NAMES["given_hyperparameters"]).get()
+    if given is None:
+        given = {}
+        mixin = namespace.get("pytorch.core.mixins:HyperparametersMixin")
+        for local_args in namespace.get(PRIVATE_NAMES["collect_init_args"])(frame, [], classes=(mixin, *classes)):
+            given.update(local_args)
+    obj._log_hyperparams = logger
+    namespace.get(PRIVATE_NAMES["save_hyperparameters"])(obj, *args, ignore=ignore, frame=frame, given_hparams=given)
+
 
 _USER_SAMPLER_FLAG = "_ddp_strategy_user_use_distributed_sampler"
 
@@ -99,11 +187,7 @@ def update_dataloader_batch_sampler(dataloader: DataLoader, batch_sampler: Any) 
     return _reinstantiate_wrapped_cls(dataloader, *args, **kwargs)
 
 
-#: Lightning's check that refuses compiled models on strategies outside its own list.
-_LIGHTNING_COMPILE_CHECK = "_verify_strategy_supports_compile"
-
-
-def allow_compiled_models(strategy_cls: type) -> None:
+def allow_compiled_models(namespace: _namespace.Namespace, strategy_cls: type) -> None:
     """Let ``Trainer.fit/validate/test/predict`` accept a ``torch.compile``'d LightningModule for ``strategy_cls``.
 
     The Trainer unwraps a compiled model with ``from_compiled`` (the LightningModule's ``forward`` and
@@ -115,9 +199,12 @@ def allow_compiled_models(strategy_cls: type) -> None:
     strategy. Idempotent.
 
     Args:
-        strategy_cls: the strategy class to accept (subclasses too).
+        namespace: the Lightning namespace whose trainer module is patched.
+        strategy_cls: the strategy class to accept (subclasses and every namespace's flavour too).
     """
-    original = getattr(_trainer_module, _LIGHTNING_COMPILE_CHECK)
+    module_path, _, check_name = PRIVATE_NAMES["verify_strategy_supports_compile"].partition(":")
+    trainer_module = namespace.get(module_path)
+    original = getattr(trainer_module, check_name)
     accepted = getattr(original, "_ddp_strategy_accepts", ())
     lightning_check = getattr(original, "_ddp_strategy_original", original)
     if strategy_cls in accepted:
@@ -131,7 +218,7 @@ def allow_compiled_models(strategy_cls: type) -> None:
 
     verify_strategy_supports_compile._ddp_strategy_accepts = accepted  # type: ignore[attr-defined]
     verify_strategy_supports_compile._ddp_strategy_original = lightning_check  # type: ignore[attr-defined]
-    setattr(_trainer_module, _LIGHTNING_COMPILE_CHECK, verify_strategy_supports_compile)
+    setattr(trainer_module, check_name, verify_strategy_supports_compile)
 
 
 def set_lightning_sampler_injection(trainer: pl.Trainer, enabled: bool) -> bool:
@@ -179,6 +266,22 @@ def shift_epoch_batch_progress(trainer: pl.Trainer, delta: int) -> None:
     for tracker in (progress.current, progress.total):
         for field in _PROGRESS_FIELDS:
             setattr(tracker, field, getattr(tracker, field) + delta)
+
+
+def resumed_batch_count(trainer: pl.Trainer) -> int:
+    """The number of batches of the current epoch that Lightning's training loop will count as done on restart.
+
+    Every version resumes at ``completed`` (``reset_on_restart``). A checkpoint saved in
+    ``on_train_batch_end`` holds ``completed = processed - 1``; Lightning 2.5+ first count that batch as
+    completed (``RestartStage.RESTARTED_ON_TRAIN_BATCH_END``, same test on the ``total`` counters as
+    ``_TrainingEpochLoop.update_restart_stage``), 2.4 does not and resumes one batch earlier. Read at
+    ``on_train_start``, before the epoch loop's reset.
+    """
+    epoch_loop: Any = trainer.fit_loop.epoch_loop
+    total = epoch_loop.batch_progress.total
+    on_batch_end = total.started == total.ready == total.processed and total.completed == total.processed - 1
+    counts_it = hasattr(epoch_loop, "restarted_on_train_batch_end") and on_batch_end
+    return epoch_loop.batch_progress.current.completed + int(counts_it)
 
 
 def signature_of(obj: Any) -> list[str]:

@@ -16,11 +16,10 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-import lightning
-import lightning.pytorch as pl
 import torch
 from torch import nn
 
+from ddp_strategy import _namespace
 from ddp_strategy.checkpoint_io import (
     DamagedCheckpointError,
     atomic_save,
@@ -115,7 +114,7 @@ def _fit_loop_state(epochs_completed: int, global_step: int) -> dict[str, Any]:
     Taken from a fresh Trainer's own ``fit_loop.state_dict()`` (so its layout is Lightning's), with the
     epoch and optimizer-step counters set.
     """
-    trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+    trainer = _namespace.default.pytorch.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False)
     state = trainer.fit_loop.state_dict()
     for scope in ("total", "current"):
@@ -178,7 +177,7 @@ def import_plain_checkpoint(
             and the file has no optimizer state.
         TypeError: ``output_path`` is given but ``model`` is not a LightningModule.
     """
-    if output_path is not None and not isinstance(model, pl.LightningModule):
+    if output_path is not None and not isinstance(model, _namespace.LightningModule):
         raise TypeError(f"A Lightning checkpoint needs a LightningModule; got {type(model).__name__}. Pass the"
                         " LightningModule, or output_path=None to load the weights only.")
     name = os.fspath(source) if isinstance(source, (str, os.PathLike)) else "the given checkpoint"
@@ -201,7 +200,7 @@ def import_plain_checkpoint(
     result: dict[str, Any] = {
         "epoch": max(epochs_completed - 1, 0),
         "global_step": global_step,
-        "pytorch-lightning_version": lightning.__version__,
+        "pytorch-lightning_version": _namespace.load(_namespace.namespace_of(model) or _namespace.default.name).version,
         "state_dict": unwrapped_state_dict(model),
         "loops": {"fit_loop": _fit_loop_state(epochs_completed, global_step)},
         "lr_schedulers": [],
@@ -212,7 +211,7 @@ def import_plain_checkpoint(
         part = _matched_part(model, loadable)
         _check_optimizer_lines_up(optimizer_state, list(part.parameters()), name)
         result["optimizer_states"] = [optimizer_state]
-    if isinstance(model, pl.LightningModule) and model.hparams:
+    if isinstance(model, _namespace.LightningModule) and model.hparams:
         result[model.CHECKPOINT_HYPER_PARAMS_KEY] = dict(model.hparams)
     if output_path is not None:
         if "optimizer_states" not in result:

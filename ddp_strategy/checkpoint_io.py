@@ -36,13 +36,20 @@ import warnings
 import zipfile
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
-from lightning.fabric.utilities.cloud_io import get_filesystem
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
+
+from ddp_strategy import _lightning_private as _pl
+from ddp_strategy import _namespace
+from ddp_strategy._namespace import get_filesystem
+
+if TYPE_CHECKING:
+    from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+else:  # built for the user's Lightning namespace on construction (see ddp_strategy._namespace)
+    TorchCheckpointIO = _namespace.lightning_base("fabric.plugins.io.torch_io:TorchCheckpointIO")
 
 log = logging.getLogger(__name__)
 
@@ -771,7 +778,7 @@ class DDPCheckpointIO(TorchCheckpointIO):
         """
         weights_only = self.weights_only if weights_only is None else weights_only
         if not _is_local(path):
-            return super().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
+            return _pl.load_checkpoint_with_weights_only(super().load_checkpoint, path, map_location, weights_only)
         checkpoint = load_file(path, map_location=map_location, weights_only=weights_only,
                                verify_checksums=self.verify_checksums, opt_out=LOAD_OPT_OUT)
         if not isinstance(checkpoint, dict):

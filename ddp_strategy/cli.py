@@ -8,12 +8,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from lightning.pytorch.cli import LightningCLI
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
-
 import ddp_strategy  # noqa: F401  (registers "my_ddp" with Lightning)
+from ddp_strategy import _namespace
+from ddp_strategy._namespace import rank_zero_info
 from ddp_strategy.data import DigitsDataModule
 from ddp_strategy.model import DigitsClassifier
+
+#: The CLI runs on the default namespace (``DDP_STRATEGY_LIGHTNING`` chooses; else ``lightning`` if installed).
+_LIGHTNING = _namespace.default
+LightningCLI = _LIGHTNING.get("pytorch.cli:LightningCLI")
 
 #: Trainer defaults of the main job; each is a flag (``--trainer.devices=1``) or a YAML entry.
 TRAINER_DEFAULTS: dict[str, Any] = {
@@ -21,7 +24,7 @@ TRAINER_DEFAULTS: dict[str, Any] = {
     "devices": 2,
     "strategy": "my_ddp",
     "max_epochs": 20,
-    "logger": {"class_path": "lightning.pytorch.loggers.CSVLogger", "init_args": {"save_dir": "."}},
+    "logger": {"class_path": f"{_LIGHTNING.pytorch_name}.loggers.CSVLogger", "init_args": {"save_dir": "."}},
     "log_every_n_steps": 10,
 }
 
@@ -52,8 +55,8 @@ class DigitsCLI(LightningCLI):
 def build_cli(args: list[str] | None = None) -> DigitsCLI:
     """Parse ``args`` (default ``sys.argv[1:]``) and run the chosen subcommand; return the CLI object."""
     return DigitsCLI(
-        DigitsClassifier,
-        DigitsDataModule,
+        DigitsClassifier.for_namespace(_LIGHTNING.name),
+        DigitsDataModule.for_namespace(_LIGHTNING.name),
         trainer_defaults=TRAINER_DEFAULTS,
         seed_everything_default=42,
         save_config_kwargs={"overwrite": True},

@@ -6,10 +6,18 @@ hand-written digits, test set) inside scikit-learn, so no download is needed.
 
 from __future__ import annotations
 
-import lightning.pytorch as pl
+from typing import TYPE_CHECKING
+
 import torch
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.utils.data import DataLoader, TensorDataset
+
+from ddp_strategy import _namespace
+from ddp_strategy._namespace import rank_zero_info
+
+if TYPE_CHECKING:
+    from lightning.pytorch import LightningDataModule
+else:  # built for the user's Lightning namespace on construction (see ddp_strategy._namespace)
+    LightningDataModule = _namespace.lightning_base("pytorch:LightningDataModule")
 
 NUM_FEATURES = 64
 NUM_CLASSES = 10
@@ -51,7 +59,7 @@ def split_indices(n: int, val_fraction: float, seed: int) -> tuple[torch.Tensor,
     return perm[n_val:], perm[:n_val]
 
 
-class DigitsDataModule(pl.LightningDataModule):
+class DigitsDataModule(LightningDataModule):
     """Digits, split 80/20 into train (1,438 images) and validation (359) with a fixed seed.
 
     Args:

@@ -26,13 +26,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_hasattr
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
 from ddp_strategy import _torch_private, process_group
+from ddp_strategy._namespace import lightning_getattr, lightning_hasattr, rank_zero_info, rank_zero_warn
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl

@@ -37,10 +37,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.utils.data import BatchSampler, DataLoader
 
 from ddp_strategy import injection
+from ddp_strategy._namespace import rank_zero_warn
 from ddp_strategy.sampler import ShardedBatchSampler, _EpochShards
 
 #: Attribute set on an evaluation loader: its number of batches on every rank, as a tuple.

@@ -24,11 +24,17 @@ import threading
 import time
 import traceback
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-from lightning.pytorch import Callback
+
+from ddp_strategy import _namespace
+
+if TYPE_CHECKING:
+    from lightning.pytorch import Callback
+else:  # built for the user's Lightning namespace on construction (see ddp_strategy._namespace)
+    Callback = _namespace.lightning_base("pytorch.callbacks:Callback")
 
 log = logging.getLogger(__name__)
 

@@ -12,11 +12,11 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, SequentialSampler
 from torch.utils.data.distributed import DistributedSampler
 
 from ddp_strategy import _lightning_private as _pl
+from ddp_strategy._namespace import rank_zero_warn
 from ddp_strategy.sampler import (
     EpochSeededDistributedSampler,
     ShardedBatchSampler,

@@ -13,15 +13,25 @@ import pickle
 import signal
 import threading
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from lightning.fabric.plugins import ClusterEnvironment
-from lightning.fabric.plugins.environments import LightningEnvironment, TorchElasticEnvironment
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from ddp_strategy import _lightning_private as _pl
-from ddp_strategy import failures, process_group
+from ddp_strategy import _namespace, failures, process_group
+from ddp_strategy._namespace import rank_zero_warn
+
+if TYPE_CHECKING:
+    from lightning.fabric.plugins import ClusterEnvironment
+
+#: Lightning's cluster environments of either namespace, for isinstance checks.
+LightningEnvironment = _namespace.any_namespace("fabric.plugins.environments:LightningEnvironment")
+TorchElasticEnvironment = _namespace.any_namespace("fabric.plugins.environments:TorchElasticEnvironment")
+
+
+def _is_plain_lightning_environment(env: object) -> bool:
+    """Whether ``env`` is Lightning's own ``LightningEnvironment`` (of either namespace), not a subclass."""
+    return type(env).__name__ == "LightningEnvironment" and isinstance(env, LightningEnvironment)
 
 
 def available_cpus() -> int:
@@ -122,7 +132,7 @@ def check_launch_env(
     environ = os.environ if environ is None else environ
     if isinstance(env, TorchElasticEnvironment):
         required, optional = ("WORLD_SIZE", "RANK", "LOCAL_RANK"), ("MASTER_PORT", "GROUP_RANK")
-    elif type(env) is LightningEnvironment:
+    elif _is_plain_lightning_environment(env):
         node_rank = "NODE_RANK" if "NODE_RANK" in environ else "GROUP_RANK"
         required, optional = (), ("MASTER_PORT", "LOCAL_RANK", node_rank)
     else:
@@ -145,7 +155,7 @@ def check_launch_env(
     # Upper bounds against the Trainer (RANK < WORLD_SIZE, LOCAL_RANK < devices) are check_external_world's,
     # which runs before the rendezvous; NODE_RANK is bounded here since a Lightning-launched job skips that.
     world = values.get("WORLD_SIZE", num_nodes * num_processes)
-    node_limit = num_nodes - 1 if type(env) is LightningEnvironment else None
+    node_limit = num_nodes - 1 if _is_plain_lightning_environment(env) else None
     node = f"a node index below Trainer(num_nodes={num_nodes})" if node_limit is not None else "a node index"
     limits = {"MASTER_PORT": (1 if world > 1 else 0, 65535, "a TCP port"),
               "WORLD_SIZE": (1, None, "the number of processes"),

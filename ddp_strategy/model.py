@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torchmetrics.classification import MulticlassAccuracy
 
+from ddp_strategy import _namespace
 from ddp_strategy.data import NUM_CLASSES, NUM_FEATURES
+
+if TYPE_CHECKING:
+    from lightning.pytorch import LightningModule
+else:  # built for the user's Lightning namespace on construction (see ddp_strategy._namespace)
+    LightningModule = _namespace.lightning_base("pytorch:LightningModule")
 
 
 class DigitsNet(nn.Module):
@@ -37,7 +42,7 @@ class DigitsNet(nn.Module):
         return self.layers(x)
 
 
-class DigitsClassifier(pl.LightningModule):
+class DigitsClassifier(LightningModule):
     """The reference LightningModule: :class:`DigitsNet` under ``self.model``, cross-entropy, Adam.
 
     Accuracy is a ``torchmetrics`` ``MulticlassAccuracy``; under DDP torchmetrics sums its counts over

@@ -9,14 +9,14 @@ batch counter.
 from __future__ import annotations
 
 import warnings
-from typing import Any
-
-from lightning.pytorch import Trainer
-from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from typing import TYPE_CHECKING, Any
 
 from ddp_strategy import _lightning_private as _pl
 from ddp_strategy import injection, sampler, sampler_state
+from ddp_strategy._namespace import TrainerFn, rank_zero_info, rank_zero_warn
+
+if TYPE_CHECKING:
+    from lightning.pytorch import Trainer
 
 
 def train_samplers(trainer: Trainer) -> list[Any]:
@@ -48,7 +48,8 @@ def restore_batch_counter(trainer: Trainer, world_size: int) -> None:
     """After a mid-epoch resume, set Lightning's batch counter to ``num_training_batches - batches left``.
 
     Lightning does not fast-forward the loader: it counts the batches it believes done and stops at
-    ``num_training_batches``. With the same world size the counter is already right; after an elastic
+    ``num_training_batches``. With the same world size the counter is already right (on Lightning 2.5+;
+    2.4 would resume one batch early, see ``_lightning_private.resumed_batch_count``); after an elastic
     resume each new rank has a different number of batches left, so the counter is moved (same on every
     rank, no collective). With ``limit_train_batches`` set (a fraction below 1.0, or a batch count),
     Lightning's restored counter is kept: the epoch ends at the limit, not at the loader's end, so an elastic
@@ -73,10 +74,12 @@ def restore_batch_counter(trainer: Trainer, world_size: int) -> None:
     if isinstance(limit, int) or (isinstance(limit, float) and limit < 1.0):
         # limit_train_batches cuts every epoch short: Lightning's own counter (restored from the checkpoint)
         # already says how many of the limited batches are done, and the loader is never read to its end.
-        injected.batch_offset = trainer.fit_loop.epoch_loop.batch_progress.current.ready
+        saved = trainer.fit_loop.epoch_loop.batch_progress.current.ready
+        _pl.shift_epoch_batch_progress(trainer, saved - _pl.resumed_batch_count(trainer))  # 0 but on 2.4
+        injected.batch_offset = saved
         return
     done = max(int(trainer.num_training_batches) - left, 0)
-    _pl.shift_epoch_batch_progress(trainer, done - trainer.fit_loop.epoch_loop.batch_progress.current.ready)
+    _pl.shift_epoch_batch_progress(trainer, done - _pl.resumed_batch_count(trainer))
     injected.batch_offset = done
     # Lightning warns that a plain DataLoader cannot resume mid-epoch; ours does, so say what happens instead.
     warnings.filterwarnings("ignore", message=sampler.LIGHTNING_NOT_RESUMABLE_WARNING)

@@ -18,19 +18,10 @@ import os
 from collections.abc import Callable, Generator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.distributed as dist
-from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning.fabric.utilities.seed import reset_seed
-from lightning.pytorch import Trainer
-from lightning.pytorch.accelerators import Accelerator
-from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
-from lightning.pytorch.trainer.states import RunningStage, TrainerFn
-from lightning.pytorch.utilities.exceptions import SIGTERMException
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
@@ -38,6 +29,7 @@ from typing_extensions import override
 
 from ddp_strategy import _lightning_private as _pl
 from ddp_strategy import (
+    _namespace,
     argument_checks,
     checkpoint_io,
     comm_hooks,
@@ -55,7 +47,25 @@ from ddp_strategy import (
     sync_batchnorm,
     wrapping,
 )
+from ddp_strategy._namespace import (
+    RunningStage,
+    SIGTERMException,
+    TrainerFn,
+    rank_zero_info,
+    rank_zero_only,
+    rank_zero_warn,
+    reset_seed,
+)
 from ddp_strategy.checkpoint_io import DDPCheckpointIO
+
+if TYPE_CHECKING:
+    from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+    from lightning.pytorch import Trainer
+    from lightning.pytorch.accelerators import Accelerator
+    from lightning.pytorch.plugins.precision import Precision
+    from lightning.pytorch.strategies import ParallelStrategy
+else:  # the flavour for the user's Lightning namespace is built on construction (see ddp_strategy._namespace)
+    ParallelStrategy = _namespace.lightning_base("pytorch.strategies:ParallelStrategy")
 
 log = logging.getLogger(__name__)
 
@@ -674,7 +684,7 @@ class MyDDPStrategy(ParallelStrategy):
             # This strategy wrote the file (unchanged since): Lightning's internal restores (the LR finder's
             # temporary checkpoint, ckpt_path="best"/"last") load it whatever it holds.
             weights_only = False
-        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        checkpoint = _pl.call_with_weights_only(super().load_checkpoint, checkpoint_path, weights_only=weights_only)
         entry = checkpoint.get(sampler_state.CHECKPOINT_KEY)
         self._pending_positions = list(sampler_state.loader_positions(entry)) if entry is not None else []
         return checkpoint
@@ -862,7 +872,9 @@ class MyDDPStrategy(ParallelStrategy):
                                            start_method=start_method)
 
 
-MyDDPStrategy.register_strategies(StrategyRegistry)
-_pl.allow_compiled_models(MyDDPStrategy)
+# In each namespace's registry, the flavour for that namespace; and its Trainer accepts compiled models for it.
+_namespace.on_load(lambda namespace: MyDDPStrategy.for_namespace(namespace.name).register_strategies(
+    namespace.get("pytorch.strategies:StrategyRegistry")))
+_namespace.on_load(lambda namespace: _pl.allow_compiled_models(namespace, MyDDPStrategy))
 
 __all__ = ["MyDDPStrategy", "default_start_method", "START_METHODS"]

@@ -12,13 +12,23 @@ so outputs, running statistics and gradients equal those of one ``BatchNorm`` ov
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.distributed as dist
 import torch.distributed.nn.functional as dist_fn
-from lightning.pytorch.plugins import LayerSync, TorchSyncBatchNorm
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from typing_extensions import override
+
+from ddp_strategy import _namespace
+
+if TYPE_CHECKING:
+    from lightning.pytorch.plugins import LayerSync, TorchSyncBatchNorm
+else:  # built for the user's Lightning namespace on construction (see ddp_strategy._namespace)
+    TorchSyncBatchNorm = _namespace.lightning_base("pytorch.plugins:TorchSyncBatchNorm")
+
+_TORCH_SYNC_BATCHNORM = "pytorch.plugins:TorchSyncBatchNorm"
 
 
 class CPUSyncBatchNorm(_BatchNorm):
@@ -181,6 +191,7 @@ class DDPSyncBatchNorm(TorchSyncBatchNorm):
 
 def cpu_capable(layer_sync: LayerSync | None) -> LayerSync | None:
     """Swap Lightning's default ``TorchSyncBatchNorm`` for :class:`DDPSyncBatchNorm`; keep any other plugin."""
-    if type(layer_sync) is TorchSyncBatchNorm:
-        return DDPSyncBatchNorm()
+    namespace = _namespace.namespace_of(layer_sync)  # the Trainer's: it made the plugin
+    if namespace is not None and type(layer_sync) is _namespace.load(namespace).get(_TORCH_SYNC_BATCHNORM):
+        return DDPSyncBatchNorm.for_namespace(namespace)()
     return layer_sync

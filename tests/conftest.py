@@ -11,6 +11,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
+# The suite imports both Lightning namespaces in one process (tests/test_namespace.py imports pytorch_lightning);
+# objects built without a namespace of their own (DigitsClassifier()) follow the user's imports, so pin the
+# namespace the other test files are written against. tests/test_namespace.py clears it for its user processes.
+os.environ.setdefault("DDP_STRATEGY_LIGHTNING", "lightning")
+
 # Child processes that may outlive a test by design: multiprocessing's resource tracker and forkserver.
 _LONG_LIVED_HELPERS = ("resource_tracker", "forkserver", "semaphore_tracker")
 

@@ -13,7 +13,15 @@ from typing import Any
 import torch
 from torch.utils.data import TensorDataset
 
-from ddp_strategy import DigitsClassifier, DigitsDataModule
+from ddp_strategy import DigitsClassifier, DigitsDataModule, DigitsNet
+
+#: The state-dict keys of a DigitsClassifier checkpoint: DigitsNet's, under ``model.``, no ``module.``.
+LIGHTNING_KEYS = {f"model.{k}" for k in DigitsNet().state_dict()}
+
+
+def probe_input() -> torch.Tensor:
+    """A fixed batch of 16 random 'images', shape (16, 64)."""
+    return torch.rand(16, 64, generator=torch.Generator().manual_seed(7))
 
 
 def free_port() -> int:

@@ -7,6 +7,7 @@ from pathlib import Path
 import lightning.pytorch as pl
 import pytest
 import torch
+from ddp_testing import LIGHTNING_KEYS, probe_input
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from ddp_strategy import DigitsClassifier, DigitsDataModule, DigitsNet, MyDDPStrategy, load_plain_state_dict
@@ -15,14 +16,6 @@ from ddp_strategy.checkpoint_io import load_file
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
 
 SEED = 321
-LIGHTNING_KEYS = {f"model.{k}" for k in DigitsNet().state_dict()}
-
-
-def probe_input() -> torch.Tensor:
-    """A fixed batch of 16 random 'images', shape (16, 64)."""
-    return torch.rand(16, 64, generator=torch.Generator().manual_seed(7))
-
-
 class CompiledDigitsClassifier(DigitsClassifier):
     """DigitsClassifier whose plain model is compiled (eager backend, so it runs on CPU without a compiler)."""
 

@@ -1,56 +1,128 @@
-"""Guards every private Lightning name we use: a Lightning upgrade that changes one fails here, loudly."""
+"""Guards every private Lightning name we use, in every installed namespace (``lightning.pytorch`` and
+``pytorch_lightning``): a Lightning upgrade that moves or changes one fails here, loudly."""
 
 from __future__ import annotations
 
-import lightning
+import inspect
+
 import pytest
 import torch
-from lightning.pytorch import Trainer
 from torch.utils.data import DataLoader, TensorDataset
 
 from ddp_strategy import _lightning_private as _pl
+from ddp_strategy import _namespace
+
+pytestmark = pytest.mark.compat
+
+#: The Lightning minors this package is tested with (setup.cfg and the README's Compatibility table).
+SUPPORTED_MINORS = ("2.4.", "2.5.", "2.6.")
 
 
-def test_tested_lightning_minor():
-    """We test Lightning 2.6; setup.cfg pins >=2.6,<2.7 because of the names below."""
-    assert lightning.__version__.startswith("2.6.")
+@pytest.fixture(params=_namespace.installed())
+def namespace(request) -> _namespace.Namespace:
+    """Each installed namespace, imported."""
+    return _namespace.load(request.param)
 
 
-def test_launchers_keep_their_signatures():
+def _private(namespace: _namespace.Namespace, name: str):
+    return namespace.get(_pl.PRIVATE_NAMES[name])
+
+
+def test_every_private_name_resolves(namespace):
+    """Every private name listed in _lightning_private exists in this namespace."""
+    for name in _pl.PRIVATE_NAMES:
+        assert _private(namespace, name) is not None
+
+
+def test_tested_lightning_minor(namespace):
+    """We test Lightning 2.4, 2.5 and 2.6; setup.cfg pins >=2.4,<2.7 because of the names below."""
+    assert namespace.version.startswith(SUPPORTED_MINORS)
+
+
+def test_launchers_keep_their_signatures(namespace):
     """The launchers we construct take the arguments we pass."""
-    assert _pl.signature_of(_pl.SubprocessScriptLauncher) == ["cluster_environment", "num_processes", "num_nodes"]
-    assert _pl.signature_of(_pl.MultiProcessingLauncher) == ["strategy", "start_method"]
+    assert _pl.signature_of(_private(namespace, "SubprocessScriptLauncher")) == [
+        "cluster_environment", "num_processes", "num_nodes"]
+    assert _pl.signature_of(_private(namespace, "MultiProcessingLauncher")) == ["strategy", "start_method"]
 
 
-def test_forward_redirection_hooks_exist():
+def test_our_launchers_are_built_for_the_namespace_of_their_arguments(namespace):
+    """SubprocessScriptLauncher(env, ...) is the launcher of env's namespace; so is the spawn launcher."""
+    env = namespace.get("fabric.plugins.environments:LightningEnvironment")()
+    launcher = _pl.SubprocessScriptLauncher(env, 2, 1)
+    assert isinstance(launcher, _private(namespace, "SubprocessScriptLauncher"))
+    assert isinstance(launcher, _pl.SubprocessScriptLauncher)
+    assert launcher.num_processes == 2
+
+
+def test_forward_redirection_hooks_exist(namespace):
     """Our DDP forward redirection overrides these two hooks of Lightning's base class."""
     for hook in ("on_after_inner_forward", "on_after_outer_forward", "__call__"):
-        assert callable(getattr(_pl.ForwardRedirection, hook))
-    assert _pl.signature_of(_pl.prepare_for_backward) == ["model", "output"]
+        assert callable(getattr(_private(namespace, "ForwardRedirection"), hook))
+    assert _pl.signature_of(_private(namespace, "prepare_for_backward")) == ["model", "output"]
 
 
-def test_update_dataloader_replaces_the_sampler():
+def test_checkpoint_loading_takes_weights_only_or_we_load_ourselves(namespace):
+    """Strategy.load_checkpoint and TorchCheckpointIO.load_checkpoint take weights_only together (2.6) or not at
+    all (2.4, 2.5); where not, Fabric's cloud_io._load, which we then call, takes it."""
+    strategy_takes = _pl.takes_weights_only(namespace.get("pytorch.strategies:Strategy.load_checkpoint"))
+    io_method = namespace.get("fabric.plugins.io.torch_io:TorchCheckpointIO.load_checkpoint")
+    assert _pl.takes_weights_only(io_method) == strategy_takes == namespace.version.startswith("2.6.")
+    assert _pl.signature_of(_private(namespace, "cloud_load"))[:3] == ["path_or_url", "map_location", "weights_only"]
+
+
+def test_remote_loading_honours_weights_only(namespace):
+    """From a non-local fsspec file system (memory://), DDPCheckpointIO refuses a pickled object by default."""
+    import argparse
+    import pickle
+
+    import fsspec
+
+    from ddp_strategy import DDPCheckpointIO
+
+    fs = fsspec.filesystem("memory")
+    with fs.open(f"/{namespace.name}/object.ckpt", "wb") as f:
+        torch.save({"state_dict": {}, "object": argparse.Namespace(a=1)}, f)
+    io = DDPCheckpointIO.for_namespace(namespace.name)()
+    with pytest.raises(pickle.UnpicklingError):
+        io.load_checkpoint(f"memory://{namespace.name}/object.ckpt")
+    assert io.load_checkpoint(f"memory://{namespace.name}/object.ckpt", weights_only=False)["object"].a == 1
+    with pytest.raises(FileNotFoundError):
+        io.load_checkpoint(f"memory://{namespace.name}/missing.ckpt")
+    fs.rm(f"/{namespace.name}", recursive=True)
+
+
+def test_hyperparameter_helpers_keep_their_signatures(namespace):
+    """save_hyperparameters for our classes calls Lightning's parsing helpers and reads its context variable."""
+    assert _pl.signature_of(_private(namespace, "collect_init_args")) == ["frame", "path_args", "inside", "classes"]
+    assert _pl.signature_of(_private(namespace, "save_hyperparameters")) == [
+        "obj", "args", "ignore", "frame", "given_hparams"]
+    assert _private(namespace, "given_hyperparameters").get() is None
+
+
+def test_update_dataloader_replaces_the_sampler(namespace):
     """Lightning's loader re-instantiation still keeps batch_size and takes our sampler."""
     loader = DataLoader(TensorDataset(torch.arange(6)), batch_size=3)
     sampler = list(reversed(range(6)))
-    new = _pl.update_dataloader(loader, sampler)
+    new = _private(namespace, "update_dataloader")(loader, sampler)
     assert new.batch_size == 3 and [b[0].tolist() for b in new] == [[5, 4, 3], [2, 1, 0]]
 
 
-def test_sampler_injection_flag_lives_on_the_accelerator_connector():
+def test_sampler_injection_flag_lives_on_the_accelerator_connector(namespace):
     """Turning Lightning's own sampler injection off and back on restores the user's value."""
-    trainer = Trainer(accelerator="cpu", devices=1, use_distributed_sampler=True, logger=False)
+    trainer = namespace.pytorch.Trainer(accelerator="cpu", devices=1, use_distributed_sampler=True, logger=False)
     assert _pl.set_lightning_sampler_injection(trainer, enabled=False) is True
     assert trainer._accelerator_connector.use_distributed_sampler is False
     _pl.set_lightning_sampler_injection(trainer, enabled=True)
     assert trainer._accelerator_connector.use_distributed_sampler is True
 
 
-def test_is_interactive_needs_a_running_ipython_not_just_an_import(monkeypatch):
+def test_is_interactive_needs_a_running_ipython_not_just_an_import(monkeypatch, namespace):
     """pytest is not interactive; importing ipykernel is not either; a running IPython shell is."""
     import sys
     import types
 
+    assert isinstance(_private(namespace, "is_interactive"), bool)
     assert _pl.is_interactive() is False
     monkeypatch.setitem(sys.modules, "ipykernel", types.ModuleType("ipykernel"))
     fake = types.ModuleType("IPython")
@@ -61,17 +133,17 @@ def test_is_interactive_needs_a_running_ipython_not_just_an_import(monkeypatch):
     assert _pl.is_interactive() is True
 
 
-def test_sampler_injection_keeps_the_users_false():
+def test_sampler_injection_keeps_the_users_false(namespace):
     """Enabling Lightning's injection (predict) restores the user's use_distributed_sampler=False, never forces True."""
-    trainer = Trainer(accelerator="cpu", devices=1, use_distributed_sampler=False, logger=False)
+    trainer = namespace.pytorch.Trainer(accelerator="cpu", devices=1, use_distributed_sampler=False, logger=False)
     assert _pl.set_lightning_sampler_injection(trainer, enabled=True) is False
     assert trainer._accelerator_connector.use_distributed_sampler is False
 
 
-def test_update_dataloader_batch_sampler_keeps_subclass_arguments():
+def test_update_dataloader_batch_sampler_keeps_subclass_arguments(namespace):
     """A DataLoader subclass with its own __init__ argument is re-created around a given batch sampler: the
-    subclass, its argument, num_workers and collate_fn stay; Lightning's private resolution helpers still exist."""
-    from lightning.pytorch.utilities import data as pl_data
+    subclass, its argument, num_workers and collate_fn stay; Lightning's private resolution helpers exist in
+    every namespace."""
 
     class Tagged(DataLoader):
         def __init__(self, dataset, tag, **kwargs):
@@ -93,40 +165,38 @@ def test_update_dataloader_batch_sampler_keeps_subclass_arguments():
     assert type(new) is Tagged and new.tag == "x" and new.collate_fn is collate
     assert [b.tolist() for b in new] == [[0, 20], [40]]
     assert loader.batch_sampler.__class__ is Odd  # the user's loader is untouched
-    for name in ("_get_dataloader_init_args_and_kwargs", "_reinstantiate_wrapped_cls"):
-        assert callable(getattr(pl_data, name))
+    for key in ("get_dataloader_init_args_and_kwargs", "reinstantiate_wrapped_cls"):
+        assert callable(namespace.get(_pl.PRIVATE_NAMES[key]))
 
 
-def test_compiled_models_are_accepted_for_our_strategy_only():
-    """Lightning's trainer module calls _verify_strategy_supports_compile(model, strategy) in fit/validate/test/
-    predict; our replacement accepts MyDDPStrategy and still refuses a compiled model on other strategies."""
-    import inspect
-
-    from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
-    from lightning.pytorch.trainer import trainer as trainer_module
-    from lightning.pytorch.utilities import compile as pl_compile
-
+def test_compiled_models_are_accepted_for_our_strategy_only(namespace):
+    """Each namespace's trainer module calls _verify_strategy_supports_compile(model, strategy) in fit/validate/
+    test/predict; our replacement accepts MyDDPStrategy and still refuses a compiled model on other strategies."""
     from ddp_strategy import DigitsClassifier, MyDDPStrategy
 
-    assert inspect.signature(pl_compile._verify_strategy_supports_compile).parameters.keys() == {"model", "strategy"}
-    for method in (Trainer.fit, Trainer.validate, Trainer.test, Trainer.predict):
+    trainer_module = namespace.get("pytorch.trainer.trainer")
+    compile_module = namespace.get("pytorch.utilities.compile")
+    assert inspect.signature(compile_module._verify_strategy_supports_compile).parameters.keys() == {"model",
+                                                                                                    "strategy"}
+    trainer_cls = namespace.pytorch.Trainer
+    for method in (trainer_cls.fit, trainer_cls.validate, trainer_cls.test, trainer_cls.predict):
         assert "_verify_strategy_supports_compile" in method.__code__.co_names
     check = trainer_module._verify_strategy_supports_compile
     assert MyDDPStrategy in check._ddp_strategy_accepts
-    model = DigitsClassifier()
+    model = DigitsClassifier.for_namespace(namespace.name)()
     model._compiler_ctx = {"compiler": "dynamo"}
-    check(model, MyDDPStrategy())
-    check(model, SingleDeviceStrategy("cpu"))
-    assert not issubclass(MyDDPStrategy, DDPStrategy)  # accepted by the replacement, not by Lightning's list
+    check(model, MyDDPStrategy.for_namespace(namespace.name)())
+    check(model, namespace.get("pytorch.strategies:SingleDeviceStrategy")("cpu"))
+    assert not issubclass(MyDDPStrategy, namespace.get("pytorch.strategies:DDPStrategy"))
     with pytest.raises(RuntimeError, match="Using a compiled model is incompatible with the current strategy"):
         check(model, object())  # any strategy outside Lightning's list is still refused
-    _pl.allow_compiled_models(MyDDPStrategy)  # idempotent
+    _pl.allow_compiled_models(namespace, MyDDPStrategy)  # idempotent
     assert trainer_module._verify_strategy_supports_compile is check
 
 
-def test_epoch_batch_progress_counters_shift_together():
+def test_epoch_batch_progress_counters_shift_together(namespace):
     """The epoch loop's batch progress has current/total trackers with the four counters we shift."""
-    trainer = Trainer(accelerator="cpu", devices=1, logger=False)
+    trainer = namespace.pytorch.Trainer(accelerator="cpu", devices=1, logger=False)
     progress = trainer.fit_loop.epoch_loop.batch_progress
     progress.current.ready = progress.total.ready = 5
     _pl.shift_epoch_batch_progress(trainer, -2)
@@ -135,40 +205,50 @@ def test_epoch_batch_progress_counters_shift_together():
     assert {"ready", "started", "processed", "completed"} <= set(vars(progress.current))
 
 
-def test_not_resumable_warning_text_is_still_lightnings():
+def test_not_resumable_warning_text_is_still_lightnings(namespace):
     """The strategy silences Lightning's 'dataloader is not resumable' warning by its text; the text must match."""
-    import inspect
-
-    from lightning.pytorch.loops import training_epoch_loop
-
     from ddp_strategy.sampler import LIGHTNING_NOT_RESUMABLE_WARNING
 
-    assert LIGHTNING_NOT_RESUMABLE_WARNING in inspect.getsource(training_epoch_loop)
+    assert LIGHTNING_NOT_RESUMABLE_WARNING in inspect.getsource(namespace.get("pytorch.loops.training_epoch_loop"))
 
 
-def test_base_class_attributes_the_strategy_sets_or_reads():
+def test_base_class_attributes_the_strategy_sets_or_reads(namespace):
     """MyDDPStrategy uses four underscore attributes of Lightning's Strategy/ParallelStrategy, as Lightning's own
     DDPStrategy does: _launcher, _checkpoint_io, _layer_sync (filled by Trainer(sync_batchnorm=True)) and
     _forward_redirection (routes training_step through DDP's forward)."""
-    from lightning.pytorch.strategies import ParallelStrategy
-    from lightning.pytorch.strategies.strategy import _ForwardRedirection
-
     from ddp_strategy import MyDDPStrategy
 
-    s = MyDDPStrategy()
+    ParallelStrategy = namespace.get("pytorch.strategies:ParallelStrategy")
+    _ForwardRedirection = _private(_namespace.default, "ForwardRedirection")  # plain Python: the default's
+    s = MyDDPStrategy.for_namespace(namespace.name)()
     for name in ("_launcher", "_checkpoint_io", "_layer_sync", "_forward_redirection"):
         assert name in vars(s), f"Lightning's Strategy no longer sets {name}"
     assert isinstance(s._forward_redirection, _ForwardRedirection)
     assert callable(getattr(ParallelStrategy, "_configure_launcher", None))
-    trainer = Trainer(accelerator="cpu", devices=2, strategy=MyDDPStrategy(start_method="spawn"), sync_batchnorm=True,
-                      logger=False)
+    trainer = namespace.pytorch.Trainer(accelerator="cpu", devices=2, strategy=MyDDPStrategy(start_method="spawn"),
+                                        sync_batchnorm=True, logger=False)
+    assert isinstance(trainer.strategy, ParallelStrategy)
     assert type(trainer.strategy._layer_sync).__name__ == "TorchSyncBatchNorm"
     assert trainer.strategy._launcher is trainer.strategy.launcher
 
 
-def test_multiprocessing_launcher_worker_signature():
+def test_resumed_batch_count_follows_the_versions_restart_rule(namespace):
+    """Saved at a batch end (completed one behind): 2.5+ resume after that batch, 2.4 one earlier; saved
+    elsewhere (all counters equal): every version resumes at completed."""
+    trainer = namespace.pytorch.Trainer(accelerator="cpu", devices=1, logger=False)
+    epoch_loop = trainer.fit_loop.epoch_loop
+    assert hasattr(epoch_loop, "restarted_on_train_batch_end") == (not namespace.version.startswith("2.4."))
+    for tracker in (epoch_loop.batch_progress.current, epoch_loop.batch_progress.total):
+        tracker.ready = tracker.started = tracker.processed = 5
+        tracker.completed = 4
+    assert _pl.resumed_batch_count(trainer) == (4 if namespace.version.startswith("2.4.") else 5)
+    epoch_loop.batch_progress.total.completed = epoch_loop.batch_progress.current.completed = 5
+    assert _pl.resumed_batch_count(trainer) == 5
+
+
+def test_multiprocessing_launcher_worker_signature(namespace):
     """launching.CheckedMultiProcessingLauncher overrides Lightning's private _wrapping_function (to run the
     strategy's on_exception inside each rank): its leading parameters must stay (process_idx, trainer, function)."""
-    params = _pl.signature_of(_pl.MultiProcessingLauncher._wrapping_function)
+    params = _pl.signature_of(_private(namespace, "MultiProcessingLauncher")._wrapping_function)
     assert params[:4] == ["self", "process_idx", "trainer", "function"]
     assert params[4:] == ["args", "kwargs", "return_queue", "global_states"]
