@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import signal
 import time
@@ -14,7 +15,8 @@ import torch.distributed as dist
 # The suite imports both Lightning namespaces in one process (tests/test_namespace.py imports pytorch_lightning);
 # objects built without a namespace of their own (DigitsClassifier()) follow the user's imports, so pin the
 # namespace the other test files are written against. tests/test_namespace.py clears it for its user processes.
-os.environ.setdefault("DDP_STRATEGY_LIGHTNING", "lightning")
+if all(importlib.util.find_spec(name) is not None for name in ("lightning", "pytorch_lightning")):
+    os.environ.setdefault("DDP_STRATEGY_LIGHTNING", "lightning")
 
 # Child processes that may outlive a test by design: multiprocessing's resource tracker and forkserver.
 _LONG_LIVED_HELPERS = ("resource_tracker", "forkserver", "semaphore_tracker")
