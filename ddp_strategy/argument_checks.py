@@ -21,6 +21,9 @@ from ddp_strategy._namespace import rank_zero_warn
 DDP_FLAGS = ("find_unused_parameters", "static_graph", "gradient_as_bucket_view", "broadcast_buffers")
 
 
+#: Lightning's ``seed_everything`` accepts 0 .. 2**32 - 1 (NumPy's range).
+_MAX_SEED = 2**32 - 1
+
 def _type_error(name: str, expected: str, value: Any) -> TypeError:
     return TypeError(f"MyDDPStrategy({name}=...) must be {expected}, got {value!r} ({type(value).__name__}).")
 
@@ -41,7 +44,8 @@ def check_strategy_arguments(
 
     Raises:
         TypeError: an argument has the wrong type (e.g. ``seed="1"``, ``init_method=5``).
-        ValueError: an argument is out of range (``verify_sync_every_n_steps=0``, ``checkpoint_on_sigterm=""``).
+        ValueError: an argument is out of range (``verify_sync_every_n_steps=0``, ``checkpoint_on_sigterm=""``,
+            a ``seed`` outside 0 .. 2**32 - 1001).
     """
     for name, value in (("process_group_backend", process_group_backend), ("start_method", start_method),
                         ("init_method", init_method)):
@@ -49,6 +53,10 @@ def check_strategy_arguments(
             raise _type_error(name, "a string or None", value)
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, numbers.Integral)):
         raise _type_error("seed", "an int or None", seed)
+    if seed is not None and not 0 <= seed <= _MAX_SEED - 1000:  # the sampler seeds with seed + epoch
+        raise ValueError(f"MyDDPStrategy(seed={seed}): the sampler seed must be between 0 and {_MAX_SEED - 1000}"
+                         f" (Lightning's seed_everything range, 0 to 2**32 - 1, less room for the epoch); pass a"
+                         f" smaller seed, or None to use seed_everything's.")
     if store is not None and not isinstance(store, dist.Store):
         raise _type_error("store", "a torch.distributed.Store (e.g. FileStore) or None", store)
     if not isinstance(allow_cpu_oversubscription, bool):

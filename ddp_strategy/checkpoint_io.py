@@ -554,12 +554,21 @@ def _fsync_folder(folder: str) -> None:
         os.close(fd)
 
 
+def _new_file_mode() -> int:
+    """The mode ``open(path, "w")`` gives a new file: 0o666 less the process's umask (0o644 for umask 022)."""
+    umask = os.umask(0o022)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
 def atomic_save(obj: Any, path: str | os.PathLike, save_fn: Callable[[Any, Any], None] = torch.save) -> None:
     """Write ``obj`` to ``path`` so that a crash at any moment leaves the old or the new complete file.
 
     ``save_fn(obj, file)`` writes into a hidden temporary file in ``path``'s folder (see :func:`temp_prefix`;
     never named ``*.ckpt``), which is flushed and fsynced, renamed over ``path`` with :func:`os.replace`,
-    and the folder is fsynced. On any error the temporary file is removed and the error re-raised. Stale
+    and the folder is fsynced. The file gets the permissions a plain ``torch.save(obj, path)`` gives (0o666 less
+    the umask), so other users can read it where they could read Lightning's. On any error the temporary file is
+    removed and the error re-raised. Stale
     temporary files of dead writers in the folder are removed first. Creates the folder if needed.
 
     Args:
@@ -573,6 +582,7 @@ def atomic_save(obj: Any, path: str | os.PathLike, save_fn: Callable[[Any, Any],
     remove_stale_temp_files(folder)
     fd, tmp = tempfile.mkstemp(prefix=temp_prefix(path), suffix=_TMP_SUFFIX, dir=folder)
     try:
+        os.fchmod(fd, _new_file_mode())  # mkstemp makes it 0o600; torch.save(path) would follow the umask
         with os.fdopen(fd, "wb") as f:
             save_fn(obj, f)
             f.flush()

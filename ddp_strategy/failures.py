@@ -40,6 +40,10 @@ log = logging.getLogger(__name__)
 
 _PID_KEY = "ddp_strategy/pid/{rank}"
 _FAILED_KEY = "ddp_strategy/failed/{rank}"
+_EXPLAINED_KEY = "ddp_strategy/explained/{rank}"
+#: How long a rank whose own code failed waits, after leaving the group, for the others to say why (seconds):
+#: its exit is what Lightning's popen observer acts on by killing every rank, the explaining ones included.
+EXPLAIN_WAIT_S = 10.0
 #: How long a store operation may take while handling a failure (seconds).
 STORE_TIMEOUT_S = 2.0
 #: How long to wait for a peer whose connection broke to show up as exited (seconds).
@@ -88,6 +92,37 @@ def report_failure(store: dist.Store | None, rank: int, exception: BaseException
         store.set(_FAILED_KEY.format(rank=rank), summarize(exception))
     except Exception as e:  # the store may live in a process that is already gone
         log.debug("[rank %d] could not publish the failure: %s", rank, e)
+
+
+def acknowledge(store: dist.Store | None, rank: int) -> None:
+    """Say (best-effort, bounded) that this rank has explained its collective error (see :func:`wait_for_peers`)."""
+    if store is None:
+        return
+    try:
+        store.set_timeout(timedelta(seconds=STORE_TIMEOUT_S))
+        store.set(_EXPLAINED_KEY.format(rank=rank), "1")
+    except Exception as e:  # the store may live in a process that is already gone
+        log.debug("[rank %d] could not acknowledge: %s", rank, e)
+
+
+def wait_for_peers(store: dist.Store | None, rank: int, world_size: int, timeout_s: float = EXPLAIN_WAIT_S) -> None:
+    """On the rank whose own code failed, after it left the group: wait until every other rank has explained
+    its broken collective (:func:`acknowledge`), at most ``timeout_s`` seconds.
+
+    Its peers learn of the failure when their collective breaks, and say which rank failed and why; the failing
+    rank's exit must not come first, or a launcher that kills every rank when one exits (Lightning's popen
+    observer) would cut that explanation off. Returns early when the store cannot be reached.
+    """
+    if store is None or world_size < 2:
+        return
+    keys = [_EXPLAINED_KEY.format(rank=peer) for peer in range(world_size) if peer != rank]
+    deadline = time.monotonic() + timeout_s
+    try:
+        store.set_timeout(timedelta(seconds=STORE_TIMEOUT_S))
+        while not store.check(keys) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    except Exception as e:  # the store's server (rank 0) may be gone
+        log.debug("[rank %d] stopped waiting for the other ranks: %s", rank, e)
 
 
 def _process_gone(pid: int) -> bool:

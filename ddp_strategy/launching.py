@@ -220,7 +220,8 @@ class CheckedMultiProcessingLauncher(_pl.MultiProcessingLauncher):
     """
 
     def launch(self, function: Any, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
-        """Check picklability (``spawn``, ``forkserver``), then launch as Lightning does.
+        """Check picklability (``spawn``, ``forkserver``), release a process group an earlier run in this process
+        kept (:func:`ddp_strategy.process_group.keep_process_group`), then launch as Lightning does.
 
         Raises:
             RuntimeError: the arguments cannot be pickled, or CUDA would be forked (:func:`check_fork_safe`).
@@ -237,6 +238,9 @@ class CheckedMultiProcessingLauncher(_pl.MultiProcessingLauncher):
                         " level (not inside a function or notebook cell) and avoid lambdas, or use"
                         " start_method='popen' (running a script) or 'fork' (Linux, notebooks)."
                     ) from e
+        # A group an earlier run in this process kept for the user's code must not reach the new ranks: a forked
+        # child would inherit it without gloo's threads and hang destroying it.
+        process_group.release_kept_process_group()
         restore = self._forward_sigterm_to_ranks()
         try:
             return super().launch(function, *args, trainer=trainer, **kwargs)

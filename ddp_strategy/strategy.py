@@ -237,6 +237,7 @@ class MyDDPStrategy(ParallelStrategy):
         self._warned_padded_gather = False
         self._pending_positions: list[dict[str, Any]] = []
         self._run_failed = False
+        self._own_failure = False
         self._comm_hook = comm_hooks.CommHookConfig(ddp_comm_hook, ddp_comm_state, ddp_comm_wrapper)
         self._verify_sync_every_n_steps = verify_sync_every_n_steps
         self._exact_evaluation = exact_evaluation
@@ -352,7 +353,7 @@ class MyDDPStrategy(ParallelStrategy):
         super().setup_environment()
         backend = process_group.resolve_backend(self.root_device, self._process_group_backend)
         process_group.release_kept_process_group()
-        self._run_failed = False
+        self._run_failed = self._own_failure = False
         self._undo_gloo_loopback = process_group.gloo_on_loopback(self.num_nodes)
         self._rendezvous_store = process_group.init_process_group(
             backend,
@@ -778,8 +779,11 @@ class MyDDPStrategy(ParallelStrategy):
             peers = failures.describe_peers(self._rendezvous_store, self.global_rank, self.world_size)
             failures.augment_message(exception, failures.explain(exception, self.global_rank, peers, self._timeout,
                                                                  self._eval_guard.describe_uneven()))
+            log.error("[rank %d] %s", self.global_rank, exception)  # now: a launcher may stop this rank soon
+            failures.acknowledge(self._rendezvous_store, self.global_rank)
         else:
             failures.report_failure(self._rendezvous_store, self.global_rank, exception)
+            self._own_failure = True
         launcher = self._launcher
         if isinstance(launcher, _pl.SubprocessScriptLauncher) and launcher.procs:
             failures.stop_processes(launcher.procs, grace_s=grace_s)
@@ -854,9 +858,12 @@ class MyDDPStrategy(ParallelStrategy):
         self._pending_positions = []
         super().teardown()
         self._node_group, self._node_ranks = None, []
-        self._barrier_group = self._rendezvous_store = None
+        store, self._barrier_group, self._rendezvous_store = self._rendezvous_store, None, None
         if self._run_failed:
-            process_group.destroy_process_group()
+            process_group.destroy_process_group()  # the others' collectives break now, and they explain
+            launcher = self._launcher
+            if self._own_failure and not (isinstance(launcher, _pl.SubprocessScriptLauncher) and launcher.procs):
+                failures.wait_for_peers(store, self.global_rank, self.world_size)
         else:
             process_group.keep_process_group()
         self._undo_gloo_loopback()

@@ -7,6 +7,7 @@ import os
 import pathlib
 import random
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -305,3 +306,17 @@ def test_export_weights_as_torch_and_safetensors(tmp_path):
     net = DigitsNet()
     net.load_state_dict(safetensors_torch.load_file(tmp_path / "w.safetensors"), strict=True)
     torch.testing.assert_close(net(x), model(x), rtol=0, atol=0)
+
+
+def test_atomic_save_gives_the_permissions_a_plain_save_gives(tmp_path):
+    """A checkpoint written atomically is readable by whoever could read torch.save's file (0o644 under umask
+    022, 0o640 under 027), not private to its owner as the temporary file mkstemp makes (0o600)."""
+    for umask, mode in ((0o022, 0o644), (0o027, 0o640)):
+        old = os.umask(umask)
+        try:
+            atomic_save({"w": torch.zeros(1)}, tmp_path / f"atomic_{umask:o}.ckpt")
+            torch.save({"w": torch.zeros(1)}, tmp_path / f"plain_{umask:o}.ckpt")
+        finally:
+            os.umask(old)
+        for name in (f"atomic_{umask:o}.ckpt", f"plain_{umask:o}.ckpt"):
+            assert stat.S_IMODE(os.stat(tmp_path / name).st_mode) == mode, name

@@ -200,16 +200,24 @@ def test_a_training_batch_larger_than_a_shard_runs_with_a_warning():
     assert [b[0].tolist() for b in new] == [[1, 3, 5, 7, 9]]
 
 
+def test_fewer_samples_than_ranks_are_padded_with_a_warning_as_lightning_pads_them():
+    """1 sample, 2 ranks, padded shards: Lightning's DistributedSampler gives both ranks sample 0; so do we, and
+    rank 0 is warned (a 1-sample sanity set on 2 devices runs under Lightning's ddp, so it is not refused)."""
+    loader = DataLoader(TensorDataset(torch.arange(1)), batch_size=1)
+    with pytest.warns(UserWarning, match="1 samples but there are 2 ranks: the shards are padded with repeats"):
+        shards = [inject_distributed_sampler(loader, 2, r, 0, pad=True) for r in range(2)]
+    assert [[b[0].tolist() for b in shard] for shard in shards] == [[[0]], [[0]]]
+
+
 @pytest.mark.parametrize(
     ("n", "batch_size", "drop_last", "training", "message"),
     [
-        (1, 1, False, True, "1 samples but there are 2 ranks"),
         (1, 1, False, False, "1 samples but there are 2 ranks"),
         (10, 6, True, False, "drop_last=True with batch_size=6"),
     ],
 )
 def test_bad_shard_sizes_raise_clear_errors(n, batch_size, drop_last, training, message):
-    """Fewer samples than ranks, drop_last with no full batch: clear ValueErrors."""
+    """Fewer samples than ranks on an unpadded loader, drop_last with no full batch: clear ValueErrors."""
     loader = DataLoader(TensorDataset(torch.arange(n)), batch_size=batch_size, drop_last=drop_last)
     with pytest.raises(ValueError, match=message):
         inject_distributed_sampler(loader, 2, 0, 0, pad=training)
