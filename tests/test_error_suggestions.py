@@ -2,8 +2,9 @@
 
 Each test provokes the error (or warning), then applies each suggested fix in that same situation and asserts
 the value the user wanted: the fit trains its steps, the loader yields the expected batches, the file loads.
-One process throughout: ``Trainer(devices=1)`` runs in this process, and the rank-agnostic helpers are called
-with ``num_replicas=2`` directly. The suggestions of UnsafeCheckpointError and StateDictMismatchError are in
+Mostly one process: ``Trainer(devices=1)`` runs in this process, and the rank-agnostic helpers are called with
+``num_replicas=2`` directly; one 2-process launch (tests/error_suggestion_workers.py) covers what only 2 ranks
+raise. The suggestions of UnsafeCheckpointError and StateDictMismatchError are tested in
 tests/test_lightning_compat_data.py.
 """
 
@@ -369,3 +370,44 @@ def test_safetensors_missing_error_suggestions_work(tmp_path, monkeypatch):
     assert torch.equal(torch.load(tmp_path / "w.pt")["weight"], holder.model.weight)
     requires = importlib.metadata.requires("ddp_strategy") or []
     assert any(r.startswith("safetensors") and 'extra == "safetensors"' in r for r in requires), requires
+
+
+# ---------------------------------------------------------------------------------- two processes
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory) -> list[dict]:
+    """One 2-process launch (tests/error_suggestion_workers.py); every rank's record."""
+    from error_suggestion_workers import scenario_suggestions
+    from sampling_workers import launch, load
+
+    out = tmp_path_factory.mktemp("suggestions")
+    launch(scenario_suggestions, 2, out)
+    return load(out, "suggestions", 2)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_uneven_user_shards_error_each_suggested_fix_trains(two_ranks):
+    """Shards of 3 and 2 batches are refused on both ranks; letting the strategy shard the whole data set, or
+    equal user shards, trains every rank the same number of steps over every sample."""
+    for record in two_ranks:
+        assert "Let MyDDPStrategy shard the data" in record["uneven_error"]
+        assert "Trainer(use_distributed_sampler=True)" in record["uneven_error"]
+    sharded = [[i for batch in r["sharded"] for i in batch] for r in two_ranks]
+    assert [len(r["sharded"]) for r in two_ranks] == [3, 3]
+    assert sorted(sharded[0] + sharded[1]) == list(range(20))
+    equal = [[i for batch in r["equal"] for i in batch] for r in two_ranks]
+    assert equal == [list(range(0, 24, 2)), list(range(1, 24, 2))]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_padded_all_gather_warning_suggestion_gathers_each_row_once(two_ranks):
+    """3 samples on 2 ranks: self.all_gather pads (sample 0 twice, as DistributedSampler pads) and rank 0 warns; the
+    suggested ddp_strategy.all_gather_rows gives each sample exactly once, with no warning."""
+    rank0, rank1 = two_ranks
+    assert sorted(rank0["gathered_exact=False"]) == [0, 0, 1, 2]
+    assert len(rank0["warnings_exact=False"]) == 1 and "all_gather_rows(tensor)" in rank0["warnings_exact=False"][0]
+    assert rank1["warnings_exact=False"] == []
+    for record in two_ranks:
+        assert sorted(record["gathered_exact=True"]) == [0, 1, 2]
+        assert record["warnings_exact=True"] == []
