@@ -33,6 +33,7 @@ from ddp_strategy import MyDDPStrategy, export_weights, import_plain_checkpoint,
 from ddp_strategy.checkpoint_io import plain_state_dict
 from ddp_strategy.comm_hooks import HOOKS_BY_NAME, CommHookConfig
 from ddp_strategy.diagnostics import batch_size_warnings
+from ddp_strategy.evaluation import needs_padding, shard_for_evaluation
 from ddp_strategy.gather import check_gatherable
 from ddp_strategy.injection import inject_distributed_sampler
 from ddp_strategy.sampler_state import CHECKPOINT_KEY
@@ -232,6 +233,19 @@ def test_short_batch_warning_suggestion_removes_it():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert batches(loader(6, 3), 2) == [[3], [3]]
+
+
+def test_padded_evaluation_warning_suggestions_give_exact_shards():
+    """An evaluation loader that cannot be sharded exactly warns; each suggested change (batch_size >= 2 and
+    drop_last=False with at least W samples, or a multiple of W samples) reads every sample exactly once."""
+    for padded in (loader(5, 1), loader(5, 2, drop_last=True), loader(1, 4)):
+        with pytest.warns(UserWarning, match="For exact metrics use batch_size >= 2 and drop_last=False with at"):
+            shard_for_evaluation(padded, 2, 0, 0, None, "validation")
+    for exact in (loader(5, 2), loader(6, 1), loader(2, 4)):
+        assert needs_padding(exact, 2) is None
+        shards = [[len(b[0]) for b in shard_for_evaluation(exact, 2, r, 0, None, "validation")] for r in (0, 1)]
+        assert sum(map(sum, shards)) == len(exact.dataset)
+        assert len(shards[0]) == len(shards[1])
 
 
 def test_global_batch_warnings_suggested_batch_size_is_silent():
