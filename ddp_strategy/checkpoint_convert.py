@@ -297,7 +297,9 @@ def export_weights(
             from safetensors.torch import save as to_safetensors_bytes
         except ImportError as e:
             raise ImportError("Writing safetensors needs the safetensors package:"
-                              " pip install 'ddp_strategy[safetensors]' (or pass safetensors=False).") from e
+                              " pip install 'ddp_strategy[safetensors]', or export a PyTorch file instead (a path"
+                              " not ending in .safetensors, such as weights.pt: torch.load reads any"
+                              " *.safetensors path as safetensors).") from e
         atomic_save(weights, path, save_fn=lambda obj, f: f.write(to_safetensors_bytes(obj)))
     else:
         atomic_save(weights, path)

@@ -172,8 +172,8 @@ def shard_for_evaluation(dataloader: object, num_replicas: int, rank: int, seed:
             f"The {stage} loader has {n} samples for {num_replicas} ranks and {reason}, so the ranks cannot"
             f" hold the same number of batches with every sample exactly once. Like Lightning's ddp, its shards"
             f" are padded: {repeats} sample(s) are evaluated twice, and {stage} metrics count them twice."
-            f" For exact metrics use batch_size >= 2 (and drop_last=False), or a data set whose size is a"
-            f" multiple of {num_replicas}."
+            f" For exact metrics use batch_size >= 2 and drop_last=False with at least {num_replicas} samples,"
+            f" or a data set whose size is a multiple of {num_replicas}."
         )
         return injection.inject_distributed_sampler(dataloader, num_replicas, rank, seed, epoch_fn, pad=True,
                                                     training=False)

@@ -196,9 +196,14 @@ class _EpochShards:
     def resume_from(self, position: dict[str, Any]) -> None:
         """Start the next iterator of ``position["epoch"]`` where ``position`` left off.
 
+        A position with nothing left (saved at the end of its epoch) is ignored: there is no rest of an epoch
+        to restore, so it resumes whatever the training data is now, as under Lightning's ``ddp``.
+
         Raises:
-            ValueError: ``position`` was written for a stream of another length or kind.
+            ValueError: ``position`` was saved mid-epoch for a stream of another length or kind.
         """
+        if not sampler_state.remaining_positions(int(position["length"]), position["layers"]):
+            return
         sampler_state.check_position(position, self.stream_length(), self.kind)
         if int(position["seed"]) != self.seed:
             self.seed = int(position["seed"])  # the epoch's stream must be regenerated with the old seed

@@ -173,7 +173,7 @@ def loader_positions(entry: Any) -> list[dict[str, Any]]:
             entry.get("loaders"), list):
         raise ValueError(
             f"The checkpoint's {CHECKPOINT_KEY!r} entry is not a version-{STATE_VERSION} sampler position: {entry!r}."
-            " It was written by another version of ddp_strategy; resume from an end-of-epoch checkpoint instead."
+            " It was written by another version of ddp_strategy."
         )
     return entry["loaders"]
 
@@ -189,7 +189,8 @@ def check_position(position: dict[str, Any], length: int, kind: str) -> None:
             f"The checkpoint's sampler position was written for a training stream of {position['length']} items,"
             f" but the training loader now yields {length}. The data set (or sampler) changed since the checkpoint"
             " was saved, so the rest of its epoch cannot be found. Resume with the same training data, or resume"
-            " from a checkpoint saved at the end of an epoch."
+            " from a checkpoint saved at the end of an epoch (ModelCheckpoint's default), which holds no partial"
+            " epoch and resumes with any data."
         )
     if position["kind"] != kind:
         raise ValueError(

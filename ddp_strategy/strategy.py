@@ -687,7 +687,12 @@ class MyDDPStrategy(ParallelStrategy):
             weights_only = False
         checkpoint = _pl.call_with_weights_only(super().load_checkpoint, checkpoint_path, weights_only=weights_only)
         entry = checkpoint.get(sampler_state.CHECKPOINT_KEY)
-        self._pending_positions = list(sampler_state.loader_positions(entry)) if entry is not None else []
+        try:
+            self._pending_positions = list(sampler_state.loader_positions(entry)) if entry is not None else []
+        except ValueError as e:  # Lightning's ddp loads a file with an entry it does not know: so do we
+            rank_zero_warn(f"{e} It is ignored: the checkpoint loads, and a mid-epoch resume restarts the"
+                           " epoch's data as under Lightning's ddp.")
+            self._pending_positions = []
         return checkpoint
 
     @override
