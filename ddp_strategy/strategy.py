@@ -789,9 +789,14 @@ class MyDDPStrategy(ParallelStrategy):
         else:
             failures.report_failure(self._rendezvous_store, self.global_rank, exception)
             self._own_failure = True
+        launched = self._ranks_launched_here()
+        if launched:
+            failures.stop_processes(launched, grace_s=grace_s)
+
+    def _ranks_launched_here(self) -> list[Any]:
+        """The rank processes this process started (popen's rank 0: the script re-run per rank); else empty."""
         launcher = self._launcher
-        if isinstance(launcher, _pl.SubprocessScriptLauncher) and launcher.procs:
-            failures.stop_processes(launcher.procs, grace_s=grace_s)
+        return launcher.procs if isinstance(launcher, _pl.SubprocessScriptLauncher) and launcher.procs else []
 
     def _sigterm_checkpoint_path(self) -> str:
         if isinstance(self._checkpoint_on_sigterm, (str, os.PathLike)):
@@ -866,8 +871,7 @@ class MyDDPStrategy(ParallelStrategy):
         store, self._barrier_group, self._rendezvous_store = self._rendezvous_store, None, None
         if self._run_failed:
             process_group.destroy_process_group()  # the others' collectives break now, and they explain
-            launcher = self._launcher
-            if self._own_failure and not (isinstance(launcher, _pl.SubprocessScriptLauncher) and launcher.procs):
+            if self._own_failure and not self._ranks_launched_here():
                 failures.wait_for_peers(store, self.global_rank, self.world_size)
         else:
             process_group.keep_process_group()
