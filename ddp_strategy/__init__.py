@@ -19,15 +19,18 @@ from ddp_strategy.checkpoint_io import (
     strip_ddp_prefix,
     unwrapped_state_dict,
 )
+from ddp_strategy.comm_hooks import bf16_all_reduce_hook, count_collective_bytes
 from ddp_strategy.data import DigitsDataModule
 from ddp_strategy.gather import all_gather_rows
 from ddp_strategy.model import DigitsClassifier, DigitsNet
 from ddp_strategy.sampler import EpochSeededDistributedSampler, shard_iterable
 from ddp_strategy.strategy import MyDDPStrategy
+from ddp_strategy.sync_batchnorm import CPUSyncBatchNorm
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "CPUSyncBatchNorm",
     "DDPCheckpointIO",
     "DamagedCheckpointError",
     "DigitsClassifier",
@@ -38,6 +41,8 @@ __all__ = [
     "StateDictMismatchError",
     "UnsafeCheckpointError",
     "all_gather_rows",
+    "bf16_all_reduce_hook",
+    "count_collective_bytes",
     "export_weights",
     "import_plain_checkpoint",
     "load_plain_state_dict",
