@@ -5,11 +5,11 @@
     trainer = pytorch_lightning.Trainer(accelerator="cpu", devices=2, strategy=MyDDPStrategy())  # the same
 
 Works with either Lightning namespace (``lightning`` or ``pytorch_lightning``), see
-:mod:`ddp_strategy._namespace`.
+:mod:`ddp_strategy._compat.namespace`.
 """
 
-from ddp_strategy.checkpoint_convert import export_weights, import_plain_checkpoint
-from ddp_strategy.checkpoint_io import (
+from ddp_strategy.checkpoint.convert import export_weights, import_plain_checkpoint
+from ddp_strategy.checkpoint.files import (
     DamagedCheckpointError,
     DDPCheckpointIO,
     StateDictMismatchError,
@@ -19,13 +19,13 @@ from ddp_strategy.checkpoint_io import (
     strip_ddp_prefix,
     unwrapped_state_dict,
 )
-from ddp_strategy.comm_hooks import bf16_all_reduce_hook, count_collective_bytes
-from ddp_strategy.data import DigitsDataModule
-from ddp_strategy.gather import all_gather_rows
-from ddp_strategy.model import DigitsClassifier, DigitsNet
-from ddp_strategy.sampler import EpochSeededDistributedSampler, shard_iterable
+from ddp_strategy.process.collectives import all_gather_rows
+from ddp_strategy.reference.data import DigitsDataModule
+from ddp_strategy.reference.model import DigitsClassifier, DigitsNet
+from ddp_strategy.sampling.sampler import EpochSeededDistributedSampler, shard_iterable
 from ddp_strategy.strategy import MyDDPStrategy
-from ddp_strategy.sync_batchnorm import CPUSyncBatchNorm
+from ddp_strategy.sync.comm_hooks import bf16_all_reduce_hook, count_collective_bytes
+from ddp_strategy.sync.sync_batchnorm import CPUSyncBatchNorm
 
 __version__ = "0.1.0"
 

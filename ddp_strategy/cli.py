@@ -9,10 +9,10 @@ from __future__ import annotations
 from typing import Any
 
 import ddp_strategy  # noqa: F401  (registers "my_ddp" with Lightning)
-from ddp_strategy import _namespace
-from ddp_strategy._namespace import rank_zero_info
-from ddp_strategy.data import DigitsDataModule
-from ddp_strategy.model import DigitsClassifier
+from ddp_strategy._compat import namespace as _namespace
+from ddp_strategy._compat.namespace import rank_zero_info
+from ddp_strategy.reference.data import DigitsDataModule
+from ddp_strategy.reference.model import DigitsClassifier
 
 #: The CLI runs on the default namespace (``DDP_STRATEGY_LIGHTNING`` chooses; else ``lightning`` if installed).
 _LIGHTNING = _namespace.default

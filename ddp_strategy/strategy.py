@@ -2,10 +2,10 @@
 
 The strategy only orchestrates, in Lightning's hook order:
 
-1. process group: :mod:`ddp_strategy.process_group` (``setup_environment``, ``teardown``);
-2. sampler: :mod:`ddp_strategy.sampler` (``process_dataloader``);
-3. DDP wrapping: :mod:`ddp_strategy.wrapping` (``setup``, ``teardown``);
-4. checkpoint keys: :mod:`ddp_strategy.checkpoint_io` (the default ``checkpoint_io``).
+1. process group: :mod:`ddp_strategy.process.group` (``setup_environment``, ``teardown``);
+2. sampler: :mod:`ddp_strategy.sampling.sampler` (``process_dataloader``);
+3. DDP wrapping: :mod:`ddp_strategy.sync.wrapping` (``setup``, ``teardown``);
+4. checkpoint keys: :mod:`ddp_strategy.checkpoint.files` (the default ``checkpoint_io``).
 
 Launching is Lightning's: its launchers start one process per device, and its ``ClusterEnvironment``
 classes say which rank each process is.
@@ -27,27 +27,10 @@ from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
-from ddp_strategy import _lightning_private as _pl
-from ddp_strategy import (
-    _namespace,
-    argument_checks,
-    checkpoint_io,
-    comm_hooks,
-    diagnostics,
-    evaluation,
-    failures,
-    gather,
-    injection,
-    launching,
-    process_group,
-    rank_check,
-    resume,
-    sampler,
-    sampler_state,
-    sync_batchnorm,
-    wrapping,
-)
-from ddp_strategy._namespace import (
+from ddp_strategy import options as argument_checks
+from ddp_strategy._compat import lightning_private as _pl
+from ddp_strategy._compat import namespace as _namespace
+from ddp_strategy._compat.namespace import (
     RunningStage,
     SIGTERMException,
     TrainerFn,
@@ -56,7 +39,15 @@ from ddp_strategy._namespace import (
     rank_zero_warn,
     reset_seed,
 )
-from ddp_strategy.checkpoint_io import DDPCheckpointIO
+from ddp_strategy.checkpoint import files as checkpoint_io
+from ddp_strategy.checkpoint.files import DDPCheckpointIO
+from ddp_strategy.diagnostics import summary as diagnostics
+from ddp_strategy.process import collectives as gather
+from ddp_strategy.process import failures, launching
+from ddp_strategy.process import group as process_group
+from ddp_strategy.sampling import evaluation, injection, resume, sampler
+from ddp_strategy.sampling import state as sampler_state
+from ddp_strategy.sync import comm_hooks, rank_check, sync_batchnorm, wrapping
 
 if TYPE_CHECKING:
     from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
@@ -64,7 +55,7 @@ if TYPE_CHECKING:
     from lightning.pytorch.accelerators import Accelerator
     from lightning.pytorch.plugins.precision import Precision
     from lightning.pytorch.strategies import ParallelStrategy
-else:  # the flavour for the user's Lightning namespace is built on construction (see ddp_strategy._namespace)
+else:  # the flavour for the user's Lightning namespace is built on construction (see ddp_strategy._compat.namespace)
     ParallelStrategy = _namespace.lightning_base("pytorch.strategies:ParallelStrategy")
 
 log = logging.getLogger(__name__)
@@ -102,11 +93,11 @@ class MyDDPStrategy(ParallelStrategy):
     Args:
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin: as for any
             Lightning ``ParallelStrategy``; the Trainer fills them in. ``checkpoint_io`` defaults to
-            :class:`~ddp_strategy.checkpoint_io.DDPCheckpointIO`.
+            :class:`~ddp_strategy.checkpoint.files.DDPCheckpointIO`.
         process_group_backend: ``"gloo"``, ``"nccl"``, ...; default ``None`` picks ``"nccl"`` on CUDA and
             ``"gloo"`` on CPU.
         timeout: how long a collective may wait for the other ranks, in seconds or as a ``timedelta``;
-            default 30 minutes, Lightning's (see :data:`ddp_strategy.process_group.DEFAULT_TIMEOUT`).
+            default 30 minutes, Lightning's (see :data:`ddp_strategy.process.group.DEFAULT_TIMEOUT`).
         start_method: ``"popen"`` (re-run the script), ``"spawn"``, ``"fork"`` or ``"forkserver"``; default
             ``None`` = :func:`default_start_method`.
         seed: shuffle seed of the injected samplers; default ``None`` = ``seed_everything``'s seed, else 0.
@@ -126,14 +117,14 @@ class MyDDPStrategy(ParallelStrategy):
             there; resume with ``Trainer.fit(ckpt_path=...)``. Default False.
         ddp_comm_hook: a DDP communication hook ``hook(state, bucket) -> Future``, or one of ``"allreduce"``,
             ``"fp16"``, ``"bf16"``, ``"powersgd"``; registered on every backend, gloo included
-            (:mod:`ddp_strategy.comm_hooks`). Default ``None``: DDP's own float32 all-reduce.
+            (:mod:`ddp_strategy.sync.comm_hooks`). Default ``None``: DDP's own float32 all-reduce.
         ddp_comm_state: the hook's state (a ``PowerSGDState`` for PowerSGD, a process group for the others).
         ddp_comm_wrapper: wraps the hook, e.g. ``default_hooks.fp16_compress_wrapper`` around PowerSGD.
         verify_sync_every_n_steps: compare parameter checksums across ranks after every N-th optimizer
             step and raise on every rank naming the parameters that differ
-            (:mod:`ddp_strategy.rank_check`); default ``None`` = off.
+            (:mod:`ddp_strategy.sync.rank_check`); default ``None`` = off.
         exact_evaluation: shard validation and test loaders without padding, every sample evaluated once, with
-            the same number of batches on every rank (:mod:`ddp_strategy.evaluation`); default True. False
+            the same number of batches on every rank (:mod:`ddp_strategy.sampling.evaluation`); default True. False
             shards them exactly as Lightning's ddp does (padded by repeating the first samples, full batches
             but the last), for code that needs Lightning's batches.
         find_unused_parameters, static_graph, gradient_as_bucket_view, bucket_cap_mb, broadcast_buffers:
@@ -149,10 +140,10 @@ class MyDDPStrategy(ParallelStrategy):
             ``timeout`` or ``monitored_barrier_timeout``, ``verify_sync_every_n_steps < 1``; at Trainer
             construction: ``"nccl"`` on CPU, or a bad launch variable
             (``MASTER_PORT``, ``LOCAL_RANK``, ``NODE_RANK``, ``WORLD_SIZE``, ``RANK``; see
-            :func:`ddp_strategy.launching.check_launch_env`).
+            :func:`ddp_strategy.process.launching.check_launch_env`).
         TypeError: an unknown DDP option, or an argument of the wrong type (a ``timeout`` that is not a number
             or ``timedelta``, ``seed="1"``, ``init_method=5``, ...; see
-            :func:`ddp_strategy.argument_checks.check_strategy_arguments`). The named DDP flags
+            :func:`ddp_strategy.options.check_strategy_arguments`). The named DDP flags
             (``find_unused_parameters``, ...) accept any value as Lightning does, with a warning if not a bool.
     """
 
@@ -317,7 +308,7 @@ class MyDDPStrategy(ParallelStrategy):
 
         Raises:
             ValueError: a launch variable is empty, not an integer or out of range (see
-                :func:`ddp_strategy.launching.check_launch_env`).
+                :func:`ddp_strategy.process.launching.check_launch_env`).
         """
         if self.cluster_environment is not None:
             launching.check_launch_env(self.cluster_environment, self.num_nodes, self.num_processes)
@@ -482,7 +473,7 @@ class MyDDPStrategy(ParallelStrategy):
         Training loaders are padded so every rank takes the same number of steps, and resume from the
         checkpoint's sampler position if there is one; validation and test loaders are not padded, so each
         sample is evaluated exactly once, yet hold the same number of batches on every rank
-        (:func:`ddp_strategy.evaluation.shard_for_evaluation`; Lightning's padded shards with
+        (:func:`ddp_strategy.sampling.evaluation.shard_for_evaluation`; Lightning's padded shards with
         ``exact_evaluation=False``), and the ranks agree on their batch counts (a collective). Predict loaders
         are sharded by Lightning's ``UnrepeatedDistributedSamplerWrapper`` (each sample once, and Lightning's
         prediction batch indices keep working).
@@ -727,7 +718,7 @@ class MyDDPStrategy(ParallelStrategy):
         return trainer is not None and trainer.state.fn == TrainerFn.FITTING
 
     # ------------------------------------------------------------------------------------- diagnostics
-    #: Set by ``on_train_start``, consumed by ``on_train_end`` (see :mod:`ddp_strategy.diagnostics`).
+    #: Set by ``on_train_start``, consumed by ``on_train_end`` (see :mod:`ddp_strategy.diagnostics.summary`).
     _fit_record: diagnostics.FitRecord | None = None
 
     @override
@@ -812,9 +803,9 @@ class MyDDPStrategy(ParallelStrategy):
         collection). Equal shapes give exactly Lightning's result (its ``_all_gather_ddp_if_available``:
         ``torch.stack`` of every rank's tensor; the tensor itself without a process group). When only the
         first dimension differs (``n_r`` rows on rank r) the result is ``(W, max n_r, *rest)``, its missing
-        rows filled as ``DistributedSampler`` pads a data set (:func:`ddp_strategy.gather.all_gather_padded`):
+        rows filled as ``DistributedSampler`` pads a data set (:func:`ddp_strategy.process.collectives.all_gather_padded`):
         for per-sample evaluation outputs that is Lightning's padded result, and rank 0 warns once that
-        ``flatten(0, 1)`` then counts some rows twice; :func:`ddp_strategy.gather.all_gather_rows` gives each
+        ``flatten(0, 1)`` then counts some rows twice; :func:`ddp_strategy.process.collectives.all_gather_rows` gives each
         row once. One small extra all-gather (the shapes) per call.
 
         Raises:

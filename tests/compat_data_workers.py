@@ -22,7 +22,8 @@ from torch import nn
 from torch.utils.data import BatchSampler, DataLoader, Sampler, SequentialSampler, Subset
 from torch.utils.data._utils.collate import default_collate
 
-from ddp_strategy import DDPCheckpointIO, MyDDPStrategy, UnsafeCheckpointError, process_group
+from ddp_strategy import DDPCheckpointIO, MyDDPStrategy, UnsafeCheckpointError
+from ddp_strategy.process import group as process_group
 
 N = 24  # samples the user splits by rank: 12 each
 BATCH = 4

@@ -9,9 +9,9 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from ddp_strategy import DigitsClassifier, DigitsDataModule
-from ddp_strategy.checkpoint_io import unwritable_reason
-from ddp_strategy.injection import warn_if_not_shardable
-from ddp_strategy.wrapping import check_trainable
+from ddp_strategy.checkpoint.files import unwritable_reason
+from ddp_strategy.sampling.injection import warn_if_not_shardable
+from ddp_strategy.sync.wrapping import check_trainable
 
 
 def test_a_loader_that_is_not_a_dataloader_is_accepted_with_a_warning(recwarn):

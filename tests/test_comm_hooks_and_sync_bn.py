@@ -9,7 +9,8 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
 
-from ddp_strategy import MyDDPStrategy, comm_hooks, rank_check, sync_batchnorm
+from ddp_strategy import MyDDPStrategy
+from ddp_strategy.sync import comm_hooks, rank_check, sync_batchnorm
 
 
 def test_hook_names_resolve_and_bf16_is_replaced_off_nccl():

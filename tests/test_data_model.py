@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from ddp_strategy import DigitsClassifier, DigitsDataModule, DigitsNet
-from ddp_strategy.data import split_indices
+from ddp_strategy.reference.data import split_indices
 
 
 def test_digits_split_is_fixed_disjoint_and_complete():

@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from ddp_strategy import DigitsNet
-from ddp_strategy.data import load_digits_tensors
-from ddp_strategy.demo import allreduce_demo, epoch_shards, forgotten_set_epoch
+from ddp_strategy.reference.data import load_digits_tensors
+from ddp_strategy.reference.demo import allreduce_demo, epoch_shards, forgotten_set_epoch
 
 
 def test_epoch_shards_match_the_sampler_docstring_example():

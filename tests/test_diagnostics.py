@@ -19,7 +19,7 @@ from diagnostics_testing import ListHandler, MultipliedBatchDigits, UnusedHeadCl
 from torch import nn
 
 from ddp_strategy import DigitsDataModule, MyDDPStrategy
-from ddp_strategy.diagnostics import (
+from ddp_strategy.diagnostics.summary import (
     COMM_DOMINATES_FRACTION,
     CommStats,
     FitSummary,

@@ -29,14 +29,16 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, TensorDataset
 
-from ddp_strategy import MyDDPStrategy, export_weights, import_plain_checkpoint, launching, process_group
-from ddp_strategy.checkpoint_io import plain_state_dict
-from ddp_strategy.comm_hooks import HOOKS_BY_NAME, CommHookConfig
-from ddp_strategy.diagnostics import batch_size_warnings
-from ddp_strategy.evaluation import needs_padding, shard_for_evaluation
-from ddp_strategy.gather import check_gatherable
-from ddp_strategy.injection import inject_distributed_sampler
-from ddp_strategy.sampler_state import CHECKPOINT_KEY
+from ddp_strategy import MyDDPStrategy, export_weights, import_plain_checkpoint
+from ddp_strategy.checkpoint.files import plain_state_dict
+from ddp_strategy.diagnostics.summary import batch_size_warnings
+from ddp_strategy.process import group as process_group
+from ddp_strategy.process import launching
+from ddp_strategy.process.collectives import check_gatherable
+from ddp_strategy.sampling.evaluation import needs_padding, shard_for_evaluation
+from ddp_strategy.sampling.injection import inject_distributed_sampler
+from ddp_strategy.sampling.state import CHECKPOINT_KEY
+from ddp_strategy.sync.comm_hooks import HOOKS_BY_NAME, CommHookConfig
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -87,7 +89,7 @@ def error_of(run, caplog: pytest.LogCaptureFixture) -> str:
     strategy logs the failure with its traceback) would, and with it the failed fit's rendezvous store, which
     keeps MASTER_PORT busy for the next fit in this process.
     """
-    with caplog.at_level(logging.CRITICAL + 1, logger="ddp_strategy.failures"):  # its record holds the traceback
+    with caplog.at_level(logging.CRITICAL + 1, logger="ddp_strategy.process.failures"):  # its record holds the traceback
         try:
             run()
         except Exception as e:

@@ -8,7 +8,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from ddp_strategy.evaluation import (
+from ddp_strategy.process.collectives import check_gatherable
+from ddp_strategy.sampling.evaluation import (
     BATCH_COUNTS_ATTR,
     EqualCountBatches,
     EqualCountBatchSampler,
@@ -18,7 +19,6 @@ from ddp_strategy.evaluation import (
     effective_counts,
     needs_padding,
 )
-from ddp_strategy.gather import check_gatherable
 
 
 def test_agree_batch_counts_without_process_group_records_the_local_length():
@@ -62,7 +62,7 @@ def test_current_loader_uses_the_dataloader_index():
 
 def _layout(n: int, batch: int, world: int) -> list[list[list[int]]]:
     """Every rank's batches of an unshuffled evaluation loader of ``n`` samples."""
-    from ddp_strategy.sampler import EpochSeededDistributedSampler
+    from ddp_strategy.sampling.sampler import EpochSeededDistributedSampler
 
     return [list(EqualCountBatchSampler(EpochSeededDistributedSampler(list(range(n)), world, r, shuffle=False,
                                                                       pad=False), batch)) for r in range(world)]
@@ -96,7 +96,7 @@ def test_needs_padding_only_where_no_exact_layout_exists():
 
 def test_custom_batch_sampler_shards_get_equal_counts_by_halving_a_batch():
     """5 user batches on 2 ranks: rank 1 holds 2 and halves its first batch of 2+ samples; every index once."""
-    from ddp_strategy.sampler import ShardedBatchSampler
+    from ddp_strategy.sampling.sampler import ShardedBatchSampler
 
     batches = [[0, 1, 2], [3], [4, 5], [6, 7], [8]]
     layout = [list(EqualCountBatches(ShardedBatchSampler(batches, 2, r, pad=False))) for r in range(2)]

@@ -19,7 +19,7 @@ from lightning.fabric.plugins.environments import LightningEnvironment, TorchEla
 
 from ddp_strategy import MyDDPStrategy
 from ddp_strategy.cli import build_cli
-from ddp_strategy.launching import check_launch_env
+from ddp_strategy.process.launching import check_launch_env
 
 FUZZ = settings(max_examples=40, derandomize=True, deadline=None, database=None,
                 suppress_health_check=[HealthCheck.too_slow])

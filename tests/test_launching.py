@@ -18,7 +18,8 @@ import torch.multiprocessing as mp
 from ddp_testing import finish, free_port, session_members
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
-from ddp_strategy import DigitsClassifier, DigitsDataModule, MyDDPStrategy, process_group
+from ddp_strategy import DigitsClassifier, DigitsDataModule, MyDDPStrategy
+from ddp_strategy.process import group as process_group
 
 SCRIPTS = Path(__file__).parent / "scripts"
 TEARDOWN_LOOPS = int(os.environ.get("DDP_TEARDOWN_LOOPS", "30"))
@@ -218,7 +219,7 @@ def test_second_fit_in_the_same_process_works_with_fork(tmp_path):
 
 def test_fork_is_refused_when_cuda_is_already_initialised(monkeypatch):
     """Forking CUDA ranks from a parent that initialised CUDA is refused before forking, with a remedy."""
-    from ddp_strategy import launching
+    from ddp_strategy.process import launching
 
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     with pytest.raises(RuntimeError, match="start_method='fork' cannot start CUDA ranks: CUDA is already initialised"):

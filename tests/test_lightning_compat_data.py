@@ -40,7 +40,7 @@ from ddp_strategy import (
     import_plain_checkpoint,
     load_plain_state_dict,
 )
-from ddp_strategy.injection import inject_distributed_sampler
+from ddp_strategy.sampling.injection import inject_distributed_sampler
 
 SCRIPTS = Path(__file__).parent / "scripts"
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from ddp_strategy import _lightning_private as _pl
-from ddp_strategy import _namespace
+from ddp_strategy._compat import lightning_private as _pl
+from ddp_strategy._compat import namespace as _namespace
 
 pytestmark = pytest.mark.compat
 
@@ -207,7 +207,7 @@ def test_epoch_batch_progress_counters_shift_together(namespace):
 
 def test_not_resumable_warning_text_is_still_lightnings(namespace):
     """The strategy silences Lightning's 'dataloader is not resumable' warning by its text; the text must match."""
-    from ddp_strategy.sampler import LIGHTNING_NOT_RESUMABLE_WARNING
+    from ddp_strategy.sampling.sampler import LIGHTNING_NOT_RESUMABLE_WARNING
 
     assert LIGHTNING_NOT_RESUMABLE_WARNING in inspect.getsource(namespace.get("pytorch.loops.training_epoch_loop"))
 

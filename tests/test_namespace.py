@@ -21,11 +21,11 @@ from ddp_strategy import (
     DigitsDataModule,
     DigitsNet,
     MyDDPStrategy,
-    _namespace,
     load_plain_state_dict,
 )
-from ddp_strategy.checkpoint_io import load_file
-from ddp_strategy.failures import EpochBoundaryCheck
+from ddp_strategy._compat import namespace as _namespace
+from ddp_strategy.checkpoint.files import load_file
+from ddp_strategy.process.failures import EpochBoundaryCheck
 
 pytestmark = pytest.mark.compat
 
@@ -186,7 +186,7 @@ def test_the_users_imports_choose_the_namespace():
     assert pl_after["strategy"] == pl_after["model"] == "pytorch_lightning"
     by_name = _fresh("import json, ddp_strategy, pytorch_lightning as pl\n"  # nothing of ours built before
                      "t = pl.Trainer(accelerator='cpu', devices=2, strategy='my_ddp', logger=False)\n"
-                     "print(json.dumps({'strategy': ddp_strategy._namespace.namespace_of(t.strategy)}))")
+                     "print(json.dumps({'strategy': ddp_strategy._compat.namespace.namespace_of(t.strategy)}))")
     assert by_name == {"strategy": "pytorch_lightning"}
     lightning_after = _fresh(_REPORT.replace("print(", "import lightning\nprint(", 1))
     assert lightning_after["strategy"] == lightning_after["model"] == "lightning"

@@ -14,7 +14,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from ddp_testing import free_port, listening_sockets
 
-from ddp_strategy import process_group
+from ddp_strategy.process import group as process_group
 
 
 def test_backend_follows_device():
@@ -145,7 +145,7 @@ def test_a_rank_that_reaches_the_previous_stores_server_waits_for_the_new_one(ca
     old = process_group.rendezvous_store("127.0.0.1", port, 0, timeout)
     process_group.rendezvous_store("127.0.0.1", port, 1, timeout)  # rank 1's first rendezvous on this port
     result = []
-    caplog.set_level("DEBUG", logger="ddp_strategy.process_group")
+    caplog.set_level("DEBUG", logger="ddp_strategy.process.group")
     rejoin = threading.Thread(target=lambda: result.append(process_group.rendezvous_store("127.0.0.1", port, 1,
                                                                                             timeout)))
     rejoin.start()

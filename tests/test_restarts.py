@@ -20,8 +20,8 @@ import torch.distributed as dist
 from ddp_testing import finish, free_port, is_loopback, listening_sockets
 
 from ddp_strategy import DigitsClassifier, DigitsDataModule, MyDDPStrategy
-from ddp_strategy.checkpoint_io import load_file
-from ddp_strategy.sampler_state import CHECKPOINT_KEY
+from ddp_strategy.checkpoint.files import load_file
+from ddp_strategy.sampling.state import CHECKPOINT_KEY
 
 pytestmark = pytest.mark.multiprocess
 

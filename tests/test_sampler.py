@@ -16,14 +16,20 @@ from torch.utils.data import (
 )
 from torch.utils.data.distributed import DistributedSampler
 
-from ddp_strategy.injection import (
+from ddp_strategy.sampling.injection import (
     inject_distributed_sampler,
     injected_sampler,
     needs_distributed_sampler,
     warn_if_not_shardable,
 )
-from ddp_strategy.sampler import EpochSeededDistributedSampler, ShardedSampler, draw_epoch, shard_iterable, shared_seed
-from ddp_strategy.sampler_state import merge_rank_positions
+from ddp_strategy.sampling.sampler import (
+    EpochSeededDistributedSampler,
+    ShardedSampler,
+    draw_epoch,
+    shard_iterable,
+    shared_seed,
+)
+from ddp_strategy.sampling.state import merge_rank_positions
 
 DATA = TensorDataset(torch.arange(5))
 

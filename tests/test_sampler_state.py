@@ -7,7 +7,7 @@ import io
 import pytest
 import torch
 
-from ddp_strategy.sampler_state import (
+from ddp_strategy.sampling.state import (
     check_position,
     checkpoint_entry,
     gather_positions,

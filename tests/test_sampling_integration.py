@@ -28,9 +28,9 @@ from sampling_workers import (
 )
 from torch.utils.data import WeightedRandomSampler
 
-from ddp_strategy.checkpoint_io import load_file
-from ddp_strategy.sampler import EpochSeededDistributedSampler, draw_epoch
-from ddp_strategy.sampler_state import CHECKPOINT_KEY
+from ddp_strategy.checkpoint.files import load_file
+from ddp_strategy.sampling.sampler import EpochSeededDistributedSampler, draw_epoch
+from ddp_strategy.sampling.state import CHECKPOINT_KEY
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(400)]
 

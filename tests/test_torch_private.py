@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from ddp_strategy import _torch_private
+from ddp_strategy._compat import torch_private as _torch_private
 
 
 @pytest.fixture

@@ -8,7 +8,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from ddp_strategy import wrapping
+from ddp_strategy.sync import wrapping
 
 
 def test_known_options_pass_through_with_ddps_defaults():

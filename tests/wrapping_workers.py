@@ -24,7 +24,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState
 
 from ddp_strategy import DigitsClassifier, DigitsDataModule, MyDDPStrategy
-from ddp_strategy.comm_hooks import count_collective_bytes
+from ddp_strategy.sync.comm_hooks import count_collective_bytes
 
 B = 16  # per-device batch size of the equivalence scenarios
 STEPS = 4  # optimizer steps per equivalence scenario

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import torch
 
-from ddp_strategy import DDPCheckpointIO, DigitsClassifier, DigitsDataModule, MyDDPStrategy, _namespace
+from ddp_strategy import DDPCheckpointIO, DigitsClassifier, DigitsDataModule, MyDDPStrategy
+from ddp_strategy._compat import namespace as _namespace
 
 # The user's namespace, at module level so that spawned ranks (which re-import this module) have it too.
 pl = importlib.import_module("lightning.pytorch" if sys.argv[1] == "lightning" else "pytorch_lightning")

@@ -15,8 +15,8 @@ implement it:
 * :class:`ShardedBatchSampler` for a custom ``batch_sampler``: whole batches are sharded the same way.
 
 Each reads the trainer's epoch when an iterator is created (so nobody has to call ``set_epoch``), can start
-an epoch part-way from a saved position (:mod:`ddp_strategy.sampler_state`), and reports its own position.
-:mod:`ddp_strategy.injection` puts them into the user's loaders; :func:`shard_iterable` is the user's tool
+an epoch part-way from a saved position (:mod:`ddp_strategy.sampling.state`), and reports its own position.
+:mod:`ddp_strategy.sampling.injection` puts them into the user's loaders; :func:`shard_iterable` is the user's tool
 for ``IterableDataset`` streams, which have no indices to shard.
 """
 
@@ -35,7 +35,7 @@ import torch.distributed as dist
 from torch.utils.data import Dataset, Sampler, get_worker_info
 from torch.utils.data.distributed import DistributedSampler
 
-from ddp_strategy import sampler_state
+from ddp_strategy.sampling import state as sampler_state
 
 #: Seed used for shuffling when neither the strategy nor ``seed_everything`` set one.
 DEFAULT_SEED = 0

@@ -4,7 +4,7 @@ Lightning does not promise these names across releases. ``tests/test_lightning_p
 one against the installed Lightning, in each namespace installed (``lightning.pytorch`` and
 ``pytorch_lightning``), so an upgrade that moves or changes one fails loudly there instead of deep inside a
 training run. Tested with Lightning 2.4, 2.5 and 2.6 (the names and signatures used here are the same in
-all three). Classes we derive from or construct are per namespace (see :mod:`ddp_strategy._namespace`);
+all three). Classes we derive from or construct are per namespace (see :mod:`ddp_strategy._compat.namespace`);
 the namespace-neutral helpers come from the default namespace.
 """
 
@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch.utils.data import BatchSampler, SequentialSampler
 
-from ddp_strategy import _namespace
+from ddp_strategy._compat import namespace as _namespace
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl

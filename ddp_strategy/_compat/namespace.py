@@ -25,7 +25,7 @@ written once:
   that moment (``lightning`` when both are installed and neither is imported yet).
 
 No namespace that is not installed is ever imported. Lightning's private names stay in
-:mod:`ddp_strategy._lightning_private`, which takes them from here.
+:mod:`ddp_strategy._compat.lightning_private`, which takes them from here.
 """
 
 from __future__ import annotations
@@ -367,7 +367,7 @@ class _SavesPublicInitArgs:
     subclasses, and a method of the public class runs with ``__class__`` the public class)."""
 
     def save_hyperparameters(self, *args: Any, ignore: Any = None, frame: Any = None, logger: bool = True) -> None:
-        from ddp_strategy import _lightning_private
+        from ddp_strategy._compat import lightning_private as _lightning_private
 
         if frame is None:
             current = inspect.currentframe()

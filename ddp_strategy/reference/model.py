@@ -9,12 +9,12 @@ import torch.nn.functional as F
 from torch import nn
 from torchmetrics.classification import MulticlassAccuracy
 
-from ddp_strategy import _namespace
-from ddp_strategy.data import NUM_CLASSES, NUM_FEATURES
+from ddp_strategy._compat import namespace as _namespace
+from ddp_strategy.reference.data import NUM_CLASSES, NUM_FEATURES
 
 if TYPE_CHECKING:
     from lightning.pytorch import LightningModule
-else:  # built for the user's Lightning namespace on construction (see ddp_strategy._namespace)
+else:  # built for the user's Lightning namespace on construction (see ddp_strategy._compat.namespace)
     LightningModule = _namespace.lightning_base("pytorch:LightningModule")
 
 
@@ -47,7 +47,7 @@ class DigitsClassifier(LightningModule):
 
     Accuracy is a ``torchmetrics`` ``MulticlassAccuracy``; under DDP torchmetrics sums its counts over
     ranks at epoch end, so ``val_acc`` is over the whole validation set. Checkpoint keys are
-    ``model.<name>``: :func:`ddp_strategy.checkpoint_io.load_plain_state_dict` returns them ready for
+    ``model.<name>``: :func:`ddp_strategy.checkpoint.files.load_plain_state_dict` returns them ready for
     ``DigitsNet.load_state_dict``.
 
     Args:

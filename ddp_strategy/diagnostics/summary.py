@@ -30,8 +30,9 @@ from torch import nn
 from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
-from ddp_strategy import _torch_private, process_group
-from ddp_strategy._namespace import lightning_getattr, lightning_hasattr, rank_zero_info, rank_zero_warn
+from ddp_strategy._compat import torch_private as _torch_private
+from ddp_strategy._compat.namespace import lightning_getattr, lightning_hasattr, rank_zero_info, rank_zero_warn
+from ddp_strategy.process import group as process_group
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl

@@ -17,9 +17,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ddp_strategy import _lightning_private as _pl
-from ddp_strategy import _namespace, failures, process_group
-from ddp_strategy._namespace import rank_zero_warn
+from ddp_strategy._compat import lightning_private as _pl
+from ddp_strategy._compat import namespace as _namespace
+from ddp_strategy._compat.namespace import rank_zero_warn
+from ddp_strategy.process import failures
+from ddp_strategy.process import group as process_group
 
 if TYPE_CHECKING:
     from lightning.fabric.plugins import ClusterEnvironment
@@ -221,7 +223,7 @@ class CheckedMultiProcessingLauncher(_pl.MultiProcessingLauncher):
 
     def launch(self, function: Any, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
         """Check picklability (``spawn``, ``forkserver``), release a process group an earlier run in this process
-        kept (:func:`ddp_strategy.process_group.keep_process_group`), then launch as Lightning does.
+        kept (:func:`ddp_strategy.process.group.keep_process_group`), then launch as Lightning does.
 
         Raises:
             RuntimeError: the arguments cannot be pickled, or CUDA would be forked (:func:`check_fork_safe`).

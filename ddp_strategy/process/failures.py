@@ -29,11 +29,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from ddp_strategy import _namespace
+from ddp_strategy._compat import namespace as _namespace
 
 if TYPE_CHECKING:
     from lightning.pytorch import Callback
-else:  # built for the user's Lightning namespace on construction (see ddp_strategy._namespace)
+else:  # built for the user's Lightning namespace on construction (see ddp_strategy._compat.namespace)
     Callback = _namespace.lightning_base("pytorch.callbacks:Callback")
 
 log = logging.getLogger(__name__)

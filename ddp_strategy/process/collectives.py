@@ -2,7 +2,7 @@
 
 Lightning's ``all_gather`` stacks one tensor per rank into shape ``(W, *shape)`` and requires the same shape
 everywhere (with gloo an uneven call kills a rank: "received data size doesn't match"). Exact evaluation
-shards (:mod:`ddp_strategy.evaluation`) make per-sample outputs uneven whenever the data set size N is not a
+shards (:mod:`ddp_strategy.sampling.evaluation`) make per-sample outputs uneven whenever the data set size N is not a
 multiple of W, and per-image outputs (detections, tokens) are uneven by nature. So:
 
 * :func:`gather_shapes` - every rank learns every rank's shape (one small all-gather of int64s);
@@ -74,7 +74,7 @@ def check_gatherable(shapes: list[tuple[int, ...]], rank: int) -> None:
     raise ValueError(
         f"[rank {rank}] all_gather needs tensors with the same number of dimensions and the same size in every"
         f" dimension but the first on every rank; got {listed}. Pad or reshape them to a common shape first"
-        " (the first dimension may differ: the result is then padded, see ddp_strategy.gather)."
+        " (the first dimension may differ: the result is then padded, see ddp_strategy.process.collectives)."
     )
 
 

@@ -28,11 +28,12 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data.distributed import DistributedSampler
 
-from ddp_strategy import _torch_private, process_group
-from ddp_strategy.data import load_digits_tensors
-from ddp_strategy.diagnostics import CommStats
-from ddp_strategy.model import DigitsNet
-from ddp_strategy.sampler import EpochSeededDistributedSampler
+from ddp_strategy._compat import torch_private as _torch_private
+from ddp_strategy.diagnostics.summary import CommStats
+from ddp_strategy.process import group as process_group
+from ddp_strategy.reference.data import load_digits_tensors
+from ddp_strategy.reference.model import DigitsNet
+from ddp_strategy.sampling.sampler import EpochSeededDistributedSampler
 
 __all__ = ["AllReduceDemo", "allreduce_demo", "epoch_shards", "forgotten_set_epoch"]
 
@@ -42,7 +43,7 @@ def epoch_shards(
 ) -> list[list[list[int]]]:
     """The training indices each rank draws in each epoch, exactly as ``MyDDPStrategy`` shards them.
 
-    Uses :class:`~ddp_strategy.sampler.EpochSeededDistributedSampler` with padding (the training setting).
+    Uses :class:`~ddp_strategy.sampling.sampler.EpochSeededDistributedSampler` with padding (the training setting).
 
     Args:
         dataset_size: N samples.
@@ -193,7 +194,7 @@ def allreduce_demo(world_size: int = 2, batch_size: int = 16, lr: float = 0.1, t
                    start_method: str | None = None) -> AllReduceDemo:
     """Run forward, backward, gradient all-reduce and one SGD step on ``world_size`` real CPU processes.
 
-    Every rank starts from rank 0's weights (a :class:`~ddp_strategy.model.DigitsNet` with 32 hidden units),
+    Every rank starts from rank 0's weights (a :class:`~ddp_strategy.reference.model.DigitsNet` with 32 hidden units),
     takes the first ``batch_size`` indices of its epoch-0 shard of the digits, computes its local gradients,
     averages them with ``torch.distributed.all_reduce`` and steps. It then repeats the backward through
     ``DistributedDataParallel``, which must give the same averaged gradients, and times ``timed_steps`` more

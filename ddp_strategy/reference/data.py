@@ -11,12 +11,12 @@ from typing import TYPE_CHECKING
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from ddp_strategy import _namespace
-from ddp_strategy._namespace import rank_zero_info
+from ddp_strategy._compat import namespace as _namespace
+from ddp_strategy._compat.namespace import rank_zero_info
 
 if TYPE_CHECKING:
     from lightning.pytorch import LightningDataModule
-else:  # built for the user's Lightning namespace on construction (see ddp_strategy._namespace)
+else:  # built for the user's Lightning namespace on construction (see ddp_strategy._compat.namespace)
     LightningDataModule = _namespace.lightning_base("pytorch:LightningDataModule")
 
 NUM_FEATURES = 64

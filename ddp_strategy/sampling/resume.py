@@ -1,7 +1,7 @@
 """Mid-epoch resume: the glue between Lightning's loops and the samplers' saved positions.
 
 The positions themselves (what is stored, how a new world size re-shards the rest of an epoch) are in
-:mod:`ddp_strategy.sampler_state`; the samplers that use them are in :mod:`ddp_strategy.sampler`. This
+:mod:`ddp_strategy.sampling.state`; the samplers that use them are in :mod:`ddp_strategy.sampling.sampler`. This
 module moves positions between the checkpoint, the training loaders the strategy injected, and Lightning's
 batch counter.
 """
@@ -11,9 +11,10 @@ from __future__ import annotations
 import warnings
 from typing import TYPE_CHECKING, Any
 
-from ddp_strategy import _lightning_private as _pl
-from ddp_strategy import injection, sampler, sampler_state
-from ddp_strategy._namespace import TrainerFn, rank_zero_info, rank_zero_warn
+from ddp_strategy._compat import lightning_private as _pl
+from ddp_strategy._compat.namespace import TrainerFn, rank_zero_info, rank_zero_warn
+from ddp_strategy.sampling import injection, sampler
+from ddp_strategy.sampling import state as sampler_state
 
 if TYPE_CHECKING:
     from lightning.pytorch import Trainer
@@ -90,7 +91,7 @@ def restore_batch_counter(trainer: Trainer, world_size: int) -> None:
 def add_sampler_positions(trainer: Trainer, checkpoint: dict[str, Any]) -> None:
     """Add every rank's training sampler position to ``checkpoint`` (gathered: a collective, every rank).
 
-    The entry is plain ints and lists (see :mod:`ddp_strategy.sampler_state`), so the file still loads with
+    The entry is plain ints and lists (see :mod:`ddp_strategy.sampling.state`), so the file still loads with
     ``torch.load(weights_only=True)``. Only while fitting with injected samplers; otherwise a no-op.
     """
     samplers = train_samplers(trainer) if trainer.state.fn == TrainerFn.FITTING else []

@@ -34,7 +34,7 @@ DEVICE_BACKENDS: dict[str, str] = {"cuda": "nccl", "cpu": "gloo"}
 KNOWN_BACKENDS: tuple[str, ...] = ("gloo", "nccl", "mpi", "ucc", "xccl")
 #: Default process-group timeout: 30 minutes, Lightning's ``default_pg_timeout``, so that code in which one
 #: rank works alone for a long time while the others wait (rank 0 writing a checkpoint of many GiB) runs as
-#: under Lightning's ``ddp``. A failed or killed rank does not wait for it: :mod:`ddp_strategy.failures` names
+#: under Lightning's ``ddp``. A failed or killed rank does not wait for it: :mod:`ddp_strategy.process.failures` names
 #: it and stops the job within seconds. Lower it (``MyDDPStrategy(timeout=...)``) to bound a true stall.
 DEFAULT_TIMEOUT = timedelta(minutes=30)
 
@@ -233,7 +233,7 @@ def init_process_group(
              rank, backend, world_size, where, timeout.total_seconds())
     try:
         # The store is made here, as torch's env://, tcp:// and file:// handlers would make it, so that the
-        # strategy keeps a handle on it to report failures between ranks (see ddp_strategy.failures).
+        # strategy keeps a handle on it to report failures between ranks (see ddp_strategy.process.failures).
         if store is None and init_method is not None and init_method.startswith("file://"):
             store = generation_store(dist.FileStore(init_method[len("file://"):], world_size), world_size)
         elif store is not None:
@@ -526,7 +526,7 @@ def keep_process_group() -> None:
     results, a ``barrier`` before rank 0 writes a file): under Lightning's ``DDPStrategy`` the group outlives
     the run, so it does here. It is destroyed, for every backend, by the next run's
     :func:`release_kept_process_group` (each run has its own rendezvous), at interpreter exit (an ``atexit``
-    hook), or when a spawned or forked rank's work ends (:mod:`ddp_strategy.launching`). A no-op without a group.
+    hook), or when a spawned or forked rank's work ends (:mod:`ddp_strategy.process.launching`). A no-op without a group.
     """
     global _kept_for_user_code, _exit_hook_registered
     if not (dist.is_available() and dist.is_initialized()):

@@ -3,7 +3,7 @@
 For each ``DataLoader`` a ``*_dataloader`` hook returns, :func:`inject_distributed_sampler` decides whether it
 needs sharding (not when it already has a distributed sampler, one of ours, or an ``IterableDataset``),
 checks that the shards make sense (:func:`check_shard_sizes`), builds the matching sampler from
-:mod:`ddp_strategy.sampler` and rebuilds the loader around it with its other arguments kept.
+:mod:`ddp_strategy.sampling.sampler` and rebuilds the loader around it with its other arguments kept.
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ from typing import Any
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, SequentialSampler
 from torch.utils.data.distributed import DistributedSampler
 
-from ddp_strategy import _lightning_private as _pl
-from ddp_strategy._namespace import rank_zero_warn
-from ddp_strategy.sampler import (
+from ddp_strategy._compat import lightning_private as _pl
+from ddp_strategy._compat.namespace import rank_zero_warn
+from ddp_strategy.sampling.sampler import (
     EpochSeededDistributedSampler,
     ShardedBatchSampler,
     ShardedSampler,

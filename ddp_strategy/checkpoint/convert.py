@@ -19,8 +19,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ddp_strategy import _namespace
-from ddp_strategy.checkpoint_io import (
+from ddp_strategy._compat import namespace as _namespace
+from ddp_strategy.checkpoint.files import (
     DamagedCheckpointError,
     atomic_save,
     find_model_state_dict,
@@ -141,7 +141,7 @@ def import_plain_checkpoint(
     The file may hold ``{"epoch", "model_state_dict" | "state_dict" | "model", "optimizer_state_dict" |
     "optimizer", "global_step"?}`` or be a bare state dict; keys may carry DDP's ``module.`` and
     ``torch.compile``'s ``_orig_mod.``. They are matched exactly against ``model``: either ``model``'s own
-    keys or those of one of its sub-modules (for :class:`~ddp_strategy.model.DigitsClassifier` the file's
+    keys or those of one of its sub-modules (for :class:`~ddp_strategy.reference.model.DigitsClassifier` the file's
     ``layers.0.weight`` becomes ``model.layers.0.weight``).
 
     With ``output_path`` (``model`` must be a LightningModule) a Lightning checkpoint is written atomically:

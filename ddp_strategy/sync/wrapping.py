@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from ddp_strategy import _lightning_private as _pl
+from ddp_strategy._compat import lightning_private as _pl
 
 log = logging.getLogger(__name__)
 

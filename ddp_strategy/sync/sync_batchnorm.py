@@ -21,11 +21,11 @@ from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from typing_extensions import override
 
-from ddp_strategy import _namespace
+from ddp_strategy._compat import namespace as _namespace
 
 if TYPE_CHECKING:
     from lightning.pytorch.plugins import LayerSync, TorchSyncBatchNorm
-else:  # built for the user's Lightning namespace on construction (see ddp_strategy._namespace)
+else:  # built for the user's Lightning namespace on construction (see ddp_strategy._compat.namespace)
     TorchSyncBatchNorm = _namespace.lightning_base("pytorch.plugins:TorchSyncBatchNorm")
 
 _TORCH_SYNC_BATCHNORM = "pytorch.plugins:TorchSyncBatchNorm"

@@ -42,13 +42,13 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from ddp_strategy import _lightning_private as _pl
-from ddp_strategy import _namespace
-from ddp_strategy._namespace import get_filesystem
+from ddp_strategy._compat import lightning_private as _pl
+from ddp_strategy._compat import namespace as _namespace
+from ddp_strategy._compat.namespace import get_filesystem
 
 if TYPE_CHECKING:
     from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
-else:  # built for the user's Lightning namespace on construction (see ddp_strategy._namespace)
+else:  # built for the user's Lightning namespace on construction (see ddp_strategy._compat.namespace)
     TorchCheckpointIO = _namespace.lightning_base("fabric.plugins.io.torch_io:TorchCheckpointIO")
 
 log = logging.getLogger(__name__)
@@ -606,12 +606,12 @@ def load_plain_state_dict(path: str | os.PathLike, submodule: str = "model",
     ``"model_state_dict"`` or ``"model"`` entry, and bare state dicts, with or without DDP's ``module.``
     and ``torch.compile``'s ``_orig_mod.`` segments. Loads with ``torch.load(weights_only=True)``; needs no
     Lightning at the call site beyond this package. With the model at hand,
-    :func:`ddp_strategy.checkpoint_convert.import_plain_checkpoint` matches keys exactly and strictly.
+    :func:`ddp_strategy.checkpoint.convert.import_plain_checkpoint` matches keys exactly and strictly.
 
     Args:
         path: checkpoint file.
         submodule: attribute name of the plain model inside the LightningModule (``"model"`` for
-            :class:`~ddp_strategy.model.DigitsClassifier`); ``""`` returns the whole state dict.
+            :class:`~ddp_strategy.reference.model.DigitsClassifier`); ``""`` returns the whole state dict.
         weights_only: load with ``torch.load(weights_only=True)`` (default); False only for files you trust
             (e.g. a checkpoint whose hyper-parameters hold an ``nn.Module``).
 

@@ -1,6 +1,6 @@
 """Exact evaluation shards with the same number of batches on every rank; a guard where that cannot be had.
 
-Validation and test loaders are sharded without padding (:mod:`ddp_strategy.sampler`), so every sample is
+Validation and test loaders are sharded without padding (:mod:`ddp_strategy.sampling.sampler`), so every sample is
 evaluated exactly once. Their batches are then laid out by :class:`EqualCountBatchSampler` so that every rank
 takes the same number of steps, ``K = ceil(ceil(N / W) / B)`` - the number Lightning's padded
 ``DistributedSampler`` gives: a rank whose shard is one sample shorter makes its *first* batch one sample
@@ -12,7 +12,7 @@ smaller. 17 samples, batch size 4, 2 ranks:
 
 So every per-step collective meets (``self.log(..., on_step=True, sync_dist=True)``, ``self.all_gather``,
 ``strategy.reduce/broadcast/barrier``, torchmetrics' ``dist_sync_on_step=True``), and with
-:func:`ddp_strategy.gather.all_gather_padded` the rows an uneven ``all_gather`` lacks are exactly the
+:func:`ddp_strategy.process.collectives.all_gather_padded` the rows an uneven ``all_gather`` lacks are exactly the
 padding samples Lightning's sampler would have added - in the first step, which holds them.
 
 Where no such layout exists - ``batch_size=1`` or no batching, fewer samples than ranks, ``drop_last=True`` -
@@ -39,9 +39,9 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import BatchSampler, DataLoader
 
-from ddp_strategy import injection
-from ddp_strategy._namespace import rank_zero_warn
-from ddp_strategy.sampler import ShardedBatchSampler, _EpochShards
+from ddp_strategy._compat.namespace import rank_zero_warn
+from ddp_strategy.sampling import injection
+from ddp_strategy.sampling.sampler import ShardedBatchSampler, _EpochShards
 
 #: Attribute set on an evaluation loader: its number of batches on every rank, as a tuple.
 BATCH_COUNTS_ATTR = "_ddp_strategy_batch_counts"
@@ -151,11 +151,11 @@ def shard_for_evaluation(dataloader: object, num_replicas: int, rank: int, seed:
     Index-based loaders get an unpadded sampler and :class:`EqualCountBatchSampler`; custom batch samplers
     :class:`EqualCountBatches`. Where :func:`needs_padding` finds no exact layout, the loader is sharded as
     Lightning's ddp shards it (padded) and rank 0 warns once. Loaders the strategy does not shard (see
-    :func:`ddp_strategy.injection.needs_distributed_sampler`) are returned unchanged.
+    :func:`ddp_strategy.sampling.injection.needs_distributed_sampler`) are returned unchanged.
 
     Args:
         dataloader: the user's loader.
-        num_replicas, rank, seed, epoch_fn: as for :func:`ddp_strategy.injection.inject_distributed_sampler`.
+        num_replicas, rank, seed, epoch_fn: as for :func:`ddp_strategy.sampling.injection.inject_distributed_sampler`.
         stage: ``"validation"`` or ``"test"``, for the warning.
 
     Returns:

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ddp_strategy._namespace import rank_zero_warn
+from ddp_strategy._compat.namespace import rank_zero_warn
 
 #: The boolean DDP options the strategy names (Lightning passes them to DDP as given).
 DDP_FLAGS = ("find_unused_parameters", "static_graph", "gradient_as_bucket_view", "broadcast_buffers")
