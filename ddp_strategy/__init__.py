@@ -8,24 +8,23 @@ Works with either Lightning namespace (``lightning`` or ``pytorch_lightning``), 
 :mod:`ddp_strategy._compat.namespace`.
 """
 
-from ddp_strategy.checkpoint.convert import export_weights, import_plain_checkpoint
-from ddp_strategy.checkpoint.files import (
+from ddp_strategy.checkpoint import (
     DamagedCheckpointError,
     DDPCheckpointIO,
     StateDictMismatchError,
     UnsafeCheckpointError,
+    export_weights,
+    import_plain_checkpoint,
     load_plain_state_dict,
     match_state_dict,
     strip_ddp_prefix,
     unwrapped_state_dict,
 )
-from ddp_strategy.process.collectives import all_gather_rows
-from ddp_strategy.reference.data import DigitsDataModule
-from ddp_strategy.reference.model import DigitsClassifier, DigitsNet
-from ddp_strategy.sampling.sampler import EpochSeededDistributedSampler, shard_iterable
+from ddp_strategy.process import all_gather_rows
+from ddp_strategy.reference import DigitsClassifier, DigitsDataModule, DigitsNet
+from ddp_strategy.sampling import EpochSeededDistributedSampler, shard_iterable
 from ddp_strategy.strategy import MyDDPStrategy
-from ddp_strategy.sync.comm_hooks import bf16_all_reduce_hook, count_collective_bytes
-from ddp_strategy.sync.sync_batchnorm import CPUSyncBatchNorm
+from ddp_strategy.sync import CPUSyncBatchNorm, bf16_all_reduce_hook, count_collective_bytes
 
 __version__ = "0.1.0"
 

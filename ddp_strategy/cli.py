@@ -11,8 +11,7 @@ from typing import Any
 import ddp_strategy  # noqa: F401  (registers "my_ddp" with Lightning)
 from ddp_strategy._compat import namespace as _namespace
 from ddp_strategy._compat.namespace import rank_zero_info
-from ddp_strategy.reference.data import DigitsDataModule
-from ddp_strategy.reference.model import DigitsClassifier
+from ddp_strategy.reference import DigitsClassifier, DigitsDataModule
 
 #: The CLI runs on the default namespace (``DDP_STRATEGY_LIGHTNING`` chooses; else ``lightning`` if installed).
 _LIGHTNING = _namespace.default

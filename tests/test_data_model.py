@@ -70,6 +70,6 @@ def test_named_ddp_options_reach_ddp_and_defaults_stay_short():
     """Named options that differ from DDP's defaults are passed on; the defaults add none (as Lightning's ddp)."""
     from ddp_strategy import MyDDPStrategy
 
-    assert MyDDPStrategy()._ddp_kwargs == {}
+    assert MyDDPStrategy()._options.ddp_kwargs == {}
     s = MyDDPStrategy(find_unused_parameters=True, bucket_cap_mb=5, broadcast_buffers=False)
-    assert s._ddp_kwargs == {"find_unused_parameters": True, "bucket_cap_mb": 5, "broadcast_buffers": False}
+    assert s._options.ddp_kwargs == {"find_unused_parameters": True, "bucket_cap_mb": 5, "broadcast_buffers": False}

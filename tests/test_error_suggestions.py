@@ -89,7 +89,8 @@ def error_of(run, caplog: pytest.LogCaptureFixture) -> str:
     strategy logs the failure with its traceback) would, and with it the failed fit's rendezvous store, which
     keeps MASTER_PORT busy for the next fit in this process.
     """
-    with caplog.at_level(logging.CRITICAL + 1, logger="ddp_strategy.process.failures"):  # its record holds the traceback
+    # the log record would hold the traceback (and with it the old store)
+    with caplog.at_level(logging.CRITICAL + 1, logger="ddp_strategy.process.failures"):
         try:
             run()
         except Exception as e:
@@ -274,7 +275,7 @@ def test_cpu_oversubscription_warning_suggestions_silence_it(monkeypatch):
         warnings.simplefilter("error")
         launching.check_cpu_processes(2)
         launching.check_cpu_processes(3, allow_oversubscription=MyDDPStrategy(
-            allow_cpu_oversubscription=True)._allow_cpu_oversubscription)
+            allow_cpu_oversubscription=True)._options.allow_cpu_oversubscription)
 
 
 def test_fork_with_cuda_error_suggestions_pass_the_check(monkeypatch):

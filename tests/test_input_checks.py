@@ -61,7 +61,8 @@ def test_what_lightning_accepts_is_still_accepted():
     strategy = MyDDPStrategy(timeout=timedelta(seconds=30), monitored_barrier_timeout=2.5, seed=7, bucket_cap_mb=1,
                              start_method="spawn", process_group_backend="gloo", init_method="tcp://127.0.0.1:1",
                              store=None, checkpoint_on_sigterm=True, verify_sync_every_n_steps=3)
-    assert strategy._barrier_timeout == timedelta(seconds=2.5) and strategy._timeout == timedelta(seconds=30)
+    assert strategy._options.barrier_timeout == timedelta(seconds=2.5)
+    assert strategy._options.timeout == timedelta(seconds=30)
     MyDDPStrategy(store=dist.HashStore(), start_method="fork")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -25,7 +25,7 @@ from ddp_strategy import (
 )
 from ddp_strategy._compat import namespace as _namespace
 from ddp_strategy.checkpoint.files import load_file
-from ddp_strategy.process.failures import EpochBoundaryCheck
+from ddp_strategy.process.boundaries import EpochBoundaryCheck
 
 pytestmark = pytest.mark.compat
 
@@ -61,7 +61,7 @@ def _runtime_lightning_imports(path: Path) -> list[str]:
 def test_no_module_but_namespace_imports_either_namespace():
     """Every runtime import of lightning/pytorch_lightning is in _namespace.py (which imports by name): the rest
     of the package imports from it, so it never imports a namespace the user does not have."""
-    package = Path(_namespace.__file__).parent
+    package = Path(_namespace.__file__).parent.parent
     found = [hit for path in sorted(package.rglob("*.py")) for hit in _runtime_lightning_imports(path)]
     assert found == []
 
@@ -96,7 +96,7 @@ def test_a_strategy_follows_the_trainer_that_connects_it(made_for, trainer_of):
     assert isinstance(strategy, other.get("pytorch.strategies:ParallelStrategy"))
     assert isinstance(strategy, MyDDPStrategy)
     assert _namespace.namespace_of(strategy) == trainer_of
-    assert strategy._timeout == timedelta(seconds=42) and strategy.start_method == "spawn"
+    assert strategy._options.timeout == timedelta(seconds=42) and strategy.start_method == "spawn"
     assert isinstance(strategy.accelerator, other.get("pytorch.accelerators:CPUAccelerator"))
     launcher = other.get("pytorch.strategies.launchers.multiprocessing:_MultiProcessingLauncher")
     assert isinstance(strategy.launcher, launcher)

@@ -15,6 +15,7 @@ import torch.multiprocessing as mp
 from ddp_testing import free_port, listening_sockets
 
 from ddp_strategy.process import group as process_group
+from ddp_strategy.process import rendezvous
 
 
 def test_backend_follows_device():
@@ -121,32 +122,32 @@ def test_nccl_group_on_a_real_gpu(tmp_path):
 def test_shared_store_gives_each_rendezvous_and_attempt_its_own_prefix():
     """A store that outlives rendezvous: 2 ranks x 2 stages get prefixes 0, 0, 1, 1; a torchrun attempt starts anew."""
     base = dist.HashStore()
-    views = [process_group.generation_store(base, world_size=2) for _ in range(4)]
+    views = [rendezvous.generation_store(base, world_size=2) for _ in range(4)]
     for i, view in enumerate(views):
         view.set(f"key{i}", "x")
     assert [base.check([f"ddp_strategy/rendezvous_{g}/key{i}"]) for i, g in enumerate([0, 0, 1, 1])] == [True] * 4
-    process_group.generation_store(base, world_size=2, attempt="1").set("k", "y")
-    process_group.generation_store(base, world_size=2, attempt="1").set("k", "y")
-    process_group.generation_store(base, world_size=1, attempt="1").set("k", "z")  # re-formed with 1 worker
+    rendezvous.generation_store(base, world_size=2, attempt="1").set("k", "y")
+    rendezvous.generation_store(base, world_size=2, attempt="1").set("k", "y")
+    rendezvous.generation_store(base, world_size=1, attempt="1").set("k", "z")  # re-formed with 1 worker
     assert base.check([f"ddp_strategy/attempt_1/world_{w}/rendezvous_0/k" for w in (1, 2)])
 
 
 def test_store_listens_on_loopback_on_one_node_and_on_master_addr_otherwise(caplog):
     """One node: 127.0.0.1 whatever MASTER_ADDR is; several: MASTER_ADDR's address, or all interfaces and a warning."""
-    assert process_group.listen_address("192.0.2.7", num_nodes=1) == "127.0.0.1"
-    assert process_group.listen_address("192.0.2.7", num_nodes=2) == "192.0.2.7"
-    assert process_group.listen_address("localhost", num_nodes=2) == ""
+    assert rendezvous.listen_address("192.0.2.7", num_nodes=1) == "127.0.0.1"
+    assert rendezvous.listen_address("192.0.2.7", num_nodes=2) == "192.0.2.7"
+    assert rendezvous.listen_address("localhost", num_nodes=2) == ""
     assert "resolves to the loopback address" in caplog.text
 
 
 def test_a_rank_that_reaches_the_previous_stores_server_waits_for_the_new_one(caplog):
     """Rank 1 rejoins while rank 0's old store still answers: it recognises it, and ends up on the new store."""
     port, timeout = free_port(), timedelta(seconds=30)
-    old = process_group.rendezvous_store("127.0.0.1", port, 0, timeout)
-    process_group.rendezvous_store("127.0.0.1", port, 1, timeout)  # rank 1's first rendezvous on this port
+    old = rendezvous.rendezvous_store("127.0.0.1", port, 0, timeout)
+    rendezvous.rendezvous_store("127.0.0.1", port, 1, timeout)  # rank 1's first rendezvous on this port
     result = []
-    caplog.set_level("DEBUG", logger="ddp_strategy.process.group")
-    rejoin = threading.Thread(target=lambda: result.append(process_group.rendezvous_store("127.0.0.1", port, 1,
+    caplog.set_level("DEBUG", logger="ddp_strategy.process.rendezvous")
+    rejoin = threading.Thread(target=lambda: result.append(rendezvous.rendezvous_store("127.0.0.1", port, 1,
                                                                                             timeout)))
     rejoin.start()
     deadline = time.monotonic() + 30
@@ -154,7 +155,7 @@ def test_a_rank_that_reaches_the_previous_stores_server_waits_for_the_new_one(ca
         time.sleep(0.05)
     assert "reached the previous rendezvous's store" in caplog.text
     del old  # rank 0 finishes tearing down: its store closes, and it serves the next rendezvous on the same port
-    new = process_group.rendezvous_store("127.0.0.1", port, 0, timeout)
+    new = rendezvous.rendezvous_store("127.0.0.1", port, 0, timeout)
     rejoin.join(60)
     result[0].set("written_by_rank_1", "yes")
     assert new.get("written_by_rank_1") == b"yes"
@@ -163,8 +164,8 @@ def test_a_rank_that_reaches_the_previous_stores_server_waits_for_the_new_one(ca
 def test_on_several_nodes_a_loopback_master_addr_makes_the_store_listen_everywhere(caplog):
     """num_nodes=2, MASTER_ADDR=127.0.0.1 (no other node could reach it): all interfaces, a warning; ranks join."""
     port = free_port()
-    server = process_group.rendezvous_store("127.0.0.1", port, 0, timedelta(seconds=30), num_nodes=2)
-    client = process_group.rendezvous_store("127.0.0.1", port, 1, timedelta(seconds=30), num_nodes=2)
+    server = rendezvous.rendezvous_store("127.0.0.1", port, 0, timedelta(seconds=30), num_nodes=2)
+    client = rendezvous.rendezvous_store("127.0.0.1", port, 1, timedelta(seconds=30), num_nodes=2)
     client.set("k", "v")
     assert server.get("k") == b"v"
     assert "listens on every interface" in caplog.text

@@ -24,11 +24,11 @@ def test_is_a_parallel_strategy_not_lightnings_ddp():
 def test_defaults():
     """Defaults as Lightning's ddp: 30-minute timeout, DDP's own options; backend chosen later, DDPCheckpointIO."""
     s = MyDDPStrategy()
-    assert s._timeout == timedelta(minutes=30) and s._barrier_timeout == timedelta(minutes=30)
+    assert s._options.timeout == timedelta(minutes=30) and s._options.barrier_timeout == timedelta(minutes=30)
     assert s.process_group_backend is None
     assert isinstance(s.checkpoint_io, DDPCheckpointIO)
-    assert s._ddp_kwargs == {}
-    assert MyDDPStrategy(timeout=5)._timeout == timedelta(seconds=5)
+    assert s._options.ddp_kwargs == {}
+    assert MyDDPStrategy(timeout=5)._options.timeout == timedelta(seconds=5)
 
 
 @pytest.mark.parametrize(

@@ -8,6 +8,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from ddp_strategy.process.group import device_ids
 from ddp_strategy.sync import wrapping
 
 
@@ -29,9 +30,9 @@ def test_unknown_or_reserved_options_are_refused(name):
 
 def test_device_ids_are_for_cuda_only():
     """CUDA devices give [index] (checked without a GPU); CPU gives None as DDP requires."""
-    assert wrapping.ddp_device_ids(torch.device("cuda", 3)) == [3]
-    assert wrapping.ddp_device_ids(torch.device("cuda")) == [0]
-    assert wrapping.ddp_device_ids(torch.device("cpu")) is None
+    assert device_ids(torch.device("cuda", 3)) == [3]
+    assert device_ids(torch.device("cuda")) == [0]
+    assert device_ids(torch.device("cpu")) is None
 
 
 def test_wrap_and_unwrap_in_a_one_rank_group():

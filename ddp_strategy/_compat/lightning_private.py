@@ -187,6 +187,9 @@ def update_dataloader_batch_sampler(dataloader: DataLoader, batch_sampler: Any) 
     return _reinstantiate_wrapped_cls(dataloader, *args, **kwargs)
 
 
+_namespace.register_save_hyperparameters(save_hyperparameters)
+
+
 def allow_compiled_models(namespace: _namespace.Namespace, strategy_cls: type) -> None:
     """Let ``Trainer.fit/validate/test/predict`` accept a ``torch.compile``'d LightningModule for ``strategy_cls``.
 

@@ -20,16 +20,9 @@ import torch
 from torch import nn
 
 from ddp_strategy._compat import namespace as _namespace
-from ddp_strategy.checkpoint.files import (
-    DamagedCheckpointError,
-    atomic_save,
-    find_model_state_dict,
-    load_file,
-    match_state_dict,
-    plain_state_dict,
-    unwrapped_name,
-    unwrapped_state_dict,
-)
+from ddp_strategy.checkpoint.atomic import atomic_save
+from ddp_strategy.checkpoint.files import DamagedCheckpointError, find_model_state_dict, load_file, plain_state_dict
+from ddp_strategy.checkpoint.keys import match_state_dict, unwrapped_name, unwrapped_state_dict
 
 log = logging.getLogger(__name__)
 

@@ -14,6 +14,10 @@ logged once, by global rank 0, on the ``lightning.pytorch`` logger or as a ``Use
 The pure functions (:meth:`FitSummary.format`, :func:`batch_size_warnings`, :func:`communication_messages`)
 take plain numbers and are tested with given values; :func:`on_fit_start` and :func:`on_fit_end` collect the
 numbers from a running Trainer and are called by :class:`~ddp_strategy.strategy.MyDDPStrategy`.
+
+This module holds the fit-start summary and the batch-size warnings; the communication report is in
+:mod:`ddp_strategy.diagnostics.communication`, and the entry points the strategy calls in
+:mod:`ddp_strategy.diagnostics.record`.
 """
 
 from __future__ import annotations
@@ -24,37 +28,19 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import torch
-import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
 from ddp_strategy._compat import torch_private as _torch_private
-from ddp_strategy._compat.namespace import lightning_getattr, lightning_hasattr, rank_zero_info, rank_zero_warn
-from ddp_strategy.process import group as process_group
+from ddp_strategy._compat.namespace import lightning_getattr, lightning_hasattr
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
 log = logging.getLogger(__name__)
 
-__all__ = [
-    "COMM_DOMINATES_FRACTION",
-    "CommStats",
-    "FitRecord",
-    "FitSummary",
-    "GradientTracker",
-    "batch_size_warnings",
-    "communication_messages",
-    "on_fit_end",
-    "on_fit_start",
-]
 
-#: The hint is given when un-overlapped all-reduce time exceeds this share of a step (0.5: communication
-#: takes longer than forward and backward compute together).
-COMM_DOMINATES_FRACTION = 0.5
-_NS_PER_MS = 1e6
 
 
 # ----------------------------------------------------------------------------------------------- fit start
@@ -117,13 +103,13 @@ class FitSummary:
               DDP options: find_unused_parameters=True; comm hook: none
         """
         per_node = self.world_size // max(self.num_nodes, 1)
-        nodes = f"{_plural(self.num_nodes, 'node')} x {_plural(per_node, 'process')}"
+        nodes = f"{plural(self.num_nodes, 'node')} x {plural(per_node, 'process')}"
         lines = [f"DDP fit summary: world size {self.world_size} ({nodes}), backend {self.backend},"
                  f" start method {self.start_method}"]
         if self.per_device_batch_size is None:
             lines.append("  batch: per-device batch size unknown (the loader has no batch_size)")
         else:
-            lines.append(f"  batch: {self.per_device_batch_size} per device x {_plural(self.world_size, 'process')}"
+            lines.append(f"  batch: {self.per_device_batch_size} per device x {plural(self.world_size, 'process')}"
                          f" x {self.accumulate_grad_batches} accumulation = global batch size"
                          f" {self.global_batch_size} samples per step")
         data = f"{self.dataset_size} training samples" if self.dataset_size is not None else "training samples: ?"
@@ -141,7 +127,7 @@ class FitSummary:
         return "\n".join(lines)
 
 
-def _plural(count: int, word: str) -> str:
+def plural(count: int, word: str) -> str:
     return f"{count} {word}" + ("" if count == 1 else "es" if word.endswith("s") else "s")
 
 
@@ -277,213 +263,3 @@ def collect_fit_summary(
         comm_hook=str(comm_hook),
     )
     return summary, _configured_batch_size(trainer)
-
-
-class GradientTracker:
-    """Records which parameters receive a gradient, through one autograd hook per parameter.
-
-    Only parameters with ``requires_grad=True`` are tracked (frozen ones are not expected to get gradients).
-    The hooks only set a flag. :meth:`prune` (called after each optimizer step) removes the hooks of
-    parameters already seen, so after the first step only never-updated parameters still pay for a hook;
-    :meth:`close` removes the rest.
-
-    Args:
-        module: the LightningModule (names are relative to it, without DDP's ``module.`` prefix).
-    """
-
-    def __init__(self, module: nn.Module) -> None:
-        params = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
-        self.names: list[str] = [name for name, _ in params]
-        self._seen: list[bool] = [False] * len(params)
-        self._handles: dict[int, Any] = {i: p.register_hook(self._hook_for(i)) for i, (_, p) in enumerate(params)}
-
-    @property
-    def received(self) -> torch.Tensor:
-        """Bool tensor of shape (number of tracked parameters,): True where a gradient arrived."""
-        return torch.tensor(self._seen, dtype=torch.bool)
-
-    def _hook_for(self, index: int) -> Any:
-        def hook(grad: torch.Tensor) -> None:
-            self._seen[index] = True
-
-        return hook
-
-    def prune(self) -> None:
-        """Remove the hooks of parameters that have already received a gradient (not from inside a hook)."""
-        for index in [i for i in self._handles if self._seen[i]]:
-            self._handles.pop(index).remove()
-
-    def close(self) -> None:
-        """Remove the hooks (idempotent)."""
-        for handle in self._handles.values():
-            handle.remove()
-        self._handles = {}
-
-
-@dataclass
-class FitRecord:
-    """What :func:`on_fit_start` hands to :func:`on_fit_end`: the summary and the running gradient tracker."""
-
-    summary: FitSummary
-    tracker: GradientTracker
-
-
-def on_fit_start(
-    trainer: pl.Trainer, backend: str, start_method: str, ddp_options: dict[str, Any], ddp_model: nn.Module
-) -> FitRecord:
-    """Log the fit summary and batch-size warnings on rank 0; start tracking gradients on every rank.
-
-    Called by the strategy's ``on_train_start`` on every rank, after the DDP wrapper (and any comm hook)
-    exists and the training loader is built; no collective.
-
-    Returns:
-        The record to pass to :func:`on_fit_end`.
-    """
-    summary, configured = collect_fit_summary(trainer, backend, start_method, ddp_options, ddp_model)
-    rank_zero_info(summary.format())
-    for message in batch_size_warnings(summary.per_device_batch_size, summary.world_size, summary.dataset_size,
-                                       configured):
-        rank_zero_warn(message)
-    assert trainer.lightning_module is not None
-    return FitRecord(summary, GradientTracker(trainer.lightning_module))
-
-
-# ------------------------------------------------------------------------------------------------- fit end
-@dataclass(frozen=True)
-class CommStats:
-    """DDP's per-step timings, in milliseconds, averaged over the steps DDP sampled (and over ranks).
-
-    DDP's reducer times forward, backward compute (backward start until the last gradient is ready),
-    gradient communication (first bucket's all-reduce launched until the last one finished) and their overlap
-    (communication that ran while backward was still computing), on iterations 1-10 and every 100th after.
-
-    Attributes:
-        forward_ms, backward_compute_ms, allreduce_ms, overlap_ms: per-step averages in ms.
-    """
-
-    forward_ms: float
-    backward_compute_ms: float
-    allreduce_ms: float
-    overlap_ms: float
-
-    @classmethod
-    def from_ddp_logging_data(cls, data: dict[str, Any]) -> CommStats | None:
-        """Build from ``DistributedDataParallel._get_ddp_logging_data()`` (ns); None before DDP timed a step."""
-        if not all(key in data for key in _torch_private.DDP_TIMING_KEYS):
-            return None
-        return cls(*(float(data[key]) / _NS_PER_MS for key in _torch_private.DDP_TIMING_KEYS))
-
-    def as_tensor(self) -> torch.Tensor:
-        """``[forward, backward compute, all-reduce, overlap]`` in ms, float64."""
-        return torch.tensor([self.forward_ms, self.backward_compute_ms, self.allreduce_ms, self.overlap_ms],
-                            dtype=torch.float64)
-
-    @property
-    def compute_ms(self) -> float:
-        """Forward plus backward compute, in ms per step."""
-        return self.forward_ms + self.backward_compute_ms
-
-    @property
-    def exposed_comm_ms(self) -> float:
-        """All-reduce time not hidden behind backward, in ms per step (never negative)."""
-        return max(self.allreduce_ms - self.overlap_ms, 0.0)
-
-    @property
-    def comm_fraction(self) -> float:
-        """Share of a step spent waiting for communication: ``exposed / (compute + exposed)``, in [0, 1]."""
-        total = self.compute_ms + self.exposed_comm_ms
-        return self.exposed_comm_ms / total if total > 0 else 0.0
-
-    @property
-    def overlap_fraction(self) -> float:
-        """Share of the all-reduce time that overlapped with backward, in [0, 1]."""
-        return min(self.overlap_ms / self.allreduce_ms, 1.0) if self.allreduce_ms > 0 else 0.0
-
-
-def communication_messages(
-    stats: CommStats | None,
-    unused: list[str],
-    world_size: int,
-    per_device_batch_size: int | None = None,
-    bucket_cap_mb: float | None = None,
-) -> tuple[list[str], list[str]]:
-    """The fit-end messages: ``(infos, warnings)``.
-
-    Args:
-        stats: rank-averaged timings, or None when DDP timed no step (then the info says so).
-        unused: names of parameters that never received a gradient on any rank.
-        world_size: W.
-        per_device_batch_size: B, quoted in the hint; None leaves it out.
-        bucket_cap_mb: DDP's bucket size in MiB, quoted in the hint; None leaves it out.
-
-    Returns:
-        ``infos``: the communication summary, plus a hint when the un-overlapped all-reduce exceeds
-        :data:`COMM_DOMINATES_FRACTION` of the step. ``warnings``: one naming the unused parameters, if any.
-    """
-    infos: list[str] = []
-    warnings: list[str] = []
-    if stats is None:
-        infos.append("DDP communication: no step was timed (DDP times iterations 1-10 and every 100th after).")
-    else:
-        infos.append(
-            f"DDP communication per step (ms, averaged over DDP's sampled steps and {_plural(world_size, 'rank')}):"
-            f" compute {stats.compute_ms:.2f} (forward {stats.forward_ms:.2f} + backward"
-            f" {stats.backward_compute_ms:.2f}), gradient all-reduce {stats.allreduce_ms:.2f}, of which"
-            f" {stats.overlap_ms:.2f} ({stats.overlap_fraction:.0%}) overlapped with backward; waiting for"
-            f" communication {stats.exposed_comm_ms:.2f} = {stats.comm_fraction:.0%} of the step."
-        )
-        if stats.comm_fraction > COMM_DOMINATES_FRACTION:
-            batch = f" than {per_device_batch_size}" if per_device_batch_size is not None else ""
-            bucket = f" (now {bucket_cap_mb:g} MiB)" if bucket_cap_mb is not None else ""
-            infos.append(
-                f"Hint: communication dominates ({stats.comm_fraction:.0%} of each step waits for the gradient"
-                f" all-reduce), so {world_size} processes may be slower than one. Give each all-reduce more work:"
-                f" a larger per-device batch_size{batch} or accumulate_grad_batches; a larger"
-                f" MyDDPStrategy(bucket_cap_mb=...){bucket}; a compression comm hook such as"
-                " torch.distributed.algorithms.ddp_comm_hooks.default_hooks.fp16_compress_hook; or fewer devices."
-            )
-    if unused:
-        warnings.append(
-            f"{len(unused)} parameter(s) never received a gradient on any rank during fit: {', '.join(unused)}."
-            " They are not trained. Use them in the forward pass, freeze them (requires_grad=False) or remove"
-            " them; with find_unused_parameters=True DDP also pays an extra graph traversal every step."
-        )
-    return infos, warnings
-
-
-def on_fit_end(record: FitRecord, ddp_model: nn.Module, device: torch.device) -> tuple[CommStats | None, list[str]]:
-    """Average DDP's timings and the gradient flags over ranks, then log the fit-end messages on rank 0.
-
-    A collective (one all-reduce of ``4 + 1 + P`` float64 values, P = tracked parameters): every rank must
-    call it, after the last training step and before the DDP wrapper is released.
-
-    Args:
-        record: from :func:`on_fit_start`; its gradient hooks are removed here.
-        ddp_model: the ``DistributedDataParallel`` wrapper (its logging data holds DDP's timings).
-        device: this rank's device (CUDA for NCCL).
-
-    Returns:
-        ``(stats, unused)``: the rank-averaged timings (None if no rank has any) and the unused parameter names.
-    """
-    tracker = record.tracker
-    tracker.close()
-    data = _torch_private.ddp_logging_data(ddp_model)
-    local = CommStats.from_ddp_logging_data(data)
-    timed = local.as_tensor() if local is not None else torch.zeros(4, dtype=torch.float64)
-    packed = torch.cat([timed, torch.tensor([float(local is not None)], dtype=torch.float64),
-                        tracker.received.to(torch.float64)])
-    total = process_group.all_reduce(packed.to(device), op="sum").cpu()
-    ranks_timed = int(total[4].item())
-    stats = CommStats(*(total[:4] / ranks_timed).tolist()) if ranks_timed else None
-    unused = [name for name, count in zip(tracker.names, total[5:].tolist(), strict=True) if count == 0]
-    world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-    bucket_bytes = data.get("bucket_cap_bytes")
-    bucket_mb = bucket_bytes / 2**20 if isinstance(bucket_bytes, (int, float)) and bucket_bytes > 0 else None
-    infos, warnings = communication_messages(stats, unused, world_size, record.summary.per_device_batch_size,
-                                             bucket_mb)
-    for message in infos:
-        rank_zero_info(message)
-    for message in warnings:
-        rank_zero_warn(message)
-    return stats, unused
-

@@ -1,1 +1,29 @@
-"""process."""
+"""Step 1, the process group: launching, rendezvous, backend, failures, teardown, and the collectives.
+
+Owns: which launcher starts the ranks and what is refused before any process starts
+(:mod:`~ddp_strategy.process.launching`), the rendezvous store of each run
+(:mod:`~ddp_strategy.process.rendezvous`), the world process group's creation, lifetime and destruction
+(:mod:`~ddp_strategy.process.group`), naming the rank that failed (:mod:`~ddp_strategy.process.failures`) and
+the strategy's collectives (:mod:`~ddp_strategy.process.collectives`). Must not touch: loaders, the model or
+checkpoints. Entry points: :class:`ProcessGroupRun` and :class:`Collectives`.
+"""
+
+from ddp_strategy.process.collectives import Collectives, all_gather_rows
+from ddp_strategy.process.group import (
+    DEFAULT_TIMEOUT,
+    all_reduce,
+    as_timedelta,
+    destroy_process_group,
+    device_ids,
+    init_process_group,
+    validate_backend_name,
+    validate_init_method,
+)
+from ddp_strategy.process.launching import START_METHODS, StartMethod, check_launch_env, default_start_method
+from ddp_strategy.process.run import ProcessGroupRun, launched_ranks
+from ddp_strategy.process.topology import RankTopology
+
+__all__ = ["DEFAULT_TIMEOUT", "START_METHODS", "Collectives", "ProcessGroupRun", "RankTopology", "StartMethod",
+           "all_gather_rows", "all_reduce", "as_timedelta", "check_launch_env", "default_start_method",
+           "destroy_process_group", "device_ids", "init_process_group", "launched_ranks", "validate_backend_name",
+           "validate_init_method"]

@@ -1,4 +1,10 @@
-"""``all_gather`` for tensors whose first dimension differs between the ranks.
+"""The strategy's collectives (barrier, broadcast, reduce, all_gather), and ``all_gather`` for uneven tensors.
+
+:class:`Collectives` gives :class:`~ddp_strategy.strategy.MyDDPStrategy` its ``barrier``, ``broadcast``,
+``reduce`` and ``all_gather``, each a no-op (or the input) without a process group, and
+:meth:`Collectives.raise_on_every_rank` for rank-0-only work whose failure every rank must see.
+
+``all_gather`` for tensors whose first dimension differs between the ranks:
 
 Lightning's ``all_gather`` stacks one tensor per rank into shape ``(W, *shape)`` and requires the same shape
 everywhere (with gloo an uneven call kills a rank: "received data size doesn't match"). Exact evaluation
@@ -19,12 +25,16 @@ multiple of W, and per-image outputs (detections, tokens) are uneven by nature. 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import nullcontext
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
+
+from ddp_strategy._compat.namespace import rank_zero_warn
+from ddp_strategy.process import group as process_group
 
 #: Dimensions a shape exchange carries; a tensor with more falls back to Lightning's equal-shape gather.
 MAX_DIMS = 15
@@ -161,4 +171,111 @@ def all_gather_rows(tensor: Tensor, group: Any | None = None, sync_grads: bool =
     return stacked.reshape(len(sizes) * most, *shapes[0][1:]).index_select(0, index)
 
 
-__all__ = ["MAX_DIMS", "all_gather_padded", "all_gather_rows", "check_gatherable", "gather_shapes"]
+class Collectives:
+    """The collectives of one strategy: every method must be called on every rank (world size 1 included).
+
+    Args:
+        check: called as ``check(collective_name, rank)`` before each of ``barrier``, ``broadcast``, ``reduce``
+            and ``all_gather``; raises to refuse it (the strategy passes the evaluation-step guard of
+            :class:`ddp_strategy.sampling.LoaderSharding`, which refuses per-step collectives on uneven loaders).
+    """
+
+    def __init__(self, check: Callable[[str, int], None] | None = None) -> None:
+        self._check = check or (lambda collective, rank: None)
+        self._warned_padded_gather = False
+
+    def barrier(self, device: torch.device, rank: int) -> None:
+        """Wait for every rank; NCCL gets this rank's device id. A no-op without a process group."""
+        self._check("barrier", rank)
+        if not _initialized():
+            return
+        if dist.get_backend() == "nccl":
+            dist.barrier(device_ids=process_group.device_ids(device))
+        else:
+            dist.barrier()
+
+    def broadcast(self, obj: Any, src: int, rank: int) -> Any:
+        """Rank ``src``'s ``obj`` on every rank (pickled); ``obj`` itself without a process group."""
+        self._check("broadcast", rank)
+        if not _initialized():
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src)
+        return box[0]
+
+    def reduce(self, tensor: Tensor | Any, group: Any | None, reduce_op: Any | None, rank: int) -> Tensor | Any:
+        """All-reduce ``tensor`` over the world (``reduce_op`` ``"mean"`` by default); non-tensors pass through.
+
+        Raises:
+            ValueError: ``group`` is given (only the world is supported), or ``reduce_op`` is unknown.
+        """
+        self._check("reduce (e.g. self.log(..., on_step=True, sync_dist=True))", rank)
+        if group is not None:
+            raise ValueError("MyDDPStrategy.reduce only reduces over the world process group; pass group=None.")
+        if not isinstance(tensor, Tensor):
+            return tensor
+        return process_group.all_reduce(tensor, op=reduce_op or "mean")
+
+    def all_gather(self, tensor: Tensor, group: Any | None, sync_grads: bool, rank: int,
+                   equal_shapes: Callable[[], Tensor]) -> Tensor:
+        """Shape ``(W, *shape)``; the first dimension may differ between ranks (then ``(W, max n_r, *rest)``).
+
+        ``equal_shapes()`` (Lightning's own gather) gives the result when every shape is equal or there is
+        no process group; otherwise the missing rows are filled as ``DistributedSampler`` pads a data set
+        (:func:`all_gather_padded`), and rank 0 warns once that ``flatten(0, 1)`` then counts rows twice.
+
+        Raises:
+            ValueError: the tensors differ in another dimension (on every rank).
+            RuntimeError: refused by ``check`` (inside an evaluation step whose ranks hold different batch counts).
+        """
+        self._check("all_gather", rank)
+        if not _initialized():
+            return equal_shapes()
+        shapes = gather_shapes(tensor, group)
+        if shapes is None or len(set(shapes)) == 1:
+            return equal_shapes()
+        check_gatherable(shapes, rank)
+        sizes = [shape[0] for shape in shapes]
+        if not self._warned_padded_gather:
+            self._warned_padded_gather = True
+            repeats = len(sizes) * max(sizes) - sum(sizes)
+            rank_zero_warn(
+                f"all_gather got first dimensions {sizes} on ranks 0..{len(sizes) - 1}: the result has"
+                f" {max(sizes)} rows per rank, and the {repeats} missing row(s) repeat the first rows, as"
+                " DistributedSampler pads a data set. For per-sample evaluation outputs this is what Lightning's"
+                " ddp gives (its sampler evaluates those samples twice), so .flatten(0, 1) counts them twice. For"
+                " every row exactly once use ddp_strategy.all_gather_rows(tensor), or a torchmetrics metric."
+            )
+        return all_gather_padded(tensor, sizes, group, sync_grads)
+
+    def on_rank_zero(self, work: Callable[[], Any], what: str, rank: int) -> None:
+        """Run ``work`` on global rank 0 only, then agree on its outcome (a collective, so also a barrier).
+
+        For rank-0-only side effects (writing a checkpoint) whose failure every rank must see, so none is left
+        waiting in a later collective.
+
+        Raises:
+            Exception: ``work``'s error on rank 0; on the others a ``RuntimeError`` naming it.
+        """
+        error = None
+        if rank == 0:
+            try:
+                work()
+            except Exception as e:
+                error = e
+        self.raise_on_every_rank(error, what, rank)
+
+    def raise_on_every_rank(self, error: Exception | None, what: str, rank: int) -> None:
+        """Broadcast rank 0's outcome (a collective, so also a barrier); raise on every rank if it failed.
+
+        Raises:
+            Exception: ``error`` itself on rank 0; on the others a ``RuntimeError`` naming rank 0's error.
+        """
+        message = self.broadcast(None if error is None else f"{type(error).__name__}: {error}", 0, rank)
+        if error is not None:
+            raise error
+        if message is not None:
+            raise RuntimeError(f"[rank {rank}] global rank 0 failed {what}: {message}")
+
+
+__all__ = ["MAX_DIMS", "Collectives", "all_gather_padded", "all_gather_rows", "check_gatherable", "gather_shapes"]

@@ -13,7 +13,7 @@ import pickle
 import signal
 import threading
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
@@ -29,6 +29,20 @@ if TYPE_CHECKING:
 #: Lightning's cluster environments of either namespace, for isinstance checks.
 LightningEnvironment = _namespace.any_namespace("fabric.plugins.environments:LightningEnvironment")
 TorchElasticEnvironment = _namespace.any_namespace("fabric.plugins.environments:TorchElasticEnvironment")
+
+
+StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
+#: How ``MyDDPStrategy`` can start its processes.
+START_METHODS: tuple[str, ...] = ("popen", "spawn", "fork", "forkserver")
+
+
+def default_start_method() -> StartMethod:
+    """``"fork"`` in an interactive session (Jupyter, REPL), where a script cannot be re-run; else ``"popen"``.
+
+    ``popen`` re-runs the user's script once per extra device (Lightning's default for ``"ddp"``): nothing
+    has to be pickled and CUDA may be initialised in the parent.
+    """
+    return "fork" if _pl.is_interactive() else "popen"
 
 
 def _is_plain_lightning_environment(env: object) -> bool:

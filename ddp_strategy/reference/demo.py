@@ -28,12 +28,12 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data.distributed import DistributedSampler
 
+from ddp_strategy import process
 from ddp_strategy._compat import torch_private as _torch_private
-from ddp_strategy.diagnostics.summary import CommStats
-from ddp_strategy.process import group as process_group
+from ddp_strategy.diagnostics import CommStats
 from ddp_strategy.reference.data import load_digits_tensors
 from ddp_strategy.reference.model import DigitsNet
-from ddp_strategy.sampling.sampler import EpochSeededDistributedSampler
+from ddp_strategy.sampling import EpochSeededDistributedSampler
 
 __all__ = ["AllReduceDemo", "allreduce_demo", "epoch_shards", "forgotten_set_epoch"]
 
@@ -127,7 +127,7 @@ def _demo_worker(rank: int, world_size: int, port: int, batch_size: int, lr: flo
                  out_dir: str) -> None:
     """One rank of :func:`allreduce_demo` (module level so ``spawn`` can import it)."""
     torch.set_num_threads(1)
-    process_group.init_process_group("gloo", rank=rank, world_size=world_size, main_address="127.0.0.1",
+    process.init_process_group("gloo", rank=rank, world_size=world_size, main_address="127.0.0.1",
                                      main_port=port, timeout=timedelta(seconds=60))
     try:
         record = _demo_steps(rank, world_size, batch_size, lr, timed_steps)
@@ -136,7 +136,7 @@ def _demo_worker(rank: int, world_size: int, port: int, batch_size: int, lr: flo
     finally:
         # _demo_steps has returned, so its DDP wrapper is already released: wrapper first, then the group
         # (destroying the group under a live gloo DDP wrapper was seen to hang a rank at exit).
-        process_group.destroy_process_group()
+        process.destroy_process_group()
 
 
 def _demo_steps(rank: int, world_size: int, batch_size: int, lr: float, timed_steps: int) -> dict[str, Any]:

@@ -18,6 +18,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from ddp_strategy._compat import lightning_private as _pl
+from ddp_strategy.process import device_ids
 
 log = logging.getLogger(__name__)
 
@@ -86,11 +87,6 @@ def check_trainable(module: nn.Module) -> None:
         )
 
 
-def ddp_device_ids(device: torch.device) -> list[int] | None:
-    """``device_ids`` for DDP: ``[index]`` for a CUDA device, ``None`` for CPU (as DDP requires)."""
-    return [device.index if device.index is not None else 0] if device.type == "cuda" else None
-
-
 def wrap_module(module: nn.Module, device: torch.device, ddp_kwargs: dict[str, Any]) -> DistributedDataParallel:
     """Wrap ``module`` (already on ``device``) in ``DistributedDataParallel``.
 
@@ -108,11 +104,11 @@ def wrap_module(module: nn.Module, device: torch.device, ddp_kwargs: dict[str, A
     Raises:
         RuntimeError: from DDP when no process group is initialised.
     """
-    device_ids = ddp_device_ids(device)
-    log.debug("wrapping %s in DDP: device_ids=%s options=%s", type(module).__name__, device_ids, ddp_kwargs)
-    ctx = torch.cuda.stream(torch.cuda.Stream()) if device_ids is not None else nullcontext()
+    ids = device_ids(device)
+    log.debug("wrapping %s in DDP: device_ids=%s options=%s", type(module).__name__, ids, ddp_kwargs)
+    ctx = torch.cuda.stream(torch.cuda.Stream()) if ids is not None else nullcontext()
     with ctx:
-        return DistributedDataParallel(module, device_ids=device_ids, **ddp_kwargs)
+        return DistributedDataParallel(module, device_ids=ids, **ddp_kwargs)
 
 
 def unwrap_module(model: nn.Module) -> nn.Module:

@@ -1,0 +1,259 @@
+"""Checkpoint keys without wrapper segments, and exact matching of a file's keys to a model's.
+
+``DistributedDataParallel`` names every key ``module.<name>`` and ``torch.compile``'s
+``OptimizedModule`` inserts an ``_orig_mod.`` segment wherever it wraps a module (a compiled sub-module
+inside the LightningModule, a compiled whole model, also stacked with DDP in either order). Checkpoints
+are written without those segments (:func:`unwrapped_state_dict`, exact: it walks the module tree, so a
+real sub-module called ``module`` keeps its name), and loading renames a file's keys to the model's own
+(:func:`match_state_dict`, exact against the model's keys), with one error listing missing and unexpected
+keys (:class:`StateDictMismatchError`). Rank-agnostic.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+#: The key prefix ``DistributedDataParallel`` adds to its module's state dict.
+DDP_PREFIX = "module."
+#: The attribute under which ``torch.compile``'s ``OptimizedModule`` keeps the original module.
+COMPILE_SEGMENT = "_orig_mod"
+#: At most this many keys of each kind are listed in a :class:`StateDictMismatchError` message.
+MAX_LISTED_KEYS = 10
+
+
+# ----------------------------------------------------------------------------------------------- keys
+def _is_compiled(module: nn.Module) -> bool:
+    """Whether ``module`` is a ``torch.compile`` wrapper (``OptimizedModule``), without importing dynamo."""
+    return type(module).__name__ == "OptimizedModule" and COMPILE_SEGMENT in module._modules
+
+
+def _wrapped_child(module: nn.Module) -> str | None:
+    """The attribute name of the module a DDP or ``torch.compile`` wrapper holds, or None for other modules."""
+    if isinstance(module, DistributedDataParallel):
+        return "module"
+    if _is_compiled(module):
+        return COMPILE_SEGMENT
+    return None
+
+
+def unwrapped_name(module: nn.Module, key: str) -> str:
+    """``key`` of ``module.state_dict()`` without the segments DDP and ``torch.compile`` wrappers add.
+
+    Exact: the key is followed through the module tree and a segment is dropped only where the parent
+    really is a ``DistributedDataParallel`` (``module``) or an ``OptimizedModule`` (``_orig_mod``).
+
+    Example:
+        For ``DDP(torch.compile(net))``: ``"module._orig_mod.fc.weight"`` -> ``"fc.weight"``; for a model
+        with a real child called ``module``: ``"module.weight"`` stays ``"module.weight"``.
+    """
+    parts = key.split(".")
+    kept: list[str] = []
+    current: nn.Module | None = module
+    for i, part in enumerate(parts[:-1]):
+        if current is None:
+            kept.extend(parts[i:-1])
+            break
+        if part != _wrapped_child(current):
+            kept.append(part)
+        current = current._modules.get(part)
+    kept.append(parts[-1])
+    return ".".join(kept)
+
+
+def unwrapped_state_dict(module: nn.Module) -> dict[str, Any]:
+    """``module.state_dict()`` with every DDP ``module.`` and ``torch.compile`` ``_orig_mod.`` segment removed.
+
+    A compiled sub-module inside a LightningModule, a compiled whole model and DDP/compile stacks in either
+    order all give the keys of the plain, uncompiled module. See :func:`unwrapped_name`.
+
+    Args:
+        module: any module, wrapped or not.
+
+    Returns:
+        Clean name -> tensor (the same tensors as ``module.state_dict()``, in the same order).
+
+    Raises:
+        RuntimeError: two keys map to the same clean name (a sub-module literally called ``_orig_mod``).
+    """
+    clean: dict[str, Any] = {}
+    for key, value in module.state_dict().items():
+        name = unwrapped_name(module, key)
+        if name in clean:
+            raise RuntimeError(f"Two state_dict keys of {type(module).__name__} map to {name!r} once wrapper"
+                               f" segments are removed (one is {key!r}); rename the sub-module.")
+        clean[name] = value
+    return clean
+
+
+def strip_compile_prefixes(state_dict: Mapping[str, Any]) -> dict[str, Any]:
+    """Remove every ``_orig_mod.`` segment (``torch.compile``'s) from every key; for files, where no model is known.
+
+    Example:
+        >>> strip_compile_prefixes({"model._orig_mod.fc.weight": 1, "_orig_mod.module.b": 2})
+        {'model.fc.weight': 1, 'module.b': 2}
+    """
+    return {_strip_segments(key): value for key, value in state_dict.items()}
+
+
+def _strip_segments(key: str) -> str:
+    parts = key.split(".")
+    return ".".join([part for part in parts[:-1] if part != COMPILE_SEGMENT] + parts[-1:])
+
+
+def strip_ddp_prefix(state_dict: Mapping[str, Any]) -> dict[str, Any]:
+    """Remove a leading ``module.`` from every key when all keys carry it, as a DDP wrapper's do.
+
+    A heuristic for when the model is not at hand: a model whose only child is really called ``module``
+    would lose it. When the model is known, use :func:`match_state_dict` (exact) instead.
+
+    Example:
+        >>> strip_ddp_prefix({"module.fc.weight": 1, "module.fc.bias": 2})
+        {'fc.weight': 1, 'fc.bias': 2}
+    """
+    if state_dict and all(key.startswith(DDP_PREFIX) for key in state_dict):
+        return {key[len(DDP_PREFIX):]: value for key, value in state_dict.items()}
+    return dict(state_dict)
+
+
+#: Added to a :class:`StateDictMismatchError` raised by ``trainer.fit(ckpt_path=...)``.
+FIT_MISMATCH_HINT = (
+    "In trainer.fit, ckpt_path also resumes the optimizer state, which needs exactly the checkpoint's"
+    " parameters, so strict_loading=False is not enough there: to start a fit from the matching weights, load"
+    " them first with ddp_strategy.import_plain_checkpoint(ckpt_path, model, strict=False) and call"
+    " trainer.fit(model) without ckpt_path (strict_loading=False does work for validate, test and predict)."
+)
+
+
+class StateDictMismatchError(RuntimeError):
+    """A checkpoint's keys do not match the model's, after wrapper prefixes were normalised.
+
+    Attributes:
+        missing: keys the model has and the checkpoint lacks (clean names).
+        unexpected: keys the checkpoint has and the model lacks (as normalised).
+        mismatched_shapes: ``key -> (shape in checkpoint, shape in model)``.
+    """
+
+    def __init__(self, message: str, missing: list[str], unexpected: list[str],
+                 mismatched_shapes: dict[str, tuple[tuple[int, ...], tuple[int, ...]]]) -> None:
+        super().__init__(message)
+        self.missing = missing
+        self.unexpected = unexpected
+        self.mismatched_shapes = mismatched_shapes
+
+
+def _listing(keys: list[str]) -> str:
+    shown = ", ".join(repr(k) for k in keys[:MAX_LISTED_KEYS])
+    return shown + (f", ... and {len(keys) - MAX_LISTED_KEYS} more" if len(keys) > MAX_LISTED_KEYS else "")
+
+
+def _source_variants(keys: Iterable[str], prefix: str) -> list[dict[str, str]]:
+    """Candidate renamings of a file's keys: compile segments removed, then with and without DDP's prefix."""
+    stripped = {key: _strip_segments(key) for key in keys}
+    variants = [{key: prefix + name for key, name in stripped.items()}]
+    if stripped and all(name.startswith(DDP_PREFIX) for name in stripped.values()):
+        variants.append({key: prefix + name[len(DDP_PREFIX):] for key, name in stripped.items()})
+    return variants
+
+
+def best_key_mapping(keys: Iterable[str], model: nn.Module, prefixes: Iterable[str] = ("",)) -> dict[str, str]:
+    """Map a file's keys to ``model``'s clean key names: the renaming that matches most of the model's keys.
+
+    Candidates: every ``_orig_mod.`` segment removed, then a leading ``module.`` kept or (if every key has
+    it) removed, then each of ``prefixes`` put in front. Ties go to the earlier candidate (no stripping,
+    the first prefix), so a real child called ``module`` keeps its name.
+
+    Returns:
+        File key -> clean model key (possibly one the model does not have).
+    """
+    keys = list(keys)
+    expected = {unwrapped_name(model, k) for k in model.state_dict()}
+    best: dict[str, str] = {key: key for key in keys}
+    best_score = -1
+    for prefix in prefixes:
+        for variant in _source_variants(keys, prefix):
+            score = sum(name in expected for name in variant.values())
+            if score > best_score:
+                best, best_score = variant, score
+    return best
+
+
+def match_state_dict(
+    state_dict: Mapping[str, Any],
+    model: nn.Module,
+    strict: bool = True,
+    source: str | os.PathLike | None = None,
+    prefixes: Iterable[str] = ("",),
+) -> dict[str, Any]:
+    """Rename a checkpoint's model keys to ``model``'s own, ready for ``model.load_state_dict``.
+
+    Accepts keys with or without DDP's ``module.`` and ``torch.compile``'s ``_orig_mod.`` segments, for a
+    ``model`` that is itself compiled or not (see :func:`best_key_mapping`).
+
+    Args:
+        state_dict: name -> tensor, as found in a checkpoint.
+        model: the module to load into (e.g. the LightningModule).
+        strict: raise when keys are missing, unexpected or of another shape (default). With False the
+            matching keys are returned and the rest is skipped (Lightning: ``model.strict_loading = False``).
+        source: the file, named in the error.
+        prefixes: attribute paths to try in front of the file's keys (e.g. ``("", "model.")``).
+
+    Returns:
+        ``model``'s own key (with any ``_orig_mod.``) -> tensor; with ``strict=False`` only matching keys.
+
+    Raises:
+        StateDictMismatchError: ``strict`` and the keys or shapes do not match; the message lists them.
+    """
+    own = {unwrapped_name(model, k): (k, v) for k, v in model.state_dict().items()}
+    mapping = best_key_mapping(state_dict, model, prefixes)
+    matched: dict[str, Any] = {}
+    unexpected: list[str] = []
+    shapes: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {}
+    for key, value in state_dict.items():
+        name = mapping[key]
+        if name not in own:
+            unexpected.append(name)
+            continue
+        target_key, target = own[name]
+        if isinstance(value, torch.Tensor) and isinstance(target, torch.Tensor) and value.shape != target.shape:
+            shapes[name] = (tuple(value.shape), tuple(target.shape))
+            continue
+        matched[target_key] = value
+    found = {mapping[k] for k in state_dict}
+    missing = [name for name in own if name not in found]
+    if strict and (missing or unexpected or shapes):
+        where = f"Checkpoint {os.fspath(source)}" if source is not None else "The checkpoint's state_dict"
+        parts = []
+        if missing:
+            parts.append(f"{len(missing)} missing key(s) (in the model, not in the file): {_listing(missing)}")
+        if unexpected:
+            parts.append(f"{len(unexpected)} unexpected key(s) (in the file, not in the model):"
+                         f" {_listing(unexpected)}")
+        if shapes:
+            parts.append("shape mismatch(es) (file vs model): "
+                         + ", ".join(f"{k!r}: {a} vs {b}" for k, (a, b) in list(shapes.items())[:MAX_LISTED_KEYS]))
+        raise StateDictMismatchError(
+            f"{where} does not fit {type(model).__name__}: " + "; ".join(parts) + ". Keys were compared after"
+            " removing DDP's 'module.' and torch.compile's '_orig_mod.' prefixes. Check that the file was"
+            " written for this model (same architecture and hyper-parameters); to load only the matching keys"
+            " set `model.strict_loading = False` (Lightning) or pass strict=False.",
+            missing, unexpected, shapes,
+        )
+    return matched
+
+
+def normalize_checkpoint(checkpoint: dict[str, Any]) -> dict[str, Any]:
+    """Return ``checkpoint`` with ``_orig_mod.`` segments removed from its ``"state_dict"`` keys (if any).
+
+    Used on save where only the dict, not the model, is at hand. DDP's ``module.`` is not touched here: the
+    strategy already saves the unwrapped LightningModule (see :func:`unwrapped_state_dict`), and guessing
+    would rename a real child called ``module``.
+    """
+    if isinstance(checkpoint.get("state_dict"), Mapping):
+        return {**checkpoint, "state_dict": strip_compile_prefixes(checkpoint["state_dict"])}
+    return checkpoint
