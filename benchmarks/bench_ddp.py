@@ -35,7 +35,7 @@ HERE = Path(__file__).resolve().parent
 WORKER = HERE / "ddp_worker.py"
 sys.path.insert(0, str(HERE))
 
-from ddp_worker import IMPLS, WORKLOADS  # noqa: E402
+from bench_workloads import IMPLS, WORKLOADS  # noqa: E402
 
 IMPL_LABEL = {"handwritten": "hand-written", "lightning": "Lightning ddp", "ours": "MyDDPStrategy"}
 # Targets from issue 9 (ratios are ours / reference).
