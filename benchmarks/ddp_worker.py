@@ -25,7 +25,6 @@ Environment read by the workers (set by ``bench_ddp.py``):
 
 import argparse
 
-import handwritten_worker
 from bench_workloads import IMPLS, WORKLOADS, RunConfig
 
 
@@ -46,10 +45,13 @@ def _parse(argv: list[str] | None = None) -> RunConfig:
 def main(argv: list[str] | None = None) -> None:
     """Run one configuration (see the module docstring)."""
     cfg = _parse(argv)
+    # Each run imports only its own worker, so the hand-written loop stays Lightning-free.
     if cfg.impl == "handwritten":
+        import handwritten_worker
+
         handwritten_worker.run(cfg)
     else:
-        import lightning_worker  # only here, so the hand-written loop stays Lightning-free
+        import lightning_worker
 
         lightning_worker.run(cfg)
 
