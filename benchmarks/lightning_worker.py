@@ -2,7 +2,10 @@
 
 Imported by ``ddp_worker.py`` only for ``--impl lightning`` and ``--impl ours``.
 Both use the popen launcher: this process is rank 0 and Lightning starts the
-other ranks by re-running ``ddp_worker.py`` with the same arguments.
+other ranks by re-running ``ddp_worker.py`` with the same arguments. Imports
+only the shared ``bench_workloads.py`` / ``bench_recorder.py``, never
+``ddp_worker.py`` or the hand-written worker. Imports ``ddp_strategy`` only
+through its top-level names.
 """
 
 from __future__ import annotations
@@ -13,16 +16,8 @@ from typing import Any
 import lightning as L
 import torch
 import torch.nn.functional as F
-from ddp_worker import (
-    WORKLOADS,
-    RunConfig,
-    StepRecorder,
-    Workload,
-    build_dataset,
-    build_model,
-    make_optimizer,
-    register_counting_hook,
-)
+from bench_recorder import StepRecorder, register_counting_hook
+from bench_workloads import WORKLOADS, RunConfig, Workload, build_dataset, build_model, make_optimizer
 from lightning.pytorch.callbacks import Callback
 from torch.utils.data import DataLoader
 

@@ -1,0 +1,111 @@
+"""What every implementation trains, identically: the workloads, their model, data and optimizer, and a run's settings.
+
+Shared by both workers (``handwritten_worker.py``, ``lightning_worker.py``), by the
+entry point ``ddp_worker.py`` and by the driver ``bench_ddp.py``. Imports only
+PyTorch, never a worker or Lightning, so the hand-written loop stays Lightning-free
+and no benchmark module imports another in a cycle.
+"""
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+#: Implementation names, in table order: the PyTorch tutorial loop, Lightning's ``ddp``, ``MyDDPStrategy``.
+IMPLS = ("handwritten", "lightning", "ours")
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One model + data set + optimizer configuration, identical for every implementation.
+
+    Attributes:
+        name: short name used on the command line and in the table.
+        kind: ``"mlp"`` (input (B, features)) or ``"cnn"`` (input (B, 3, image, image)).
+        features: MLP input width, or CNN image side in pixels.
+        hidden: MLP hidden width, or CNN channel count of the widest layer.
+        classes: number of target classes.
+        batch: per-device batch size B, samples.
+        samples: data set size, samples (a multiple of 2 * batch so every rank
+            gets only full batches at world size 1 and 2).
+        steps: default number of timed-plus-warm-up optimizer steps.
+        lr: SGD learning rate (momentum 0.9).
+    """
+
+    name: str
+    kind: str
+    features: int
+    hidden: int
+    classes: int
+    batch: int
+    samples: int
+    steps: int
+    lr: float = 0.01
+
+
+WORKLOADS: dict[str, Workload] = {
+    # ~51k parameters (~201 KiB of fp32 gradients): a step is a few milliseconds,
+    # so framework overhead and the all-reduce latency dominate.
+    "small": Workload("small", "mlp", features=64, hidden=192, classes=10, batch=32, samples=2048, steps=300),
+    # small CNN on 32x32 images, ~57k parameters (~222 KiB) but tens of times the compute per step.
+    "heavy": Workload("heavy", "cnn", features=32, hidden=64, classes=10, batch=32, samples=1024, steps=30),
+}
+
+
+def build_model(w: Workload) -> nn.Module:
+    """Build the workload's network; call after ``torch.manual_seed`` for identical weights."""
+    if w.kind == "mlp":
+        return nn.Sequential(
+            nn.Linear(w.features, w.hidden),
+            nn.ReLU(),
+            nn.Linear(w.hidden, w.hidden),
+            nn.ReLU(),
+            nn.Linear(w.hidden, w.classes),
+        )
+    if w.kind == "cnn":
+        c = w.hidden
+        return nn.Sequential(
+            nn.Conv2d(3, c // 2, 3, padding=1),
+            nn.ReLU(),
+            nn.Conv2d(c // 2, c, 3, padding=1),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Conv2d(c, c, 3, padding=1),
+            nn.ReLU(),
+            nn.AdaptiveAvgPool2d(1),
+            nn.Flatten(),
+            nn.Linear(c, w.classes),
+        )
+    raise ValueError(f"unknown workload kind {w.kind!r}; expected 'mlp' or 'cnn'")
+
+
+def build_dataset(w: Workload, seed: int) -> TensorDataset:
+    """Synthetic data from a fixed seed: inputs float32 (N, ...) on CPU, int64 labels (N,)."""
+    g = torch.Generator().manual_seed(seed)
+    if w.kind == "mlp":
+        x = torch.randn(w.samples, w.features, generator=g)
+    else:
+        x = torch.randn(w.samples, 3, w.features, w.features, generator=g)
+    y = torch.randint(0, w.classes, (w.samples,), generator=g)
+    return TensorDataset(x, y)
+
+
+def make_optimizer(params: Any, w: Workload) -> torch.optim.Optimizer:
+    """SGD with momentum 0.9, the same for every implementation."""
+    return torch.optim.SGD(params, lr=w.lr, momentum=0.9)
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Everything a rank needs; plain data so it pickles for ``mp.spawn``."""
+
+    impl: str
+    workload: str
+    world_size: int
+    steps: int
+    seed: int
+    device: str  # "cpu" or "cuda"
+    out_dir: str
+    pg_timeout_s: float
