@@ -39,7 +39,7 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from lightning.fabric.plugins.environments import LightningEnvironment, TorchElasticEnvironment  # noqa: E402
 
-from ddp_strategy.process.launching import check_launch_env  # noqa: E402
+from ddp_strategy.process import check_launch_env  # noqa: E402
 
 
 def main() -> int:

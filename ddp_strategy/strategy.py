@@ -34,7 +34,7 @@ else:  # the flavour for the user's Lightning namespace is built on construction
     ParallelStrategy = _namespace.lightning_base("pytorch.strategies:ParallelStrategy")
 
 
-class MyDDPStrategy(process.RankTopology, ParallelStrategy):
+class MyDDPStrategy(process.RankTopology, checkpoint.DefaultCheckpointIO, ParallelStrategy):
     """Distributed data parallel training: one process per device, gradients all-reduced during backward.
 
     ``Trainer(accelerator="cpu", devices=2, strategy=MyDDPStrategy())`` starts 2 processes in a gloo process
@@ -113,18 +113,6 @@ class MyDDPStrategy(process.RankTopology, ParallelStrategy):
                                             verify_sync_every_n_steps)
         self._checkpoints = checkpoint.CheckpointTracker()
         self._diagnostics = diagnostics.FitDiagnostics()
-
-    @property
-    @override
-    def checkpoint_io(self) -> CheckpointIO:
-        """The checkpoint plugin; :class:`~ddp_strategy.DDPCheckpointIO` unless the user passed another."""
-        if self._checkpoint_io is None:
-            self._checkpoint_io = checkpoint.DDPCheckpointIO()
-        return self._checkpoint_io
-
-    @checkpoint_io.setter
-    def checkpoint_io(self, io: CheckpointIO | None) -> None:
-        self._checkpoint_io = io
 
     # ------------------------------------------------------------------------- 1. launch + process group
     @override

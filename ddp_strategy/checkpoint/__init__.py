@@ -17,9 +17,9 @@ from ddp_strategy.checkpoint.keys import (
            strip_ddp_prefix,
            unwrapped_state_dict,
 )
-from ddp_strategy.checkpoint.plugin import DDPCheckpointIO
+from ddp_strategy.checkpoint.plugin import DDPCheckpointIO, DefaultCheckpointIO
 from ddp_strategy.checkpoint.tracking import CheckpointTracker
 
-__all__ = ["CheckpointTracker", "DDPCheckpointIO", "DamagedCheckpointError", "StateDictMismatchError",
-           "UnsafeCheckpointError", "export_weights", "import_plain_checkpoint", "load_plain_state_dict",
-           "match_state_dict", "strip_ddp_prefix", "unwrapped_state_dict"]
+__all__ = ["CheckpointTracker", "DDPCheckpointIO", "DamagedCheckpointError", "DefaultCheckpointIO",
+           "StateDictMismatchError", "UnsafeCheckpointError", "export_weights", "import_plain_checkpoint",
+           "load_plain_state_dict", "match_state_dict", "strip_ddp_prefix", "unwrapped_state_dict"]

@@ -84,3 +84,21 @@ class DDPCheckpointIO(TorchCheckpointIO):
                                          " not a checkpoint dict; it was not written by Trainer.save_checkpoint."
                                          " Pass the .ckpt file Lightning saved.")
         return checkpoint
+
+
+class DefaultCheckpointIO:
+    """Strategy mixin: the ``checkpoint_io`` property defaults to :class:`DDPCheckpointIO` (Lightning's
+    ``Strategy`` defaults to ``TorchCheckpointIO``); a plugin the user passes is used as given."""
+
+    _checkpoint_io: Any
+
+    @property
+    def checkpoint_io(self) -> Any:
+        """The checkpoint plugin; :class:`DDPCheckpointIO` unless the user passed another."""
+        if self._checkpoint_io is None:
+            self._checkpoint_io = DDPCheckpointIO()
+        return self._checkpoint_io
+
+    @checkpoint_io.setter
+    def checkpoint_io(self, io: Any) -> None:
+        self._checkpoint_io = io
