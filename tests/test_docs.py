@@ -203,17 +203,29 @@ def anchors(path: Path) -> set[str]:
     return result
 
 
+def prose(path: Path) -> str:
+    """The file's text with every fenced code block's lines emptied (line numbers unchanged)."""
+    blocks = code_blocks(path)
+    lines = path.read_text(encoding="utf-8").splitlines()
+    return "\n".join("" if _in_block(blocks, n) else line for n, line in enumerate(lines, start=1))
+
+
+_INLINE_CODE = re.compile(r"`([^`]+)`")  # may span a line break, as in Markdown
+
+
+def _line_of(text: str, offset: int) -> int:
+    return text.count("\n", 0, offset) + 1
+
+
 def relative_links(path: Path) -> list[tuple[int, str]]:
     """``(line, target)`` of every Markdown link outside code blocks and inline code that is not a URL."""
-    blocks = code_blocks(path)
+    text = prose(path)
+    text = _INLINE_CODE.sub(lambda m: re.sub(r"[^\n]", " ", m.group(0)), text)  # blank inline code, keep lines
     found = []
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
-        if _in_block(blocks, number):
-            continue
-        prose = re.sub(r"`[^`]*`", "", line)
-        for target in re.findall(r"\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)", prose):
-            if not re.match(r"^[a-z][a-z0-9+.-]*:", target):  # http:, https:, mailto: ...
-                found.append((number, target))
+    for match in re.finditer(r"\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)", text):
+        target = match.group(1)
+        if not re.match(r"^[a-z][a-z0-9+.-]*:", target):  # http:, https:, mailto: ...
+            found.append((_line_of(text, match.start()), target))
     return found
 
 
@@ -233,12 +245,9 @@ def test_relative_links_point_to_existing_files_and_headings():
 
 
 def inline_code(path: Path) -> list[tuple[int, str]]:
-    """``(line, text)`` of every inline code span outside fenced blocks."""
-    blocks = code_blocks(path)
-    return [(number, span)
-            for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1)
-            if not _in_block(blocks, number)
-            for span in re.findall(r"`([^`]+)`", line)]
+    """``(line, text)`` of every inline code span outside fenced blocks (a span may continue on the next line)."""
+    text = prose(path)
+    return [(_line_of(text, m.start()), m.group(1).replace("\n", " ")) for m in _INLINE_CODE.finditer(text)]
 
 
 _REPO_PATH = re.compile(r"(?<![\w./-])((?:ddp_strategy|benchmarks|notebooks|docs|tests|\.ci)/[\w./-]*[\w/])")
@@ -287,6 +296,8 @@ def test_link_and_anchor_helpers(tmp_path):
     assert slug("Differences from Lightning's DDPStrategy") == "differences-from-lightnings-ddpstrategy"
     page = tmp_path / "page.md"
     page.write_text("# Title\n\nSee [a](other.md#x-y), [b](#title), [c](https://example.com), `[d](e.md)`.\n"
-                    "## Title\n\n```python\n# [f](g.md)\n```\n", encoding="utf-8")
-    assert relative_links(page) == [(3, "other.md#x-y"), (3, "#title")]
+                    "## Title\n\n```python\n# [f](g.md)\n```\nA `span over\n[h](i.md) two lines`, [j](k.md).\n",
+                    encoding="utf-8")
+    assert relative_links(page) == [(3, "other.md#x-y"), (3, "#title"), (10, "k.md")]
     assert anchors(page) == {"title", "title-1"}
+    assert inline_code(page) == [(3, "[d](e.md)"), (9, "span over [h](i.md) two lines")]
