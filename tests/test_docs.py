@@ -108,7 +108,8 @@ def _kill_session(sid: int) -> None:
         pass
 
 
-def run_example(code: str, folder: Path, timeout_s: float = BLOCK_TIMEOUT_S) -> subprocess.CompletedProcess[str]:
+def run_example(code: str, folder: Path, timeout_s: float = BLOCK_TIMEOUT_S,
+                exit_grace_s: float = EXIT_GRACE_S) -> subprocess.CompletedProcess[str]:
     """Run ``code`` as ``folder/example.py`` in ``folder``, in a session of its own; fail on leftover processes.
 
     The environment is the test's, less the suite's pin of the Lightning namespace (a user has none), with
@@ -125,8 +126,8 @@ def run_example(code: str, folder: Path, timeout_s: float = BLOCK_TIMEOUT_S) -> 
     except subprocess.TimeoutExpired:
         _kill_session(proc.pid)
         out, _ = proc.communicate()
-        pytest.fail(f"the example did not finish within {timeout_s} s; its output:\n{out[-6000:]}")
-    deadline = time.monotonic() + EXIT_GRACE_S
+        pytest.fail(f"the example did not finish within {timeout_s:g} s; its output:\n{out[-6000:]}")
+    deadline = time.monotonic() + exit_grace_s
     while (left := _session_processes(proc.pid)) and time.monotonic() < deadline:
         time.sleep(0.2)
     _kill_session(proc.pid)
@@ -287,6 +288,38 @@ def test_the_harness_runs_examples_as_files_and_reports_failures(tmp_path):
     as_file = run_example("import os, sys\nprint(os.path.abspath(sys.argv[0]), os.getcwd())\n", tmp_path)
     assert as_file.returncode == 0
     assert as_file.stdout.split() == [str(tmp_path / "example.py"), str(tmp_path)]
+
+
+def _processes_running(marker: str, wait_s: float = 5.0) -> list[int]:
+    """Live processes whose command line contains ``marker``, after waiting up to ``wait_s`` for them to go
+    (SIGKILL takes effect asynchronously)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        found = []
+        for entry in Path("/proc").iterdir():
+            try:
+                if entry.name.isdigit() and marker in (entry / "cmdline").read_bytes().decode(errors="replace"):
+                    if (entry / "stat").read_text().split(") ")[-1][0] != "Z":
+                        found.append(int(entry.name))
+            except OSError:
+                continue
+        if not found or time.monotonic() > deadline:
+            return found
+        time.sleep(0.1)
+
+
+def test_the_harness_stops_hung_examples_and_reports_leftover_processes(tmp_path):
+    """An example past its time limit fails and is killed with its children; one that leaves a child fails."""
+    marker = f"docs-harness-{os.getpid()}"
+    child = ("import subprocess, sys\n"  # a child that outlives the example, its output not tied to the example's
+             f"subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)', {marker!r}],"
+             " stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)\n")
+    with pytest.raises(pytest.fail.Exception, match="did not finish within 1 s"):
+        run_example(child + "import time\ntime.sleep(60)\n", tmp_path, timeout_s=1)
+    assert _processes_running(marker) == []
+    with pytest.raises(AssertionError, match="left processes running"):
+        run_example(child, tmp_path, exit_grace_s=1.0)
+    assert _processes_running(marker) == []
 
 
 def test_link_and_anchor_helpers(tmp_path):
