@@ -43,7 +43,7 @@ MOVED_MODULES = {
 for _old, _new in MOVED_MODULES.items():
     _sys.modules.setdefault(f"{__name__}.{_old}", _importlib.import_module(f"{__name__}.{_new}"))
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "CPUSyncBatchNorm",

@@ -152,7 +152,9 @@ class ProcessGroupRun:
         elif isinstance(exception, (KeyboardInterrupt, SIGTERMException)) or self.rendezvous_store is None:
             pass  # an interruption, or not a rank (the parent of spawned ranks) or one that never joined
         elif isinstance(exception, boundaries.StalledRankError):
-            pass  # already names the missing ranks
+            # Already names the missing ranks; log it now, before stopping the ranks: Lightning's popen observer
+            # SIGKILLs this process within seconds of a child's exit, before the traceback would be printed.
+            log.error("%s", exception)
         elif failures.is_collective_error(exception):
             peers = failures.describe_peers(self.rendezvous_store, rank, world_size)
             failures.augment_message(exception, failures.explain(exception, rank, peers, self.timeout, known_cause))
