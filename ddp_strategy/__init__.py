@@ -38,7 +38,8 @@ MOVED_MODULES = {
     "injection": "sampling.injection", "launching": "process.launching", "model": "reference.model",
     "process_group": "process.group", "rank_check": "sync.rank_check", "resume": "sampling.resume",
     "sampler": "sampling.sampler", "sampler_state": "sampling.state", "sync_batchnorm": "sync.sync_batchnorm",
-    "wrapping": "sync.wrapping",
+    "wrapping": "sync.wrapping", "_namespace": "_compat.namespace", "_lightning_private": "_compat.lightning_private",
+    "_torch_private": "_compat.torch_private",
 }
 for _old, _new in MOVED_MODULES.items():
     _sys.modules.setdefault(f"{__name__}.{_old}", _importlib.import_module(f"{__name__}.{_new}"))

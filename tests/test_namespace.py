@@ -166,7 +166,8 @@ def _fresh(code: str, env: dict[str, str] | None = None) -> dict:
 
 _REPORT = """
 import json, sys
-from ddp_strategy import DigitsClassifier, MyDDPStrategy, _namespace
+from ddp_strategy import DigitsClassifier, MyDDPStrategy
+from ddp_strategy._compat import namespace as _namespace
 print(json.dumps({"strategy": _namespace.namespace_of(MyDDPStrategy()),
                   "model": _namespace.namespace_of(DigitsClassifier()),
                   "lightning_imported": "lightning" in sys.modules,
