@@ -4,7 +4,7 @@ Usage: python benchmarks/flake_hunt.py [--suite-runs 3] [--repeat 20] [--only PA
 
 Not part of the default run (it takes hours: the suite alone is 15+ minutes). Each run writes a JUnit XML
 report into a temporary folder; the table at the end counts pass/fail/skip/error per test over all runs,
-with failing tests first. Set DDP_TEARDOWN_LOOPS (default 30 in tests/test_launching.py) to shorten the
+with failing tests first. Set DDP_TEARDOWN_LOOPS (default 30 in tests/process/test_launching.py) to shorten the
 repeated-fits test when repeating. Exit status 1 if any test failed at least once.
 """
 
@@ -22,11 +22,11 @@ ROOT = Path(__file__).resolve().parent.parent
 #: Tests whose outcome could depend on timing between processes: launch, teardown, failures, rendezvous,
 #: the notebook demo.
 TIMING_SENSITIVE = (
-    "tests/test_failures.py",
-    "tests/test_demo.py",
-    "tests/test_notebook.py",
-    "tests/test_launching.py",
-    "tests/test_process_group.py::test_all_reduce_values_on_two_gloo_ranks",
+    "tests/process/test_failures.py",
+    "tests/reference/test_demo.py",
+    "tests/reference/test_notebook.py",
+    "tests/process/test_launching.py",
+    "tests/process/test_process_group.py::test_all_reduce_values_on_two_gloo_ranks",
 )
 
 

@@ -1,4 +1,4 @@
-"""Damaged-checkpoint inputs and an outcome classifier, shared by tests/test_checkpoint_fuzz.py (a bounded,
+"""Damaged-checkpoint inputs and an outcome classifier, shared by tests/checkpoint/test_checkpoint_fuzz.py (a bounded,
 seeded Hypothesis run) and benchmarks/fuzz_inputs.py (a larger seeded sweep that prints a table).
 
 Every loader gets the same file; an outcome is "documented" when the loader raised an error its docstring

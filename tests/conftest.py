@@ -12,9 +12,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-# The suite imports both Lightning namespaces in one process (tests/test_namespace.py imports pytorch_lightning);
+# The suite imports both Lightning namespaces in one process (tests/_compat/test_namespace.py imports
+# pytorch_lightning);
 # objects built without a namespace of their own (DigitsClassifier()) follow the user's imports, so pin the
-# namespace the other test files are written against. tests/test_namespace.py clears it for its user processes.
+# namespace the other test files are written against. tests/_compat/test_namespace.py clears it for its user processes.
 if all(importlib.util.find_spec(name) is not None for name in ("lightning", "pytorch_lightning")):
     os.environ.setdefault("DDP_STRATEGY_LIGHTNING", "lightning")
 

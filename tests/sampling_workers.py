@@ -1,4 +1,4 @@
-"""Workers for tests/test_sampling_integration.py: several Trainer runs inside one set of real gloo processes.
+"""Workers for tests/sampling/test_sampling_integration.py: several Trainer runs inside one set of real gloo processes.
 
 Each launch starts W processes once (spawn) with the torchrun-style variables Lightning reads
 (``LOCAL_RANK``, ``NODE_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``); Lightning then sees

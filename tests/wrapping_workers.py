@@ -3,7 +3,7 @@
 Each rank sets the torchrun-style environment (``LOCAL_RANK``, ``MASTER_PORT``...) so Lightning treats the
 processes as launched externally; every scenario is then a plain ``Trainer.fit`` in the same two processes,
 on its own port. Each rank writes ``<scenario>_rank<r>.pt``; the tests compare them with single-process
-references. Used by tests/test_ddp_equivalence.py.
+references. Used by tests/sync/test_ddp_equivalence.py.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Every use of Lightning's private (underscore) API, in one place, for either namespace.
 
-Lightning does not promise these names across releases. ``tests/test_lightning_private.py`` checks each
+Lightning does not promise these names across releases. ``tests/_compat/test_lightning_private.py`` checks each
 one against the installed Lightning, in each namespace installed (``lightning.pytorch`` and
 ``pytorch_lightning``), so an upgrade that moves or changes one fails loudly there instead of deep inside a
 training run. Tested with Lightning 2.4, 2.5 and 2.6 (the names and signatures used here are the same in

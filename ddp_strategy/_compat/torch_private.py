@@ -1,6 +1,6 @@
 """Every use of PyTorch's private (underscore) API, in one place.
 
-PyTorch calls these "prototype" interfaces and may change them in any release. ``tests/test_torch_private.py``
+PyTorch calls these "prototype" interfaces and may change them in any release. ``tests/_compat/test_torch_private.py``
 checks each one against the installed PyTorch, so an upgrade that moves or changes one fails loudly there;
 at run time each wrapper degrades to "no data" instead of failing a training run. Tested with torch 2.13.
 """

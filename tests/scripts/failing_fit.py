@@ -1,4 +1,4 @@
-"""A short 2-process fit that goes wrong on purpose, for tests/test_failures.py.
+"""A short 2-process fit that goes wrong on purpose, for tests/process/test_failures.py.
 
 Usage: python failing_fit.py OUT_DIR SCENARIO START_METHOD [CKPT_PATH]
 

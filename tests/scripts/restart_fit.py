@@ -1,4 +1,4 @@
-"""A fit with periodic step checkpoints that resumes from the last one, for tests/test_restarts.py.
+"""A fit with periodic step checkpoints that resumes from the last one, for tests/process/test_restarts.py.
 
 Usage: python restart_fit.py OUT_DIR [--kill-step K] [--ckpt last|PATH] [--max-steps M] [--devices D]
        [--stages fit,test,refit] [--slow-teardown S] [--usr1-step K]

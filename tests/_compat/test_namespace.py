@@ -30,7 +30,7 @@ from ddp_strategy.process.boundaries import EpochBoundaryCheck
 pytestmark = pytest.mark.compat
 
 INSTALLED = _namespace.installed()
-SCRIPTS = Path(__file__).parent / "scripts"
+SCRIPTS = Path(__file__).parent.parent / "scripts"
 both = pytest.mark.skipif(len(INSTALLED) < 2, reason="needs both lightning and pytorch_lightning installed")
 
 

@@ -25,7 +25,7 @@ from ddp_strategy.sampling.state import CHECKPOINT_KEY
 
 pytestmark = pytest.mark.multiprocess
 
-SCRIPT = Path(__file__).parent / "scripts" / "restart_fit.py"
+SCRIPT = Path(__file__).parent.parent / "scripts" / "restart_fit.py"
 N_TRAIN, BATCH = 1438, 32
 KILL_STEP, MAX_STEPS = 7, 30  # 23 steps per epoch on 2 ranks: killed in epoch 0, finished in epoch 1
 BIND_ERROR = "failed to bind"

@@ -16,7 +16,7 @@ import pytest
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(600)]
 
-NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "ddp_reference.ipynb"
+NOTEBOOK = Path(__file__).resolve().parents[2] / "notebooks" / "ddp_reference.ipynb"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 

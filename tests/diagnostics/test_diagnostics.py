@@ -179,12 +179,15 @@ def test_gradient_tracker_records_which_parameters_got_gradients():
 
 @pytest.fixture
 def lightning_log():
-    """Messages logged on ``lightning.pytorch`` (where rank_zero_info goes) during the test."""
+    """Messages rank_zero_info logs during the test: on ``lightning.pytorch`` or ``pytorch_lightning``, whichever
+    namespace's ``rank_zero`` module was imported last (each points lightning_utilities' logger at its own)."""
     handler = ListHandler()
-    logger = logging.getLogger("lightning.pytorch")
-    logger.addHandler(handler)
+    loggers = [logging.getLogger(name) for name in ("lightning.pytorch", "pytorch_lightning")]
+    for logger in loggers:
+        logger.addHandler(handler)
     yield handler.messages
-    logger.removeHandler(handler)
+    for logger in loggers:
+        logger.removeHandler(handler)
 
 
 @pytest.mark.timeout(120)

@@ -21,7 +21,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from ddp_strategy import DigitsClassifier, DigitsDataModule, MyDDPStrategy
 
-SCRIPT = Path(__file__).parent / "scripts" / "failing_fit.py"
+SCRIPT = Path(__file__).parent.parent / "scripts" / "failing_fit.py"
 pytestmark = [pytest.mark.multiprocess]
 
 

@@ -21,7 +21,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from ddp_strategy import DigitsClassifier, DigitsDataModule, MyDDPStrategy
 from ddp_strategy.process import group as process_group
 
-SCRIPTS = Path(__file__).parent / "scripts"
+SCRIPTS = Path(__file__).parent.parent / "scripts"
 TEARDOWN_LOOPS = int(os.environ.get("DDP_TEARDOWN_LOOPS", "30"))
 
 
