@@ -1,6 +1,6 @@
 """Hunt for flaky tests: run the whole suite N times and the timing-sensitive multi-process tests M times.
 
-Usage: python benchmarks/flake_hunt.py [--suite-runs 3] [--repeat 20] [--only PATTERN ...]
+Usage: python benchmarks/flake_hunt.py [--suite-runs 3] [--repeat 20] [--only PATTERN ...] [--minutes M]
 
 Not part of the default run (it takes hours: the suite alone is 15+ minutes). Each run writes a JUnit XML
 report into a temporary folder; the table at the end counts pass/fail/skip/error per test over all runs,
@@ -15,6 +15,7 @@ import collections
 import subprocess
 import sys
 import tempfile
+import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
@@ -26,7 +27,8 @@ TIMING_SENSITIVE = (
     "tests/reference/test_demo.py",
     "tests/reference/test_notebook.py",
     "tests/process/test_launching.py",
-    "tests/process/test_process_group.py::test_all_reduce_values_on_two_gloo_ranks",
+    "tests/process/test_process_group.py",
+    "tests/process/test_restarts.py",
 )
 
 
@@ -60,17 +62,27 @@ def main() -> int:
     parser.add_argument("--repeat", type=int, default=20, help="runs of each timing-sensitive target (default 20)")
     parser.add_argument("--only", nargs="*", default=None, help="timing-sensitive targets to repeat (default all)")
     parser.add_argument("-k", default=None, help="pytest -k expression for the repeated runs")
+    parser.add_argument("--minutes", type=float, default=None,
+                        help="stop starting new runs after this many minutes and report what ran (default: no limit)")
     args = parser.parse_args()
     folder = Path(tempfile.mkdtemp(prefix="flake_hunt_"))
-    reports = []
-    for i in range(args.suite_runs):
-        reports.append(folder / f"suite_{i}.xml")
-        run_pytest([], reports[-1], [])
+    reports: list[Path] = []
     extra = ["-k", args.k] if args.k else []
-    for target in args.only if args.only is not None else TIMING_SENSITIVE:
-        for i in range(args.repeat):
-            reports.append(folder / f"{Path(target.split('::')[0]).stem}_{i}.xml")
-            run_pytest([target], reports[-1], extra)
+    targets = args.only if args.only is not None else TIMING_SENSITIVE
+    deadline = time.monotonic() + args.minutes * 60 if args.minutes else None
+    # Round-robin: round i runs the whole suite (while i < --suite-runs), then each target once (while
+    # i < --repeat), so a run cut short by --minutes has still tried every target about equally often.
+    for i in range(max(args.suite_runs, args.repeat)):
+        runs = ([([], f"suite_{i}.xml")] if i < args.suite_runs else []) + (
+            [([t], f"{Path(t.split('::')[0]).stem}_{i}.xml") for t in targets] if i < args.repeat else [])
+        for chosen, name in runs:
+            if deadline is not None and time.monotonic() > deadline:
+                break
+            reports.append(folder / name)
+            run_pytest(chosen, reports[-1], extra if chosen else [])
+        else:
+            continue
+        break
     table = count(reports)
     print("| test | pass | fail | error | skip |")
     print("|---|---:|---:|---:|---:|")
