@@ -1,0 +1,202 @@
+"""Run a function on N CPU ranks (gloo) from a test, and get every rank's return value back.
+
+:func:`run_on_ranks` starts one process per rank from a *prepared parent*: multiprocessing's ``forkserver``,
+which imports torch, Lightning and ``ddp_strategy`` once and then forks each rank from that state
+(https://docs.python.org/3/library/multiprocessing.html#contexts-and-start-methods). Forking from the
+forkserver is safe where forking the test process is not: the forkserver never starts torch's thread pools or
+a process group, so no lock or thread is copied half-way. After the first call a 2-rank run starts in well
+under a second. Each rank gets the environment torchrun would give it (``MASTER_ADDR``, ``MASTER_PORT``,
+``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``NODE_RANK``), so a ``Trainer(devices=N, strategy=...)`` built inside
+the function joins the other ranks instead of launching new processes (Lightning's ``LightningEnvironment``).
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import multiprocessing
+import os
+import pickle
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+#: Imported once by the forkserver, so that ranks start from a warm parent.
+PRELOAD = ("torch", "torch.distributed", "ddp_strategy")
+#: How long ranks that did not fail may run on after a peer failed, before they are stopped (seconds): time for
+#: a peer's collective to break and its error to be written.
+FAILURE_GRACE_S = 10.0
+_STACK_SIGNAL = signal.SIGUSR1
+_configured_forkserver = False
+
+
+class RankError(AssertionError):
+    """A rank raised, was killed, or did not finish in time; the message has each rank's traceback or stack.
+
+    Attributes:
+        reports: rank -> what that rank reported (its traceback, its stack at the deadline, or its exit code).
+    """
+
+    def __init__(self, message: str, reports: dict[int, str]) -> None:
+        super().__init__(message)
+        self.reports = reports
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _context(start_method: str | None) -> multiprocessing.context.BaseContext:
+    global _configured_forkserver
+    method = start_method or ("forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn")
+    ctx = multiprocessing.get_context(method)
+    if method == "forkserver" and not _configured_forkserver:
+        ctx.set_forkserver_preload(list(PRELOAD))
+        _configured_forkserver = True
+    return ctx
+
+
+def _rank_main(rank: int, world_size: int, port: int, folder: str, fn: Callable[..., Any], args: tuple[Any, ...],
+               kwargs: dict[str, Any], init_process_group: bool, backend: str, collective_timeout_s: float) -> None:
+    """One rank: set the launch environment, join the group if asked, run ``fn``, write its result or error."""
+    out = Path(folder)
+    stack_file = open(out / f"stack_{rank}.txt", "w")  # noqa: SIM115 - faulthandler writes to it until exit
+    faulthandler.register(_STACK_SIGNAL, file=stack_file, all_threads=True)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(world_size), NODE_RANK="0", GROUP_RANK="0", LOCAL_WORLD_SIZE=str(world_size))
+    import torch.distributed as dist
+
+    code = 0
+    try:
+        if init_process_group:
+            dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                    world_size=world_size, timeout=timedelta(seconds=collective_timeout_s))
+        result = fn(rank, world_size, *args, **kwargs)
+        with open(out / f"result_{rank}.pkl.tmp", "wb") as f:
+            pickle.dump(result, f)
+        os.replace(out / f"result_{rank}.pkl.tmp", out / f"result_{rank}.pkl")
+    except BaseException:  # noqa: BLE001 - everything a rank raises is reported to the test
+        (out / f"error_{rank}.txt").write_text(traceback.format_exc())
+        code = 1
+    finally:
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # skip atexit hooks a failed peer could block on
+
+
+def run_on_ranks(
+    fn: Callable[..., Any],
+    world_size: int = 2,
+    *,
+    args: Sequence[Any] = (),
+    kwargs: dict[str, Any] | None = None,
+    timeout_s: float = 60.0,
+    init_process_group: bool = True,
+    backend: str = "gloo",
+    collective_timeout_s: float = 30.0,
+    start_method: str | None = None,
+) -> list[Any]:
+    """Call ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` CPU processes; return every rank's value.
+
+    Args:
+        fn: a function defined at module level (it is pickled to the ranks). It runs with the launch environment
+            set and, by default, inside a ``gloo`` process group; for a ``Trainer`` built inside ``fn`` pass
+            ``init_process_group=False`` and ``Trainer(devices=world_size, ...)``: the strategy joins the ranks.
+        world_size: number of ranks, W (default 2).
+        args, kwargs: extra arguments for ``fn`` (pickled).
+        timeout_s: deadline for the whole run, in seconds (default 60). Past it every live rank's stack is dumped
+            and the ranks are stopped: a hang fails the test, with the stacks, instead of blocking CI.
+        init_process_group: create the default process group before ``fn`` (default True), destroyed after it.
+        backend: the process group's backend (default ``"gloo"``).
+        collective_timeout_s: the process group's timeout, seconds (default 30).
+        start_method: ``"forkserver"`` (default where available: ranks fork from a parent that imported torch,
+            Lightning and ``ddp_strategy`` once) or ``"spawn"``. ``"fork"`` of the test process itself is not
+            offered: a test process that has used torch's thread pools cannot be forked safely.
+
+    Returns:
+        ``[value of rank 0, ..., value of rank W-1]``; values must be picklable (tensors, numbers, dicts, ...).
+
+    Raises:
+        TypeError: ``fn`` cannot be pickled (a lambda, a local function); define it at module level.
+        ValueError: ``world_size < 1`` or ``timeout_s <= 0``.
+        RankError: a rank raised (its traceback is in the message), exited without a result, or the deadline
+            passed (each live rank's stack is in the message). No rank process is left running.
+    """
+    if world_size < 1 or timeout_s <= 0:
+        raise ValueError(f"run_on_ranks needs world_size >= 1 and timeout_s > 0, got {world_size} and {timeout_s}.")
+    kwargs = dict(kwargs or {})
+    try:
+        pickle.dumps((fn, tuple(args), kwargs))
+    except Exception as e:
+        raise TypeError(f"run_on_ranks pickles {fn!r} and its arguments to the rank processes, which failed ({e});"
+                        " define the function at module level of an importable file (not a lambda or a nested"
+                        " function), and pass picklable arguments.") from e
+    ctx = _context(start_method)
+    folder = tempfile.mkdtemp(prefix="ddp_ranks_")
+    port = _free_port()
+    procs = [ctx.Process(target=_rank_main, name=f"rank {rank}", daemon=True,
+                         args=(rank, world_size, port, folder, fn, tuple(args), kwargs, init_process_group, backend,
+                               collective_timeout_s)) for rank in range(world_size)]
+    try:
+        for proc in procs:
+            proc.start()
+        timed_out = _wait(procs, Path(folder), time.monotonic() + timeout_s)
+        return _collect(procs, Path(folder), timed_out, timeout_s)
+    finally:
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+            if proc.pid is not None:
+                proc.join(5)
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _wait(procs: list[Any], folder: Path, deadline: float) -> bool:
+    """Wait until every rank exits, a failure's grace period ends, or the deadline; True if time ran out."""
+    failed_at = None
+    while any(p.is_alive() for p in procs):
+        now = time.monotonic()
+        if failed_at is None and (any(p.exitcode not in (None, 0) for p in procs) or any(folder.glob("error_*"))):
+            failed_at = now
+        if now > deadline or (failed_at is not None and now - failed_at > FAILURE_GRACE_S):
+            for p in procs:
+                if p.is_alive() and p.pid is not None:
+                    os.kill(p.pid, _STACK_SIGNAL)
+            time.sleep(1.0)  # faulthandler writes the stacks
+            return failed_at is None
+        time.sleep(0.02)
+    return False
+
+
+def _collect(procs: list[Any], folder: Path, timed_out: bool, timeout_s: float) -> list[Any]:
+    """Every rank's result, or a :class:`RankError` with every rank's report."""
+    reports: dict[int, str] = {}
+    results: list[Any] = []
+    for rank, proc in enumerate(procs):
+        result, error, stack = folder / f"result_{rank}.pkl", folder / f"error_{rank}.txt", folder / f"stack_{rank}.txt"
+        if result.exists() and proc.exitcode == 0:
+            with open(result, "rb") as f:
+                results.append(pickle.load(f))
+            continue
+        if error.exists():
+            reports[rank] = f"raised:\n{error.read_text()}"
+        elif proc.is_alive():
+            reports[rank] = f"still running; its stack:\n{stack.read_text() if stack.exists() else '(none)'}"
+        else:
+            reports[rank] = f"exited with code {proc.exitcode} without a result"
+    if not reports:
+        return results
+    why = f"did not finish within {timeout_s:g} s" if timed_out else "failed"
+    text = "\n".join(f"--- rank {rank} {report}" for rank, report in sorted(reports.items()))
+    raise RankError(f"run_on_ranks: {len(reports)} of {len(procs)} ranks {why}.\n{text}", reports)

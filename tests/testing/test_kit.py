@@ -1,0 +1,93 @@
+"""The testing kit (ddp_strategy.testing): every rank's value comes back, failures and hangs fail with each rank's
+traceback or stack and leave no process, and the checks name what differs."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from ddp_strategy.testing import (
+    RankError,
+    assert_each_sample_once,
+    assert_matches_single_process,
+    assert_same_on_every_rank,
+    run_on_ranks,
+)
+
+pytestmark = pytest.mark.multiprocess
+
+
+def all_reduce_rank(rank: int, world_size: int, scale: float = 1.0) -> dict:
+    """Each rank: its launch environment and the all-reduced sum of ``scale * (rank + 1)``."""
+    value = torch.tensor([scale * (rank + 1)])
+    dist.all_reduce(value)
+    return {"rank": rank, "world_size": world_size, "env_rank": int(os.environ["RANK"]),
+            "local_rank": int(os.environ["LOCAL_RANK"]), "sum": value.item(), "group_size": dist.get_world_size()}
+
+
+def fail_on_rank_1(rank: int, world_size: int) -> None:
+    """Rank 1 raises before the collective; rank 0 waits in it."""
+    if rank == 1:
+        raise ValueError("rank 1 refuses")
+    dist.barrier()
+
+
+def sleep_forever_in_a_named_function(rank: int, world_size: int) -> None:
+    while True:
+        time.sleep(0.1)
+
+
+def test_every_ranks_value_comes_back_in_rank_order():
+    """Three ranks in one gloo group: each sees its own launch environment, and the all-reduce sums 1+2+3."""
+    values = run_on_ranks(all_reduce_rank, 3, kwargs={"scale": 2.0})
+    assert [v["rank"] for v in values] == [v["env_rank"] for v in values] == [0, 1, 2]
+    assert [v["local_rank"] for v in values] == [0, 1, 2]
+    assert [v["sum"] for v in values] == [12.0, 12.0, 12.0]
+    assert {v["group_size"] for v in values} == {3} and {v["world_size"] for v in values} == {3}
+
+
+def test_a_failing_rank_fails_the_call_with_its_traceback():
+    """Rank 1's exception is in the error; rank 0, stuck in its barrier, is stopped (the autouse fixture checks that
+    no process is left)."""
+    with pytest.raises(RankError, match="rank 1 raised") as raised:
+        run_on_ranks(fail_on_rank_1, 2, timeout_s=60)
+    assert "ValueError: rank 1 refuses" in raised.value.reports[1]
+    assert 0 in raised.value.reports  # rank 0 never finished its barrier
+
+
+def test_a_hang_fails_at_the_deadline_with_each_ranks_stack():
+    """A rank that never returns is stopped at the deadline and its stack names the function it hung in."""
+    with pytest.raises(RankError, match="did not finish within 3 s") as raised:
+        run_on_ranks(sleep_forever_in_a_named_function, 2, timeout_s=3)
+    assert set(raised.value.reports) == {0, 1}
+    assert all("sleep_forever_in_a_named_function" in report for report in raised.value.reports.values())
+
+
+def test_a_function_that_cannot_be_pickled_is_refused_before_any_rank_starts():
+    """A lambda cannot reach the ranks: TypeError saying to define it at module level."""
+    with pytest.raises(TypeError, match="define the function at module level"):
+        run_on_ranks(lambda rank, world_size: rank, 2)
+
+
+@pytest.mark.ddp(world_size=3, timeout_s=30)
+def test_the_fixture_takes_its_defaults_from_the_marker(ddp_ranks):
+    """``ddp_ranks`` is run_on_ranks with the ``ddp`` marker's world size and deadline."""
+    assert [v["sum"] for v in ddp_ranks(all_reduce_rank)] == [6.0, 6.0, 6.0]
+
+
+def test_checks_name_the_rank_and_entry_that_differ():
+    """assert_same_on_every_rank names rank and key; assert_each_sample_once names duplicates and gaps."""
+    same = {"w": torch.ones(2), "step": 3}
+    assert_same_on_every_rank([same, {"w": torch.ones(2), "step": 3}])
+    with pytest.raises(AssertionError, match=r"rank 1 vs rank 0: parameters\['w'\]: max abs difference 0.5"):
+        assert_same_on_every_rank([same, {"w": torch.tensor([1.0, 1.5]), "step": 3}], "parameters")
+    assert_each_sample_once([[0, 2, 4], [1, 3]], 5)
+    with pytest.raises(AssertionError, match=r"read more than once: \{0: \[0, 1\]\}.*never read: \[4\]"):
+        assert_each_sample_once([[0, 2], [0, 1, 3]], 5)
+    assert_matches_single_process(torch.tensor([1.0, 2.0]), torch.tensor([1.0, 2.0 + 1e-7]))
+    with pytest.raises(AssertionError, match="differs from one process"):
+        assert_matches_single_process(torch.tensor([1.0]), torch.tensor([1.1]), "accuracy")
