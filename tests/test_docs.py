@@ -258,6 +258,7 @@ _PUBLIC_NAME = re.compile(r"(?<![\w./-])ddp_strategy((?:\.\w+)+)")
 def test_repository_paths_and_module_names_in_the_docs_exist():
     """Every repository path in inline code exists, and every ``ddp_strategy.NAME`` is importable as written."""
     import importlib
+    import importlib.util
 
     problems = []
     for path in doc_files():
@@ -269,6 +270,8 @@ def test_repository_paths_and_module_names_in_the_docs_exist():
             for dotted in _PUBLIC_NAME.findall(span):
                 obj, names = importlib.import_module("ddp_strategy"), dotted.strip(".").split(".")
                 for name in names:
+                    if not hasattr(obj, name) and importlib.util.find_spec(f"{obj.__name__}.{name}") is not None:
+                        importlib.import_module(f"{obj.__name__}.{name}")  # a sub-package not imported by default
                     if not hasattr(obj, name):
                         problems.append(f"{where}: `ddp_strategy{dotted}` has no attribute {name!r}")
                         break
