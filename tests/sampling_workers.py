@@ -1,6 +1,7 @@
 """Workers for tests/sampling/test_sampling_integration.py: several Trainer runs inside one set of real gloo processes.
 
-Each launch starts W processes once (spawn) with the torchrun-style variables Lightning reads
+Each launch starts W ranks once with the testing kit (``ddp_strategy.testing.run_on_ranks``: forked from a
+forkserver that imported torch and Lightning once) with the torchrun-style variables Lightning reads
 (``LOCAL_RANK``, ``NODE_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``); Lightning then sees
 externally created processes, and every ``Trainer`` in the worker joins a fresh process group on the same
 port. That shares the cost of starting Python and importing Lightning between many fits.
@@ -18,14 +19,13 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 import torchmetrics
-from ddp_testing import free_port
 from lightning.pytorch.callbacks import BasePredictionWriter, ModelCheckpoint
 from torch.utils.data import DataLoader, Dataset, WeightedRandomSampler
 
 from ddp_strategy import MyDDPStrategy
+from ddp_strategy.testing import RankError, run_on_ranks
 
 SEED = 7
 N_TRAIN, N_VAL, N_TEST = 26, 23, 9
@@ -224,9 +224,7 @@ def _scenario(scenario: str | Callable[[Path], None]) -> Callable[[Path], None]:
     return getattr(importlib.import_module(module), function)
 
 
-def _entry(rank: int, scenario: str | Callable[[Path], None], world_size: int, port: int, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(rank), NODE_RANK="0",
-                      WORLD_SIZE=str(world_size))
+def _entry(rank: int, world_size: int, scenario: str | Callable[[Path], None], out: str) -> None:
     torch.set_num_threads(1)
     run = _scenario(scenario)
     try:
@@ -236,20 +234,20 @@ def _entry(rank: int, scenario: str | Callable[[Path], None], world_size: int, p
         raise
 
 
-def launch(scenario: str | Callable[[Path], None], world_size: int, out: Path) -> None:
+def launch(scenario: str | Callable[[Path], None], world_size: int, out: Path, timeout_s: float = 270.0) -> None:
     """Run ``scenario`` (a module-level function of the output folder, a name in SCENARIOS, or
-    ``"module:function"``, so other test modules can share this launcher) on ``world_size`` spawned processes.
+    ``"module:function"``, so other test modules can share this launcher) on ``world_size`` ranks started by the
+    testing kit (:func:`ddp_strategy.testing.run_on_ranks`: forked from a warm forkserver, with the launch
+    environment set, so each scenario's Trainer joins the ranks instead of launching processes).
 
     Raises:
-        AssertionError: with the ranks' tracebacks, when a rank fails.
+        AssertionError: with the ranks' tracebacks (or stacks, past ``timeout_s`` seconds), when a rank fails.
     """
     name = _scenario(scenario).__name__
     try:
-        mp.start_processes(_entry, args=(scenario, world_size, free_port(), str(out)), nprocs=world_size,
-                           start_method="spawn", join=True)
-    except Exception as error:
-        details = "\n".join(p.read_text() for p in sorted(out.glob(f"error.{name}.rank*.txt")))
-        raise AssertionError(f"scenario {name!r} failed:\n{details}") from error
+        run_on_ranks(_entry, world_size, args=(scenario, str(out)), init_process_group=False, timeout_s=timeout_s)
+    except RankError as error:
+        raise AssertionError(f"scenario {name!r} failed:\n{error}") from error
 
 
 def load(out: Path, name: str, world_size: int) -> list[dict[str, Any]]:

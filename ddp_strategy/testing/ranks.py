@@ -8,6 +8,8 @@ a process group, so no lock or thread is copied half-way. After the first call a
 under a second. Each rank gets the environment torchrun would give it (``MASTER_ADDR``, ``MASTER_PORT``,
 ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``NODE_RANK``), so a ``Trainer(devices=N, strategy=...)`` built inside
 the function joins the other ranks instead of launching new processes (Lightning's ``LightningEnvironment``).
+Each rank runs with the caller's environment as it is at the call; modules the forkserver preloaded read it
+once, when the forkserver started (the first call of the session).
 """
 
 from __future__ import annotations
@@ -66,9 +68,12 @@ def _context(start_method: str | None) -> multiprocessing.context.BaseContext:
 
 
 def _rank_main(rank: int, world_size: int, port: int, folder: str, fn: Callable[..., Any], args: tuple[Any, ...],
-               kwargs: dict[str, Any], init_process_group: bool, backend: str, collective_timeout_s: float) -> None:
-    """One rank: set the launch environment, join the group if asked, run ``fn``, write its result or error."""
+               kwargs: dict[str, Any], init_process_group: bool, backend: str, collective_timeout_s: float,
+               environ: dict[str, str]) -> None:
+    """One rank: the caller's environment plus the launch variables, the group if asked, ``fn``, its result."""
     out = Path(folder)
+    os.environ.clear()
+    os.environ.update(environ)  # the caller's environment now, not the forkserver's from when it started
     stack_file = open(out / f"stack_{rank}.txt", "w")  # noqa: SIM115 - faulthandler writes to it until exit
     faulthandler.register(_STACK_SIGNAL, file=stack_file, all_threads=True)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
@@ -147,7 +152,7 @@ def run_on_ranks(
     port = _free_port()
     procs = [ctx.Process(target=_rank_main, name=f"rank {rank}", daemon=True,
                          args=(rank, world_size, port, folder, fn, tuple(args), kwargs, init_process_group, backend,
-                               collective_timeout_s)) for rank in range(world_size)]
+                               collective_timeout_s, dict(os.environ))) for rank in range(world_size)]
     try:
         for proc in procs:
             proc.start()
