@@ -282,3 +282,9 @@ def run_rank(rank: int, ports: list[int], out_dir: str, only: list[str] | None =
                 dist.destroy_process_group()
         with open(out / f"timing_rank{rank}.txt", "a") as f:
             f.write(f"{name} {time.monotonic() - started:.1f}\n")
+
+
+def kit_entry(rank: int, world_size: int, ports: list[int], out_dir: str) -> None:
+    """:func:`run_rank` as the testing kit calls it (``ddp_strategy.testing.run_on_ranks``)."""
+    assert world_size == 2, "the scenarios are written for 2 ranks"
+    run_rank(rank, ports, out_dir)

@@ -6,9 +6,6 @@ each test compares the ranks' records with a single-process reference computed h
 
 from __future__ import annotations
 
-import multiprocessing as mp
-import time
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -17,31 +14,21 @@ from ddp_testing import IndexedDigits, free_port
 from torch import nn
 
 from ddp_strategy import DigitsNet
+from ddp_strategy.testing import run_on_ranks
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(400)]
 
 
 @pytest.fixture(scope="module")
 def records(tmp_path_factory) -> dict[str, dict[int, dict]]:
-    """Run all scenarios on 2 spawned ranks once; return ``{scenario: {rank: record}}``."""
+    """Run all scenarios on 2 ranks (the testing kit's, forked from a warm parent) once; return
+    ``{scenario: {rank: record}}``."""
     out = tmp_path_factory.mktemp("equivalence")
     ports = [free_port() for _ in range(30)]
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=ww.run_rank, args=(rank, ports, str(out))) for rank in range(2)]
-    deadline = time.monotonic() + 300  # well inside the 400 s test timeout, so stragglers get killed here
-    try:
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(max(0.0, deadline - time.monotonic()))
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join()
+    # The deadline is well inside the 400 s test timeout, so stragglers are stopped here, with their stacks.
+    run_on_ranks(ww.kit_entry, 2, args=(ports, str(out)), init_process_group=False, timeout_s=300)
     failures = {f.name: f.read_text()[-3000:] for f in out.glob("*.failed")}
     assert not failures, failures
-    assert [p.exitcode for p in procs] == [0, 0]
     result: dict[str, dict[int, dict]] = {}
     for f in out.glob("*_rank*.pt"):
         name, rank = f.stem.rsplit("_rank", 1)
