@@ -28,7 +28,7 @@ ALLOWED = {
     "strategy": {"_compat", "process", "sampling", "sync", "checkpoint", "diagnostics", "options"},
     "cli": {"_compat", "reference", "strategy"},
     "__main__": {"cli"},
-    "__init__": {"process", "sampling", "sync", "checkpoint", "reference", "strategy"},
+    "__init__": {"_compat", "process", "sampling", "sync", "checkpoint", "reference", "strategy"},
     "testing": set(),  # the kit uses only public names, as a user's test does
 }
 SUBPACKAGES = ("_compat", "process", "sampling", "sync", "checkpoint", "diagnostics", "reference", "testing")
@@ -171,15 +171,23 @@ def test_parts_import_only_lower_layers_through_their_public_names():
 
 
 def test_module_paths_of_the_flat_layout_still_import():
-    """``ddp_strategy.comm_hooks``, ``ddp_strategy.model``, ... (0.1.0's flat modules) name the code's new home."""
+    """Every public name of every 0.1 module (tests/flat_layout_names.json, taken from 0.1's source) is still
+    there at its old path, as ``from ddp_strategy.<old> import name`` and as ``ddp_strategy.<old>.name``."""
     import importlib
+    import json
 
     import ddp_strategy
 
-    for old, new in ddp_strategy.MOVED_MODULES.items():
-        assert importlib.import_module(f"ddp_strategy.{old}") is importlib.import_module(f"ddp_strategy.{new}")
-    from ddp_strategy.comm_hooks import bf16_all_reduce_hook
+    names = json.loads((Path(__file__).parent / "flat_layout_names.json").read_text())
+    missing = [f"{old}.{name}" for old, listed in names.items() for name in listed
+               if not hasattr(importlib.import_module(f"ddp_strategy.{old}"), name)]
+    assert missing == []
+    assert ddp_strategy.comm_hooks.bf16_all_reduce_hook is ddp_strategy.bf16_all_reduce_hook  # attribute access
+    from ddp_strategy.failures import StalledRankError
     from ddp_strategy.model import DigitsClassifier
 
-    assert bf16_all_reduce_hook is ddp_strategy.bf16_all_reduce_hook
-    assert DigitsClassifier is ddp_strategy.DigitsClassifier
+    from ddp_strategy.process import boundaries
+
+    assert DigitsClassifier is ddp_strategy.DigitsClassifier and StalledRankError is boundaries.StalledRankError
+    with pytest.raises(AttributeError, match="moved to ddp_strategy.reference.model"):
+        ddp_strategy.model.NoSuchName  # noqa: B018

@@ -7,7 +7,7 @@ strategy: :class:`FitDiagnostics`; the pure message functions are public for the
 
 from ddp_strategy.diagnostics.communication import COMM_DOMINATES_FRACTION, CommStats, communication_messages
 from ddp_strategy.diagnostics.record import FitDiagnostics, FitRecord, GradientTracker, on_fit_end, on_fit_start
-from ddp_strategy.diagnostics.summary import FitSummary, batch_size_warnings
+from ddp_strategy.diagnostics.summary import FitSummary, batch_size_warnings, collect_fit_summary
 
 __all__ = [
     "COMM_DOMINATES_FRACTION",
@@ -17,6 +17,7 @@ __all__ = [
     "FitSummary",
     "GradientTracker",
     "batch_size_warnings",
+    "collect_fit_summary",
     "communication_messages",
     "on_fit_end",
     "on_fit_start",

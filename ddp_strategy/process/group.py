@@ -12,6 +12,7 @@ import atexit
 import gc
 import logging
 import os
+import sys
 from datetime import timedelta
 from typing import Any
 
@@ -238,10 +239,29 @@ def init_process_group(
             store = generation_store(client, world_size, attempt=os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
         else:
             store = rendezvous_store(main_address, main_port, rank, timeout, num_nodes)
+        _unwrap_torch_excepthook()
         dist.init_process_group(backend, store=store, **kwargs)
+        _torch_excepthooks[1:] = [sys.excepthook]
     except (RuntimeError, OSError, ValueError) as e:
         raise RuntimeError(rendezvous_error(rank, world_size, where, timeout, e)) from e
     return store
+
+
+#: ``sys.excepthook`` as it was before our first process group, then the hook torch installed last.
+_torch_excepthooks: list[Any] = []
+
+
+def _unwrap_torch_excepthook() -> None:
+    """Undo the ``[rankN]:`` traceback prefix hook of the previous run's ``init_process_group``.
+
+    ``torch.distributed.init_process_group`` wraps ``sys.excepthook`` on every call; a process that runs several
+    stages (each a new rendezvous here) would print ``[rank0]: [rank0]: ...``. The hook torch installed last is
+    replaced by the one from before our first group, which the next ``init_process_group`` wraps once.
+    """
+    if not _torch_excepthooks:
+        _torch_excepthooks.append(sys.excepthook)
+    elif sys.excepthook is _torch_excepthooks[-1]:
+        sys.excepthook = _torch_excepthooks[0]
 
 
 def node_rank_lists(num_nodes: int, procs_per_node: int) -> list[list[int]]:

@@ -197,3 +197,23 @@ def test_under_torchrun_env_rendezvous_uses_the_agents_store(monkeypatch):
         process_group.destroy_process_group()
     assert served == []  # no store of our own next to the agent's
     assert agent.check([f"ddp_strategy/attempt_2/world_1/rendezvous_{g}/mine" for g in (0, 1)])
+
+
+def test_each_run_prefixes_tracebacks_with_the_rank_once(monkeypatch, capsys):
+    """torch wraps sys.excepthook at every init_process_group; three runs in one process still print
+    ``[rank0]: `` once per traceback line, as one run does."""
+    import sys
+
+    monkeypatch.setattr(sys, "excepthook", sys.__excepthook__)
+    monkeypatch.setattr(process_group, "_torch_excepthooks", [])
+    for _ in range(3):
+        process_group.init_process_group("gloo", rank=0, world_size=1, main_address="127.0.0.1", main_port=0,
+                                         timeout=timedelta(seconds=10), store=dist.HashStore())
+        process_group.destroy_process_group()
+    try:
+        raise ValueError("shown once")
+    except ValueError:
+        sys.excepthook(*sys.exc_info())
+    lines = [line for line in capsys.readouterr().err.splitlines() if line]
+    assert lines and all(line.startswith("[rank0]: ") and not line.startswith("[rank0]: [rank0]") for line in lines)
+    assert lines[-1] == "[rank0]: ValueError: shown once"
