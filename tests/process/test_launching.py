@@ -184,6 +184,7 @@ def test_two_torchrun_nodes_rendezvous_over_loopback_and_train_together(tmp_path
 
 
 @pytest.mark.multiprocess
+@pytest.mark.soak
 @pytest.mark.timeout(900)
 def test_repeated_popen_fits_never_abort_at_exit(tmp_path):
     """30 two-process fits with the default popen launcher: every process exits 0 (no SIGABRT at gloo teardown)."""
