@@ -34,7 +34,7 @@ TIMING_SENSITIVE = (
 
 def run_pytest(targets: list[str], report: Path, extra: list[str]) -> None:
     """One pytest run of ``targets``, its JUnit report at ``report`` (a crash of pytest itself is reported)."""
-    command = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-p", "no:logging",
+    command = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q",
                f"--basetemp={report.parent / (report.stem + '_tmp')}", f"--junitxml={report}", *extra, *targets]
     print("$", " ".join(command), file=sys.stderr, flush=True)
     subprocess.run(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

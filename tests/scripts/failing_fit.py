@@ -19,6 +19,10 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from ddp_strategy import DigitsClassifier, DigitsDataModule, MyDDPStrategy
 
+# Ctrl+C raises KeyboardInterrupt as in a terminal, even when the suite itself was started in the background
+# (a non-interactive shell's `cmd &` makes SIGINT ignored, and an ignored signal stays ignored across exec).
+signal.signal(signal.SIGINT, signal.default_int_handler)
+
 OUT, SCENARIO, START_METHOD = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
 CKPT = sys.argv[4] if len(sys.argv) > 4 else None
 FAIL_STEP = 3
