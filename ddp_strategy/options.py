@@ -12,6 +12,7 @@ is refused now (``bucket_cap_mb="25"``).
 
 from __future__ import annotations
 
+import inspect
 import numbers
 import os
 from dataclasses import dataclass
@@ -112,14 +113,6 @@ class StrategyOptions:
         return None
 
 
-#: ``MyDDPStrategy``'s own arguments (those not passed to Lightning's ``ParallelStrategy``), by name.
-STRATEGY_ARGUMENTS = ("process_group_backend", "timeout", "start_method", "seed", "init_method", "store",
-                      "allow_cpu_oversubscription", "monitored_barrier_timeout", "checkpoint_on_sigterm",
-                      "ddp_comm_hook", "ddp_comm_state", "ddp_comm_wrapper", "verify_sync_every_n_steps",
-                      "exact_evaluation", "find_unused_parameters", "static_graph", "gradient_as_bucket_view",
-                      "bucket_cap_mb", "broadcast_buffers")
-
-
 def strategy_options(
     *, process_group_backend: Any, timeout: Any, start_method: Any, seed: Any, init_method: Any, store: Any,
     allow_cpu_oversubscription: Any, monitored_barrier_timeout: Any, checkpoint_on_sigterm: Any,
@@ -173,3 +166,9 @@ def strategy_options(
         verify_sync_every_n_steps=verify_sync_every_n_steps,
         exact_evaluation=exact_evaluation,
     )
+
+
+#: ``MyDDPStrategy``'s own arguments (those not passed to Lightning's ``ParallelStrategy``), by name: the
+#: keyword arguments of :func:`strategy_options` other than ``ddp_kwargs``.
+STRATEGY_ARGUMENTS: tuple[str, ...] = tuple(name for name in inspect.signature(strategy_options).parameters
+                                            if name != "ddp_kwargs")

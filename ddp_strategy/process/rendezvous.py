@@ -22,6 +22,16 @@ import torch.distributed as dist
 log = logging.getLogger(__name__)
 
 
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port on ``host`` that was free a moment ago (the OS picks it), for a rendezvous on one machine.
+
+    Another process may take it before it is bound again; callers on a shared machine retry or use a store.
+    """
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
 def uses_agent_store() -> bool:
     """Whether torchrun's elastic agent serves the rendezvous store (``TORCHELASTIC_USE_AGENT_STORE=True``).
 

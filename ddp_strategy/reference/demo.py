@@ -14,7 +14,6 @@ Everything runs on CPU. Nothing here is used by the strategy itself.
 
 from __future__ import annotations
 
-import socket
 import tempfile
 from dataclasses import dataclass
 from datetime import timedelta
@@ -113,12 +112,6 @@ class AllReduceDemo:
     comm_stats: CommStats | None
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _grads(net: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {name: p.grad.detach().clone() for name, p in net.named_parameters() if p.grad is not None}
 
@@ -214,7 +207,7 @@ def allreduce_demo(world_size: int = 2, batch_size: int = 16, lr: float = 0.1, t
         torch.multiprocessing.ProcessRaisedException: a rank failed (its traceback is in the message).
     """
     with tempfile.TemporaryDirectory(prefix="ddp_demo_") as out_dir:
-        mp.start_processes(_demo_worker, args=(world_size, _free_port(), batch_size, lr, timed_steps, out_dir),
+        mp.start_processes(_demo_worker, args=(world_size, process.free_port(), batch_size, lr, timed_steps, out_dir),
                            nprocs=world_size, start_method=start_method or default_demo_start_method())
         records = [torch.load(Path(out_dir) / f"rank{r}.pt", weights_only=True) for r in range(world_size)]
     timed = [r["comm_stats"] for r in records if r["comm_stats"] is not None]

@@ -20,7 +20,6 @@ import os
 import pickle
 import shutil
 import signal
-import socket
 import sys
 import tempfile
 import time
@@ -29,6 +28,8 @@ from collections.abc import Callable, Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
+
+from ddp_strategy.process import free_port
 
 #: Imported once by the forkserver, so that ranks start from a warm parent.
 PRELOAD = ("torch", "torch.distributed", "ddp_strategy")
@@ -49,12 +50,6 @@ class RankError(AssertionError):
     def __init__(self, message: str, reports: dict[int, str]) -> None:
         super().__init__(message)
         self.reports = reports
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _context(start_method: str | None) -> multiprocessing.context.BaseContext:
@@ -149,7 +144,7 @@ def run_on_ranks(
                         " function), and pass picklable arguments.") from e
     ctx = _context(start_method)
     folder = tempfile.mkdtemp(prefix="ddp_ranks_")
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_rank_main, name=f"rank {rank}", daemon=True,
                          args=(rank, world_size, port, folder, fn, tuple(args), kwargs, init_process_group, backend,
                                collective_timeout_s, dict(os.environ))) for rank in range(world_size)]
