@@ -14,6 +14,7 @@ from ddp_testing import IndexedDigits, RecordingClassifier, run_cli
 
 from ddp_strategy import DigitsDataModule, DigitsNet, MyDDPStrategy, load_plain_state_dict
 from ddp_strategy.checkpoint.files import load_file
+from ddp_strategy.testing import run_on_ranks
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
 
@@ -21,25 +22,36 @@ SEED = 123
 EPOCHS = 2
 
 
-def _recorded_fit(out_dir: Path) -> dict[int, dict]:
-    """Fit the recording model on 2 spawned ranks; return each rank's record."""
-    out_dir.mkdir(parents=True)
+def _recorded_fit(out_dir: str, strategy: MyDDPStrategy) -> None:
+    """Fit the recording model on 2 ranks; each rank saves its record as ``out_dir/rank{r}.pt``."""
     pl.seed_everything(SEED)
-    model = RecordingClassifier(out_dir=str(out_dir))
+    model = RecordingClassifier(out_dir=out_dir)
     trainer = pl.Trainer(
-        accelerator="cpu", devices=2, strategy=MyDDPStrategy(start_method="spawn", timeout=60),
+        accelerator="cpu", devices=2, strategy=strategy,
         max_epochs=EPOCHS, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, default_root_dir=str(out_dir),
+        enable_model_summary=False, default_root_dir=out_dir,
     )
     trainer.fit(model, IndexedDigits(batch_size=32))
+
+
+def _kit_rank(rank: int, world_size: int, out_dir: str) -> None:
+    """One rank of the kit-started fit: the Trainer finds the kit's launch environment and joins, as under torchrun."""
+    _recorded_fit(out_dir, MyDDPStrategy(timeout=60))
+
+
+def _records(out_dir: Path) -> dict[int, dict]:
     return {r: torch.load(out_dir / f"rank{r}.pt", weights_only=True) for r in range(2)}
 
 
 @pytest.fixture(scope="module")
 def fits(tmp_path_factory) -> tuple[dict[int, dict], dict[int, dict]]:
-    """Two identical 2-rank fits (same seed), for determinism and sharding checks."""
-    base = tmp_path_factory.mktemp("fits")
-    return _recorded_fit(base / "a"), _recorded_fit(base / "b")
+    """Two 2-rank fits with the same seed: one started by the strategy's spawn launcher from this process, one
+    by the testing kit (ranks forked from a warm parent, ``Trainer`` joining their environment). Determinism is
+    checked across the two ways of starting the ranks; shards, gradients and weights on the spawned one."""
+    spawned, kit = tmp_path_factory.mktemp("spawned"), tmp_path_factory.mktemp("kit")
+    _recorded_fit(str(spawned), MyDDPStrategy(start_method="spawn", timeout=60))
+    run_on_ranks(_kit_rank, 2, args=(str(kit),), init_process_group=False, timeout_s=240)
+    return _records(spawned), _records(kit)
 
 
 def test_ranks_see_disjoint_shards_covering_the_training_set(fits):
@@ -54,12 +66,15 @@ def test_ranks_see_disjoint_shards_covering_the_training_set(fits):
 
 
 def test_order_changes_between_epochs_and_repeats_with_the_same_seed(fits):
-    """set_epoch is called for the user: epoch 1's order differs from epoch 0's, and a rerun repeats both."""
+    """set_epoch is called for the user: epoch 1's order differs from epoch 0's, and a rerun started another way
+    (the testing kit instead of spawn) repeats both, and ends with the same weights."""
     run_a, run_b = fits
     for rank in range(2):
         assert run_a[rank]["seen"][0] != run_a[rank]["seen"][1]
         assert set(run_a[rank]["seen"][0]) != set(run_a[rank]["seen"][1])  # reshuffled across ranks, too
         assert run_a[rank]["seen"] == run_b[rank]["seen"]
+        for name, value in run_a[rank]["final"].items():
+            torch.testing.assert_close(run_b[rank]["final"][name], value, rtol=0, atol=1e-6)
 
 
 def test_ddp_gradient_equals_single_process_gradient_on_the_union_of_batches(fits):

@@ -12,10 +12,13 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from ddp_strategy import DigitsClassifier, DigitsDataModule, DigitsNet, MyDDPStrategy, load_plain_state_dict
 from ddp_strategy.checkpoint.files import load_file
+from ddp_strategy.testing import run_on_ranks
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
 
 SEED = 321
+
+
 class CompiledDigitsClassifier(DigitsClassifier):
     """DigitsClassifier whose plain model is compiled (eager backend, so it runs on CPU without a compiler)."""
 
@@ -45,29 +48,39 @@ class Probe(pl.Callback):
                    Path(self.out_dir) / f"rank{rank}.pt")
 
 
-def _fit(out_dir: Path, model: DigitsClassifier, max_epochs: int, ckpt_path: Path | None = None) -> dict:
-    """A 2-rank fit (spawn, gloo) saving a checkpoint every epoch; returns the checkpoint folder and records."""
-    out_dir.mkdir(parents=True)
-    pl.seed_everything(SEED)
+def _fit(out_dir: Path, model: DigitsClassifier, max_epochs: int, strategy: MyDDPStrategy,
+         ckpt_path: Path | None = None) -> None:
+    """A 2-rank fit (gloo) saving a checkpoint every epoch into ``out_dir/ckpts``; each rank records its end."""
     trainer = pl.Trainer(
-        accelerator="cpu", devices=2, strategy=MyDDPStrategy(start_method="spawn", timeout=60),
+        accelerator="cpu", devices=2, strategy=strategy,
         max_epochs=max_epochs, logger=False, enable_progress_bar=False, enable_model_summary=False,
         default_root_dir=str(out_dir), limit_train_batches=10, limit_val_batches=2,
         callbacks=[ModelCheckpoint(dirpath=out_dir / "ckpts", filename="{epoch}", save_top_k=-1),
                    Probe(str(out_dir))],
     )
     trainer.fit(model, DigitsDataModule(batch_size=32), ckpt_path=ckpt_path)
+
+
+def _resume_compiled_on_kit_rank(rank: int, world_size: int, out_dir: str, ckpt_path: str) -> None:
+    """One rank of the resumed run, started by the testing kit: the ``Trainer`` joins the kit's ranks."""
+    pl.seed_everything(SEED)
+    _fit(Path(out_dir), CompiledDigitsClassifier(), 2, MyDDPStrategy(timeout=60), ckpt_path=Path(ckpt_path))
+
+
+def _records(out_dir: Path) -> dict:
     return {"dir": out_dir / "ckpts", **{r: torch.load(out_dir / f"rank{r}.pt", weights_only=True) for r in range(2)}}
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> tuple[dict, dict]:
-    """An uninterrupted 2-epoch run, and a compiled model resumed from its epoch-0 checkpoint for epoch 1."""
-    base = tmp_path_factory.mktemp("ckpt_runs")
-    full = _fit(base / "full", DigitsClassifier(), max_epochs=2)
-    resumed = _fit(base / "resumed", CompiledDigitsClassifier(), max_epochs=2,
-                   ckpt_path=full["dir"] / "epoch=0.ckpt")
-    return full, resumed
+    """An uninterrupted 2-epoch run (spawned from this process), and a compiled model resumed from its epoch-0
+    checkpoint for epoch 1 (ranks started by the testing kit: resuming must not depend on how ranks start)."""
+    full, resumed = tmp_path_factory.mktemp("full"), tmp_path_factory.mktemp("resumed")
+    pl.seed_everything(SEED)
+    _fit(full, DigitsClassifier(), 2, MyDDPStrategy(start_method="spawn", timeout=60))
+    run_on_ranks(_resume_compiled_on_kit_rank, 2, args=(str(resumed), str(full / "ckpts" / "epoch=0.ckpt")),
+                 init_process_group=False, timeout_s=240)
+    return _records(full), _records(resumed)
 
 
 def test_checkpoint_loads_strictly_into_the_plain_module_and_predicts_like_rank_0(runs):
