@@ -105,23 +105,40 @@ def acknowledge(store: dist.Store | None, rank: int) -> None:
 
 
 def wait_for_peers(store: dist.Store | None, rank: int, world_size: int, timeout_s: float = EXPLAIN_WAIT_S) -> None:
-    """On the rank whose own code failed, after it left the group: wait until every other rank has explained
-    its broken collective (:func:`acknowledge`), at most ``timeout_s`` seconds.
+    """On the rank whose own code failed, after it left the group: wait until every other rank has either
+    explained its broken collective (:func:`acknowledge`), reported a failure of its own
+    (:func:`report_failure`: it has nothing to explain) or, on this host, exited; at most ``timeout_s`` seconds.
 
     Its peers learn of the failure when their collective breaks, and say which rank failed and why; the failing
     rank's exit must not come first, or a launcher that kills every rank when one exits (Lightning's popen
-    observer) would cut that explanation off. Returns early when the store cannot be reached.
+    observer) would cut that explanation off. When every rank failed in its own code (the same bug on every
+    rank, bad input checked on every rank), nobody is left to explain and nothing is waited for. Returns early
+    when the store cannot be reached.
     """
     if store is None or world_size < 2:
         return
-    keys = [_EXPLAINED_KEY.format(rank=peer) for peer in range(world_size) if peer != rank]
+    host = socket.gethostname()
+    waiting = [peer for peer in range(world_size) if peer != rank]
     deadline = time.monotonic() + timeout_s
     try:
         store.set_timeout(timedelta(seconds=STORE_TIMEOUT_S))
-        while not store.check(keys) and time.monotonic() < deadline:
-            time.sleep(0.05)
+        while waiting and time.monotonic() < deadline:
+            waiting = [peer for peer in waiting if not _peer_is_done(store, peer, host)]
+            if waiting:
+                time.sleep(0.05)
     except Exception as e:  # the store's server (rank 0) may be gone
         log.debug("[rank %d] stopped waiting for the other ranks: %s", rank, e)
+
+
+def _peer_is_done(store: dist.Store, peer: int, host: str) -> bool:
+    """Whether ``peer`` has explained, reported its own failure, or (on this host) exited."""
+    if store.check([_EXPLAINED_KEY.format(rank=peer)]) or store.check([_FAILED_KEY.format(rank=peer)]):
+        return True
+    pid_key = _PID_KEY.format(rank=peer)
+    if not store.check([pid_key]):
+        return False
+    peer_host, pid = store.get(pid_key).decode().rsplit(":", 1)
+    return peer_host == host and _process_gone(int(pid))
 
 
 def _process_gone(pid: int) -> bool:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -187,3 +188,42 @@ def test_resuming_after_a_crash_gives_the_uninterrupted_weights(tmp_path):
     resumed = _fit(tmp_path / "crashed", max_epochs=2, ckpt_path=str(tmp_path / "crashed" / "ckpt" / "last.ckpt"))
     for name, value in reference.state_dict().items():
         torch.testing.assert_close(resumed.state_dict()[name], value, rtol=0, atol=1e-6)
+
+
+def _store_with_pids(world_size: int, pids: dict[int, int]) -> torch.distributed.Store:
+    from ddp_strategy.process import failures
+    store = torch.distributed.HashStore()
+    for rank, pid in pids.items():
+        store.set(failures._PID_KEY.format(rank=rank), f"{socket.gethostname()}:{pid}")
+    return store
+
+
+@pytest.mark.parametrize("peer_state", ["explained", "failed_too", "exited"])
+def test_a_failing_rank_stops_waiting_once_every_peer_is_accounted_for(peer_state):
+    """wait_for_peers returns as soon as each peer has explained, failed in its own code, or exited, not at
+    the deadline (a bug raised on every rank must not cost EXPLAIN_WAIT_S per failing fit)."""
+    from ddp_strategy.process import failures
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    store = _store_with_pids(3, {1: os.getpid(), 2: gone.pid})  # rank 1 alive here, rank 2's process has exited
+    if peer_state == "explained":
+        failures.acknowledge(store, 1)
+    elif peer_state == "failed_too":
+        try:
+            raise ValueError("the same bug on rank 1")
+        except ValueError as e:
+            failures.report_failure(store, 1, e)
+    else:
+        store.set(failures._PID_KEY.format(rank=1), f"{socket.gethostname()}:{gone.pid}")
+    start = time.monotonic()
+    failures.wait_for_peers(store, rank=0, world_size=3, timeout_s=60)
+    assert time.monotonic() - start < 5
+
+
+def test_a_failing_rank_waits_for_a_live_peer_that_has_not_explained():
+    """A live peer that has said nothing yet is waited for, until the deadline."""
+    from ddp_strategy.process import failures
+    store = _store_with_pids(2, {1: os.getpid()})
+    start = time.monotonic()
+    failures.wait_for_peers(store, rank=0, world_size=2, timeout_s=0.5)
+    assert time.monotonic() - start >= 0.5
