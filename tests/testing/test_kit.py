@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import time
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -91,3 +92,56 @@ def test_checks_name_the_rank_and_entry_that_differ():
     assert_matches_single_process(torch.tensor([1.0, 2.0]), torch.tensor([1.0, 2.0 + 1e-7]))
     with pytest.raises(AssertionError, match="differs from one process"):
         assert_matches_single_process(torch.tensor([1.0]), torch.tensor([1.1]), "accuracy")
+
+
+def test_same_on_every_rank_counts_nan_at_the_same_place_as_equal():
+    """NaN at the same positions on every rank is equal, exactly and within tolerance; elsewhere, or with other
+    values around it, it is a difference."""
+    nan = float("nan")
+    assert_same_on_every_rank([{"loss": nan, "w": torch.tensor([1.0, nan])} for _ in range(3)])
+    assert_same_on_every_rank([torch.tensor([1.0, nan]), torch.tensor([1.0 + 1e-9, nan])], atol=1e-6)
+    assert_matches_single_process(torch.tensor([nan, 2.0]), torch.tensor([nan, 2.0]))
+    with pytest.raises(AssertionError, match=r"rank 1 vs rank 0: w: NaN at different positions, first at index \[0\]"):
+        assert_same_on_every_rank([torch.tensor([1.0, nan]), torch.tensor([nan, 1.0])], "w")
+    with pytest.raises(AssertionError, match=r"rank 1 vs rank 0: w: max abs difference 1"):
+        assert_same_on_every_rank([torch.tensor([1.0, nan]), torch.tensor([2.0, nan])], "w")
+
+
+def test_same_on_every_rank_compares_numpy_arrays_like_tensors():
+    """NumPy arrays and scalars, alone or in dicts, are compared by value (no 'truth value is ambiguous')."""
+    assert_same_on_every_rank([{"w": np.array([1.0, 2.0]), "n": np.int64(3)}, {"w": np.array([1.0, 2.0]),
+                                                                               "n": np.int64(3)}])
+    with pytest.raises(AssertionError, match=r"rank 1 vs rank 0: value\['w'\]: max abs difference 0.5"):
+        assert_same_on_every_rank([{"w": np.array([1.0, 2.0])}, {"w": np.array([1.0, 2.5])}])
+    with pytest.raises(AssertionError, match=r"value: shapes \(3,\) and \(2,\)"):
+        assert_same_on_every_rank([np.zeros(2), np.zeros(3)])
+
+
+def test_same_on_every_rank_is_bitwise_dtype_included_without_tolerance():
+    """float32 against float64 with equal values differs at atol=rtol=0 (naming both dtypes) and passes with a
+    tolerance; Python floats are compared as float64."""
+    values = [torch.tensor([0.5, 1.0]), torch.tensor([0.5, 1.0], dtype=torch.float64)]
+    with pytest.raises(AssertionError, match=r"rank 1 vs rank 0: value: dtypes torch.float64 and torch.float32"):
+        assert_same_on_every_rank(values)
+    assert_same_on_every_rank(values, atol=1e-6)
+    with pytest.raises(AssertionError, match="max abs difference 5.55e-17"):
+        assert_same_on_every_rank([0.3, 0.1 + 0.2])
+    assert_same_on_every_rank([0.5, torch.tensor(0.5)])  # a float against a scalar tensor: by value
+
+
+def test_same_on_every_rank_needs_a_value():
+    """No rank's value (an empty list) is an error, not a vacuous pass."""
+    with pytest.raises(ValueError, match="needs at least one rank's weights, got none"):
+        assert_same_on_every_rank([], "weights")
+    assert_same_on_every_rank([torch.ones(2)])  # one rank: nothing to differ from
+
+
+def test_each_sample_once_takes_the_index_batches_ranks_collect():
+    """Per-rank lists of per-batch index tensors, arrays or nested lists are flattened; duplicates across them are
+    still named; a non-integer index is a TypeError."""
+    assert_each_sample_once([[torch.tensor([0, 2]), torch.tensor([4])], [np.array([1, 3]), [[5]]]], 6)
+    assert_each_sample_once(torch.arange(6).reshape(2, 3), 6)  # a (W, N / W) tensor
+    with pytest.raises(AssertionError, match=r"read more than once: \{2: \[0, 1\]\}.*never read: \[3\]"):
+        assert_each_sample_once([[torch.tensor([0, 1]), torch.tensor([2])], [torch.tensor([2])]], 4)
+    with pytest.raises(TypeError, match=r"rank 1 read 1.5, which is not a sample index"):
+        assert_each_sample_once([[0], torch.tensor([1.5])], 2)
