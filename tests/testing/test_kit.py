@@ -18,6 +18,7 @@ from ddp_strategy.testing import (
     assert_same_on_every_rank,
     run_on_ranks,
 )
+from pytest_ddp_strategy import _marker_options
 
 pytestmark = pytest.mark.multiprocess
 
@@ -78,6 +79,28 @@ def test_a_function_that_cannot_be_pickled_is_refused_before_any_rank_starts():
 def test_the_fixture_takes_its_defaults_from_the_marker(ddp_ranks):
     """``ddp_ranks`` is run_on_ranks with the ``ddp`` marker's world size and deadline."""
     assert [v["sum"] for v in ddp_ranks(all_reduce_rank)] == [6.0, 6.0, 6.0]
+
+
+@pytest.mark.ddp(3, timeout_s=30)
+def test_the_marker_takes_the_world_size_as_its_positional_argument(ddp_ranks):
+    """``ddp(3)`` runs 3 ranks; a world size given to the fixture's call overrides the marker's."""
+    assert [v["sum"] for v in ddp_ranks(all_reduce_rank)] == [6.0, 6.0, 6.0]
+    assert [v["sum"] for v in ddp_ranks(all_reduce_rank, 2)] == [3.0, 3.0]
+
+
+def test_a_malformed_marker_says_how_to_write_it():
+    """Two positional arguments, a world size given both ways, or an unknown option: ValueError showing the
+    two forms, which both give world size 3."""
+    how = r"write it as @pytest\.mark\.ddp\(3\) or @pytest\.mark\.ddp\(world_size=3"
+    with pytest.raises(ValueError, match=r"at most one positional argument, the world size; got \(2, 60\): " + how):
+        _marker_options(pytest.mark.ddp(2, 60).mark)
+    with pytest.raises(ValueError, match=r"both as 3 and as world_size=4: " + how):
+        _marker_options(pytest.mark.ddp(3, world_size=4).mark)
+    with pytest.raises(ValueError, match=r"got \['worldsize'\], which run_on_ranks does not take.*'timeout_s'"):
+        _marker_options(pytest.mark.ddp(worldsize=3).mark)
+    assert _marker_options(pytest.mark.ddp(3).mark) == _marker_options(pytest.mark.ddp(world_size=3).mark) == {
+        "world_size": 3}
+    assert _marker_options(None) == {}
 
 
 def test_checks_name_the_rank_and_entry_that_differ():
