@@ -4,13 +4,19 @@ traceback or stack and leave no process, and the checks name what differs."""
 from __future__ import annotations
 
 import os
+import subprocess
 import time
+from pathlib import Path
 
+import lightning as L
 import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+from torch import nn
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, TensorDataset
 
+from ddp_strategy import MyDDPStrategy
 from ddp_strategy.testing import (
     RankError,
     assert_each_sample_once,
@@ -41,6 +47,70 @@ def fail_on_rank_1(rank: int, world_size: int) -> None:
 def sleep_forever_in_a_named_function(rank: int, world_size: int) -> None:
     while True:
         time.sleep(0.1)
+
+
+class SquaresWithWorker(Dataset):
+    """Item i is ``(i, i * i, id of the DataLoader worker that read it, that worker's parent pid)``."""
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, i: int) -> tuple[int, int, int, int]:
+        return i, i * i, torch.utils.data.get_worker_info().id, os.getppid()
+
+
+def read_with_two_workers(rank: int, world_size: int) -> dict:
+    """Each rank reads its DistributedSampler shard through a DataLoader with two worker processes."""
+    data = SquaresWithWorker()
+    loader = DataLoader(data, batch_size=2, num_workers=2, sampler=DistributedSampler(data, shuffle=False))
+    batches = list(loader)
+    indices, squares, workers, parents = (torch.cat([b[field] for b in batches]).tolist() for field in range(4))
+    return {"indices": indices, "squares": squares, "workers": sorted(set(workers)),
+            "workers_forked_from_the_rank": set(parents) == {os.getpid()}}
+
+
+def start_a_sleep(rank: int, world_size: int, pid_folder: str, fail: bool) -> int:
+    """Start ``sleep 600`` and leave it running; write its pid to ``pid_folder``, then return it or raise."""
+    pid = subprocess.Popen(["sleep", "600"]).pid
+    (Path(pid_folder) / f"sleep_{rank}.pid").write_text(str(pid))
+    if fail:
+        raise RuntimeError(f"rank {rank} fails with its sleep running")
+    return pid
+
+
+def is_gone(pid: int) -> bool:
+    """The process is absent, or a zombie (dead, waiting to be reaped by init)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return True
+    return stat[stat.rindex(")") + 2] == "Z"
+
+
+class TinyRegressor(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Linear(4, 1)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def fit_tiny(rank: int, world_size: int) -> dict:
+    """A 2-epoch fit with MyDDPStrategy built inside the rank; returns the weights and the group's world size."""
+    generator = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(16, 4, generator=generator), torch.randn(16, 1, generator=generator))
+    model = TinyRegressor()
+    trainer = L.Trainer(accelerator="cpu", devices=world_size, strategy=MyDDPStrategy(), max_epochs=2, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(model, DataLoader(data, batch_size=4))
+    return {"weights": {k: v.detach().clone() for k, v in model.state_dict().items()},
+            "group_size": dist.get_world_size(), "steps": trainer.global_step}
 
 
 def test_every_ranks_value_comes_back_in_rank_order():
@@ -101,6 +171,53 @@ def test_a_malformed_marker_says_how_to_write_it():
     assert _marker_options(pytest.mark.ddp(3).mark) == _marker_options(pytest.mark.ddp(world_size=3).mark) == {
         "world_size": 3}
     assert _marker_options(None) == {}
+
+
+def test_a_rank_may_read_through_dataloader_workers():
+    """Ranks are not daemonic, so a DataLoader with num_workers=2 runs in each: both workers read, each rank gets
+    its DistributedSampler shard's values, and the workers fork from the rank (the caller's start method, not a
+    forkserver of the rank's own)."""
+    per_rank = run_on_ranks(read_with_two_workers, 2, timeout_s=60)
+    assert [r["indices"] for r in per_rank] == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert [r["squares"] for r in per_rank] == [[0, 4, 16, 36], [1, 9, 25, 49]]
+    assert [r["workers"] for r in per_rank] == [[0, 1], [0, 1]]
+    assert [r["workers_forked_from_the_rank"] for r in per_rank] == [True, True]
+
+
+def test_no_process_a_rank_started_outlives_the_call(tmp_path):
+    """A ``sleep 600`` each rank starts with subprocess.Popen is gone when run_on_ranks returns, and when it
+    raises because the ranks failed."""
+    pids = run_on_ranks(start_a_sleep, 2, args=(str(tmp_path), False))
+    assert sorted(int(p.read_text()) for p in tmp_path.glob("sleep_*.pid")) == sorted(pids)
+    assert [pid for pid in pids if not is_gone(pid)] == []
+    for p in tmp_path.glob("sleep_*.pid"):
+        p.unlink()
+    with pytest.raises(RankError, match="(?s)rank 0 raised.*rank 0 fails with its sleep running"):
+        run_on_ranks(start_a_sleep, 2, args=(str(tmp_path), True))
+    pids = [int(p.read_text()) for p in tmp_path.glob("sleep_*.pid")]
+    assert len(pids) == 2 and [pid for pid in pids if not is_gone(pid)] == []
+
+
+def test_a_start_method_not_offered_is_refused_and_the_suggested_ones_work():
+    """'fork' is refused saying why and to use the default or 'spawn'; an unknown name is refused listing the
+    accepted ones; both suggestions run the ranks."""
+    with pytest.raises(ValueError, match=r"does not offer start_method='fork': forking the test process.*hang a rank"
+                                         r"\. Pass start_method=None \(the default: forkserver.*or 'spawn'"):
+        run_on_ranks(all_reduce_rank, 2, start_method="fork")
+    with pytest.raises(ValueError, match=r"got start_method='bogus'; pass None .* 'forkserver' or 'spawn'\."):
+        run_on_ranks(all_reduce_rank, 2, start_method="bogus")
+    for method in (None, "forkserver", "spawn"):
+        assert [v["sum"] for v in run_on_ranks(all_reduce_rank, 2, start_method=method, timeout_s=120)] == [3.0, 3.0]
+
+
+def test_a_trainer_joins_the_kits_process_group_or_makes_its_own():
+    """A Trainer built inside the function fits the same with the kit's process group (the default) as without
+    it: the same weights on both ranks, and the same as with init_process_group=False."""
+    with_group = run_on_ranks(fit_tiny, 2, timeout_s=120)
+    without_group = run_on_ranks(fit_tiny, 2, init_process_group=False, timeout_s=120)
+    assert [r["steps"] for r in with_group + without_group] == [4, 4, 4, 4]  # 16 samples / 2 ranks / 4, 2 epochs
+    assert {r["group_size"] for r in with_group + without_group} == {2}
+    assert_same_on_every_rank([r["weights"] for r in with_group + without_group], "weights")
 
 
 def test_checks_name_the_rank_and_entry_that_differ():
