@@ -155,14 +155,15 @@ def run_on_ranks(
 
     Raises:
         TypeError: ``fn`` cannot be pickled (a lambda, a local function); define it at module level.
-        ValueError: ``world_size < 1``, ``timeout_s <= 0``, or a ``start_method`` not offered (``"fork"``: the
-            message says why; another name: the message lists the accepted ones).
+        ValueError: ``world_size`` not an int >= 1, ``timeout_s`` not a number > 0, or a ``start_method`` not
+            offered (``"fork"``: the message says why; another name: the message lists the accepted ones).
         RankError: a rank raised (its traceback is in the message), exited without a result, or the deadline
             passed (each live rank's stack is in the message). No rank process is left running, nor any process
             a rank started (see above).
     """
-    if world_size < 1 or timeout_s <= 0:
-        raise ValueError(f"run_on_ranks needs world_size >= 1 and timeout_s > 0, got {world_size} and {timeout_s}.")
+    if not isinstance(world_size, int) or world_size < 1 or not isinstance(timeout_s, (int, float)) or timeout_s <= 0:
+        raise ValueError(f"run_on_ranks needs an int world_size >= 1 and a timeout_s > 0 in seconds, got"
+                         f" {world_size!r} and {timeout_s!r}.")
     kwargs = dict(kwargs or {})
     try:
         pickle.dumps((fn, tuple(args), kwargs))

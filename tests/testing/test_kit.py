@@ -198,6 +198,14 @@ def test_no_process_a_rank_started_outlives_the_call(tmp_path):
     assert len(pids) == 2 and [pid for pid in pids if not is_gone(pid)] == []
 
 
+def test_a_bad_world_size_or_deadline_is_refused_before_any_rank_starts():
+    """A world size that is not an int >= 1 (``ddp("2")``, 0) or a deadline <= 0: ValueError naming both."""
+    for world_size, timeout_s in (("2", 60), (0, 60), (2, 0)):
+        with pytest.raises(ValueError, match=rf"needs an int world_size >= 1 and a timeout_s > 0 in seconds, got"
+                                             rf" {world_size!r} and {timeout_s!r}\."):
+            run_on_ranks(all_reduce_rank, world_size, timeout_s=timeout_s)
+
+
 def test_a_start_method_not_offered_is_refused_and_the_suggested_ones_work():
     """'fork' is refused saying why and to use the default or 'spawn'; an unknown name is refused listing the
     accepted ones; both suggestions run the ranks."""
@@ -267,6 +275,8 @@ def test_same_on_every_rank_is_bitwise_dtype_included_without_tolerance():
     with pytest.raises(AssertionError, match="max abs difference 5.55e-17"):
         assert_same_on_every_rank([0.3, 0.1 + 0.2])
     assert_same_on_every_rank([0.5, torch.tensor(0.5)])  # a float against a scalar tensor: by value
+    with pytest.raises(AssertionError, match="max abs difference 0.1"):  # complex: the imaginary part counts
+        assert_same_on_every_rank([torch.tensor([1 + 1j]), torch.tensor([1 + 1.1j])], atol=1e-3)
 
 
 def test_same_on_every_rank_needs_a_value():
