@@ -69,12 +69,14 @@ def read_with_two_workers(rank: int, world_size: int) -> dict:
             "workers_forked_from_the_rank": set(parents) == {os.getpid()}}
 
 
-def start_a_sleep(rank: int, world_size: int, pid_folder: str, fail: bool) -> int:
-    """Start ``sleep 600`` and leave it running; write its pid to ``pid_folder``, then return it or raise."""
+def start_a_sleep(rank: int, world_size: int, pid_folder: str, then: str) -> int:
+    """Start ``sleep 600`` and leave it running; write its pid to ``pid_folder``, then return it, raise or hang."""
     pid = subprocess.Popen(["sleep", "600"]).pid
     (Path(pid_folder) / f"sleep_{rank}.pid").write_text(str(pid))
-    if fail:
+    if then == "raise":
         raise RuntimeError(f"rank {rank} fails with its sleep running")
+    while then == "hang":
+        time.sleep(0.1)
     return pid
 
 
@@ -185,17 +187,19 @@ def test_a_rank_may_read_through_dataloader_workers():
 
 
 def test_no_process_a_rank_started_outlives_the_call(tmp_path):
-    """A ``sleep 600`` each rank starts with subprocess.Popen is gone when run_on_ranks returns, and when it
-    raises because the ranks failed."""
-    pids = run_on_ranks(start_a_sleep, 2, args=(str(tmp_path), False))
+    """A ``sleep 600`` each rank starts with subprocess.Popen is gone when run_on_ranks returns, when it raises
+    because the ranks failed, and when it raises at the deadline."""
+    pids = run_on_ranks(start_a_sleep, 2, args=(str(tmp_path), "return"))
     assert sorted(int(p.read_text()) for p in tmp_path.glob("sleep_*.pid")) == sorted(pids)
     assert [pid for pid in pids if not is_gone(pid)] == []
-    for p in tmp_path.glob("sleep_*.pid"):
-        p.unlink()
-    with pytest.raises(RankError, match="(?s)rank 0 raised.*rank 0 fails with its sleep running"):
-        run_on_ranks(start_a_sleep, 2, args=(str(tmp_path), True))
-    pids = [int(p.read_text()) for p in tmp_path.glob("sleep_*.pid")]
-    assert len(pids) == 2 and [pid for pid in pids if not is_gone(pid)] == []
+    for then, error in (("raise", "(?s)rank 0 raised.*rank 0 fails with its sleep running"),
+                        ("hang", "did not finish within 3 s")):
+        for p in tmp_path.glob("sleep_*.pid"):
+            p.unlink()
+        with pytest.raises(RankError, match=error):
+            run_on_ranks(start_a_sleep, 2, args=(str(tmp_path), then), timeout_s=3)
+        pids = [int(p.read_text()) for p in tmp_path.glob("sleep_*.pid")]
+        assert len(pids) == 2 and [pid for pid in pids if not is_gone(pid)] == [], then
 
 
 def test_a_bad_world_size_or_deadline_is_refused_before_any_rank_starts():
