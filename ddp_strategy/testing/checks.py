@@ -8,10 +8,42 @@ https://pytorch.org/docs/stable/notes/ddp.html), each sample read exactly once p
 
 from __future__ import annotations
 
+import operator
+import sys
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
+
+
+def _array(value: Any) -> torch.Tensor | None:
+    """``value`` as a CPU tensor if it is a tensor, a numeric NumPy array or scalar, or a float (float64); else None."""
+    numpy = sys.modules.get("numpy")  # a value cannot be a NumPy array unless NumPy is imported
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    if numpy is not None and isinstance(value, (numpy.ndarray, numpy.generic)) and value.dtype.kind in "biufc":
+        return torch.as_tensor(numpy.asarray(value))
+    if isinstance(value, float):
+        return torch.tensor(value, dtype=torch.float64)
+    return None
+
+
+def _tensor_differences(x: torch.Tensor, y: torch.Tensor, where: str, atol: float, rtol: float,
+                        same_dtype: bool) -> list[str]:
+    """NaN equals NaN at the same position (``torch.allclose(..., equal_nan=True)``); exactly also means one dtype."""
+    if x.shape != y.shape:
+        return [f"{where}: shapes {tuple(x.shape)} and {tuple(y.shape)}"]
+    if same_dtype and atol == rtol == 0 and x.dtype != y.dtype:
+        return [f"{where}: dtypes {x.dtype} and {y.dtype} (with atol=rtol=0 the values must be bitwise equal)"]
+    nan_x, nan_y = torch.isnan(x), torch.isnan(y)
+    if not torch.equal(nan_x, nan_y):
+        first = (nan_x != nan_y).nonzero()[0].tolist()
+        return [f"{where}: NaN at different positions, first at index {first}"]
+    wide = torch.promote_types(torch.promote_types(x.dtype, y.dtype), torch.float64)  # complex stays complex
+    x, y = x[~nan_x].to(wide), y[~nan_y].to(wide)
+    if torch.equal(x, y) if atol == rtol == 0 else torch.allclose(x, y, rtol, atol):
+        return []
+    return [f"{where}: max abs difference {(x - y).abs().max().item():.3g}"]
 
 
 def _differences(a: Any, b: Any, where: str, atol: float, rtol: float) -> list[str]:
@@ -24,49 +56,64 @@ def _differences(a: Any, b: Any, where: str, atol: float, rtol: float) -> list[s
             return [f"{where}: lengths {len(a)} and {len(b)}"]
         pairs = enumerate(zip(a, b, strict=True))
         return [d for i, (x, y) in pairs for d in _differences(x, y, f"{where}[{i}]", atol, rtol)]
-    if isinstance(a, torch.nn.Module):
+    if isinstance(a, torch.nn.Module) and isinstance(b, torch.nn.Module):
         return _differences(a.state_dict(), b.state_dict(), where, atol, rtol)
-    if isinstance(a, (torch.Tensor, float)) or isinstance(b, (torch.Tensor, float)):  # floats: within tolerance
-        x, y = torch.as_tensor(a), torch.as_tensor(b)
-        if x.shape != y.shape:
-            return [f"{where}: shapes {tuple(x.shape)} and {tuple(y.shape)}"]
-        same = torch.equal(x, y) if atol == rtol == 0 else torch.allclose(x.double(), y.double(), rtol, atol)
-        return [] if same else [f"{where}: max abs difference {(x.double() - y.double()).abs().max().item():.3g}"]
+    x, y = _array(a), _array(b)
+    if x is not None or y is not None:  # tensors, arrays and floats: within tolerance, NaN equal to NaN
+        try:
+            x, y = (torch.as_tensor(v) if t is None else t for v, t in ((a, x), (b, y)))
+        except (TypeError, ValueError, RuntimeError):
+            return [f"{where}: a {type(a).__name__} and a {type(b).__name__}"]
+        both_arrays = not isinstance(a, (int, float)) and not isinstance(b, (int, float))
+        return _tensor_differences(x, y, where, atol, rtol, same_dtype=both_arrays)
     return [] if a == b else [f"{where}: {a!r} != {b!r}"]
 
 
 def assert_same_on_every_rank(per_rank: Sequence[Any], what: str = "value", atol: float = 0.0,
                               rtol: float = 0.0) -> None:
-    """Every rank's value equals rank 0's: tensors (exactly, or within ``atol``/``rtol``), modules (their state
-    dicts), dicts, lists and plain values, compared entry by entry.
+    """Every rank's value equals rank 0's: tensors and NumPy arrays (exactly, or within ``atol``/``rtol``),
+    modules (their state dicts), dicts, lists and plain values, compared entry by entry.
+
+    NaN equals NaN at the same position (as ``torch.allclose(..., equal_nan=True)``): a value that is NaN on
+    every rank is the same on every rank. Floats are compared as float64.
 
     Args:
         per_rank: ``[value of rank 0, ..., value of rank W-1]``, e.g. ``run_on_ranks``' result.
         what: what the values are, for the message (``"parameters"``).
-        atol, rtol: tolerances for tensors; 0 = bitwise equal (default: DDP keeps replicas bitwise equal).
+        atol, rtol: tolerances for tensors; 0 = bitwise equal, dtypes included (default: DDP keeps replicas
+            bitwise equal).
 
     Raises:
-        AssertionError: naming each rank and entry that differs from rank 0's.
+        ValueError: ``per_rank`` is empty.
+        AssertionError: naming each rank and entry that differs from rank 0's (a value, a NaN position, a shape,
+            a dtype when the tolerances are 0, a key or a length).
     """
+    per_rank = list(per_rank)
+    if not per_rank:
+        raise ValueError(f"assert_same_on_every_rank needs at least one rank's {what}, got none: pass the list"
+                         " run_on_ranks returned.")
     problems = [f"rank {rank} vs rank 0: {d}" for rank, value in enumerate(per_rank[1:], start=1)
                 for d in _differences(value, per_rank[0], what, atol, rtol)]
     assert not problems, f"{what} differ between ranks:\n" + "\n".join(problems[:20])
 
 
-def assert_each_sample_once(per_rank_indices: Sequence[Iterable[int]], num_samples: int) -> None:
+def assert_each_sample_once(per_rank_indices: Sequence[Any], num_samples: int) -> None:
     """Across the ranks, the sample indices ``0 .. num_samples - 1`` were each read exactly once.
 
     Args:
-        per_rank_indices: the indices each rank read in one epoch (e.g. collected from its batches).
+        per_rank_indices: the indices each rank read in one epoch, one entry per rank: a flat list of ints, or
+            what its batches gave as collected (a list of index tensors or NumPy arrays, nested lists), which
+            is flattened. ``[[tensor([0, 1]), tensor([2, 3])], [tensor([4, 5])]]``: rank 0 read 0..3.
         num_samples: N, the data set's length.
 
     Raises:
+        TypeError: an index that is not an integer (a float with a fraction, a string, ...).
         AssertionError: naming indices read twice (and by which ranks), missing, or out of range.
     """
     readers: dict[int, list[int]] = {}
     for rank, indices in enumerate(per_rank_indices):
-        for index in indices:
-            readers.setdefault(int(index), []).append(rank)
+        for index in _flat_indices(indices, rank):
+            readers.setdefault(index, []).append(rank)
     twice = {i: ranks for i, ranks in readers.items() if len(ranks) > 1}
     missing = sorted(set(range(num_samples)) - set(readers))
     outside = sorted(i for i in readers if not 0 <= i < num_samples)
@@ -75,6 +122,28 @@ def assert_each_sample_once(per_rank_indices: Sequence[Iterable[int]], num_sampl
                                                                 if outside else [])
     assert not problems, f"not every sample read exactly once across {len(per_rank_indices)} ranks: " + "; ".join(
         problems)
+
+
+def _flat_indices(indices: Any, rank: int) -> list[int]:
+    """One rank's indices as a flat list of ints, from ints, tensors, NumPy arrays and (nested) lists of them."""
+    array = _array(indices)
+    if array is not None:
+        values = array.flatten().tolist()
+    elif isinstance(indices, (str, bytes)) or not isinstance(indices, Iterable):
+        values = [indices]
+    else:
+        return [i for item in indices for i in _flat_indices(item, rank)]
+    flat = []
+    for value in values:
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+        try:
+            flat.append(operator.index(value))
+        except TypeError as e:
+            raise TypeError(f"assert_each_sample_once: rank {rank} read {value!r}, which is not a sample index;"
+                            " pass each rank's integer indices (ints, integer tensors or arrays, lists of them)."
+                            ) from e
+    return flat
 
 
 def assert_matches_single_process(distributed: Any, single_process: Any, what: str = "value", atol: float = 1e-6,

@@ -10,6 +10,13 @@ under a second. Each rank gets the environment torchrun would give it (``MASTER_
 the function joins the other ranks instead of launching new processes (Lightning's ``LightningEnvironment``).
 Each rank runs with the caller's environment as it is at the call; modules the forkserver preloaded read it
 once, when the forkserver started (the first call of the session).
+
+Each rank is an ordinary (not daemonic) process, so it may start its own: ``DataLoader(num_workers=...)``
+workers, ``subprocess.Popen``. Its multiprocessing start method is the caller's (on Linux before Python 3.14,
+``fork``, unless the test set another), so DataLoader workers fork from the rank as under Lightning's ``ddp``. It
+leads a process group of its own, and when the call ends (returned, failed or past its deadline) each rank's
+group is killed (SIGKILL): no rank and no descendant outlives the call, except one that left the group itself
+(``start_new_session=True``, ``os.setsid()``).
 """
 
 from __future__ import annotations
@@ -36,6 +43,10 @@ PRELOAD = ("torch", "torch.distributed", "ddp_strategy")
 #: How long ranks that did not fail may run on after a peer failed, before they are stopped (seconds): time for
 #: a peer's collective to break and its error to be written.
 FAILURE_GRACE_S = 10.0
+#: How long ending the ranks may wait for them, and their descendants, to be gone (seconds).
+END_WAIT_S = 5.0
+#: The start methods :func:`run_on_ranks` offers, the default first.
+START_METHODS = ("forkserver", "spawn")
 _STACK_SIGNAL = signal.SIGUSR1
 _configured_forkserver = False
 
@@ -53,8 +64,18 @@ class RankError(AssertionError):
 
 
 def _context(start_method: str | None) -> multiprocessing.context.BaseContext:
+    """The multiprocessing context for ``start_method`` (see :func:`run_on_ranks`); a bad one is refused here."""
     global _configured_forkserver
-    method = start_method or ("forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn")
+    available = [m for m in START_METHODS if m in multiprocessing.get_all_start_methods()]
+    if start_method == "fork":
+        raise ValueError("run_on_ranks does not offer start_method='fork': forking the test process, which may have"
+                         " used torch's thread pools or a process group, can copy a lock another thread holds and"
+                         " hang a rank. Pass start_method=None (the default: forkserver, which forks each rank"
+                         " from a parent that never ran torch's threads) or 'spawn'.")
+    if start_method is not None and start_method not in available:
+        raise ValueError(f"run_on_ranks got start_method={start_method!r}; pass None (the default: the first of"
+                         f" {available} this platform has), " + " or ".join(map(repr, available)) + ".")
+    method = start_method or available[0]
     ctx = multiprocessing.get_context(method)
     if method == "forkserver" and not _configured_forkserver:
         ctx.set_forkserver_preload(list(PRELOAD))
@@ -64,8 +85,12 @@ def _context(start_method: str | None) -> multiprocessing.context.BaseContext:
 
 def _rank_main(rank: int, world_size: int, port: int, folder: str, fn: Callable[..., Any], args: tuple[Any, ...],
                kwargs: dict[str, Any], init_process_group: bool, backend: str, collective_timeout_s: float,
-               environ: dict[str, str]) -> None:
+               environ: dict[str, str], caller_start_method: str | None) -> None:
     """One rank: the caller's environment plus the launch variables, the group if asked, ``fn``, its result."""
+    os.setpgrp()  # the leader of its own process group: run_on_ranks ends it with everything it started
+    # The rank's own children (DataLoader workers) start as the caller's would, as in a rank Lightning launches:
+    # not by the start method that started the rank, which would start a fresh forkserver in each rank.
+    multiprocessing.set_start_method(caller_start_method, force=True)
     out = Path(folder)
     os.environ.clear()
     os.environ.update(environ)  # the caller's environment now, not the forkserver's from when it started
@@ -120,21 +145,25 @@ def run_on_ranks(
         init_process_group: create the default process group before ``fn`` (default True), destroyed after it.
         backend: the process group's backend (default ``"gloo"``).
         collective_timeout_s: the process group's timeout, seconds (default 30).
-        start_method: ``"forkserver"`` (default where available: ranks fork from a parent that imported torch,
-            Lightning and ``ddp_strategy`` once) or ``"spawn"``. ``"fork"`` of the test process itself is not
-            offered: a test process that has used torch's thread pools cannot be forked safely.
+        start_method: ``"forkserver"`` (``None``, the default, means it where available: ranks fork from a
+            parent that imported torch, Lightning and ``ddp_strategy`` once) or ``"spawn"``. ``"fork"`` of the
+            test process itself is not offered: a test process that has used torch's thread pools cannot be
+            forked safely.
 
     Returns:
         ``[value of rank 0, ..., value of rank W-1]``; values must be picklable (tensors, numbers, dicts, ...).
 
     Raises:
         TypeError: ``fn`` cannot be pickled (a lambda, a local function); define it at module level.
-        ValueError: ``world_size < 1`` or ``timeout_s <= 0``.
+        ValueError: ``world_size`` not an int >= 1, ``timeout_s`` not a number > 0, or a ``start_method`` not
+            offered (``"fork"``: the message says why; another name: the message lists the accepted ones).
         RankError: a rank raised (its traceback is in the message), exited without a result, or the deadline
-            passed (each live rank's stack is in the message). No rank process is left running.
+            passed (each live rank's stack is in the message). No rank process is left running, nor any process
+            a rank started (see above).
     """
-    if world_size < 1 or timeout_s <= 0:
-        raise ValueError(f"run_on_ranks needs world_size >= 1 and timeout_s > 0, got {world_size} and {timeout_s}.")
+    if not isinstance(world_size, int) or world_size < 1 or not isinstance(timeout_s, (int, float)) or timeout_s <= 0:
+        raise ValueError(f"run_on_ranks needs an int world_size >= 1 and a timeout_s > 0 in seconds, got"
+                         f" {world_size!r} and {timeout_s!r}.")
     kwargs = dict(kwargs or {})
     try:
         pickle.dumps((fn, tuple(args), kwargs))
@@ -145,21 +174,54 @@ def run_on_ranks(
     ctx = _context(start_method)
     folder = tempfile.mkdtemp(prefix="ddp_ranks_")
     port = free_port()
-    procs = [ctx.Process(target=_rank_main, name=f"rank {rank}", daemon=True,
+    # Not daemonic: a daemonic process may not start children, and a rank may (DataLoader workers, a subprocess).
+    procs = [ctx.Process(target=_rank_main, name=f"rank {rank}", daemon=False,
                          args=(rank, world_size, port, folder, fn, tuple(args), kwargs, init_process_group, backend,
-                               collective_timeout_s, dict(os.environ))) for rank in range(world_size)]
+                               collective_timeout_s, dict(os.environ), multiprocessing.get_start_method(True)))
+             for rank in range(world_size)]
     try:
         for proc in procs:
             proc.start()
         timed_out = _wait(procs, Path(folder), time.monotonic() + timeout_s)
         return _collect(procs, Path(folder), timed_out, timeout_s)
     finally:
-        for proc in procs:
-            if proc.is_alive():
-                proc.kill()
-            if proc.pid is not None:
-                proc.join(5)
+        _end(procs)
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def _end(procs: list[Any]) -> None:
+    """SIGKILL each rank's process group (the rank and every descendant still in it) and reap the ranks.
+
+    Returns once no process of those groups is alive (zombies aside: an orphan's are reaped by init), or after
+    :data:`END_WAIT_S`.
+    """
+    groups = [proc.pid for proc in procs if proc.pid is not None]
+    for pgid in groups:
+        try:
+            os.killpg(pgid, signal.SIGKILL)  # a rank that had not yet made its group is killed by pid below
+        except (ProcessLookupError, PermissionError):
+            pass
+    for proc in procs:
+        if proc.is_alive():
+            proc.kill()
+        if proc.pid is not None:
+            proc.join(END_WAIT_S)
+    deadline = time.monotonic() + END_WAIT_S
+    while _alive_in_groups(groups) and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+
+def _alive_in_groups(groups: list[int]) -> bool:
+    """Whether a process of one of these process groups is alive (not a zombie), from ``/proc``."""
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()  # state, ppid, pgrp, ...
+        if fields[0] != "Z" and int(fields[2]) in groups:
+            return True
+    return False
 
 
 def _wait(procs: list[Any], folder: Path, deadline: float) -> bool:

@@ -4,12 +4,19 @@ traceback or stack and leave no process, and the checks name what differs."""
 from __future__ import annotations
 
 import os
+import subprocess
 import time
+from pathlib import Path
 
+import lightning as L
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+from torch import nn
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, TensorDataset
 
+from ddp_strategy import MyDDPStrategy
 from ddp_strategy.testing import (
     RankError,
     assert_each_sample_once,
@@ -17,6 +24,7 @@ from ddp_strategy.testing import (
     assert_same_on_every_rank,
     run_on_ranks,
 )
+from pytest_ddp_strategy import _marker_options
 
 pytestmark = pytest.mark.multiprocess
 
@@ -39,6 +47,72 @@ def fail_on_rank_1(rank: int, world_size: int) -> None:
 def sleep_forever_in_a_named_function(rank: int, world_size: int) -> None:
     while True:
         time.sleep(0.1)
+
+
+class SquaresWithWorker(Dataset):
+    """Item i is ``(i, i * i, id of the DataLoader worker that read it, that worker's parent pid)``."""
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, i: int) -> tuple[int, int, int, int]:
+        return i, i * i, torch.utils.data.get_worker_info().id, os.getppid()
+
+
+def read_with_two_workers(rank: int, world_size: int) -> dict:
+    """Each rank reads its DistributedSampler shard through a DataLoader with two worker processes."""
+    data = SquaresWithWorker()
+    loader = DataLoader(data, batch_size=2, num_workers=2, sampler=DistributedSampler(data, shuffle=False))
+    batches = list(loader)
+    indices, squares, workers, parents = (torch.cat([b[field] for b in batches]).tolist() for field in range(4))
+    return {"indices": indices, "squares": squares, "workers": sorted(set(workers)),
+            "workers_forked_from_the_rank": set(parents) == {os.getpid()}}
+
+
+def start_a_sleep(rank: int, world_size: int, pid_folder: str, then: str) -> int:
+    """Start ``sleep 600`` and leave it running; write its pid to ``pid_folder``, then return it, raise or hang."""
+    pid = subprocess.Popen(["sleep", "600"]).pid
+    (Path(pid_folder) / f"sleep_{rank}.pid").write_text(str(pid))
+    if then == "raise":
+        raise RuntimeError(f"rank {rank} fails with its sleep running")
+    while then == "hang":
+        time.sleep(0.1)
+    return pid
+
+
+def is_gone(pid: int) -> bool:
+    """The process is absent, or a zombie (dead, waiting to be reaped by init)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return True
+    return stat[stat.rindex(")") + 2] == "Z"
+
+
+class TinyRegressor(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Linear(4, 1)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def fit_tiny(rank: int, world_size: int) -> dict:
+    """A 2-epoch fit with MyDDPStrategy built inside the rank; returns the weights and the group's world size."""
+    generator = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(16, 4, generator=generator), torch.randn(16, 1, generator=generator))
+    model = TinyRegressor()
+    trainer = L.Trainer(accelerator="cpu", devices=world_size, strategy=MyDDPStrategy(), max_epochs=2, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(model, DataLoader(data, batch_size=4))
+    return {"weights": {k: v.detach().clone() for k, v in model.state_dict().items()},
+            "group_size": dist.get_world_size(), "steps": trainer.global_step}
 
 
 def test_every_ranks_value_comes_back_in_rank_order():
@@ -79,6 +153,85 @@ def test_the_fixture_takes_its_defaults_from_the_marker(ddp_ranks):
     assert [v["sum"] for v in ddp_ranks(all_reduce_rank)] == [6.0, 6.0, 6.0]
 
 
+@pytest.mark.ddp(3, timeout_s=30)
+def test_the_marker_takes_the_world_size_as_its_positional_argument(ddp_ranks):
+    """``ddp(3)`` runs 3 ranks; a world size given to the fixture's call overrides the marker's."""
+    assert [v["sum"] for v in ddp_ranks(all_reduce_rank)] == [6.0, 6.0, 6.0]
+    assert [v["sum"] for v in ddp_ranks(all_reduce_rank, 2)] == [3.0, 3.0]
+
+
+def test_a_malformed_marker_says_how_to_write_it():
+    """Two positional arguments, a world size given both ways, or an unknown option: ValueError showing the
+    two forms, which both give world size 3."""
+    how = r"write it as @pytest\.mark\.ddp\(3\) or @pytest\.mark\.ddp\(world_size=3"
+    with pytest.raises(ValueError, match=r"at most one positional argument, the world size; got \(2, 60\): " + how):
+        _marker_options(pytest.mark.ddp(2, 60).mark)
+    with pytest.raises(ValueError, match=r"both as 3 and as world_size=4: " + how):
+        _marker_options(pytest.mark.ddp(3, world_size=4).mark)
+    with pytest.raises(ValueError, match=r"got \['worldsize'\], which run_on_ranks does not take.*'timeout_s'"):
+        _marker_options(pytest.mark.ddp(worldsize=3).mark)
+    assert _marker_options(pytest.mark.ddp(3).mark) == _marker_options(pytest.mark.ddp(world_size=3).mark) == {
+        "world_size": 3}
+    assert _marker_options(None) == {}
+
+
+def test_a_rank_may_read_through_dataloader_workers():
+    """Ranks are not daemonic, so a DataLoader with num_workers=2 runs in each: both workers read, each rank gets
+    its DistributedSampler shard's values, and the workers fork from the rank (the caller's start method, not a
+    forkserver of the rank's own)."""
+    per_rank = run_on_ranks(read_with_two_workers, 2, timeout_s=60)
+    assert [r["indices"] for r in per_rank] == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert [r["squares"] for r in per_rank] == [[0, 4, 16, 36], [1, 9, 25, 49]]
+    assert [r["workers"] for r in per_rank] == [[0, 1], [0, 1]]
+    assert [r["workers_forked_from_the_rank"] for r in per_rank] == [True, True]
+
+
+def test_no_process_a_rank_started_outlives_the_call(tmp_path):
+    """A ``sleep 600`` each rank starts with subprocess.Popen is gone when run_on_ranks returns, when it raises
+    because the ranks failed, and when it raises at the deadline."""
+    pids = run_on_ranks(start_a_sleep, 2, args=(str(tmp_path), "return"))
+    assert sorted(int(p.read_text()) for p in tmp_path.glob("sleep_*.pid")) == sorted(pids)
+    assert [pid for pid in pids if not is_gone(pid)] == []
+    for then, error in (("raise", "(?s)rank 0 raised.*rank 0 fails with its sleep running"),
+                        ("hang", "did not finish within 3 s")):
+        for p in tmp_path.glob("sleep_*.pid"):
+            p.unlink()
+        with pytest.raises(RankError, match=error):
+            run_on_ranks(start_a_sleep, 2, args=(str(tmp_path), then), timeout_s=3)
+        pids = [int(p.read_text()) for p in tmp_path.glob("sleep_*.pid")]
+        assert len(pids) == 2 and [pid for pid in pids if not is_gone(pid)] == [], then
+
+
+def test_a_bad_world_size_or_deadline_is_refused_before_any_rank_starts():
+    """A world size that is not an int >= 1 (``ddp("2")``, 0) or a deadline <= 0: ValueError naming both."""
+    for world_size, timeout_s in (("2", 60), (0, 60), (2, 0)):
+        with pytest.raises(ValueError, match=rf"needs an int world_size >= 1 and a timeout_s > 0 in seconds, got"
+                                             rf" {world_size!r} and {timeout_s!r}\."):
+            run_on_ranks(all_reduce_rank, world_size, timeout_s=timeout_s)
+
+
+def test_a_start_method_not_offered_is_refused_and_the_suggested_ones_work():
+    """'fork' is refused saying why and to use the default or 'spawn'; an unknown name is refused listing the
+    accepted ones; both suggestions run the ranks."""
+    with pytest.raises(ValueError, match=r"does not offer start_method='fork': forking the test process.*hang a rank"
+                                         r"\. Pass start_method=None \(the default: forkserver.*or 'spawn'"):
+        run_on_ranks(all_reduce_rank, 2, start_method="fork")
+    with pytest.raises(ValueError, match=r"got start_method='bogus'; pass None .* 'forkserver' or 'spawn'\."):
+        run_on_ranks(all_reduce_rank, 2, start_method="bogus")
+    for method in (None, "forkserver", "spawn"):
+        assert [v["sum"] for v in run_on_ranks(all_reduce_rank, 2, start_method=method, timeout_s=120)] == [3.0, 3.0]
+
+
+def test_a_trainer_joins_the_kits_process_group_or_makes_its_own():
+    """A Trainer built inside the function fits the same with the kit's process group (the default) as without
+    it: the same weights on both ranks, and the same as with init_process_group=False."""
+    with_group = run_on_ranks(fit_tiny, 2, timeout_s=120)
+    without_group = run_on_ranks(fit_tiny, 2, init_process_group=False, timeout_s=120)
+    assert [r["steps"] for r in with_group + without_group] == [4, 4, 4, 4]  # 16 samples / 2 ranks / 4, 2 epochs
+    assert {r["group_size"] for r in with_group + without_group} == {2}
+    assert_same_on_every_rank([r["weights"] for r in with_group + without_group], "weights")
+
+
 def test_checks_name_the_rank_and_entry_that_differ():
     """assert_same_on_every_rank names rank and key; assert_each_sample_once names duplicates and gaps."""
     same = {"w": torch.ones(2), "step": 3}
@@ -91,3 +244,58 @@ def test_checks_name_the_rank_and_entry_that_differ():
     assert_matches_single_process(torch.tensor([1.0, 2.0]), torch.tensor([1.0, 2.0 + 1e-7]))
     with pytest.raises(AssertionError, match="differs from one process"):
         assert_matches_single_process(torch.tensor([1.0]), torch.tensor([1.1]), "accuracy")
+
+
+def test_same_on_every_rank_counts_nan_at_the_same_place_as_equal():
+    """NaN at the same positions on every rank is equal, exactly and within tolerance; elsewhere, or with other
+    values around it, it is a difference."""
+    nan = float("nan")
+    assert_same_on_every_rank([{"loss": nan, "w": torch.tensor([1.0, nan])} for _ in range(3)])
+    assert_same_on_every_rank([torch.tensor([1.0, nan]), torch.tensor([1.0 + 1e-9, nan])], atol=1e-6)
+    assert_matches_single_process(torch.tensor([nan, 2.0]), torch.tensor([nan, 2.0]))
+    with pytest.raises(AssertionError, match=r"rank 1 vs rank 0: w: NaN at different positions, first at index \[0\]"):
+        assert_same_on_every_rank([torch.tensor([1.0, nan]), torch.tensor([nan, 1.0])], "w")
+    with pytest.raises(AssertionError, match=r"rank 1 vs rank 0: w: max abs difference 1"):
+        assert_same_on_every_rank([torch.tensor([1.0, nan]), torch.tensor([2.0, nan])], "w")
+
+
+def test_same_on_every_rank_compares_numpy_arrays_like_tensors():
+    """NumPy arrays and scalars, alone or in dicts, are compared by value (no 'truth value is ambiguous')."""
+    assert_same_on_every_rank([{"w": np.array([1.0, 2.0]), "n": np.int64(3)}, {"w": np.array([1.0, 2.0]),
+                                                                               "n": np.int64(3)}])
+    with pytest.raises(AssertionError, match=r"rank 1 vs rank 0: value\['w'\]: max abs difference 0.5"):
+        assert_same_on_every_rank([{"w": np.array([1.0, 2.0])}, {"w": np.array([1.0, 2.5])}])
+    with pytest.raises(AssertionError, match=r"value: shapes \(3,\) and \(2,\)"):
+        assert_same_on_every_rank([np.zeros(2), np.zeros(3)])
+
+
+def test_same_on_every_rank_is_bitwise_dtype_included_without_tolerance():
+    """float32 against float64 with equal values differs at atol=rtol=0 (naming both dtypes) and passes with a
+    tolerance; Python floats are compared as float64."""
+    values = [torch.tensor([0.5, 1.0]), torch.tensor([0.5, 1.0], dtype=torch.float64)]
+    with pytest.raises(AssertionError, match=r"rank 1 vs rank 0: value: dtypes torch.float64 and torch.float32"):
+        assert_same_on_every_rank(values)
+    assert_same_on_every_rank(values, atol=1e-6)
+    with pytest.raises(AssertionError, match="max abs difference 5.55e-17"):
+        assert_same_on_every_rank([0.3, 0.1 + 0.2])
+    assert_same_on_every_rank([0.5, torch.tensor(0.5)])  # a float against a scalar tensor: by value
+    with pytest.raises(AssertionError, match="max abs difference 0.1"):  # complex: the imaginary part counts
+        assert_same_on_every_rank([torch.tensor([1 + 1j]), torch.tensor([1 + 1.1j])], atol=1e-3)
+
+
+def test_same_on_every_rank_needs_a_value():
+    """No rank's value (an empty list) is an error, not a vacuous pass."""
+    with pytest.raises(ValueError, match="needs at least one rank's weights, got none"):
+        assert_same_on_every_rank([], "weights")
+    assert_same_on_every_rank([torch.ones(2)])  # one rank: nothing to differ from
+
+
+def test_each_sample_once_takes_the_index_batches_ranks_collect():
+    """Per-rank lists of per-batch index tensors, arrays or nested lists are flattened; duplicates across them are
+    still named; a non-integer index is a TypeError."""
+    assert_each_sample_once([[torch.tensor([0, 2]), torch.tensor([4])], [np.array([1, 3]), [[5]]]], 6)
+    assert_each_sample_once(torch.arange(6).reshape(2, 3), 6)  # a (W, N / W) tensor
+    with pytest.raises(AssertionError, match=r"read more than once: \{2: \[0, 1\]\}.*never read: \[3\]"):
+        assert_each_sample_once([[torch.tensor([0, 1]), torch.tensor([2])], [torch.tensor([2])]], 4)
+    with pytest.raises(TypeError, match=r"rank 1 read 1.5, which is not a sample index"):
+        assert_each_sample_once([[0], torch.tensor([1.5])], 2)
