@@ -3,8 +3,9 @@
 Usage: python benchmarks/bench_suite.py [--variants serial,parallel] [--marks "not soak"] [-- extra pytest args]
 
 Each variant runs ``python -m pytest`` in a subprocess from the repository root:
-  * ``serial``: one pytest process (``-p no:xdist``), every test after the other, as before the testing kit;
-  * ``parallel``: the README's command, two pytest-xdist workers (``-n 2 --dist loadgroup``, from pyproject.toml).
+  * ``serial``: one pytest process (``-n 0``), every test after the other, as before the testing kit;
+  * ``parallel``: the README's command, two pytest-xdist workers (pyproject.toml's addopts:
+    ``--numprocesses=2 --dist=loadfile``).
 ``--marks`` selects tests for both (``-m``), e.g. ``"not soak"`` for the quick run. Prints one markdown table:
 variant, wall time (m:ss), passed, failed, skipped. Run it on an idle machine: the suite is bound by CPU and by
 waits for timeouts, so anything else running changes the figures. A benchmark, not a test: nothing is asserted.
@@ -20,7 +21,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-VARIANTS = {"serial": ["-p", "no:xdist"], "parallel": []}
+VARIANTS = {"serial": ["-n", "0"], "parallel": []}
 
 
 def run(variant: str, marks: str | None, extra: list[str]) -> dict[str, object]:
@@ -28,8 +29,6 @@ def run(variant: str, marks: str | None, extra: list[str]) -> dict[str, object]:
     args = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *VARIANTS[variant], *extra]
     if marks:
         args += ["-m", marks]
-    if variant == "serial":  # pyproject's addopts has -n 2; the serial run drops xdist, so drop its options too
-        args += ["-o", "addopts=-ra --timeout=300"]
     print(f"running {variant}: {' '.join(args[1:])}", file=sys.stderr, flush=True)
     start = time.monotonic()
     proc = subprocess.run(args, cwd=ROOT, capture_output=True, text=True)
