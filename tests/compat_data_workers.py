@@ -24,9 +24,11 @@ from torch.utils.data._utils.collate import default_collate
 
 from ddp_strategy import DDPCheckpointIO, MyDDPStrategy, UnsafeCheckpointError
 from ddp_strategy.process import group as process_group
+from ddp_strategy.sampling.injection import ORDER_KEPT_WARNING
 
 N = 24  # samples the user splits by rank: 12 each
 BATCH = 4
+N_ORDER, N_ORDER_VAL, ORDER_BATCH = 21, 22, 3  # the order fits: 11 training samples per rank (one padded)
 
 
 def rank() -> int:
@@ -79,6 +81,29 @@ class Seen(pl.LightningModule):
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+class Dropped(Seen):
+    """:class:`Seen` with dropout on the inputs: its masks come from each rank's global torch generator, so the
+    weights also depend on every random number the strategy or Lightning's loops draw before and between steps."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        self.seen["train"].append(indices(batch))
+        return F.cross_entropy(self.layer(F.dropout(batch[0], 0.5)), batch[1])
+
+
+def order_fit(out: Path, name: str, strategy: Any, shuffle: bool) -> None:
+    """What a user runs under either strategy: seed_everything, then a 2-epoch fit of :class:`Dropped` on
+    ``N_ORDER`` samples in batches of 3 (``shuffle`` as given) with validation and Lightning's 2 sanity steps;
+    records the indices per step, the step count, the weights and our training-order warnings."""
+    pl.seed_everything(SEED)
+    model = Dropped({"train": lambda: DataLoader(Indexed(N_ORDER, 0), batch_size=ORDER_BATCH, shuffle=shuffle),
+                     "val": lambda: DataLoader(Indexed(N_ORDER_VAL, 1), batch_size=4)})
+    initial = weights(model)
+    t = trainer(2, out, strategy=strategy, max_epochs=2, num_sanity_val_steps=2)
+    caught = record_warnings(lambda: t.fit(model))
+    save(out, name, {**model.seen, "steps": t.global_step, "initial": initial, "weights": weights(model),
+                     "warnings": [w for w in caught if ORDER_KEPT_WARNING in w]})
 
 
 def flat(batches: list[list[int]]) -> list[int]:
@@ -167,7 +192,8 @@ def record_warnings(run: Any) -> list[str]:
 # -------------------------------------------------------------------------------------------- scenarios
 def scenario_data(out: Path) -> None:
     """use_distributed_sampler=False in every stage; uneven user shards; any iterable; DataLoader subclasses with
-    custom batch samplers; fast_dev_run leaves default_root_dir untouched; Lightning's ddp on the iterables."""
+    custom batch samplers; fast_dev_run leaves default_root_dir untouched; the training order with and without
+    shuffle; Lightning's ddp on the iterables and on the training-order fits."""
     pl.seed_everything(SEED)
     # 1. The user split the data by rank: every stage must see exactly this rank's half.
     model = Seen({"train": own_half(0, shuffle=True), "val": own_half(1), "test": own_half(2),
@@ -222,12 +248,18 @@ def scenario_data(out: Path) -> None:
     trainer(2, root, fast_dev_run=True, enable_checkpointing=True).fit(Seen({"train": own_half(0)}))
     save(out, "fast_dev_run", {"left": sorted(os.listdir(root))})
 
+    # 6. Training order: shuffle=True is Lightning's training to the bit; shuffle=False keeps its order (a warning).
+    order_fit(out, "order_shuffled", MyDDPStrategy(start_method="popen", timeout=60), shuffle=True)
+    order_fit(out, "order_kept", MyDDPStrategy(start_method="popen", timeout=60), shuffle=False)
+
     # Reference: Lightning's own ddp on the same iterables (last: its teardown keeps the process group).
     reference = Seen()
     t = trainer(2, out, strategy="ddp")
     t.test(reference, [rows])
     t.test(reference, Batches(9, 4))
     save(out, "iterables_lightning", {"test": reference.seen["test"]})
+    order_fit(out, "order_shuffled_lightning", "ddp", shuffle=True)
+    order_fit(out, "order_kept_lightning", "ddp", shuffle=False)
 
 
 class Lossy(pl.LightningModule):

@@ -6,9 +6,11 @@ popen fit starts 3 processes on 2 cores. One-process tests of the same kinds com
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -16,13 +18,16 @@ import pytest
 import torch
 from compat_data_workers import (
     N_BUCKETS,
+    N_ORDER,
     N_REVERSED,
+    ORDER_BATCH,
     Batches,
     Buckets,
     N,
     Reversed,
     Seen,
     TaggedLoader,
+    flat,
     scenario_data,
     scenario_models,
 )
@@ -30,7 +35,8 @@ from ddp_testing import finish
 from lightning.pytorch.callbacks import ModelCheckpoint
 from sampling_workers import Indexed, launch, load
 from torch import nn
-from torch.utils.data import BatchSampler, DataLoader, SequentialSampler
+from torch.utils.data import BatchSampler, DataLoader, SequentialSampler, WeightedRandomSampler
+from torch.utils.data.distributed import DistributedSampler
 
 from ddp_strategy import (
     MyDDPStrategy,
@@ -40,7 +46,7 @@ from ddp_strategy import (
     import_plain_checkpoint,
     load_plain_state_dict,
 )
-from ddp_strategy.sampling.injection import inject_distributed_sampler
+from ddp_strategy.sampling.injection import ORDER_KEPT_WARNING, inject_distributed_sampler, warn_if_order_kept
 
 SCRIPTS = Path(__file__).parent / "scripts"
 
@@ -81,6 +87,35 @@ def test_a_lightning_captured_batch_sampler_subclass_in_a_loader_subclass():
     new = inject_distributed_sampler(loader, 2, 1, seed=0, pad=False)
     assert type(new) is TaggedLoader and new.tag == "hooked"
     assert batches_of(new) == [[4, 5, 6, 7], [12, 13, 14, 15]]
+
+
+def test_a_training_order_lightning_would_shuffle_is_warned_about_once_with_what_to_do(recwarn):
+    """shuffle=False, a sampler of the user's and a custom batch sampler (whose order MyDDPStrategy keeps and
+    Lightning's ddp shuffles) each get the warning, naming the sampler, the shards and what gives Lightning's
+    batches; shuffle=True, overfit_batches (Lightning keeps the order too), a user's DistributedSampler and a list of
+    batches get none; the warning's filterwarnings silences it."""
+    data = Indexed(6, 0)
+    cases = [(DataLoader(data, batch_size=2), 2, r"SequentialSampler \(shuffle=False\), so rank r of 2 reads positions"
+              r" r, r \+ 2, r \+ 4, .*shuffle=True\).*pass shuffle=True to the training DataLoader"),
+             (DataLoader(data, batch_size=2), 1, "the one process reads every position"),
+             (DataLoader(data, sampler=WeightedRandomSampler([1.0] * 6, 6)), 2,
+              "WeightedRandomSampler, drawn once per epoch.*DistributedSamplerWrapper.*no setting"),
+             (TaggedLoader(data, tag="t", batch_sampler=Buckets(6, (2, 3))), 3,
+              r"batch sampler is a Buckets.*rank r of 3 reads positions r, r \+ 3, r \+ 6")]
+    for loader, world_size, match in cases:
+        with pytest.warns(UserWarning, match=f"^{ORDER_KEPT_WARNING}: .*{match}") as caught:
+            warn_if_order_kept(loader, world_size)
+        assert len(caught) == 1 and "trained weights, differ from a run with strategy='ddp'" in str(caught[0].message)
+    recwarn.clear()
+    warn_if_order_kept(DataLoader(data, batch_size=2, shuffle=True), 2)
+    warn_if_order_kept(DataLoader(data, batch_size=2), 2, overfit_batches=2)
+    warn_if_order_kept(DataLoader(data, batch_size=2), 2, overfit_batches=0.5)
+    warn_if_order_kept(DataLoader(data, sampler=DistributedSampler(data, num_replicas=2, rank=0, shuffle=False)), 2)
+    warn_if_order_kept([torch.zeros(2, 4)], 2)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=ORDER_KEPT_WARNING)  # what the warning suggests
+        warn_if_order_kept(DataLoader(data, batch_size=2), 2)
+    assert not recwarn.list
 
 
 def test_unsafe_checkpoint_suggestions_name_the_function_that_raised(tmp_path):
@@ -214,6 +249,54 @@ def test_any_iterable_is_read_whole_by_every_rank_as_under_lightning_ddp(runs):
     assert any("got a Tensor" in w for w in ours[0]["warnings"])
     assert any("got a Batches" in w for w in ours[0]["warnings"])
     assert ours[1]["warnings"] == []
+
+
+def epochs_of(record: dict) -> list[list[list[int]]]:
+    """The training batches of an order fit, per epoch (4 per epoch: 11 samples per rank in batches of 3)."""
+    per_epoch = math.ceil(math.ceil(N_ORDER / 2) / ORDER_BATCH)
+    return [record["train"][e * per_epoch:(e + 1) * per_epoch] for e in range(2)]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_a_shuffled_fit_is_lightnings_ddp_fit_to_the_bit(runs):
+    """seed_everything, then the same 2-epoch fit with shuffle=True (21 samples: one padded; batches of 3; dropout;
+    validation and sanity steps) under strategy="ddp" and MyDDPStrategy(): each rank reads the same indices in
+    each epoch, reshuffled between epochs, both take 8 steps and end with bitwise-equal weights; no order warning."""
+    ours, lightning = load(runs, "order_shuffled", 2), load(runs, "order_shuffled_lightning", 2)
+    for r in range(2):
+        assert ours[r]["train"] == lightning[r]["train"] and ours[r]["val"] == lightning[r]["val"]
+        assert ours[r]["steps"] == lightning[r]["steps"] == 8
+        assert ours[r]["weights"].keys() == lightning[r]["weights"].keys()
+        for name, value in ours[r]["weights"].items():
+            assert torch.equal(value, lightning[r]["weights"][name]), (r, name)
+        assert ours[r]["warnings"] == []
+    for epoch in range(2):
+        read = flat(epochs_of(ours[0])[epoch]) + flat(epochs_of(ours[1])[epoch])
+        assert len(read) == N_ORDER + 1 and set(read) == set(range(N_ORDER))  # all once, one padded
+    assert epochs_of(ours[0])[0] != epochs_of(ours[0])[1] and epochs_of(ours[0])[0] != [[0, 2, 4], [6, 8, 10],
+                                                                                        [12, 14, 16], [18, 20]]
+    assert not torch.equal(ours[0]["weights"]["layer.weight"], ours[0]["initial"]["layer.weight"])  # it trained
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_an_unshuffled_fit_keeps_its_order_warns_and_shuffle_true_gives_lightnings_fit(runs):
+    """shuffle=False: MyDDPStrategy gives rank r samples r, r + 2, ... in order every epoch (other weights than
+    Lightning's) and rank 0 warns once; Lightning's ddp shuffles that loader anyway (its batches and weights equal
+    its shuffle=True ones), and the warning's suggestion, shuffle=True under MyDDPStrategy, gives exactly those."""
+    kept, lightning_kept = load(runs, "order_kept", 2), load(runs, "order_kept_lightning", 2)
+    shuffled, lightning_shuffled = load(runs, "order_shuffled", 2), load(runs, "order_shuffled_lightning", 2)
+    in_order = [[[0, 2, 4], [6, 8, 10], [12, 14, 16], [18, 20]], [[1, 3, 5], [7, 9, 11], [13, 15, 17], [19, 0]]]
+    for r in range(2):
+        assert epochs_of(kept[r]) == [in_order[r], in_order[r]] and kept[r]["steps"] == 8
+        assert lightning_kept[r]["train"] == lightning_shuffled[r]["train"] == shuffled[r]["train"]
+        for name, value in lightning_kept[r]["weights"].items():
+            assert torch.equal(value, shuffled[r]["weights"][name]), (r, name)
+        assert not torch.equal(kept[r]["weights"]["layer.weight"], lightning_kept[r]["weights"]["layer.weight"])
+    assert len(kept[0]["warnings"]) == 1 and kept[1]["warnings"] == []  # rank 0, once per fit
+    assert "SequentialSampler (shuffle=False)" in kept[0]["warnings"][0]
+    assert "pass shuffle=True to the training DataLoader" in kept[0]["warnings"][0]
 
 
 @pytest.mark.multiprocess

@@ -97,6 +97,60 @@ def distributed_sampler_for(
     return built
 
 
+#: Start of the warning :func:`warn_if_order_kept` gives: ``warnings.filterwarnings("ignore", message=...)`` with
+#: it silences the warning where the loader's order is intended.
+ORDER_KEPT_WARNING = "MyDDPStrategy keeps the training loader's order"
+
+
+def warn_if_order_kept(dataloader: object, world_size: int, overfit_batches: int | float = 0) -> None:
+    """Warn once (rank 0) when the training batches differ from Lightning's ``ddp`` because the order is kept.
+
+    Lightning's ``ddp`` shuffles every training loader it shards, whatever the loader was built with: its
+    ``_process_dataloader`` passes ``shuffle=True`` for training to the ``DistributedSampler`` it injects (a
+    ``DistributedSamplerWrapper`` around any other sampler, whose draw is then shuffled), except with
+    ``overfit_batches``, where it reads the data in order. :func:`distributed_sampler_for` shuffles only a loader
+    built with ``shuffle=True`` (the same permutation and shards as Lightning's, so the same weights) and keeps
+    any other loader's order (docs/differences.md): ``shuffle=False``, order-preserving or random samplers of
+    the user's and custom batch samplers. There, the batches each rank reads, and so the trained weights,
+    differ from a run with ``strategy="ddp"``; the warning says so and what gives Lightning's batches.
+
+    Args:
+        dataloader: the training loader, before injection (anything a ``train_dataloader`` hook returns).
+        world_size: W.
+        overfit_batches: ``Trainer.overfit_batches``; when set, Lightning's ``ddp`` keeps the order too.
+    """
+    if overfit_batches or not needs_distributed_sampler(dataloader):
+        return
+    assert isinstance(dataloader, DataLoader)
+    source = original_sampler(dataloader)
+    if _is_plain_permutation(source):
+        return
+    shards = (f"rank r of {world_size} reads positions r, r + {world_size}, r + {2 * world_size}, ..." if world_size > 1
+              else "the one process reads every position")
+    if isinstance(source, SequentialSampler):
+        what = f"its sampler is a SequentialSampler (shuffle=False), so {shards} of the data set, every epoch"
+        lightning = ("shuffles training data even with shuffle=False (its DistributedSampler for training always has"
+                     " shuffle=True)")
+        advice = "For Lightning's batches and weights pass shuffle=True to the training DataLoader"
+    elif source is not None:
+        what = (f"its sampler is a {type(source).__name__}, drawn once per epoch (the same draw on every rank), and"
+                f" {shards} of that draw, in its order")
+        lightning = ("has each rank draw with its own global random state and shuffles the positions (its"
+                     " DistributedSamplerWrapper for training always has shuffle=True)")
+        advice = "MyDDPStrategy has no setting that gives Lightning's batches here"
+    else:
+        what = (f"its batch sampler is a {type(dataloader.batch_sampler).__name__}, whose batches are read whole and"
+                f" in order ({shards} of each epoch's batches)")
+        lightning = ("re-creates the batch sampler around a shuffling DistributedSampler (or raises TypeError where"
+                     " it cannot)")
+        advice = "MyDDPStrategy has no setting that gives Lightning's batches here"
+    rank_zero_warn(
+        f"{ORDER_KEPT_WARNING}: {what}. Lightning's strategy='ddp' {lightning}, so the batches each rank reads, and"
+        f" the trained weights, differ from a run with strategy='ddp'. {advice}; if the order is intended, silence"
+        f" this with warnings.filterwarnings('ignore', message=\"{ORDER_KEPT_WARNING}\")."
+    )
+
+
 def injected_sampler(dataloader: object) -> _EpochShards | None:
     """The sampler this module injected into ``dataloader`` (sampler or batch sampler), else ``None``."""
     for candidate in (getattr(dataloader, "batch_sampler", None), getattr(dataloader, "sampler", None),

@@ -75,6 +75,7 @@ class LoaderSharding:
             return trainer.fit_loop.epoch_progress.current.processed
 
         if training:
+            injection.warn_if_order_kept(dataloader, world_size, trainer.overfit_batches)
             dataloader = injection.inject_distributed_sampler(dataloader, num_replicas=world_size, rank=rank,
                                                               seed=seed, epoch_fn=epoch_fn, pad=True)
             resume.hand_over_position(dataloader, self._pending_positions)
