@@ -333,7 +333,8 @@ class MyDDPStrategy(process.RankTopology, checkpoint.DefaultCheckpointIO, Parall
         """Unwrap, revert layer syncing, give Lightning its sampler back, leave (or keep) the process group."""
         trainer = self._trainer
         fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
-        self.model = self._gradients.unwrap(self.model, self.lightning_module, self._layer_sync, fitting)
+        self.model = self._gradients.unwrap(self.model, self.lightning_module, self._layer_sync, fitting,
+                                            failed=self._run.failed)
         self._sharding.hand_back(trainer)
         if trainer is not None:
             self._run.remove_fit_callbacks(trainer)

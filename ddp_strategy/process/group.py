@@ -13,6 +13,7 @@ import gc
 import logging
 import os
 import sys
+import weakref
 from datetime import timedelta
 from typing import Any
 
@@ -304,8 +305,13 @@ def build_node_groups(num_nodes: int, procs_per_node: int) -> tuple[Any, list[in
     return group, next(ranks for ranks in lists if rank in ranks)
 
 
-def destroy_process_group() -> None:
+def destroy_process_group() -> bool:
     """Destroy the default process group if one exists; a no-op otherwise.
+
+    Returns:
+        Whether the group is gone now: ``False`` when something still holds it (a DDP wrapper kept alive by an
+        exception's frames), and so, with gloo, its connections stay open until this process exits; ``True``
+        otherwise (also when there was no group).
 
     Called at teardown for every backend: with gloo, a process that exits with its group alive has been
     seen to abort (SIGABRT) now and then. A garbage collection comes first: objects kept alive only by a
@@ -315,9 +321,13 @@ def destroy_process_group() -> None:
     """
     global _kept_for_user_code
     _kept_for_user_code = False
-    if dist.is_available() and dist.is_initialized():
-        gc.collect()
-        dist.destroy_process_group()
+    if not (dist.is_available() and dist.is_initialized()):
+        return True
+    gc.collect()
+    world = weakref.ref(dist.group.WORLD)
+    dist.destroy_process_group()
+    gc.collect()
+    return world() is None
 
 
 #: Whether the default process group is one that a finished run left for the user's code.

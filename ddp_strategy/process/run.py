@@ -66,6 +66,11 @@ class ProcessGroupRun:
         self._failed = False
         self._own_failure = False
 
+    @property
+    def failed(self) -> bool:
+        """Whether this run has failed (set by :meth:`on_exception`, cleared when the next run joins)."""
+        return self._failed
+
     @staticmethod
     def make_launcher(strategy: Any, start_method: str, backend: str | None, allow_cpu_oversubscription: bool) -> Any:
         """Lightning's launcher for ``start_method``, after refusing what cannot work (in ``Trainer(...)``).
@@ -177,9 +182,10 @@ class ProcessGroupRun:
         store, self.rendezvous_store, self.barrier_group = self.rendezvous_store, None, None
         self.node_group, self.node_ranks = None, []
         if self._failed:
-            group.destroy_process_group()  # the others' collectives break now, and they explain
-            if self._own_failure and not launched_here:
-                failures.wait_for_peers(store, rank, world_size)
+            # Released, the group's connections close now: the others' collectives break, and they explain.
+            released = group.destroy_process_group()
+            if self._own_failure and not launched_here and released:
+                failures.wait_for_peers(store, rank, world_size, failures.EXPLAIN_WAIT_S)
         else:
             group.keep_process_group()
         self._undo_gloo_loopback()

@@ -55,9 +55,13 @@ class GradientSync:
         return layer_sync, layer_sync.apply(module)
 
     @staticmethod
-    def unwrap(model: nn.Module | None, module: nn.Module | None, layer_sync: Any, fitting: bool) -> nn.Module | None:
-        """The plain LightningModule ``module`` back from its DDP wrapper ``model``, layer syncing reverted."""
+    def unwrap(model: nn.Module | None, module: nn.Module | None, layer_sync: Any, fitting: bool,
+               failed: bool = False) -> nn.Module | None:
+        """The plain LightningModule ``module`` back from its DDP wrapper ``model``, layer syncing reverted; after a
+        failure (``failed``) the wrapper also lets go of its process group (:func:`wrapping.release_process_group`)."""
         if isinstance(model, DistributedDataParallel):
+            if failed:
+                wrapping.release_process_group(model)
             model = module
         if fitting and layer_sync and model is not None:
             model = layer_sync.revert(model)

@@ -111,6 +111,21 @@ def wrap_module(module: nn.Module, device: torch.device, ddp_kwargs: dict[str, A
         return DistributedDataParallel(module, device_ids=ids, **ddp_kwargs)
 
 
+def release_process_group(model: DistributedDataParallel) -> None:
+    """After a failed run: drop the wrapper's references to its process group, so destroying the group closes it.
+
+    A DDP wrapper holds its group twice, in ``process_group`` and in its C++ reducer (and the reducer's logger).
+    When the run failed, the propagating exception's frames keep the wrapper alive, so without this the group,
+    and with gloo its connections to the other ranks, would live until this process exits, and the other ranks
+    (blocked in a collective) could not learn of the failure before then. The wrapper is unusable afterwards;
+    the strategy has already swapped it for the plain module.
+    """
+    for name in ("logger", "reducer"):
+        if hasattr(model, name):
+            delattr(model, name)
+    model.process_group = None
+
+
 def unwrap_module(model: nn.Module) -> nn.Module:
     """Return the module inside a ``DistributedDataParallel`` wrapper, or ``model`` itself."""
     return model.module if isinstance(model, DistributedDataParallel) else model

@@ -227,3 +227,58 @@ def test_a_failing_rank_waits_for_a_live_peer_that_has_not_explained():
     start = time.monotonic()
     failures.wait_for_peers(store, rank=0, world_size=2, timeout_s=0.5)
     assert time.monotonic() - start >= 0.5
+
+
+class RaisesOnRank1(pl.LightningModule):
+    """A linear model whose training_step raises on rank 1 at its third batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Linear(4, 1)
+
+    def training_step(self, batch, batch_idx):
+        if batch_idx == 2 and self.global_rank == 1:
+            raise ZeroDivisionError("rank 1 divided by zero on purpose")
+        return self.net(batch[0]).pow(2).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _fit_failing_on_rank_1(rank: int, world_size: int) -> None:
+    import gc
+    import weakref
+
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from ddp_strategy.process import failures
+
+    class GroupSpy(pl.Callback):
+        def on_train_start(self, trainer, pl_module):
+            self.group = weakref.ref(torch.distributed.group.WORLD)
+
+    failures.EXPLAIN_WAIT_S = 600.0  # longer than the kit's deadline: a rank 0 that never explains hangs the call
+    spy = GroupSpy()
+    try:
+        pl.Trainer(accelerator="cpu", devices=world_size, strategy=MyDDPStrategy(timeout=60), max_epochs=1,
+                   logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                   callbacks=[spy]).fit(RaisesOnRank1(), DataLoader(TensorDataset(torch.randn(32, 4)), batch_size=4))
+    except ZeroDivisionError as e:  # rank 1; its traceback still holds the DDP wrapper here
+        gc.collect()
+        raise RuntimeError(f"process group released while the error propagates: {spy.group() is None}") from e
+
+
+@pytest.mark.multiprocess
+def test_the_peers_of_a_rank_that_raised_explain_before_it_exits():
+    """Rank 1 raises inside a fit: its DDP wrapper lets go of the process group, so the group's connections close
+    at teardown, rank 0's collective breaks at once and names rank 1's error, and rank 1, which waits for that
+    explanation, gets it (before, the wrapper, kept alive by the exception, held gloo's connections open until
+    rank 1's process exited, and rank 1 waited 10 s for an explanation that could not come)."""
+    from ddp_strategy.testing import RankError, run_on_ranks
+
+    with pytest.raises(RankError) as raised:
+        run_on_ranks(_fit_failing_on_rank_1, 2, init_process_group=False, timeout_s=60)
+    assert "2 of 2 ranks failed" in str(raised.value)  # not "did not finish": rank 1 did not wait out 600 s
+    assert "ZeroDivisionError: rank 1 divided by zero on purpose" in raised.value.reports[1]
+    assert "process group released while the error propagates: True" in raised.value.reports[1]
+    assert "Cause: rank 1 failed: ZeroDivisionError: rank 1 divided by zero on purpose" in raised.value.reports[0]
