@@ -308,10 +308,8 @@ def build_node_groups(num_nodes: int, procs_per_node: int) -> tuple[Any, list[in
 def destroy_process_group() -> bool:
     """Destroy the default process group if one exists; a no-op otherwise.
 
-    Returns:
-        Whether the group is gone now: ``False`` when something still holds it (a DDP wrapper kept alive by an
-        exception's frames), and so, with gloo, its connections stay open until this process exits; ``True``
-        otherwise (also when there was no group).
+    Returns whether the group is gone (``True`` also without one); ``False`` when something still holds it, so
+    that, with gloo, its connections stay open until this process exits.
 
     Called at teardown for every backend: with gloo, a process that exits with its group alive has been
     seen to abort (SIGABRT) now and then. A garbage collection comes first: objects kept alive only by a

@@ -22,7 +22,9 @@ group is killed (SIGKILL): no rank and no descendant outlives the call, except o
 from __future__ import annotations
 
 import faulthandler
+import math
 import multiprocessing
+import numbers
 import os
 import pickle
 import shutil
@@ -31,7 +33,7 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -47,6 +49,9 @@ FAILURE_GRACE_S = 10.0
 END_WAIT_S = 5.0
 #: The start methods :func:`run_on_ranks` offers, the default first.
 START_METHODS = ("forkserver", "spawn")
+#: Variables of the cluster schedulers Lightning detects (SLURM, LSF/jsrun) that ranks do not inherit: a test run
+#: inside a SLURM job would otherwise have a ``Trainer`` in the rank take the job's tasks for its ranks.
+_SCHEDULER_PREFIXES = ("SLURM_", "LSB_", "JSM_NAMESPACE_")
 _STACK_SIGNAL = signal.SIGUSR1
 _configured_forkserver = False
 
@@ -94,6 +99,8 @@ def _rank_main(rank: int, world_size: int, port: int, folder: str, fn: Callable[
     out = Path(folder)
     os.environ.clear()
     os.environ.update(environ)  # the caller's environment now, not the forkserver's from when it started
+    for name in [n for n in os.environ if n.startswith(_SCHEDULER_PREFIXES)]:
+        del os.environ[name]  # a Trainer in the rank must join the kit's ranks, not the job the test runs in
     stack_file = open(out / f"stack_{rank}.txt", "w")  # noqa: SIM115 - faulthandler writes to it until exit
     faulthandler.register(_STACK_SIGNAL, file=stack_file, all_threads=True)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
@@ -154,17 +161,17 @@ def run_on_ranks(
         ``[value of rank 0, ..., value of rank W-1]``; values must be picklable (tensors, numbers, dicts, ...).
 
     Raises:
-        TypeError: ``fn`` cannot be pickled (a lambda, a local function); define it at module level.
-        ValueError: ``world_size`` not an int >= 1, ``timeout_s`` not a number > 0, or a ``start_method`` not
+        TypeError: ``fn`` cannot be pickled (a lambda, a local function); define it at module level. ``args`` not
+            a tuple or list, ``kwargs`` not a dict.
+        ValueError: ``world_size`` not an int >= 1; ``timeout_s`` or ``collective_timeout_s`` not a finite number
+            > 0; a ``backend`` this torch does not have; or a ``start_method`` not
             offered (``"fork"``: the message says why; another name: the message lists the accepted ones).
         RankError: a rank raised (its traceback is in the message), exited without a result, or the deadline
             passed (each live rank's stack is in the message). No rank process is left running, nor any process
             a rank started (see above).
     """
-    if not isinstance(world_size, int) or world_size < 1 or not isinstance(timeout_s, (int, float)) or timeout_s <= 0:
-        raise ValueError(f"run_on_ranks needs an int world_size >= 1 and a timeout_s > 0 in seconds, got"
-                         f" {world_size!r} and {timeout_s!r}.")
-    kwargs = dict(kwargs or {})
+    _check_arguments(world_size, timeout_s, collective_timeout_s, backend, args, kwargs)
+    world_size, kwargs = int(world_size), dict(kwargs or {})
     try:
         pickle.dumps((fn, tuple(args), kwargs))
     except Exception as e:
@@ -187,6 +194,32 @@ def run_on_ranks(
     finally:
         _end(procs)
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def _is_seconds(value: Any) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+
+
+def _check_arguments(world_size: Any, timeout_s: Any, collective_timeout_s: Any, backend: Any, args: Any,
+                     kwargs: Any) -> None:
+    """Refuse, before any rank starts, what would otherwise fail inside every rank or never end (see
+    :func:`run_on_ranks` for the rules)."""
+    if not isinstance(world_size, numbers.Integral) or isinstance(world_size, bool) or world_size < 1:
+        raise ValueError(f"run_on_ranks needs an int world_size >= 1 (the number of ranks), got {world_size!r}.")
+    for name, value in (("timeout_s", timeout_s), ("collective_timeout_s", collective_timeout_s)):
+        if not _is_seconds(value):
+            raise ValueError(f"run_on_ranks needs {name} as a finite number of seconds > 0, got {value!r}: the"
+                             " deadline is what turns a hang into a failed test with each rank's stack.")
+    import torch.distributed as dist
+
+    if not isinstance(backend, str) or not dist.is_backend_available(backend):
+        raise ValueError(f"run_on_ranks got backend={backend!r}, which this torch does not have; pass 'gloo' (CPU,"
+                         " the default) or, with one GPU per rank, 'nccl'.")
+    if isinstance(args, (str, bytes)) or not isinstance(args, Sequence):
+        raise TypeError(f"run_on_ranks needs args as a tuple or list of fn's extra positional arguments, got"
+                        f" {args!r}: for one argument x pass args=(x,).")
+    if kwargs is not None and not isinstance(kwargs, Mapping):
+        raise TypeError(f"run_on_ranks needs kwargs as a dict of fn's keyword arguments, got {kwargs!r}.")
 
 
 def _end(procs: list[Any]) -> None:
@@ -256,7 +289,9 @@ def _collect(procs: list[Any], folder: Path, timed_out: bool, timeout_s: float) 
         elif proc.is_alive():
             reports[rank] = f"still running; its stack:\n{stack.read_text() if stack.exists() else '(none)'}"
         else:
-            reports[rank] = f"exited with code {proc.exitcode} without a result"
+            reports[rank] = (f"exited with code {proc.exitcode} without a result (killed, os._exit, or it never"
+                             " reached fn: called from a script, run_on_ranks must be under"
+                             " `if __name__ == '__main__':`, because the ranks' parent imports the main module)")
     if not reports:
         return results
     why = f"did not finish within {timeout_s:g} s" if timed_out else "failed"

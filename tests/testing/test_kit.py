@@ -4,6 +4,7 @@ traceback or stack and leave no process, and the checks name what differs."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import time
 from pathlib import Path
@@ -202,12 +203,63 @@ def test_no_process_a_rank_started_outlives_the_call(tmp_path):
         assert len(pids) == 2 and [pid for pid in pids if not is_gone(pid)] == [], then
 
 
-def test_a_bad_world_size_or_deadline_is_refused_before_any_rank_starts():
-    """A world size that is not an int >= 1 (``ddp("2")``, 0) or a deadline <= 0: ValueError naming both."""
-    for world_size, timeout_s in (("2", 60), (0, 60), (2, 0)):
-        with pytest.raises(ValueError, match=rf"needs an int world_size >= 1 and a timeout_s > 0 in seconds, got"
-                                             rf" {world_size!r} and {timeout_s!r}\."):
-            run_on_ranks(all_reduce_rank, world_size, timeout_s=timeout_s)
+def test_bad_arguments_are_refused_before_any_rank_starts():
+    """What would fail inside every rank, or never end, is refused in the test process with what to pass: a world
+    size that is not an int >= 1 (``ddp("2")``, ``True``, 0), a deadline or collective timeout that is not a finite
+    number > 0 (0, -5, nan, inf, "x"), an unknown backend, args that are not a tuple or list, kwargs not a dict."""
+    for world_size in ("2", True, 0, 2.0):
+        with pytest.raises(ValueError, match=rf"needs an int world_size >= 1 \(the number of ranks\), got"
+                                             rf" {re.escape(repr(world_size))}\."):
+            run_on_ranks(all_reduce_rank, world_size)
+    for name in ("timeout_s", "collective_timeout_s"):
+        for seconds in (0, -5, float("nan"), float("inf"), "x", True):
+            with pytest.raises(ValueError, match=rf"needs {name} as a finite number of seconds > 0, got"
+                                                 rf" {re.escape(repr(seconds))}: the deadline"):
+                run_on_ranks(all_reduce_rank, 2, **{name: seconds})
+    with pytest.raises(ValueError, match=r"backend='bogus', which this torch does not have; pass 'gloo'"):
+        run_on_ranks(all_reduce_rank, 2, backend="bogus")
+    for args in (5, "ab"):
+        with pytest.raises(TypeError, match=r"needs args as a tuple or list .* for one argument x pass args=\(x,\)"):
+            run_on_ranks(all_reduce_rank, 2, args=args)
+    with pytest.raises(TypeError, match=r"needs kwargs as a dict of fn's keyword arguments, got \[1\]"):
+        run_on_ranks(all_reduce_rank, 2, kwargs=[1])
+    # what the messages ask for works: an int world size, numpy's included, and one argument as a 1-tuple
+    assert [v["sum"] for v in run_on_ranks(all_reduce_rank, np.int64(2), args=(2.0,), timeout_s=60.0,
+                                           collective_timeout_s=30)] == [6.0, 6.0]
+
+
+def exit_without_a_result(rank: int, world_size: int) -> None:
+    os._exit(3)
+
+
+def test_a_rank_that_exits_without_a_result_is_reported_with_the_likely_causes():
+    """A rank gone without a result or traceback: the report names the exit code and the usual causes, the missing
+    ``__main__`` guard of a script among them."""
+    with pytest.raises(RankError, match="2 of 2 ranks failed") as raised:
+        run_on_ranks(exit_without_a_result, 2, init_process_group=False, timeout_s=60)
+    for report in raised.value.reports.values():
+        assert report.startswith("exited with code 3 without a result (killed, os._exit")
+        assert "`if __name__ == '__main__':`" in report
+
+
+def environment_seen(rank: int, world_size: int) -> dict:
+    """The scheduler variables this rank sees, and the cluster environment a Trainer built here picks."""
+    trainer = L.Trainer(accelerator="cpu", devices=world_size, strategy=MyDDPStrategy(), logger=False)
+    return {"slurm": sorted(n for n in os.environ if n.startswith("SLURM_")), "kept": os.environ.get("MY_SETTING"),
+            "environment": type(trainer.strategy.cluster_environment).__name__,
+            "ranks": (trainer.global_rank, trainer.world_size)}
+
+
+def test_ranks_of_a_test_run_inside_a_slurm_job_do_not_take_the_job_for_their_ranks(monkeypatch):
+    """Inside a SLURM allocation (SLURM_NTASKS=1 ...) a Trainer in a rank would see the job's one task and refuse
+    devices=2; the ranks do not inherit the schedulers' variables, other variables they do."""
+    for name, value in {"SLURM_JOB_ID": "77", "SLURM_NTASKS": "1", "SLURM_JOB_NAME": "pytest", "SLURM_PROCID": "0",
+                        "SLURM_LOCALID": "0", "SLURM_NODEID": "0", "MY_SETTING": "kept"}.items():
+        monkeypatch.setenv(name, value)
+    seen = run_on_ranks(environment_seen, 2, init_process_group=False, timeout_s=60)
+    assert [s["slurm"] for s in seen] == [[], []] and [s["kept"] for s in seen] == ["kept", "kept"]
+    assert [s["environment"] for s in seen] == ["LightningEnvironment"] * 2
+    assert [s["ranks"] for s in seen] == [(0, 2), (1, 2)]
 
 
 def test_a_start_method_not_offered_is_refused_and_the_suggested_ones_work():
