@@ -141,6 +141,29 @@ def _peer_is_done(store: dist.Store, peer: int, host: str) -> bool:
     return peer_host == host and _process_gone(int(pid))
 
 
+def has_child_processes() -> bool:
+    """Whether this process has a live child (``/proc``; ``True`` where it cannot tell).
+
+    Forked children (DataLoader workers) hold copies of this process's sockets, gloo's connections to the other
+    ranks among them: until they exit, destroying the process group does not close those connections.
+    """
+    me = os.getpid()
+    try:
+        entries = [e for e in os.listdir("/proc") if e.isdigit()]
+    except OSError:
+        return True
+    for entry in entries:
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()
+        if int(fields[1]) == me and fields[0] not in "ZX":
+            return True
+    return False
+
+
 def _process_gone(pid: int) -> bool:
     """True when ``pid`` does not exist or is a zombie (exited, not yet reaped)."""
     try:

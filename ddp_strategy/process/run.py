@@ -65,6 +65,8 @@ class ProcessGroupRun:
         self._undo_gloo_loopback: Callable[[], None] = _no_op
         self._failed = False
         self._own_failure = False
+        #: Whether on_exception stopped ranks this process had launched (the launcher's list is emptied then).
+        self._stopped_launched = False
 
     @property
     def failed(self) -> bool:
@@ -110,7 +112,7 @@ class ProcessGroupRun:
         """
         backend = group.resolve_backend(device, backend)
         group.release_kept_process_group()
-        self._failed = self._own_failure = False
+        self._failed = self._own_failure = self._stopped_launched = False
         rank, world_size = env.global_rank(), num_nodes * num_processes
         self._undo_gloo_loopback = rendezvous.gloo_on_loopback(num_nodes)
         self.rendezvous_store = group.init_process_group(
@@ -151,6 +153,12 @@ class ProcessGroupRun:
         """
         self._failed = True
         grace_s = 5.0
+        # This process stops the ranks it launched itself (below). Emptied in place, first, the list Lightning's
+        # child-process observer watches (the launcher's) leaves it nothing to act on: otherwise, polling every
+        # 5 s, it SIGKILLs this process when a child exits non-zero, at times before this rank's own error has
+        # reached the user's code (an ``except``, a ``finally``, the traceback).
+        procs, launched[:] = list(launched), []
+        self._stopped_launched = self._stopped_launched or bool(procs)
         if isinstance(exception, SIGTERMException) and sigterm_save is not None:
             sigterm_save()
             grace_s = 30.0  # the other ranks are exiting by themselves after the same save
@@ -168,8 +176,8 @@ class ProcessGroupRun:
         else:
             failures.report_failure(self.rendezvous_store, rank, exception)
             self._own_failure = True
-        if launched:
-            failures.stop_processes(launched, grace_s=grace_s)
+        if procs:
+            failures.stop_processes(procs, grace_s=grace_s)
 
     def leave(self, rank: int, world_size: int, launched_here: bool) -> None:
         """Leave the run: keep the group for the user's code after success, destroy it after a failure.
@@ -182,9 +190,10 @@ class ProcessGroupRun:
         store, self.rendezvous_store, self.barrier_group = self.rendezvous_store, None, None
         self.node_group, self.node_ranks = None, []
         if self._failed:
-            # Released, the group's connections close now: the others' collectives break, and they explain.
-            released = group.destroy_process_group()
-            if self._own_failure and not launched_here and released:
+            # Released, and held by no forked child (a DataLoader worker), the group's connections close now: the
+            # others' collectives break, and they explain; else they learn of the failure when this process exits.
+            closed = group.destroy_process_group() and not failures.has_child_processes()
+            if self._own_failure and not (launched_here or self._stopped_launched) and closed:
                 failures.wait_for_peers(store, rank, world_size, failures.EXPLAIN_WAIT_S)
         else:
             group.keep_process_group()

@@ -252,3 +252,35 @@ def test_multiprocessing_launcher_worker_signature(namespace):
     params = _pl.signature_of(_private(namespace, "MultiProcessingLauncher")._wrapping_function)
     assert params[:4] == ["self", "process_idx", "trainer", "function"]
     assert params[4:] == ["args", "kwargs", "return_queue", "global_states"]
+
+
+def test_the_popen_observer_watches_the_launchers_list_which_a_failing_launcher_empties(namespace):
+    """Lightning's popen launcher starts a child-process observer on its own ``procs`` list; every 5 s it SIGKILLs
+    the launching process when a child exited non-zero. After a failure the launching rank stops its ranks itself
+    and empties that list first (ddp_strategy.process.run), so the observer finishes without killing it, and the
+    rank's own error reaches the user's code."""
+    import os
+    import subprocess
+    import sys
+    from datetime import timedelta
+
+    from ddp_strategy.process import ProcessGroupRun
+
+    launch_observer = namespace.get("pytorch.strategies.launchers.subprocess_script:_launch_process_observer")
+    observer_cls = launch_observer.__globals__["_ChildProcessObserver"]
+    assert "self.procs" in inspect.getsource(_private(namespace, "SubprocessScriptLauncher").launch)
+    child = subprocess.Popen([sys.executable, "-c", "raise SystemExit(1)"])
+    procs = [child]
+    observer = observer_cls(main_pid=os.getpid(), child_processes=procs)  # not started: _run is one poll
+    assert observer._child_processes is procs
+    run = ProcessGroupRun(timeout=timedelta(seconds=5), barrier_timeout=timedelta(seconds=5))
+    run.on_exception(ZeroDivisionError("rank 0's own bug"), rank=0, world_size=2, known_cause=None,
+                     sigterm_save=None, launched=procs)
+    assert procs == [] and child.returncode == 1  # stopped (it exited by itself) and reaped here
+    killed = []
+    observer._terminate_all = lambda: killed.append(True)  # what it would do: SIGKILL this process
+    assert observer._run() is True and killed == []
+    # without the emptying, the same poll kills: the guard is not vacuous
+    stale = observer_cls(main_pid=os.getpid(), child_processes=[child])
+    stale._terminate_all = lambda: killed.append(True)
+    assert stale._run() is True and killed == [True]

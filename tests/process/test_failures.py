@@ -245,7 +245,7 @@ class RaisesOnRank1(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
-def _fit_failing_on_rank_1(rank: int, world_size: int) -> None:
+def _fit_failing_on_rank_1(rank: int, world_size: int, num_workers: int) -> None:
     import gc
     import weakref
 
@@ -262,22 +262,25 @@ def _fit_failing_on_rank_1(rank: int, world_size: int) -> None:
     try:
         pl.Trainer(accelerator="cpu", devices=world_size, strategy=MyDDPStrategy(timeout=60), max_epochs=1,
                    logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                   callbacks=[spy]).fit(RaisesOnRank1(), DataLoader(TensorDataset(torch.randn(32, 4)), batch_size=4))
+                   callbacks=[spy]).fit(RaisesOnRank1(), DataLoader(TensorDataset(torch.randn(32, 4)), batch_size=4,
+                                                                    num_workers=num_workers))
     except ZeroDivisionError as e:  # rank 1; its traceback still holds the DDP wrapper here
         gc.collect()
         raise RuntimeError(f"process group released while the error propagates: {spy.group() is None}") from e
 
 
 @pytest.mark.multiprocess
-def test_the_peers_of_a_rank_that_raised_explain_before_it_exits():
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_the_peers_of_a_rank_that_raised_explain_before_it_exits(num_workers):
     """Rank 1 raises inside a fit: its DDP wrapper lets go of the process group, so the group's connections close
     at teardown, rank 0's collective breaks at once and names rank 1's error, and rank 1, which waits for that
     explanation, gets it (before, the wrapper, kept alive by the exception, held gloo's connections open until
-    rank 1's process exited, and rank 1 waited 10 s for an explanation that could not come)."""
+    rank 1's process exited, and rank 1 waited 10 s for an explanation that could not come). With DataLoader
+    workers, which hold forked copies of the connections, rank 1 does not wait: rank 0 learns when it exits."""
     from ddp_strategy.testing import RankError, run_on_ranks
 
     with pytest.raises(RankError) as raised:
-        run_on_ranks(_fit_failing_on_rank_1, 2, init_process_group=False, timeout_s=60)
+        run_on_ranks(_fit_failing_on_rank_1, 2, args=(num_workers,), init_process_group=False, timeout_s=60)
     assert "2 of 2 ranks failed" in str(raised.value)  # not "did not finish": rank 1 did not wait out 600 s
     assert "ZeroDivisionError: rank 1 divided by zero on purpose" in raised.value.reports[1]
     assert "process group released while the error propagates: True" in raised.value.reports[1]
