@@ -119,6 +119,11 @@ def _rank_main(rank: int, world_size: int, port: int, folder: str, fn: Callable[
     except BaseException:  # noqa: BLE001 - everything a rank raises is reported to the test
         (out / f"error_{rank}.txt").write_text(traceback.format_exc())
         code = 1
+        # os._exit below skips the shutdown of the rank's multiprocessing children (DataLoader workers), which hold
+        # forked copies of its connections to the other ranks: stopped now, the others learn of the failure now,
+        # not when the orphaned workers notice their parent is gone (up to 5 s later).
+        for child in multiprocessing.active_children():
+            child.kill()
     finally:
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()

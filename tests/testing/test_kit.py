@@ -351,3 +351,33 @@ def test_each_sample_once_takes_the_index_batches_ranks_collect():
         assert_each_sample_once([[torch.tensor([0, 1]), torch.tensor([2])], [torch.tensor([2])]], 4)
     with pytest.raises(TypeError, match=r"rank 1 read 1.5, which is not a sample index"):
         assert_each_sample_once([[0], torch.tensor([1.5])], 2)
+
+
+class _RaisingInWorkers(Dataset):
+    def __len__(self) -> int:
+        return 16
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if dist.get_rank() == 1:
+            raise ValueError("a DataLoader worker of rank 1 failed on purpose")
+        return torch.tensor([float(i)])
+
+
+def read_through_failing_workers(rank: int, world_size: int) -> None:
+    """Rank 1's DataLoader workers raise; rank 0 waits in an all-reduce for rank 1."""
+    if rank == 1:
+        list(DataLoader(_RaisingInWorkers(), batch_size=4, num_workers=2))
+    dist.all_reduce(torch.ones(1))
+
+
+def test_a_rank_failing_with_dataloader_workers_releases_its_peers_at_once(monkeypatch):
+    """Rank 1 fails while its DataLoader workers are alive: the kit stops them with it, so rank 0's all-reduce breaks
+    at once and rank 0 fails too, inside a 3 s grace period, instead of being stopped at its end (orphaned, the
+    workers, which hold copies of rank 1's connections, would notice their parent is gone only up to 5 s later)."""
+    from ddp_strategy.testing import ranks
+
+    monkeypatch.setattr(ranks, "FAILURE_GRACE_S", 3.0)
+    with pytest.raises(RankError, match="2 of 2 ranks failed") as raised:
+        run_on_ranks(read_through_failing_workers, 2, timeout_s=60)
+    assert "a DataLoader worker of rank 1 failed on purpose" in raised.value.reports[1]
+    assert raised.value.reports[0].startswith("raised:")  # rank 0's all-reduce broke; it was not stopped
