@@ -20,6 +20,7 @@ from ddp_strategy.process.group import (
     validate_init_method,
 )
 from ddp_strategy.process.launching import START_METHODS, StartMethod, check_launch_env, default_start_method
+from ddp_strategy.process.failures import proc_stat
 from ddp_strategy.process.rendezvous import free_port
 from ddp_strategy.process.run import ProcessGroupRun, launched_ranks
 from ddp_strategy.process.topology import RankTopology
@@ -27,4 +28,4 @@ from ddp_strategy.process.topology import RankTopology
 __all__ = ["DEFAULT_TIMEOUT", "START_METHODS", "Collectives", "ProcessGroupRun", "RankTopology", "StartMethod",
            "all_gather_rows", "all_reduce", "as_timedelta", "check_launch_env", "default_start_method",
            "destroy_process_group", "device_ids", "free_port", "init_process_group", "launched_ranks",
-           "validate_backend_name", "validate_init_method"]
+           "proc_stat", "validate_backend_name", "validate_init_method"]

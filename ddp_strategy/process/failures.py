@@ -154,22 +154,29 @@ def has_child_processes() -> bool:
         return True
     for entry in entries:
         try:
-            with open(f"/proc/{entry}/stat") as f:
-                stat = f.read()
+            fields = proc_stat(int(entry))
         except OSError:
             continue
-        fields = stat[stat.rindex(")") + 2:].split()
         if int(fields[1]) == me and fields[0] not in "ZX":
             return True
     return False
 
 
+def proc_stat(pid: int) -> list[str]:
+    """The fields of ``/proc/<pid>/stat`` after the command name: ``[state, ppid, pgrp, ...]`` (Linux, proc(5)).
+
+    Raises:
+        OSError: no such process, or no ``/proc`` (FileNotFoundError among them).
+    """
+    with open(f"/proc/{pid}/stat") as f:
+        stat = f.read()
+    return stat[stat.rindex(")") + 2:].split()
+
+
 def _process_gone(pid: int) -> bool:
     """True when ``pid`` does not exist or is a zombie (exited, not yet reaped)."""
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            stat = f.read()
-        return stat[stat.rindex(")") + 2] in "ZX"
+        return proc_stat(pid)[0] in "ZX"
     except (FileNotFoundError, ProcessLookupError):
         return True
     except OSError:

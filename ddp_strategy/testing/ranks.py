@@ -38,7 +38,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from ddp_strategy.process import free_port
+from ddp_strategy.process import free_port, proc_stat
 
 #: Imported once by the forkserver, so that ranks start from a warm parent.
 PRELOAD = ("torch", "torch.distributed", "ddp_strategy")
@@ -253,10 +253,9 @@ def _alive_in_groups(groups: list[int]) -> bool:
     """Whether a process of one of these process groups is alive (not a zombie), from ``/proc``."""
     for entry in Path("/proc").glob("[0-9]*"):
         try:
-            stat = (entry / "stat").read_text()
+            fields = proc_stat(int(entry.name))  # state, ppid, pgrp, ...
         except OSError:
             continue
-        fields = stat[stat.rindex(")") + 2:].split()  # state, ppid, pgrp, ...
         if fields[0] != "Z" and int(fields[2]) in groups:
             return True
     return False
