@@ -2,7 +2,7 @@
 
 Usage: python benchmarks/fuzz_inputs.py [--examples N] (default 300 per kind; a few minutes on 2 cores)
 
-Uses the suite's own generators (tests/checkpoint_fuzzing.py, Hypothesis derandomized: the same inputs on
+Uses the suite's own generators (tests/checkpoint/checkpoint_fuzzing.py, Hypothesis derandomized: the same inputs on
 every run). For checkpoint files each input goes through all four loaders (DDPCheckpointIO.load_checkpoint,
 load_plain_state_dict, import_plain_checkpoint, export_weights); a "documented" outcome is one of the
 errors the loader's docstring promises, "loaded" a valid checkpoint (for bit flips and removed members:
@@ -21,7 +21,7 @@ import tempfile
 import warnings
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "checkpoint"))
 
 from checkpoint_fuzzing import (  # noqa: E402
     flip_bit,

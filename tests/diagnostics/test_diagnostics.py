@@ -15,7 +15,7 @@ from pathlib import Path
 import lightning.pytorch as pl
 import pytest
 import torch
-from diagnostics_testing import ListHandler, MultipliedBatchDigits, UnusedHeadClassifier
+from diagnostics_workers import ListHandler, MultipliedBatchDigits, UnusedHeadClassifier
 from torch import nn
 
 from ddp_strategy import DigitsDataModule, MyDDPStrategy

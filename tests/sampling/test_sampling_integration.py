@@ -1,4 +1,4 @@
-"""Sampling guarantees with real gloo processes, checked by recorded indices (see tests/sampling_workers.py).
+"""Sampling guarantees with real gloo processes, checked by recorded indices (see tests/sampling/sampling_workers.py).
 
 Four launches (2, 1, 3 and 2 processes) run all the fits: an uninterrupted 2-process fit that writes a
 checkpoint in the middle of epoch 1, its resume on 2, 1 and 3 processes, an uninterrupted 1-process fit and

@@ -1,6 +1,6 @@
-"""Workers for tests/test_lightning_compat.py: evaluation collectives and BatchNorm buffers under MyDDPStrategy.
+"""Workers for tests/sampling/test_evaluation_compat.py: evaluation collectives and BatchNorm buffers under MyDDPStrategy.
 
-Launched with :func:`sampling_workers.launch` (``"compat_workers:scenario"``): each scenario runs several
+Launched with :func:`sampling_workers.launch` (``"evaluation_workers:scenario"``): each scenario runs several
 Trainers inside one pair of gloo processes and records, per rank, what the user's module saw in
 ``out_dir/<name>.rank<R>.pt``. The same module also runs under Lightning's own ``strategy="ddp"`` for
 comparison.

@@ -1,4 +1,4 @@
-"""Workers for tests/test_lightning_compat_data.py: user data and settings that Lightning's ``ddp`` accepts.
+"""Workers for tests/sampling/test_data_compat.py: user data and settings that Lightning's ``ddp`` accepts.
 
 Each scenario runs in 2 real gloo processes started by :func:`sampling_workers.launch` (externally launched,
 several Trainer runs per launch) and records what every rank saw in ``out_dir/<name>.rank<R>.pt``.

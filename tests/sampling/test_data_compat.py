@@ -1,6 +1,6 @@
 """Code that runs under Lightning's ``strategy="ddp"`` runs under ``MyDDPStrategy()``: the user's data and settings.
 
-Real gloo processes (see tests/compat_data_workers.py): two launches of 2 processes share the fits, and one
+Real gloo processes (see tests/sampling/data_workers.py): two launches of 2 processes share the fits, and one
 popen fit starts 3 processes on 2 cores. One-process tests of the same kinds come first.
 """
 
@@ -16,7 +16,7 @@ from pathlib import Path
 import lightning.pytorch as pl
 import pytest
 import torch
-from compat_data_workers import (
+from data_workers import (
     N_BUCKETS,
     N_ORDER,
     N_REVERSED,
@@ -48,7 +48,7 @@ from ddp_strategy import (
 )
 from ddp_strategy.sampling.injection import ORDER_KEPT_WARNING, inject_distributed_sampler, warn_if_order_kept
 
-SCRIPTS = Path(__file__).parent / "scripts"
+SCRIPTS = Path(__file__).parent.parent / "scripts"
 
 
 # ------------------------------------------------------------------------------------------ one process

@@ -3,9 +3,9 @@
 Each test provokes the error (or warning), then applies each suggested fix in that same situation and asserts
 the value the user wanted: the fit trains its steps, the loader yields the expected batches, the file loads.
 Mostly one process: ``Trainer(devices=1)`` runs in this process, and the rank-agnostic helpers are called with
-``num_replicas=2`` directly; one 2-process launch (tests/error_suggestion_workers.py) covers what only 2 ranks
+``num_replicas=2`` directly; one 2-process launch (tests/sampling/suggestion_workers.py) covers what only 2 ranks
 raise. The suggestions of UnsafeCheckpointError and StateDictMismatchError are tested in
-tests/test_lightning_compat_data.py.
+tests/sampling/test_data_compat.py.
 """
 
 from __future__ import annotations
@@ -392,8 +392,8 @@ def test_safetensors_missing_error_suggestions_work(tmp_path, monkeypatch):
 # ---------------------------------------------------------------------------------- two processes
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory) -> list[dict]:
-    """One 2-process launch (tests/error_suggestion_workers.py); every rank's record."""
-    from error_suggestion_workers import scenario_suggestions
+    """One 2-process launch (tests/sampling/suggestion_workers.py); every rank's record."""
+    from suggestion_workers import scenario_suggestions
     from sampling_workers import launch, load
 
     out = tmp_path_factory.mktemp("suggestions")

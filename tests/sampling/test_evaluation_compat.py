@@ -2,7 +2,7 @@
 
 Three launches: the evaluation-collective patterns on 3, 21, 17 and 5 validation samples (the same module
 also under Lightning's ``strategy="ddp"``), BatchNorm buffers during validation in ``fit``, and a per-step
-``torch.distributed`` collective on uneven predict shards. See tests/compat_workers.py.
+``torch.distributed`` collective on uneven predict shards. See tests/sampling/evaluation_workers.py.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from compat_workers import Samples, score
+from evaluation_workers import Samples, score
 from sampling_workers import launch, load
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(400)]
@@ -23,8 +23,8 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(400)]
 def runs(tmp_path_factory) -> Path:
     """All launches; returns the folder holding every rank's records."""
     out = tmp_path_factory.mktemp("compat")
-    launch("compat_workers:scenario_collectives", 2, out)
-    launch("compat_workers:scenario_batchnorm", 2, out)
+    launch("evaluation_workers:scenario_collectives", 2, out)
+    launch("evaluation_workers:scenario_batchnorm", 2, out)
     return out
 
 
@@ -159,7 +159,7 @@ def test_batchnorm_buffers_stay_per_rank_without_broadcast_buffers(runs):
 
 def test_timeout_on_uneven_predict_shards_names_the_batch_counts(tmp_path):
     """torchmetrics dist_sync_on_step in predict_step, 2 vs 1 batches: rank 0's error names the counts."""
-    launch("compat_workers:scenario_predict_timeout", 2, tmp_path)
+    launch("evaluation_workers:scenario_predict_timeout", 2, tmp_path)
     error = load(tmp_path, "predict_timeout", 2)[0]["error"]
     assert error is not None and "[2, 1]" in error and "dist_sync_on_step" in error
 

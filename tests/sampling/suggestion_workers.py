@@ -1,4 +1,4 @@
-"""Worker for tests/test_error_suggestions.py: errors and warnings that exist only with 2 ranks, and their fixes.
+"""Worker for tests/sampling/test_error_suggestions.py: errors and warnings that exist only with 2 ranks, and their fixes.
 
 Runs in 2 real gloo processes started by :func:`sampling_workers.launch` and records what each rank saw in
 ``out_dir/suggestions.rank<R>.pt``.
@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from compat_data_workers import BATCH, N, Seen, own_half
+from data_workers import BATCH, N, Seen, own_half
 from sampling_workers import Indexed, save, trainer
 from torch.utils.data import DataLoader, Subset
 
