@@ -18,7 +18,6 @@ from hypothesis import strategies as st
 from lightning.fabric.plugins.environments import LightningEnvironment, TorchElasticEnvironment
 
 from ddp_strategy import MyDDPStrategy
-from ddp_strategy.cli import build_cli
 from ddp_strategy.process.launching import check_launch_env
 
 FUZZ = settings(max_examples=40, derandomize=True, deadline=None, database=None,
@@ -145,33 +144,3 @@ def test_variables_lightning_ignores_are_not_checked(monkeypatch):
     trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=MyDDPStrategy(allow_cpu_oversubscription=True),
                          logger=False, enable_progress_bar=False, enable_model_summary=False)
     assert trainer.strategy.cluster_environment.main_port == 29500
-
-
-# ----------------------------------------------------------------------------------------------- CLI
-@pytest.mark.parametrize(("args", "words"), [
-    (["fit", "--model.no_such_option=1"], "unrecognized arguments"),
-    (["fit", "--trainer.max_epochs=abc"], "max_epochs"),
-    (["fit", "--data.batch_size=0"], "per-device batch size and must be >= 1"),
-    (["fit", "--trainer.strategy=ddp_strategy.MyDDPStrategy", "--trainer.strategy.timeout=-5"],
-     "timeout must be positive"),
-    (["fit", "--trainer.strategy=ddp_strategy.MyDDPStrategy", "--trainer.strategy.seed=abc"], "seed"),
-])
-def test_cli_bad_flags_give_a_usage_error_not_a_traceback(capsys, args, words):
-    """A bad flag or value: usage + 'error:' naming it on stderr, exit status 2, no traceback."""
-    with pytest.raises(SystemExit) as info:
-        build_cli(args)
-    err = capsys.readouterr().err
-    assert info.value.code == 2 and "usage:" in err and "error:" in err and words in err
-    assert "Traceback" not in err
-
-
-def test_cli_bad_yaml_config_gives_a_usage_error(tmp_path, capsys):
-    """Unknown keys and wrong types in --config YAML are usage errors too (exit 2)."""
-    for text, words in (("trainer:\n  no_such_key: 1\n", "no_such_key"), ("data:\n  batch_size: many\n", "batch_size"),
-                        ("model: [1, 2\n", "error:")):
-        config = tmp_path / "c.yaml"
-        config.write_text(text)
-        with pytest.raises(SystemExit) as info:
-            build_cli(["fit", f"--config={config}"])
-        err = capsys.readouterr().err
-        assert info.value.code == 2 and words in err and "Traceback" not in err, err[-2000:]

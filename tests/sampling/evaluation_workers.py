@@ -1,4 +1,4 @@
-"""Workers for tests/sampling/test_evaluation_compat.py: evaluation collectives and BatchNorm buffers under MyDDPStrategy.
+"""Workers for tests/sampling/test_evaluation_compat.py: evaluation collectives and BatchNorm buffers.
 
 Launched with :func:`sampling_workers.launch` (``"evaluation_workers:scenario"``): each scenario runs several
 Trainers inside one pair of gloo processes and records, per rank, what the user's module saw in

@@ -1,4 +1,4 @@
-"""Worker for tests/sampling/test_error_suggestions.py: errors and warnings that exist only with 2 ranks, and their fixes.
+"""Worker for tests/sampling/test_error_suggestions.py: errors and warnings that exist only with 2 ranks, and fixes.
 
 Runs in 2 real gloo processes started by :func:`sampling_workers.launch` and records what each rank saw in
 ``out_dir/suggestions.rank<R>.pt``.

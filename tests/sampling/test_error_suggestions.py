@@ -393,8 +393,8 @@ def test_safetensors_missing_error_suggestions_work(tmp_path, monkeypatch):
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory) -> list[dict]:
     """One 2-process launch (tests/sampling/suggestion_workers.py); every rank's record."""
-    from suggestion_workers import scenario_suggestions
     from sampling_workers import launch, load
+    from suggestion_workers import scenario_suggestions
 
     out = tmp_path_factory.mktemp("suggestions")
     launch(scenario_suggestions, 2, out)

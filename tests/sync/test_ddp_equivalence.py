@@ -7,9 +7,9 @@ each test compares the ranks' records with a single-process reference computed h
 from __future__ import annotations
 
 import pytest
+import sync_workers as ww
 import torch
 import torch.nn.functional as F
-import sync_workers as ww
 from ddp_testing import IndexedDigits, free_port
 from torch import nn
 
