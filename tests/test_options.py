@@ -1,39 +1,40 @@
-"""Bad strategy arguments, launch variables and CLI values: a clear error naming the input, raised early.
+"""MyDDPStrategy's arguments (ddp_strategy/options.py): a bad one is refused in ``MyDDPStrategy(...)`` with an
+error naming it, and each fix the error suggests is accepted (and, where it changes how a fit runs, fits).
 
-Input Lightning's own DDPStrategy accepts stays accepted (checked alongside each refusal). Hypothesis runs
-derandomized (fixed seed) with a bounded number of examples; benchmarks/fuzz_inputs.py sweeps more.
+Input Lightning's own DDPStrategy accepts stays accepted. Launch variables are checked in
+tests/process/test_launch_errors.py, CLI values in tests/test_cli.py.
 """
 
 from __future__ import annotations
 
-import os
+import importlib
+import inspect
 import warnings
 from datetime import timedelta
 
-import lightning.pytorch as pl
 import pytest
+import torch
 import torch.distributed as dist
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
-from lightning.fabric.plugins.environments import LightningEnvironment, TorchElasticEnvironment
+from ddp_testing import Regressor, fit_steps, free_port
+from torch.nn.parallel import DistributedDataParallel
 
 from ddp_strategy import MyDDPStrategy
-from ddp_strategy.process.launching import check_launch_env
+from ddp_strategy.sync.comm_hooks import HOOKS_BY_NAME, CommHookConfig
 
-FUZZ = settings(max_examples=40, derandomize=True, deadline=None, database=None,
-                suppress_health_check=[HealthCheck.too_slow])
+pytestmark = pytest.mark.timeout(120)
 
 
 @pytest.mark.parametrize(("kwargs", "error", "named"), [
     ({"timeout": "5"}, TypeError, "timeout"),
+    ({"timeout": 0}, ValueError, "timeout must be positive"),
     ({"timeout": -1}, ValueError, "timeout must be positive"),
     ({"timeout": float("nan")}, ValueError, "timeout must be a finite number"),
     ({"timeout": float("inf")}, ValueError, "timeout must be a finite number"),
     ({"monitored_barrier_timeout": 0}, ValueError, "timeout must be positive"),
     ({"start_method": 3}, TypeError, "start_method"),
-    ({"start_method": "thread"}, ValueError, "start_method"),
+    ({"start_method": "thread"}, ValueError, "Unknown start_method='thread'"),
     ({"process_group_backend": ["gloo"]}, TypeError, "process_group_backend"),
-    ({"process_group_backend": "glooo"}, ValueError, "process_group_backend"),
+    ({"process_group_backend": "glooo"}, ValueError, "Unknown process_group_backend='glooo'.* or leave it as None"),
     ({"seed": "1"}, TypeError, "seed"),
     ({"seed": 2**70}, ValueError, "seed must be between 0 and"),
     ({"seed": -1}, ValueError, "seed must be between 0 and"),
@@ -43,11 +44,13 @@ FUZZ = settings(max_examples=40, derandomize=True, deadline=None, database=None,
     ({"allow_cpu_oversubscription": "yes"}, TypeError, "allow_cpu_oversubscription"),
     ({"checkpoint_on_sigterm": 3}, TypeError, "checkpoint_on_sigterm"),
     ({"checkpoint_on_sigterm": ""}, ValueError, "checkpoint_on_sigterm"),
-    ({"verify_sync_every_n_steps": 0}, ValueError, "verify_sync_every_n_steps"),
+    ({"verify_sync_every_n_steps": 0}, ValueError, "verify_sync_every_n_steps must be a positive"),
     ({"verify_sync_every_n_steps": 2.5}, TypeError, "verify_sync_every_n_steps"),
     ({"bucket_cap_mb": "25"}, TypeError, "bucket_cap_mb"),
     ({"bucket_size": 25}, TypeError, "unknown DistributedDataParallel option"),
-    ({"ddp_comm_hook": "zip"}, ValueError, "ddp_comm_hook"),
+    ({"find_unused_params": True}, TypeError, "unknown DistributedDataParallel option"),
+    ({"ddp_comm_hook": 3}, TypeError, "callable"),
+    ({"ddp_comm_state": object()}, TypeError, "without ddp_comm_hook"),
 ])
 def test_bad_strategy_arguments_are_refused_in_init_naming_the_argument(kwargs, error, named):
     """Each mistyped or out-of-range argument raises TypeError/ValueError in MyDDPStrategy(...) naming it."""
@@ -71,76 +74,50 @@ def test_what_lightning_accepts_is_still_accepted():
     assert any("find_unused_parameters='false') is not True or False" in str(w.message) for w in caught)
 
 
-# ------------------------------------------------------------------------------- launch variables
-LAUNCH_VARIABLES = ("MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK")
-_values = st.one_of(st.just(""), st.text(max_size=6), st.integers(-(2**40), 2**40).map(str),
-                    st.sampled_from([" 1", "+1", "1_0", "0x10", "1.0", "１", "65536", "-1", "0"]))
+# ------------------------------------------------------------------ errors and their suggested fixes
+def test_store_with_spawn_error_suggestions_work(tmp_path):
+    """store= with start_method='spawn' is refused; 'fork' or 'popen' with a FileStore, or init_method='file://'
+    with 'spawn', is accepted, and the FileStore and file:// rendezvous train in this process (popen)."""
+    with pytest.raises(ValueError, match="store= cannot be used with start_method='spawn'.* Use start_method='fork' or"
+                                         " 'popen'"):
+        MyDDPStrategy(store=torch.distributed.FileStore(str(tmp_path / "s0"), 1), start_method="spawn")
+    MyDDPStrategy(store=torch.distributed.FileStore(str(tmp_path / "s1"), 1), start_method="fork")
+    popen = MyDDPStrategy(timeout=30, store=torch.distributed.FileStore(str(tmp_path / "s2"), 1), start_method="popen")
+    assert fit_steps(tmp_path, Regressor(), popen) == 3
+    MyDDPStrategy(init_method=f"file://{tmp_path / 'rdzv0'}", start_method="spawn")
+    file_init = MyDDPStrategy(timeout=30, init_method=f"file://{tmp_path / 'rdzv1'}", start_method="popen")
+    assert fit_steps(tmp_path, Regressor(), file_init) == 3
 
 
-def _accepted_by_lightning(env, environ: dict[str, str]) -> bool:
-    """Whether Lightning's own environment parses every variable it reads from ``environ`` (its int())."""
-    saved = dict(os.environ)
-    os.environ.clear()
-    os.environ.update(environ)
-    try:
-        env.local_rank(), env.node_rank(), env.world_size(), env.global_rank()
-        if "MASTER_PORT" in environ:
-            env.main_port  # noqa: B018 (a property that parses MASTER_PORT)
-        return True
-    except (ValueError, KeyError):
-        return False
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
+def test_init_method_error_suggestions_are_accepted(tmp_path):
+    """A URL without a port or of another scheme is refused; each suggested form is accepted, and tcp:// fits."""
+    with pytest.raises(ValueError, match="has no port.*write it as 'tcp://host:port'"):
+        MyDDPStrategy(init_method="tcp://127.0.0.1")
+    with pytest.raises(ValueError, match="init_method='http://127.0.0.1:80' is not supported.*use 'env://' .* or pass"
+                                         " a torch.distributed Store as store="):
+        MyDDPStrategy(init_method="http://127.0.0.1:80")
+    for url in ("env://", "tcp://127.0.0.1:29500", f"file://{tmp_path}/x"):
+        MyDDPStrategy(init_method=url)
+    tcp = MyDDPStrategy(timeout=30, init_method=f"tcp://127.0.0.1:{free_port()}")
+    assert fit_steps(tmp_path, Regressor(), tcp) == 3
 
 
-@FUZZ
-@given(environ=st.dictionaries(st.sampled_from(LAUNCH_VARIABLES), _values, max_size=5),
-       elastic=st.booleans())
-def test_launch_variables_fuzz(environ, elastic):
-    """Any values: accepted, or ValueError naming the variable and value; never another error type.
-
-    What Lightning's int() cannot parse is always refused; what it parses and is in range is accepted.
-    """
-    env = TorchElasticEnvironment() if elastic else LightningEnvironment()
-    if elastic:
-        environ = {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0", **environ}
-    try:
-        check_launch_env(env, num_nodes=1, num_processes=2, environ=environ)
-        accepted = True
-    except ValueError as e:
-        accepted = False
-        message = str(e)
-        assert any(f"{name}={environ.get(name)!r}" in message for name in environ) or "GROUP_RANK" in message, message
-    if not _accepted_by_lightning(env, environ):
-        assert not accepted, environ
-
-
-@pytest.mark.parametrize(("variable", "value", "words"), [
-    ("MASTER_PORT", "", "MASTER_PORT='' is empty"),
-    ("MASTER_PORT", "http", "MASTER_PORT='http' is not a whole number"),
-    ("MASTER_PORT", "70000", "MASTER_PORT='70000' is out of range"),
-    ("LOCAL_RANK", "-1", "LOCAL_RANK='-1' is out of range"),
-    ("NODE_RANK", "abc", "NODE_RANK='abc' is not a whole number"),
-])
-def test_a_bad_launch_variable_fails_in_trainer_construction(monkeypatch, variable, value, words):
-    """Trainer(strategy=MyDDPStrategy()) raises the named ValueError before launching; unsetting it (the fix) works."""
-    def build() -> pl.Trainer:
-        return pl.Trainer(accelerator="cpu", devices=2, strategy=MyDDPStrategy(allow_cpu_oversubscription=True),
-                          logger=False, enable_progress_bar=False, enable_model_summary=False)
-
-    monkeypatch.setenv(variable, value)
-    with pytest.raises(ValueError, match=words):
-        build()
-    monkeypatch.delenv(variable)
-    assert build().strategy.num_processes == 2
-
-
-def test_variables_lightning_ignores_are_not_checked(monkeypatch):
-    """WORLD_SIZE/RANK are not read by LightningEnvironment: junk there is Lightning's to ignore, and ours."""
-    monkeypatch.setenv("WORLD_SIZE", "")
-    monkeypatch.setenv("RANK", "junk")
-    monkeypatch.setenv("MASTER_PORT", " 29500 ")  # int() accepts the spaces, as Lightning does
-    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=MyDDPStrategy(allow_cpu_oversubscription=True),
-                         logger=False, enable_progress_bar=False, enable_model_summary=False)
-    assert trainer.strategy.cluster_environment.main_port == 29500
+def test_comm_hook_and_ddp_option_error_suggestions_are_accepted(tmp_path):
+    """An unknown hook name or DDP option is refused; every listed hook name and DDP option is accepted (they
+    are this PyTorch's), a wrapper with its hook is accepted, and a listed hook fits."""
+    for unknown in ("fp32", "int8", "zip"):
+        with pytest.raises(ValueError, match=rf"Unknown ddp_comm_hook='{unknown}'.*use one of \['allreduce', 'bf16',"
+                                             r" 'fp16', 'powersgd'\]"):
+            MyDDPStrategy(ddp_comm_hook=unknown)
+    for name in HOOKS_BY_NAME:
+        MyDDPStrategy(ddp_comm_hook=name)
+    wrapper = importlib.import_module("torch.distributed.algorithms.ddp_comm_hooks.default_hooks").fp16_compress_wrapper
+    with pytest.raises(TypeError, match="pass the hook too"):
+        CommHookConfig(wrapper=wrapper)
+    CommHookConfig(hook="allreduce", wrapper=wrapper)
+    with pytest.raises(TypeError, match="valid options are") as error:
+        MyDDPStrategy(bucket_size_mb=25)
+    listed = eval(str(error.value).split("valid options are ")[1].rstrip("."))  # the list the message prints
+    assert set(listed) <= set(inspect.signature(DistributedDataParallel.__init__).parameters)
+    assert "bucket_cap_mb" in listed
+    assert fit_steps(tmp_path, Regressor(), MyDDPStrategy(timeout=30, ddp_comm_hook="fp16", bucket_cap_mb=1)) == 3

@@ -37,23 +37,6 @@ def test_defaults():
     assert MyDDPStrategy(timeout=5)._options.timeout == timedelta(seconds=5)
 
 
-@pytest.mark.parametrize(
-    ("kwargs", "error", "message"),
-    [
-        ({"start_method": "thread"}, ValueError, "Unknown start_method='thread'"),
-        ({"process_group_backend": "nccl2"}, ValueError, "Unknown process_group_backend"),
-        ({"timeout": 0}, ValueError, "timeout must be positive"),
-        ({"find_unused_params": True}, TypeError, "unknown DistributedDataParallel option"),
-        ({"store": dist.HashStore(), "start_method": "spawn"}, ValueError,
-         "store= cannot be used with start_method='spawn'"),
-    ],
-)
-def test_bad_arguments_fail_at_construction(kwargs, error, message):
-    """Mistakes are reported when the strategy is built, before any process starts."""
-    with pytest.raises(error, match=message):
-        MyDDPStrategy(**kwargs)
-
-
 def test_start_method_default_depends_on_interactivity(monkeypatch):
     """popen for scripts; fork in Jupyter or a REPL, where a script cannot be re-run."""
     assert MyDDPStrategy().start_method == "popen"
@@ -82,7 +65,6 @@ def test_trainer_wires_devices_and_sampler_arguments():
 
 def test_nccl_barrier_passes_device_ids(monkeypatch):
     """On an NCCL group the barrier gets this rank's device id (checked without a GPU)."""
-    import torch.distributed as dist
 
     calls = []
     s = MyDDPStrategy(parallel_devices=[torch.device("cuda", 0), torch.device("cuda", 1)])
@@ -95,11 +77,13 @@ def test_nccl_barrier_passes_device_ids(monkeypatch):
 
 
 def test_reduce_refuses_subgroups_and_passes_non_tensors():
-    """reduce() only reduces over the world; non-tensors come back unchanged."""
+    """reduce() only reduces over the world: a group is refused, and the suggested group=None reduces (here one
+    process: the mean); non-tensors come back unchanged."""
     s = MyDDPStrategy()
     assert s.reduce(3.5) == 3.5
-    with pytest.raises(ValueError, match="world process group"):
-        s.reduce(torch.ones(1), group=object())
+    with pytest.raises(ValueError, match="world process group.*pass group=None"):
+        s.reduce(torch.tensor([1.0, 3.0]), group=object())
+    assert s.reduce(torch.tensor([1.0, 3.0]), group=None).tolist() == [1.0, 3.0]
 
 
 # ------------------------------------------------------------------------------- two-process fits

@@ -191,9 +191,9 @@ def record_warnings(run: Any) -> list[str]:
 
 # -------------------------------------------------------------------------------------------- scenarios
 def scenario_data(out: Path) -> None:
-    """use_distributed_sampler=False in every stage; uneven user shards; any iterable; DataLoader subclasses with
-    custom batch samplers; fast_dev_run leaves default_root_dir untouched; the training order with and without
-    shuffle; Lightning's ddp on the iterables and on the training-order fits."""
+    """use_distributed_sampler=False in every stage; uneven user shards and their fixes; any iterable; DataLoader
+    subclasses with custom batch samplers; fast_dev_run leaves default_root_dir untouched; the training order with
+    and without shuffle; Lightning's ddp on the iterables and on the training-order fits."""
     pl.seed_everything(SEED)
     # 1. The user split the data by rank: every stage must see exactly this rank's half.
     model = Seen({"train": own_half(0, shuffle=True), "val": own_half(1), "test": own_half(2),
@@ -210,14 +210,24 @@ def scenario_data(out: Path) -> None:
     torch.distributed.barrier()  # the group of the last run is there too
     save(out, "user_split", {**model.seen, "predictions": [p.tolist() for p in predictions],
                              "after_fit": user_code, "trainer_rank": t.global_rank})
-    # Uneven user shards (12 and 8 samples: 3 and 2 batches): a clear error on every rank, not a hang.
+    # Uneven user shards (12 and 8 samples: 3 and 2 batches): a clear error on every rank, not a hang; then each fix
+    # it suggests.
     uneven = Seen({"train": lambda: DataLoader(Subset(Indexed(N, 0), range(rank(), N - 8 * rank(), 2)),
                                                batch_size=BATCH)})
+    record: dict[str, Any] = {"error": None}
     try:
         trainer(2, out, max_epochs=1, use_distributed_sampler=False).fit(uneven)
-        save(out, "uneven", {"error": None})
     except ValueError as error:
-        save(out, "uneven", {"error": str(error), "steps": len(uneven.seen["train"])})
+        record.update(error=str(error), steps=len(uneven.seen["train"]))
+    # Fix 1: let the strategy shard the whole data set (use_distributed_sampler=True, the default).
+    whole = Seen({"train": lambda: DataLoader(Indexed(N - 4, 0), batch_size=BATCH)})
+    trainer(2, out, max_epochs=1).fit(whole)
+    record["sharded"] = whole.seen["train"]
+    # Fix 2: the user's own shards, made to hold the same number of batches.
+    equal = Seen({"train": own_half(0)})
+    trainer(2, out, max_epochs=1, use_distributed_sampler=False).fit(equal)
+    record["equal"] = equal.seen["train"]
+    save(out, "uneven", record)
 
     # 2. Any iterable: a list of rows (Lightning flattens the list and iterates each tensor) and ready batches.
     rows = torch.arange(6, dtype=torch.float32).unsqueeze(1).repeat(1, 5)

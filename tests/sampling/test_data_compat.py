@@ -41,10 +41,7 @@ from torch.utils.data.distributed import DistributedSampler
 from ddp_strategy import (
     MyDDPStrategy,
     StateDictMismatchError,
-    UnsafeCheckpointError,
-    export_weights,
     import_plain_checkpoint,
-    load_plain_state_dict,
 )
 from ddp_strategy.sampling.injection import ORDER_KEPT_WARNING, inject_distributed_sampler, warn_if_order_kept
 
@@ -116,32 +113,6 @@ def test_a_training_order_lightning_would_shuffle_is_warned_about_once_with_what
         warnings.filterwarnings("ignore", message=ORDER_KEPT_WARNING)  # what the warning suggests
         warn_if_order_kept(DataLoader(data, batch_size=2), 2)
     assert not recwarn.list
-
-
-def test_unsafe_checkpoint_suggestions_name_the_function_that_raised(tmp_path):
-    """load_plain_state_dict, export_weights and import_plain_checkpoint refuse a checkpoint holding an nn.MSELoss
-    with a message naming their own weights_only=False and the exact add_safe_globals call; both then work."""
-    path = tmp_path / "lossy.ckpt"
-    net = nn.Linear(3, 1)
-    holder = nn.Module()
-    holder.model = nn.Linear(3, 1)
-    torch.save({"state_dict": {f"model.{k}": v for k, v in net.state_dict().items()},
-                "hyper_parameters": {"loss_fn": nn.MSELoss()}}, path)
-    calls = {
-        "load_plain_state_dict": lambda **kw: load_plain_state_dict(path, **kw),
-        "export_weights": lambda **kw: export_weights(path, tmp_path / "w.pt", **kw),
-        "import_plain_checkpoint": lambda **kw: import_plain_checkpoint(path, holder, **kw),
-    }
-    for name, call in calls.items():
-        with pytest.raises(UnsafeCheckpointError) as raised:
-            call()
-        message = str(raised.value)
-        assert f"{name}(..., weights_only=False)" in message
-        assert "torch.serialization.add_safe_globals([torch.nn.modules.loss.MSELoss])" in message
-        call(weights_only=False)  # the first suggestion, where the error was raised
-    assert torch.equal(load_plain_state_dict(path, weights_only=False)["weight"], net.weight)
-    with torch.serialization.safe_globals([torch.nn.modules.loss.MSELoss]):  # the second
-        assert torch.equal(load_plain_state_dict(path)["weight"], net.weight)
 
 
 class Wider(Seen):
@@ -224,12 +195,21 @@ def test_torch_distributed_works_after_fit_as_under_lightning_ddp(runs):
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(600)
-def test_uneven_user_shards_fail_clearly_before_a_step(runs):
+def test_uneven_user_shards_fail_clearly_before_a_step_and_each_suggested_fix_trains(runs):
     """use_distributed_sampler=False, 12 and 8 samples (3 and 2 training batches): every rank raises the counts
-    at the epoch's start and names the flag, instead of hanging in DDP's all-reduce."""
-    for rec in load(runs, "uneven", 2):
+    at the epoch's start and names the flag, instead of hanging in DDP's all-reduce; letting the strategy shard the
+    whole data set, or equal user shards, trains every rank the same number of steps over every sample."""
+    records = load(runs, "uneven", 2)
+    for rec in records:
         assert rec["error"] is not None and "{0: 3, 1: 2}" in rec["error"], rec["error"]
         assert "use_distributed_sampler" in rec["error"] and rec["steps"] == 0
+        assert "Let MyDDPStrategy shard the data" in rec["error"]
+        assert "Trainer(use_distributed_sampler=True)" in rec["error"]
+    sharded = [[i for batch in r["sharded"] for i in batch] for r in records]
+    assert [len(r["sharded"]) for r in records] == [3, 3]
+    assert sorted(sharded[0] + sharded[1]) == list(range(20))
+    equal = [[i for batch in r["equal"] for i in batch] for r in records]
+    assert equal == [list(range(0, 24, 2)), list(range(1, 24, 2))]
 
 
 @pytest.mark.multiprocess
