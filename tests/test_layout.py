@@ -12,6 +12,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "ddp_strategy"
+TESTS = ROOT / "tests"
 #: A module past this many lines is probably two concerns (STYLE.md); issue 25's cap for every module.
 MAX_MODULE_LINES = 400
 #: Issue 25: the whole package (docstrings included, as ``wc -l`` counts) at most this many lines.
@@ -139,6 +140,32 @@ def test_no_import_cycles_in_the_package():
     """Data goes down the tree and never comes back up: the module import graph has no cycle."""
     files = package_files()
     assert find_cycle(import_graph(ROOT, "ddp_strategy", files)) is None
+
+
+def test_the_tests_mirror_the_package():
+    """tests/ holds one folder per sub-package (and scripts/), and at its top only the tests of the top-level modules
+    (test_strategy.py for strategy.py, ...), of the docs and of this layout, conftest.py and the shared helpers.
+    Module names are unique: tests/ has no __init__.py, so pytest and spawned ranks import them by name."""
+    modules = {f"test_{path.stem}.py" for path in PACKAGE.glob("*.py") if not path.stem.startswith("_")}
+    allowed = modules | {"conftest.py", "ddp_testing.py", "test_docs.py", "test_layout.py"}
+    assert sorted(path.name for path in TESTS.glob("*.py") if path.name not in allowed) == []
+    folders = {path.name for path in TESTS.iterdir() if path.is_dir() and not path.name.startswith((".", "__"))}
+    assert sorted(folders - set(SUBPACKAGES) - {"scripts"}) == []
+    names = [path.name for path in TESTS.rglob("*.py")]
+    assert sorted({name for name in names if names.count(name) > 1}) == []
+
+
+def test_the_benchmarks_do_not_import_the_tests():
+    """benchmarks/ stands alone: no benchmark imports a module of tests/ or puts tests/ on sys.path."""
+    test_modules = {path.stem for path in TESTS.rglob("*.py")} | {"tests"}
+    problems = []
+    for path in sorted((ROOT / "benchmarks").glob("*.py")):
+        problems += [f"{path.name}:{line} imports {module}" for module, _, line in runtime_imports(path)
+                     if module.split(".")[0] in test_modules]
+        numbered = enumerate(path.read_text().splitlines(), 1)
+        problems += [f"{path.name}:{n} puts tests/ on sys.path" for n, text in numbered
+                     if "sys.path" in text and "tests" in text]
+    assert problems == []
 
 
 def test_no_import_cycles_in_the_benchmarks():

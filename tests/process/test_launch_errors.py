@@ -1,7 +1,8 @@
 """Launch errors and warnings (ddp_strategy/process/): the launch variables, the rendezvous port, the CPU count, fork
 with CUDA and the backend; each is raised before any rank trains, names its input, and each fix it suggests works.
 
-Hypothesis runs derandomized (fixed seed) with a bounded number of examples; benchmarks/fuzz_inputs.py sweeps more.
+Hypothesis runs derandomized (fixed seed) with a bounded number of examples; benchmarks/fuzz_inputs.py runs the
+same test with many more (``DDP_FUZZ_EXAMPLES``).
 """
 
 from __future__ import annotations
@@ -29,8 +30,8 @@ from ddp_strategy.process.launching import check_launch_env
 pytestmark = pytest.mark.timeout(120)
 
 SCRIPTS = Path(__file__).parent.parent / "scripts"
-FUZZ = settings(max_examples=40, derandomize=True, deadline=None, database=None,
-                suppress_health_check=[HealthCheck.too_slow])
+FUZZ = settings(max_examples=int(os.environ.get("DDP_FUZZ_EXAMPLES", "40")), derandomize=True, deadline=None,
+                database=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 # ------------------------------------------------------------------------------- launch variables
