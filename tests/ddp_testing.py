@@ -1,13 +1,17 @@
-"""Test doubles shared by the multi-process tests: they must live in a module so spawned ranks can import them."""
+"""Helpers shared by the test folders: test doubles (in a module, so spawned ranks can import them), one-process fits
+of a tiny model, subprocess and socket helpers, and the scenario launcher (several Trainer runs in one set of
+ranks, each rank recording what it saw in ``out/<name>.rank<R>.pt``)."""
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import signal
 import socket
 import subprocess
 import sys
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -18,6 +22,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from ddp_strategy import DigitsClassifier, DigitsDataModule, DigitsNet, MyDDPStrategy
+from ddp_strategy.testing import RankError, run_on_ranks
 
 try:
     import lightning.pytorch as pl
@@ -210,3 +215,47 @@ def error_of(run: Callable[[], Any], caplog: pytest.LogCaptureFixture) -> str:
         else:
             raise AssertionError("no error was raised")
     return message
+
+
+# ------------------------------------------------------ scenarios: several Trainer runs in one set of ranks
+def _scenario(scenario: str | Callable[[Path], None]) -> Callable[[Path], None]:
+    """A scenario: a module-level function, or any module's ``"module:function"``."""
+    if not isinstance(scenario, str):
+        return scenario
+    module, function = scenario.split(":")
+    return getattr(importlib.import_module(module), function)
+
+
+def _entry(rank: int, world_size: int, scenario: str | Callable[[Path], None], out: str) -> None:
+    torch.set_num_threads(1)
+    run = _scenario(scenario)
+    try:
+        run(Path(out))
+    except BaseException:
+        (Path(out) / f"error.{run.__name__}.rank{rank}.txt").write_text(traceback.format_exc())
+        raise
+
+
+def launch(scenario: str | Callable[[Path], None], world_size: int, out: Path, timeout_s: float = 270.0) -> None:
+    """Run ``scenario`` (a module-level function of the output folder, or ``"module:function"``) on ``world_size``
+    ranks started by the testing kit (:func:`ddp_strategy.testing.run_on_ranks`: forked from a warm forkserver,
+    with the launch environment set, so each scenario's Trainer joins the ranks instead of launching processes).
+
+    Raises:
+        AssertionError: with the ranks' tracebacks (or stacks, past ``timeout_s`` seconds), when a rank fails.
+    """
+    name = _scenario(scenario).__name__
+    try:
+        run_on_ranks(_entry, world_size, args=(scenario, str(out)), init_process_group=False, timeout_s=timeout_s)
+    except RankError as error:
+        raise AssertionError(f"scenario {name!r} failed:\n{error}") from error
+
+
+def save(out: Path, name: str, record: dict[str, Any]) -> None:
+    """Write one rank's record of run ``name``."""
+    torch.save(record, out / f"{name}.rank{int(os.environ['LOCAL_RANK'])}.pt")
+
+
+def load(out: Path, name: str, world_size: int) -> list[dict[str, Any]]:
+    """Every rank's record of run ``name``."""
+    return [torch.load(out / f"{name}.rank{r}.pt", weights_only=True) for r in range(world_size)]

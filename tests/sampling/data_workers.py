@@ -15,9 +15,10 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
+from ddp_testing import save
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.tuner import Tuner
-from sampling_workers import SEED, Indexed, Recorder, save, trainer
+from sampling_workers import SEED, Indexed, Recorder, trainer
 from torch import nn
 from torch.utils.data import BatchSampler, DataLoader, Sampler, SequentialSampler, Subset
 from torch.utils.data._utils.collate import default_collate

@@ -1,15 +1,12 @@
 """Code that runs under Lightning's ``strategy="ddp"`` runs under ``MyDDPStrategy()``: the user's data and settings.
 
-Real gloo processes (see tests/sampling/data_workers.py): two launches of 2 processes share the fits, and one
-popen fit starts 3 processes on 2 cores. One-process tests of the same kinds come first.
+Real gloo processes (see tests/sampling/data_workers.py): two launches of 2 processes share the fits. One-process
+tests of the same kinds come first.
 """
 
 from __future__ import annotations
 
 import math
-import os
-import subprocess
-import sys
 import warnings
 from pathlib import Path
 
@@ -31,9 +28,9 @@ from data_workers import (
     scenario_data,
     scenario_models,
 )
-from ddp_testing import finish
+from ddp_testing import launch, load
 from lightning.pytorch.callbacks import ModelCheckpoint
-from sampling_workers import Indexed, launch, load
+from sampling_workers import Indexed
 from torch import nn
 from torch.utils.data import BatchSampler, DataLoader, SequentialSampler, WeightedRandomSampler
 from torch.utils.data.distributed import DistributedSampler
@@ -44,8 +41,6 @@ from ddp_strategy import (
     import_plain_checkpoint,
 )
 from ddp_strategy.sampling.injection import ORDER_KEPT_WARNING, inject_distributed_sampler, warn_if_order_kept
-
-SCRIPTS = Path(__file__).parent.parent / "scripts"
 
 
 # ------------------------------------------------------------------------------------------ one process
@@ -343,18 +338,3 @@ def test_unsafe_checkpoint_error_suggestions_work_where_raised(runs):
         assert rec["weights_only_false_step"] == rec["checkpoint_io_step"] == rec["safe_globals_step"] == 3
 
 
-@pytest.mark.multiprocess
-@pytest.mark.timeout(300)
-def test_more_cpu_processes_than_cores_run_with_one_warning(tmp_path):
-    """devices=3 pinned to 2 cores (popen launcher): the fit runs on 3 ranks with identical final weights, and
-    rank 0 alone warns once about the oversubscription."""
-    proc = subprocess.Popen([sys.executable, str(SCRIPTS / "fit_once.py"), str(tmp_path), "cpu3"], cwd=tmp_path,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"}, text=True, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, start_new_session=True)
-    code, out = finish(proc, 240)
-    assert code == 0, out[-3000:]
-    assert out.count("Trainer(devices=3) on CPU starts 3 processes, but only 2 CPU cores") == 1, out[-3000:]
-    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(3)]
-    assert [r["world_size"] for r in ranks] == [3, 3, 3]
-    for rec in ranks[1:]:
-        assert all(torch.equal(v, rec["final"][k]) for k, v in ranks[0]["final"].items())
