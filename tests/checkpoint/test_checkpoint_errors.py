@@ -21,6 +21,7 @@ from ddp_strategy import (
     DigitsClassifier,
     DigitsDataModule,
     MyDDPStrategy,
+    StateDictMismatchError,
     UnsafeCheckpointError,
     export_weights,
     import_plain_checkpoint,
@@ -156,3 +157,43 @@ def test_unsafe_checkpoint_suggestions_name_the_function_that_raised(tmp_path):
     assert torch.equal(load_plain_state_dict(path, weights_only=False)["weight"], net.weight)
     with torch.serialization.safe_globals([torch.nn.modules.loss.MSELoss]):  # the second
         assert torch.equal(load_plain_state_dict(path)["weight"], net.weight)
+
+
+class Wider(Regressor):
+    """Regressor plus a layer the checkpoint does not have."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.extra = nn.Linear(1, 1)
+
+    def training_step(self, batch, batch_idx):
+        return super().training_step(batch, batch_idx) + self.extra(self.a(batch[0])).square().mean()
+
+
+def test_state_dict_mismatch_suggestions_work_where_raised(tmp_path):
+    """A checkpoint into a model with an extra layer: validate(ckpt_path=...) raises StateDictMismatchError
+    suggesting model.strict_loading = False, which then loads the matching weights; fit(ckpt_path=...) raises with
+    the fit's own suggestion (import_plain_checkpoint(..., strict=False), then fit without ckpt_path), which fits."""
+    def trainer(max_steps: int = 1) -> pl.Trainer:
+        return one_rank_trainer(tmp_path, max_steps=max_steps, num_sanity_val_steps=0, enable_checkpointing=True,
+                                callbacks=[ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), filename="last")])
+
+    source = Regressor()
+    trainer().fit(source, loader(), loader())
+    ckpt = str(tmp_path / "ckpt" / "last.ckpt")
+    wider = Wider()
+    with pytest.raises(StateDictMismatchError, match=r"model.strict_loading = False") as raised:
+        trainer().validate(wider, loader(), ckpt_path=ckpt)
+    assert "'extra.weight'" in str(raised.value) and "trainer.fit" not in str(raised.value)
+    wider.strict_loading = False
+    trainer().validate(wider, loader(), ckpt_path=ckpt)
+    assert torch.equal(wider.a.weight, source.a.weight)
+
+    wider = Wider()
+    with pytest.raises(StateDictMismatchError, match=r"import_plain_checkpoint\(ckpt_path, model, strict=False\)"):
+        trainer(2).fit(wider, loader(), ckpt_path=ckpt)
+    import_plain_checkpoint(ckpt, wider, strict=False)
+    assert torch.equal(wider.a.weight, source.a.weight)
+    fitted = trainer(2)
+    fitted.fit(wider, loader())
+    assert fitted.global_step == 2 and not torch.equal(wider.a.weight, source.a.weight)
