@@ -14,15 +14,17 @@ import sys
 import traceback
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import pytest
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from ddp_strategy import DigitsClassifier, DigitsDataModule, DigitsNet, MyDDPStrategy
 from ddp_strategy.testing import RankError, run_on_ranks
+
+if TYPE_CHECKING:
+    import pytest
 
 try:
     import lightning.pytorch as pl
