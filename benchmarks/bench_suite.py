@@ -1,14 +1,15 @@
 """Wall time of the test suite, run one way after another in one session, as a table.
 
-Usage: python benchmarks/bench_suite.py [--variants serial,parallel] [--marks "not soak"] [-- extra pytest args]
+Usage: python benchmarks/bench_suite.py [--variants serial,parallel] [--marks soak] [-- extra pytest args]
 
 Each variant runs ``python -m pytest`` in a subprocess from the repository root:
   * ``serial``: one pytest process (``-n 0``), every test after the other, as before the testing kit;
   * ``parallel``: the README's command, two pytest-xdist workers (pyproject.toml's addopts:
     ``--numprocesses=2 --dist=loadfile``).
-``--marks`` selects tests for both (``-m``), e.g. ``"not soak"`` for the quick run. Prints one markdown table:
-variant, wall time (m:ss), passed, failed, skipped. Run it on an idle machine: the suite is bound by CPU and by
-waits for timeouts, so anything else running changes the figures. A benchmark, not a test: nothing is asserted.
+``--marks`` selects tests for both (``-m``; pyproject's default, ``"not soak"``, leaves out the soak loop).
+Prints one markdown table: variant, wall time (m:ss), passed, failed, skipped. Run it on an idle machine: the
+suite is bound by CPU and by waits for timeouts, so anything else running changes the figures. A benchmark, not a
+test: nothing is asserted.
 """
 
 from __future__ import annotations
@@ -43,7 +44,8 @@ def run(variant: str, marks: str | None, extra: list[str]) -> dict[str, object]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--variants", default="serial,parallel", help="comma-separated: serial, parallel")
-    parser.add_argument("--marks", default=None, help='pytest -m expression for every variant, e.g. "not soak"')
+    parser.add_argument("--marks", default=None,
+                        help="pytest -m expression for every variant (default: pyproject's 'not soak')")
     parser.add_argument("extra", nargs="*", help="extra pytest arguments (after --)")
     opts = parser.parse_args()
     rows = [run(v, opts.marks, opts.extra) for v in opts.variants.split(",")]

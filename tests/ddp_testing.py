@@ -1,19 +1,35 @@
-"""Test doubles shared by the multi-process tests: they must live in a module so spawned ranks can import them."""
+"""Helpers shared by the test folders: test doubles (in a module, so spawned ranks can import them), one-process fits
+of a tiny model, subprocess and socket helpers, and the scenario launcher (several Trainer runs in one set of
+ranks, each rank recording what it saw in ``out/<name>.rank<R>.pt``)."""
 
 from __future__ import annotations
 
+import importlib
+import logging
 import os
 import signal
 import socket
 import subprocess
 import sys
+import traceback
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.utils.data import TensorDataset
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
 
-from ddp_strategy import DigitsClassifier, DigitsDataModule, DigitsNet
+from ddp_strategy import DigitsClassifier, DigitsDataModule, DigitsNet, MyDDPStrategy
+from ddp_strategy.testing import RankError, run_on_ranks
+
+if TYPE_CHECKING:
+    import pytest
+
+try:
+    import lightning.pytorch as pl
+except ImportError:  # .ci/run's single-namespace compat venv (pytorch-lightning only) imports this module too
+    import pytorch_lightning as pl
 
 #: The state-dict keys of a DigitsClassifier checkpoint: DigitsNet's, under ``model.``, no ``module.``.
 LIGHTNING_KEYS = {f"model.{k}" for k in DigitsNet().state_dict()}
@@ -141,3 +157,107 @@ def is_loopback(address: str) -> bool:
     ip = ipaddress.ip_address(address)
     mapped = getattr(ip, "ipv4_mapped", None)
     return (mapped or ip).is_loopback
+
+
+# ------------------------------------------------------------------------- one-process fits of a tiny model
+class Regressor(pl.LightningModule):
+    """``a`` is trained; ``b`` (with ``unused=True``) never takes part in the loss."""
+
+    def __init__(self, unused: bool = False) -> None:
+        super().__init__()
+        self.a = nn.Linear(2, 1)
+        self.b = nn.Linear(2, 1) if unused else None
+
+    def training_step(self, batch, batch_idx):
+        return self.a(batch[0]).pow(2).mean()
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val", self.a(batch[0]).pow(2).mean())
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def loader(n: int = 8, batch_size: int = 2, drop_last: bool = False) -> DataLoader:
+    """``n`` seeded rows of 2 features (a 1-tuple per batch), in order."""
+    return DataLoader(TensorDataset(torch.randn(n, 2, generator=torch.Generator().manual_seed(n))),
+                      batch_size=batch_size, drop_last=drop_last)
+
+
+def one_rank_trainer(root: Path, strategy: MyDDPStrategy | None = None, **kwargs: Any) -> pl.Trainer:
+    """A quiet ``Trainer(devices=1)`` in this process under ``strategy`` (default ``MyDDPStrategy(timeout=30)``)."""
+    kwargs.setdefault("enable_checkpointing", False)
+    return pl.Trainer(devices=1, accelerator="cpu", strategy=strategy or MyDDPStrategy(timeout=30),
+                      default_root_dir=root, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                      **kwargs)
+
+
+def fit_steps(root: Path, model: pl.LightningModule, strategy: MyDDPStrategy | None = None, **kwargs: Any) -> int:
+    """Fit 3 steps on 8 samples; return the steps taken, after checking that ``model.a`` was trained."""
+    before = model.a.weight.detach().clone()
+    run = one_rank_trainer(root, strategy, max_steps=3, **kwargs)
+    run.fit(model, loader())
+    assert not torch.equal(before, model.a.weight.detach())
+    return run.global_step
+
+
+def error_of(run: Callable[[], Any], caplog: pytest.LogCaptureFixture) -> str:
+    """``run()``'s error as ``"Type: message"``, with the exception and the captured log records dropped.
+
+    A user who reruns after an error no longer holds its traceback; pytest.raises and the log capture (the
+    strategy logs the failure with its traceback) would, and with it the failed fit's rendezvous store, which
+    keeps MASTER_PORT busy for the next fit in this process.
+    """
+    # the log record would hold the traceback (and with it the old store)
+    with caplog.at_level(logging.CRITICAL + 1, logger="ddp_strategy.process.failures"):
+        try:
+            run()
+        except Exception as e:
+            message = f"{type(e).__name__}: {e}"
+        else:
+            raise AssertionError("no error was raised")
+    return message
+
+
+# ------------------------------------------------------ scenarios: several Trainer runs in one set of ranks
+def _scenario(scenario: str | Callable[[Path], None]) -> Callable[[Path], None]:
+    """A scenario: a module-level function, or any module's ``"module:function"``."""
+    if not isinstance(scenario, str):
+        return scenario
+    module, function = scenario.split(":")
+    return getattr(importlib.import_module(module), function)
+
+
+def _entry(rank: int, world_size: int, scenario: str | Callable[[Path], None], out: str) -> None:
+    torch.set_num_threads(1)
+    run = _scenario(scenario)
+    try:
+        run(Path(out))
+    except BaseException:
+        (Path(out) / f"error.{run.__name__}.rank{rank}.txt").write_text(traceback.format_exc())
+        raise
+
+
+def launch(scenario: str | Callable[[Path], None], world_size: int, out: Path, timeout_s: float = 270.0) -> None:
+    """Run ``scenario`` (a module-level function of the output folder, or ``"module:function"``) on ``world_size``
+    ranks started by the testing kit (:func:`ddp_strategy.testing.run_on_ranks`: forked from a warm forkserver,
+    with the launch environment set, so each scenario's Trainer joins the ranks instead of launching processes).
+
+    Raises:
+        AssertionError: with the ranks' tracebacks (or stacks, past ``timeout_s`` seconds), when a rank fails.
+    """
+    name = _scenario(scenario).__name__
+    try:
+        run_on_ranks(_entry, world_size, args=(scenario, str(out)), init_process_group=False, timeout_s=timeout_s)
+    except RankError as error:
+        raise AssertionError(f"scenario {name!r} failed:\n{error}") from error
+
+
+def save(out: Path, name: str, record: dict[str, Any]) -> None:
+    """Write one rank's record of run ``name``."""
+    torch.save(record, out / f"{name}.rank{int(os.environ['LOCAL_RANK'])}.pt")
+
+
+def load(out: Path, name: str, world_size: int) -> list[dict[str, Any]]:
+    """Every rank's record of run ``name``."""
+    return [torch.load(out / f"{name}.rank{r}.pt", weights_only=True) for r in range(world_size)]

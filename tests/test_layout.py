@@ -12,9 +12,11 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "ddp_strategy"
-#: A module past this many lines is probably two concerns (STYLE.md); the strategy only orchestrates.
+TESTS = ROOT / "tests"
+#: A module past this many lines is probably two concerns (STYLE.md); issue 25's cap for every module.
 MAX_MODULE_LINES = 400
-MAX_STRATEGY_LINES = 360
+#: Issue 25: the whole package (docstrings included, as ``wc -l`` counts) at most this many lines.
+MAX_PACKAGE_LINES = 6000
 #: Which sub-packages each part may import (through the sub-package's public names), lowest layer first.
 ALLOWED = {
     "_compat": set(),
@@ -115,17 +117,55 @@ def test_every_step_is_a_subpackage_with_a_docstring_saying_what_it_owns():
         assert doc and "Owns:" in doc and ("Must not" in doc or name == "reference"), name
 
 
-@pytest.mark.parametrize("path", package_files(), ids=lambda p: str(p.relative_to(ROOT)))
-def test_modules_are_small(path):
-    """No module over ~400 lines; strategy.py, which only orchestrates, under 350."""
-    limit = MAX_STRATEGY_LINES if path.name == "strategy.py" and path.parent == PACKAGE else MAX_MODULE_LINES
-    assert len(path.read_text().splitlines()) <= limit
+def lines(path: Path) -> int:
+    """Lines of a source file, as ``wc -l`` counts them."""
+    return len(path.read_text().splitlines())
+
+
+def test_modules_are_small():
+    """No module over :data:`MAX_MODULE_LINES` lines; every one that is, is named with its count."""
+    too_long = {str(path.relative_to(ROOT)): lines(path) for path in package_files() if lines(path) > MAX_MODULE_LINES}
+    assert too_long == {}
+
+
+@pytest.mark.xfail(strict=False, reason="issue 25 shrinks the package from 8,870 lines; the lead removes this xfail "
+                                        "once the restructuring branches are merged")
+def test_the_package_is_small():
+    """The whole package, docstrings included, is at most :data:`MAX_PACKAGE_LINES` lines."""
+    total = sum(lines(path) for path in package_files())
+    assert total <= MAX_PACKAGE_LINES, f"ddp_strategy/ has {total} lines"
 
 
 def test_no_import_cycles_in_the_package():
     """Data goes down the tree and never comes back up: the module import graph has no cycle."""
     files = package_files()
     assert find_cycle(import_graph(ROOT, "ddp_strategy", files)) is None
+
+
+def test_the_tests_mirror_the_package():
+    """tests/ holds one folder per sub-package (and scripts/), and at its top only the tests of the top-level modules
+    (test_strategy.py for strategy.py, ...), of the docs and of this layout, conftest.py and the shared helpers.
+    Module names are unique: tests/ has no __init__.py, so pytest and spawned ranks import them by name."""
+    modules = {f"test_{path.stem}.py" for path in PACKAGE.glob("*.py") if not path.stem.startswith("_")}
+    allowed = modules | {"conftest.py", "ddp_testing.py", "test_docs.py", "test_layout.py"}
+    assert sorted(path.name for path in TESTS.glob("*.py") if path.name not in allowed) == []
+    folders = {path.name for path in TESTS.iterdir() if path.is_dir() and not path.name.startswith((".", "__"))}
+    assert sorted(folders - set(SUBPACKAGES) - {"scripts"}) == []
+    names = [path.name for path in TESTS.rglob("*.py")]
+    assert sorted({name for name in names if names.count(name) > 1}) == []
+
+
+def test_the_benchmarks_do_not_import_the_tests():
+    """benchmarks/ stands alone: no benchmark imports a module of tests/ or puts tests/ on sys.path."""
+    test_modules = {path.stem for path in TESTS.rglob("*.py")} | {"tests"}
+    problems = []
+    for path in sorted((ROOT / "benchmarks").glob("*.py")):
+        problems += [f"{path.name}:{line} imports {module}" for module, _, line in runtime_imports(path)
+                     if module.split(".")[0] in test_modules]
+        numbered = enumerate(path.read_text().splitlines(), 1)
+        problems += [f"{path.name}:{n} puts tests/ on sys.path" for n, text in numbered
+                     if "sys.path" in text and "tests" in text]
+    assert problems == []
 
 
 def test_no_import_cycles_in_the_benchmarks():

@@ -1,17 +1,23 @@
-"""MyDDPStrategy construction, registration and Trainer wiring, in one process."""
+"""MyDDPStrategy: construction, registration and Trainer wiring in one process, then real two-process fits on CPU
+with gloo (each fit shared by several tests to keep the suite fast)."""
 
 from __future__ import annotations
 
 from datetime import timedelta
+from pathlib import Path
 
+import lightning.pytorch as pl
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
+from ddp_testing import IndexedDigits, RecordingClassifier
 from lightning.pytorch import Trainer
 from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
 
-from ddp_strategy import DDPCheckpointIO, MyDDPStrategy
+from ddp_strategy import DDPCheckpointIO, DigitsNet, MyDDPStrategy
 from ddp_strategy import strategy as strategy_module
+from ddp_strategy.testing import run_on_ranks
 
 
 def test_is_a_parallel_strategy_not_lightnings_ddp():
@@ -29,23 +35,6 @@ def test_defaults():
     assert isinstance(s.checkpoint_io, DDPCheckpointIO)
     assert s._options.ddp_kwargs == {}
     assert MyDDPStrategy(timeout=5)._options.timeout == timedelta(seconds=5)
-
-
-@pytest.mark.parametrize(
-    ("kwargs", "error", "message"),
-    [
-        ({"start_method": "thread"}, ValueError, "Unknown start_method='thread'"),
-        ({"process_group_backend": "nccl2"}, ValueError, "Unknown process_group_backend"),
-        ({"timeout": 0}, ValueError, "timeout must be positive"),
-        ({"find_unused_params": True}, TypeError, "unknown DistributedDataParallel option"),
-        ({"store": dist.HashStore(), "start_method": "spawn"}, ValueError,
-         "store= cannot be used with start_method='spawn'"),
-    ],
-)
-def test_bad_arguments_fail_at_construction(kwargs, error, message):
-    """Mistakes are reported when the strategy is built, before any process starts."""
-    with pytest.raises(error, match=message):
-        MyDDPStrategy(**kwargs)
 
 
 def test_start_method_default_depends_on_interactivity(monkeypatch):
@@ -76,7 +65,6 @@ def test_trainer_wires_devices_and_sampler_arguments():
 
 def test_nccl_barrier_passes_device_ids(monkeypatch):
     """On an NCCL group the barrier gets this rank's device id (checked without a GPU)."""
-    import torch.distributed as dist
 
     calls = []
     s = MyDDPStrategy(parallel_devices=[torch.device("cuda", 0), torch.device("cuda", 1)])
@@ -89,8 +77,104 @@ def test_nccl_barrier_passes_device_ids(monkeypatch):
 
 
 def test_reduce_refuses_subgroups_and_passes_non_tensors():
-    """reduce() only reduces over the world; non-tensors come back unchanged."""
+    """reduce() only reduces over the world: a group is refused, and the suggested group=None reduces (here one
+    process: the mean); non-tensors come back unchanged."""
     s = MyDDPStrategy()
     assert s.reduce(3.5) == 3.5
-    with pytest.raises(ValueError, match="world process group"):
-        s.reduce(torch.ones(1), group=object())
+    with pytest.raises(ValueError, match="world process group.*pass group=None"):
+        s.reduce(torch.tensor([1.0, 3.0]), group=object())
+    assert s.reduce(torch.tensor([1.0, 3.0]), group=None).tolist() == [1.0, 3.0]
+
+
+# ------------------------------------------------------------------------------- two-process fits
+SEED = 123
+EPOCHS = 2
+
+
+def _recorded_fit(out_dir: str, strategy: MyDDPStrategy) -> None:
+    """Fit the recording model on 2 ranks; each rank saves its record as ``out_dir/rank{r}.pt``."""
+    pl.seed_everything(SEED)
+    model = RecordingClassifier(out_dir=out_dir)
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=2, strategy=strategy,
+        max_epochs=EPOCHS, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, default_root_dir=out_dir,
+    )
+    trainer.fit(model, IndexedDigits(batch_size=32))
+
+
+def _kit_rank(rank: int, world_size: int, out_dir: str) -> None:
+    """One rank of the kit-started fit: the Trainer finds the kit's launch environment and joins, as under torchrun."""
+    _recorded_fit(out_dir, MyDDPStrategy(timeout=60))
+
+
+def _records(out_dir: Path) -> dict[int, dict]:
+    return {r: torch.load(out_dir / f"rank{r}.pt", weights_only=True) for r in range(2)}
+
+
+@pytest.fixture(scope="module")
+def fits(tmp_path_factory) -> tuple[dict[int, dict], dict[int, dict]]:
+    """Two 2-rank fits with the same seed: one started by the strategy's spawn launcher from this process, one
+    by the testing kit (ranks forked from a warm parent, ``Trainer`` joining their environment). Determinism is
+    checked across the two ways of starting the ranks; shards, gradients and weights on the spawned one."""
+    spawned, kit = tmp_path_factory.mktemp("spawned"), tmp_path_factory.mktemp("kit")
+    _recorded_fit(str(spawned), MyDDPStrategy(start_method="spawn", timeout=60))
+    run_on_ranks(_kit_rank, 2, args=(str(kit),), init_process_group=False, timeout_s=240)
+    return _records(spawned), _records(kit)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_ranks_see_disjoint_shards_covering_the_training_set(fits):
+    """In every epoch the two ranks' indices are disjoint and together cover all 1,438 training samples."""
+    run, _ = fits
+    n = 1438
+    for epoch in range(EPOCHS):
+        r0, r1 = run[0]["seen"][epoch], run[1]["seen"][epoch]
+        assert len(r0) == len(r1) == n // 2
+        assert set(r0).isdisjoint(r1)
+        assert set(r0) | set(r1) == set(range(n))
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_order_changes_between_epochs_and_repeats_with_the_same_seed(fits):
+    """set_epoch is called for the user: epoch 1's order differs from epoch 0's, and a rerun started another way
+    (the testing kit instead of spawn) repeats both, and ends with the same weights."""
+    run_a, run_b = fits
+    for rank in range(2):
+        assert run_a[rank]["seen"][0] != run_a[rank]["seen"][1]
+        assert set(run_a[rank]["seen"][0]) != set(run_a[rank]["seen"][1])  # reshuffled across ranks, too
+        assert run_a[rank]["seen"] == run_b[rank]["seen"]
+        for name, value in run_a[rank]["final"].items():
+            torch.testing.assert_close(run_b[rank]["final"][name], value, rtol=0, atol=1e-6)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_ddp_gradient_equals_single_process_gradient_on_the_union_of_batches(fits):
+    """After the first backward, each rank's gradient equals one process's gradient on both ranks' batches."""
+    run, _ = fits
+    for name in run[0]["initial"]:
+        torch.testing.assert_close(run[0]["initial"][name], run[1]["initial"][name], rtol=0, atol=0)
+    dm = IndexedDigits(batch_size=32)
+    dm.setup("fit")
+    x, y, _ = dm.train_set.tensors
+    union = torch.tensor(run[0]["first_batch"] + run[1]["first_batch"])
+    assert len(union) == 64
+    net = DigitsNet()
+    net.load_state_dict(run[0]["initial"])
+    F.cross_entropy(net(x[union]), y[union]).backward()
+    for name, param in net.named_parameters():
+        for rank in range(2):
+            torch.testing.assert_close(run[rank]["first_grads"][name], param.grad, rtol=0, atol=1e-6)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_ranks_end_with_identical_weights(fits):
+    """Every rank applied the same updates: the final weights are bit-identical and differ from the start."""
+    run, _ = fits
+    for name, value in run[0]["final"].items():
+        assert torch.equal(value, run[1]["final"][name])
+    assert not torch.equal(run[0]["final"]["layers.0.weight"], run[0]["initial"]["layers.0.weight"])

@@ -1,11 +1,12 @@
 """Any file that is not a valid checkpoint gives one of the four documented errors, in every loader (seeded fuzz).
 
 Hypothesis runs derandomized (a fixed seed) with a bounded number of examples, so the suite is deterministic;
-benchmarks/fuzz_inputs.py runs the same generators with many more examples and prints the counts.
+benchmarks/fuzz_inputs.py runs these tests with many more examples (``DDP_FUZZ_EXAMPLES``).
 """
 
 from __future__ import annotations
 
+import os
 import tempfile
 import warnings
 from pathlib import Path
@@ -32,8 +33,8 @@ from hypothesis import strategies as st
 from ddp_strategy import DDPCheckpointIO, UnsafeCheckpointError
 
 GOOD = reference_checkpoint()
-FUZZ = settings(max_examples=25, derandomize=True, deadline=None, database=None,
-                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+FUZZ = settings(max_examples=int(os.environ.get("DDP_FUZZ_EXAMPLES", "25")), derandomize=True, deadline=None,
+                database=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 
 def _only_documented(result: dict[str, str], allow_loaded: bool = False) -> None:

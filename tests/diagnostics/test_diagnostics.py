@@ -15,7 +15,7 @@ from pathlib import Path
 import lightning.pytorch as pl
 import pytest
 import torch
-from diagnostics_testing import ListHandler, MultipliedBatchDigits, UnusedHeadClassifier
+from diagnostics_workers import ListHandler, MultipliedBatchDigits, UnusedHeadClassifier
 from torch import nn
 
 from ddp_strategy import DigitsDataModule, MyDDPStrategy
@@ -78,6 +78,7 @@ def test_global_batch_larger_than_the_data_set_is_reported_with_numbers():
     assert message.startswith("Global batch size 2048 (batch_size=1024 per device x 2 processes) exceeds the 1438"
                               " training samples: each rank holds only 719 samples")
     assert "for a global batch of 1024 pass batch_size=512, and keep batch_size x 2 <= 1438." in message
+    assert batch_size_warnings(512, 2, 1438) == []  # the suggested batch size is silent
 
 
 def test_batch_size_multiplied_by_world_size_is_reported_with_numbers():

@@ -8,7 +8,6 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from ddp_strategy.process.collectives import check_gatherable
 from ddp_strategy.sampling.evaluation import (
     BATCH_COUNTS_ATTR,
     EqualCountBatches,
@@ -103,10 +102,3 @@ def test_custom_batch_sampler_shards_get_equal_counts_by_halving_a_batch():
     assert layout == [[[0, 1, 2], [4, 5], [8]], [[3], [6], [7]]]
 
 
-def test_check_gatherable_names_every_shape():
-    """Only the first dimension may differ; anything else is refused with every rank's shape."""
-    check_gatherable([(3, 2), (1, 2)], 0)
-    with pytest.raises(ValueError, match=r"\[rank 1\].*rank 0: \(3, 2\), rank 1: \(3, 4\)"):
-        check_gatherable([(3, 2), (3, 4)], 1)
-    with pytest.raises(ValueError, match="rank 0: \\(\\)"):
-        check_gatherable([(), ()], 0)

@@ -198,14 +198,6 @@ def test_epoch_fn_with_persistent_workers_reshuffles_each_epoch():
     new._iterator._shutdown_workers()
 
 
-def test_a_training_batch_larger_than_a_shard_runs_with_a_warning():
-    """10 samples, batch_size=6, 2 ranks: Lightning's ddp runs it (one batch of 5 per rank), so do we, and warn."""
-    loader = DataLoader(TensorDataset(torch.arange(10)), batch_size=6)
-    with pytest.warns(UserWarning, match="batch_size=6 is per device.*only 5 samples"):
-        new = inject_distributed_sampler(loader, 2, 1, 0, pad=True)
-    assert [b[0].tolist() for b in new] == [[1, 3, 5, 7, 9]]
-
-
 def test_fewer_samples_than_ranks_are_padded_with_a_warning_as_lightning_pads_them():
     """1 sample, 2 ranks, padded shards: Lightning's DistributedSampler gives both ranks sample 0; so do we, and
     rank 0 is warned (a 1-sample sanity set on 2 devices runs under Lightning's ddp, so it is not refused)."""
@@ -213,20 +205,6 @@ def test_fewer_samples_than_ranks_are_padded_with_a_warning_as_lightning_pads_th
     with pytest.warns(UserWarning, match="1 samples but there are 2 ranks: the shards are padded with repeats"):
         shards = [inject_distributed_sampler(loader, 2, r, 0, pad=True) for r in range(2)]
     assert [[b[0].tolist() for b in shard] for shard in shards] == [[[0]], [[0]]]
-
-
-@pytest.mark.parametrize(
-    ("n", "batch_size", "drop_last", "training", "message"),
-    [
-        (1, 1, False, False, "1 samples but there are 2 ranks"),
-        (10, 6, True, False, "drop_last=True with batch_size=6"),
-    ],
-)
-def test_bad_shard_sizes_raise_clear_errors(n, batch_size, drop_last, training, message):
-    """Fewer samples than ranks on an unpadded loader, drop_last with no full batch: clear ValueErrors."""
-    loader = DataLoader(TensorDataset(torch.arange(n)), batch_size=batch_size, drop_last=drop_last)
-    with pytest.raises(ValueError, match=message):
-        inject_distributed_sampler(loader, 2, 0, 0, pad=training)
 
 
 def test_shard_iterable_by_rank_and_worker():

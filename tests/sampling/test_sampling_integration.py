@@ -1,4 +1,4 @@
-"""Sampling guarantees with real gloo processes, checked by recorded indices (see tests/sampling_workers.py).
+"""Sampling guarantees with real gloo processes, checked by recorded indices (see tests/sampling/sampling_workers.py).
 
 Four launches (2, 1, 3 and 2 processes) run all the fits: an uninterrupted 2-process fit that writes a
 checkpoint in the middle of epoch 1, its resume on 2, 1 and 3 processes, an uninterrupted 1-process fit and
@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from ddp_testing import launch, load
 from sampling_workers import (
     BATCH,
     CKPT_STEP,
@@ -23,8 +24,6 @@ from sampling_workers import (
     SEED,
     Indexed,
     fixed_prediction,
-    launch,
-    load,
 )
 from torch.utils.data import WeightedRandomSampler
 
@@ -39,10 +38,10 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(400)]
 def runs(tmp_path_factory) -> Path:
     """All launches, in dependency order; returns the folder holding every rank's records."""
     out = tmp_path_factory.mktemp("sampling")
-    launch("two", 2, out)
-    launch("one", 1, out)
-    launch("three", 3, out)
-    launch("one_to_two", 2, out)
+    launch("sampling_workers:scenario_two", 2, out)
+    launch("sampling_workers:scenario_one", 1, out)
+    launch("sampling_workers:scenario_three", 3, out)
+    launch("sampling_workers:scenario_one_to_two", 2, out)
     return out
 
 

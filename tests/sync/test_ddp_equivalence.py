@@ -1,15 +1,15 @@
 """2 real gloo ranks with per-device batch B train exactly like one process with batch 2B.
 
-One start of two processes (tests/wrapping_workers.py) runs every scenario as a Lightning fit in sequence;
+One start of two processes (tests/sync/sync_workers.py) runs every scenario as a Lightning fit in sequence;
 each test compares the ranks' records with a single-process reference computed here.
 """
 
 from __future__ import annotations
 
 import pytest
+import sync_workers as ww
 import torch
 import torch.nn.functional as F
-import wrapping_workers as ww
 from ddp_testing import IndexedDigits, free_port
 from torch import nn
 

@@ -1,4 +1,4 @@
-"""Workers for tests/test_lightning_compat_data.py: user data and settings that Lightning's ``ddp`` accepts.
+"""Workers for tests/sampling/test_data_compat.py: user data and settings that Lightning's ``ddp`` accepts.
 
 Each scenario runs in 2 real gloo processes started by :func:`sampling_workers.launch` (externally launched,
 several Trainer runs per launch) and records what every rank saw in ``out_dir/<name>.rank<R>.pt``.
@@ -15,9 +15,10 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
+from ddp_testing import save
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.tuner import Tuner
-from sampling_workers import SEED, Indexed, Recorder, save, trainer
+from sampling_workers import SEED, Indexed, Recorder, trainer
 from torch import nn
 from torch.utils.data import BatchSampler, DataLoader, Sampler, SequentialSampler, Subset
 from torch.utils.data._utils.collate import default_collate
@@ -191,9 +192,9 @@ def record_warnings(run: Any) -> list[str]:
 
 # -------------------------------------------------------------------------------------------- scenarios
 def scenario_data(out: Path) -> None:
-    """use_distributed_sampler=False in every stage; uneven user shards; any iterable; DataLoader subclasses with
-    custom batch samplers; fast_dev_run leaves default_root_dir untouched; the training order with and without
-    shuffle; Lightning's ddp on the iterables and on the training-order fits."""
+    """use_distributed_sampler=False in every stage; uneven user shards and their fixes; any iterable; DataLoader
+    subclasses with custom batch samplers; fast_dev_run leaves default_root_dir untouched; the training order with
+    and without shuffle; Lightning's ddp on the iterables and on the training-order fits."""
     pl.seed_everything(SEED)
     # 1. The user split the data by rank: every stage must see exactly this rank's half.
     model = Seen({"train": own_half(0, shuffle=True), "val": own_half(1), "test": own_half(2),
@@ -210,14 +211,24 @@ def scenario_data(out: Path) -> None:
     torch.distributed.barrier()  # the group of the last run is there too
     save(out, "user_split", {**model.seen, "predictions": [p.tolist() for p in predictions],
                              "after_fit": user_code, "trainer_rank": t.global_rank})
-    # Uneven user shards (12 and 8 samples: 3 and 2 batches): a clear error on every rank, not a hang.
+    # Uneven user shards (12 and 8 samples: 3 and 2 batches): a clear error on every rank, not a hang; then each fix
+    # it suggests.
     uneven = Seen({"train": lambda: DataLoader(Subset(Indexed(N, 0), range(rank(), N - 8 * rank(), 2)),
                                                batch_size=BATCH)})
+    record: dict[str, Any] = {"error": None}
     try:
         trainer(2, out, max_epochs=1, use_distributed_sampler=False).fit(uneven)
-        save(out, "uneven", {"error": None})
     except ValueError as error:
-        save(out, "uneven", {"error": str(error), "steps": len(uneven.seen["train"])})
+        record.update(error=str(error), steps=len(uneven.seen["train"]))
+    # Fix 1: let the strategy shard the whole data set (use_distributed_sampler=True, the default).
+    whole = Seen({"train": lambda: DataLoader(Indexed(N - 4, 0), batch_size=BATCH)})
+    trainer(2, out, max_epochs=1).fit(whole)
+    record["sharded"] = whole.seen["train"]
+    # Fix 2: the user's own shards, made to hold the same number of batches.
+    equal = Seen({"train": own_half(0)})
+    trainer(2, out, max_epochs=1, use_distributed_sampler=False).fit(equal)
+    record["equal"] = equal.seen["train"]
+    save(out, "uneven", record)
 
     # 2. Any iterable: a list of rows (Lightning flattens the list and iterates each tensor) and ready batches.
     rows = torch.arange(6, dtype=torch.float32).unsqueeze(1).repeat(1, 5)

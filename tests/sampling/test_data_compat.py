@@ -1,22 +1,19 @@
 """Code that runs under Lightning's ``strategy="ddp"`` runs under ``MyDDPStrategy()``: the user's data and settings.
 
-Real gloo processes (see tests/compat_data_workers.py): two launches of 2 processes share the fits, and one
-popen fit starts 3 processes on 2 cores. One-process tests of the same kinds come first.
+Real gloo processes (see tests/sampling/data_workers.py): two launches of 2 processes share the fits. One-process
+tests of the same kinds come first.
 """
 
 from __future__ import annotations
 
 import math
-import os
-import subprocess
-import sys
 import warnings
 from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
 import torch
-from compat_data_workers import (
+from data_workers import (
     N_BUCKETS,
     N_ORDER,
     N_REVERSED,
@@ -31,9 +28,9 @@ from compat_data_workers import (
     scenario_data,
     scenario_models,
 )
-from ddp_testing import finish
+from ddp_testing import launch, load
 from lightning.pytorch.callbacks import ModelCheckpoint
-from sampling_workers import Indexed, launch, load
+from sampling_workers import Indexed
 from torch import nn
 from torch.utils.data import BatchSampler, DataLoader, SequentialSampler, WeightedRandomSampler
 from torch.utils.data.distributed import DistributedSampler
@@ -41,14 +38,9 @@ from torch.utils.data.distributed import DistributedSampler
 from ddp_strategy import (
     MyDDPStrategy,
     StateDictMismatchError,
-    UnsafeCheckpointError,
-    export_weights,
     import_plain_checkpoint,
-    load_plain_state_dict,
 )
 from ddp_strategy.sampling.injection import ORDER_KEPT_WARNING, inject_distributed_sampler, warn_if_order_kept
-
-SCRIPTS = Path(__file__).parent / "scripts"
 
 
 # ------------------------------------------------------------------------------------------ one process
@@ -116,32 +108,6 @@ def test_a_training_order_lightning_would_shuffle_is_warned_about_once_with_what
         warnings.filterwarnings("ignore", message=ORDER_KEPT_WARNING)  # what the warning suggests
         warn_if_order_kept(DataLoader(data, batch_size=2), 2)
     assert not recwarn.list
-
-
-def test_unsafe_checkpoint_suggestions_name_the_function_that_raised(tmp_path):
-    """load_plain_state_dict, export_weights and import_plain_checkpoint refuse a checkpoint holding an nn.MSELoss
-    with a message naming their own weights_only=False and the exact add_safe_globals call; both then work."""
-    path = tmp_path / "lossy.ckpt"
-    net = nn.Linear(3, 1)
-    holder = nn.Module()
-    holder.model = nn.Linear(3, 1)
-    torch.save({"state_dict": {f"model.{k}": v for k, v in net.state_dict().items()},
-                "hyper_parameters": {"loss_fn": nn.MSELoss()}}, path)
-    calls = {
-        "load_plain_state_dict": lambda **kw: load_plain_state_dict(path, **kw),
-        "export_weights": lambda **kw: export_weights(path, tmp_path / "w.pt", **kw),
-        "import_plain_checkpoint": lambda **kw: import_plain_checkpoint(path, holder, **kw),
-    }
-    for name, call in calls.items():
-        with pytest.raises(UnsafeCheckpointError) as raised:
-            call()
-        message = str(raised.value)
-        assert f"{name}(..., weights_only=False)" in message
-        assert "torch.serialization.add_safe_globals([torch.nn.modules.loss.MSELoss])" in message
-        call(weights_only=False)  # the first suggestion, where the error was raised
-    assert torch.equal(load_plain_state_dict(path, weights_only=False)["weight"], net.weight)
-    with torch.serialization.safe_globals([torch.nn.modules.loss.MSELoss]):  # the second
-        assert torch.equal(load_plain_state_dict(path)["weight"], net.weight)
 
 
 class Wider(Seen):
@@ -224,12 +190,21 @@ def test_torch_distributed_works_after_fit_as_under_lightning_ddp(runs):
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(600)
-def test_uneven_user_shards_fail_clearly_before_a_step(runs):
+def test_uneven_user_shards_fail_clearly_before_a_step_and_each_suggested_fix_trains(runs):
     """use_distributed_sampler=False, 12 and 8 samples (3 and 2 training batches): every rank raises the counts
-    at the epoch's start and names the flag, instead of hanging in DDP's all-reduce."""
-    for rec in load(runs, "uneven", 2):
+    at the epoch's start and names the flag, instead of hanging in DDP's all-reduce; letting the strategy shard the
+    whole data set, or equal user shards, trains every rank the same number of steps over every sample."""
+    records = load(runs, "uneven", 2)
+    for rec in records:
         assert rec["error"] is not None and "{0: 3, 1: 2}" in rec["error"], rec["error"]
         assert "use_distributed_sampler" in rec["error"] and rec["steps"] == 0
+        assert "Let MyDDPStrategy shard the data" in rec["error"]
+        assert "Trainer(use_distributed_sampler=True)" in rec["error"]
+    sharded = [[i for batch in r["sharded"] for i in batch] for r in records]
+    assert [len(r["sharded"]) for r in records] == [3, 3]
+    assert sorted(sharded[0] + sharded[1]) == list(range(20))
+    equal = [[i for batch in r["equal"] for i in batch] for r in records]
+    assert equal == [list(range(0, 24, 2)), list(range(1, 24, 2))]
 
 
 @pytest.mark.multiprocess
@@ -363,18 +338,3 @@ def test_unsafe_checkpoint_error_suggestions_work_where_raised(runs):
         assert rec["weights_only_false_step"] == rec["checkpoint_io_step"] == rec["safe_globals_step"] == 3
 
 
-@pytest.mark.multiprocess
-@pytest.mark.timeout(300)
-def test_more_cpu_processes_than_cores_run_with_one_warning(tmp_path):
-    """devices=3 pinned to 2 cores (popen launcher): the fit runs on 3 ranks with identical final weights, and
-    rank 0 alone warns once about the oversubscription."""
-    proc = subprocess.Popen([sys.executable, str(SCRIPTS / "fit_once.py"), str(tmp_path), "cpu3"], cwd=tmp_path,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"}, text=True, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, start_new_session=True)
-    code, out = finish(proc, 240)
-    assert code == 0, out[-3000:]
-    assert out.count("Trainer(devices=3) on CPU starts 3 processes, but only 2 CPU cores") == 1, out[-3000:]
-    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(3)]
-    assert [r["world_size"] for r in ranks] == [3, 3, 3]
-    for rec in ranks[1:]:
-        assert all(torch.equal(v, rec["final"][k]) for k, v in ranks[0]["final"].items())

@@ -1,6 +1,6 @@
-"""Workers for tests/test_lightning_compat.py: evaluation collectives and BatchNorm buffers under MyDDPStrategy.
+"""Workers for tests/sampling/test_evaluation_compat.py: evaluation collectives under MyDDPStrategy.
 
-Launched with :func:`sampling_workers.launch` (``"compat_workers:scenario"``): each scenario runs several
+Launched with :func:`sampling_workers.launch` (``"evaluation_workers:scenario"``): each scenario runs several
 Trainers inside one pair of gloo processes and records, per rank, what the user's module saw in
 ``out_dir/<name>.rank<R>.pt``. The same module also runs under Lightning's own ``strategy="ddp"`` for
 comparison.
@@ -16,7 +16,8 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 import torchmetrics
-from sampling_workers import save, trainer
+from ddp_testing import save
+from sampling_workers import trainer
 from torch.utils.data import DataLoader, Dataset
 
 from ddp_strategy import MyDDPStrategy, all_gather_rows
@@ -109,48 +110,6 @@ def scenario_collectives(out: Path) -> None:
     for n, b in ((17, 4), (5, 1)):
         _validate(f"lightning_{n}_{b}", out, "ddp", n, b)
         dist.destroy_process_group()  # Lightning's ddp leaves it for the next Trainer; ours makes a fresh one
-
-
-class BatchNormNet(pl.LightningModule):
-    """A BatchNorm1d model whose ranks see different training data, so their running means drift apart."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 1))
-        self.rec: dict[str, list[torch.Tensor]] = {"before": [], "during": []}
-
-    def train_dataloader(self) -> Any:
-        x = torch.randn(32, 4, generator=torch.Generator().manual_seed(1))
-        x[1::2] = x[1::2] * 3 + 2  # rank 1 reads the odd samples: its running statistics drift away from rank 0's
-        return DataLoader(list(zip(x, torch.zeros(32), strict=True)), batch_size=4, shuffle=False)
-
-    def val_dataloader(self) -> Any:
-        return DataLoader(list(zip(torch.randn(8, 4), torch.zeros(8), strict=True)), batch_size=4)
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        return self.net(batch[0]).pow(2).mean()
-
-    def on_validation_start(self) -> None:  # runs before the strategy's hook
-        self.rec["before"].append(self.net[1].running_mean.clone())
-
-    def validation_step(self, batch: Any, batch_idx: int) -> None:
-        if batch_idx == 0:
-            self.rec["during"].append(self.net[1].running_mean.clone())
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=0.01)
-
-
-def scenario_batchnorm(out: Path) -> None:
-    """Fit 2 epochs with validation, broadcast_buffers True and False; then Lightning's ddp."""
-    for name, strategy in (("bn_true", MyDDPStrategy(start_method="popen", timeout=60)),
-                           ("bn_false", MyDDPStrategy(start_method="popen", timeout=60, broadcast_buffers=False)),
-                           ("bn_lightning", "ddp")):
-        model = BatchNormNet()
-        trainer(2, out, strategy=strategy, max_epochs=2).fit(model)
-        save(out, name, model.rec)
-    dist.destroy_process_group()
 
 
 class PredictMetric(pl.LightningModule):

@@ -10,10 +10,6 @@ Every run records what it saw in ``out_dir/<name>.rank<R>.pt`` (plain lists and 
 
 from __future__ import annotations
 
-import importlib
-import os
-import traceback
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -21,11 +17,11 @@ import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
 import torchmetrics
+from ddp_testing import save
 from lightning.pytorch.callbacks import BasePredictionWriter, ModelCheckpoint
 from torch.utils.data import DataLoader, Dataset, WeightedRandomSampler
 
 from ddp_strategy import MyDDPStrategy
-from ddp_strategy.testing import RankError, run_on_ranks
 
 SEED = 7
 N_TRAIN, N_VAL, N_TEST = 26, 23, 9
@@ -134,11 +130,6 @@ def trainer(world_size: int, root: Path, **kwargs: Any) -> pl.Trainer:
     return pl.Trainer(**defaults)
 
 
-def save(out: Path, name: str, record: dict[str, Any]) -> None:
-    """Write one rank's record of run ``name``."""
-    torch.save(record, out / f"{name}.rank{int(os.environ['LOCAL_RANK'])}.pt")
-
-
 def fit(name: str, out: Path, world_size: int, ckpt_path: str | None = None, save_every: int | None = None,
         model: Recorder | None = None, **trainer_kwargs: Any) -> Recorder:
     """Fit ``model`` (default: shuffled training, validation each epoch) and record it as ``name``."""
@@ -209,47 +200,3 @@ def scenario_one_to_two(out: Path) -> None:
         save(out, "wronglen", {"error": None})
     except ValueError as error:
         save(out, "wronglen", {"error": str(error)})
-
-
-SCENARIOS = {"two": scenario_two, "one": scenario_one, "three": scenario_three, "one_to_two": scenario_one_to_two}
-
-
-def _scenario(scenario: str | Callable[[Path], None]) -> Callable[[Path], None]:
-    """A scenario: a module-level function, a name in SCENARIOS, or any module's ``"module:function"``."""
-    if not isinstance(scenario, str):
-        return scenario
-    if ":" not in scenario:
-        return SCENARIOS[scenario]
-    module, function = scenario.split(":")
-    return getattr(importlib.import_module(module), function)
-
-
-def _entry(rank: int, world_size: int, scenario: str | Callable[[Path], None], out: str) -> None:
-    torch.set_num_threads(1)
-    run = _scenario(scenario)
-    try:
-        run(Path(out))
-    except BaseException:
-        (Path(out) / f"error.{run.__name__}.rank{rank}.txt").write_text(traceback.format_exc())
-        raise
-
-
-def launch(scenario: str | Callable[[Path], None], world_size: int, out: Path, timeout_s: float = 270.0) -> None:
-    """Run ``scenario`` (a module-level function of the output folder, a name in SCENARIOS, or
-    ``"module:function"``, so other test modules can share this launcher) on ``world_size`` ranks started by the
-    testing kit (:func:`ddp_strategy.testing.run_on_ranks`: forked from a warm forkserver, with the launch
-    environment set, so each scenario's Trainer joins the ranks instead of launching processes).
-
-    Raises:
-        AssertionError: with the ranks' tracebacks (or stacks, past ``timeout_s`` seconds), when a rank fails.
-    """
-    name = _scenario(scenario).__name__
-    try:
-        run_on_ranks(_entry, world_size, args=(scenario, str(out)), init_process_group=False, timeout_s=timeout_s)
-    except RankError as error:
-        raise AssertionError(f"scenario {name!r} failed:\n{error}") from error
-
-
-def load(out: Path, name: str, world_size: int) -> list[dict[str, Any]]:
-    """Every rank's record of run ``name``."""
-    return [torch.load(out / f"{name}.rank{r}.pt", weights_only=True) for r in range(world_size)]

@@ -3,7 +3,8 @@
 Each rank sets the torchrun-style environment (``LOCAL_RANK``, ``MASTER_PORT``...) so Lightning treats the
 processes as launched externally; every scenario is then a plain ``Trainer.fit`` in the same two processes,
 on its own port. Each rank writes ``<scenario>_rank<r>.pt``; the tests compare them with single-process
-references. Used by tests/sync/test_ddp_equivalence.py.
+references. Used by tests/sync/test_ddp_equivalence.py. ``scenario_batchnorm`` instead runs under the shared
+scenario launcher (``ddp_testing.launch``), for tests/sync/test_broadcast_buffers.py.
 """
 
 from __future__ import annotations
@@ -18,10 +19,11 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from ddp_testing import IndexedDigits
+from ddp_testing import IndexedDigits, save
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState
+from torch.utils.data import DataLoader
 
 from ddp_strategy import DigitsClassifier, DigitsDataModule, MyDDPStrategy
 from ddp_strategy.sync.comm_hooks import count_collective_bytes
@@ -288,3 +290,48 @@ def kit_entry(rank: int, world_size: int, ports: list[int], out_dir: str) -> Non
     """:func:`run_rank` as the testing kit calls it (``ddp_strategy.testing.run_on_ranks``)."""
     assert world_size == 2, "the scenarios are written for 2 ranks"
     run_rank(rank, ports, out_dir)
+
+
+# ------------------------------------------ BatchNorm buffers in validation (tests/sync/test_broadcast_buffers.py)
+class BatchNormNet(pl.LightningModule):
+    """A BatchNorm1d model whose ranks see different training data, so their running means drift apart."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 1))
+        self.rec: dict[str, list[torch.Tensor]] = {"before": [], "during": []}
+
+    def train_dataloader(self) -> Any:
+        x = torch.randn(32, 4, generator=torch.Generator().manual_seed(1))
+        x[1::2] = x[1::2] * 3 + 2  # rank 1 reads the odd samples: its running statistics drift away from rank 0's
+        return DataLoader(list(zip(x, torch.zeros(32), strict=True)), batch_size=4, shuffle=False)
+
+    def val_dataloader(self) -> Any:
+        return DataLoader(list(zip(torch.randn(8, 4), torch.zeros(8), strict=True)), batch_size=4)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self.net(batch[0]).pow(2).mean()
+
+    def on_validation_start(self) -> None:  # runs before the strategy's hook
+        self.rec["before"].append(self.net[1].running_mean.clone())
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        if batch_idx == 0:
+            self.rec["during"].append(self.net[1].running_mean.clone())
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def scenario_batchnorm(out: Path) -> None:
+    """Fit 2 epochs with validation, broadcast_buffers True and False; then Lightning's ddp."""
+    for name, strategy in (("bn_true", MyDDPStrategy(start_method="popen", timeout=60)),
+                           ("bn_false", MyDDPStrategy(start_method="popen", timeout=60, broadcast_buffers=False)),
+                           ("bn_lightning", "ddp")):
+        model = BatchNormNet()
+        pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_epochs=2, logger=False,
+                   enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                   num_sanity_val_steps=0, default_root_dir=str(out)).fit(model)
+        save(out, name, model.rec)
+    dist.destroy_process_group()

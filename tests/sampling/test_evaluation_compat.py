@@ -1,8 +1,9 @@
 """Drop-in compatibility with Lightning's ddp, evaluation part (issue 12): real 2-process gloo runs.
 
-Three launches: the evaluation-collective patterns on 3, 21, 17 and 5 validation samples (the same module
-also under Lightning's ``strategy="ddp"``), BatchNorm buffers during validation in ``fit``, and a per-step
-``torch.distributed`` collective on uneven predict shards. See tests/compat_workers.py.
+Two launches: the evaluation-collective patterns on 3, 21, 17 and 5 validation samples (the same module
+also under Lightning's ``strategy="ddp"``), and a per-step ``torch.distributed`` collective on uneven predict
+shards. See tests/sampling/evaluation_workers.py; BatchNorm buffers during validation are in
+tests/sync/test_broadcast_buffers.py.
 """
 
 from __future__ import annotations
@@ -13,8 +14,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from compat_workers import Samples, score
-from sampling_workers import launch, load
+from ddp_testing import launch, load
+from evaluation_workers import Samples, score
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(400)]
 
@@ -23,8 +24,7 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(400)]
 def runs(tmp_path_factory) -> Path:
     """All launches; returns the folder holding every rank's records."""
     out = tmp_path_factory.mktemp("compat")
-    launch("compat_workers:scenario_collectives", 2, out)
-    launch("compat_workers:scenario_batchnorm", 2, out)
+    launch("evaluation_workers:scenario_collectives", 2, out)
     return out
 
 
@@ -137,29 +137,9 @@ def test_no_exact_layout_pads_like_lightning_with_one_warning(runs):
     assert not any("are padded" in w for w in mine[1]["warnings"])
 
 
-def test_batchnorm_buffers_are_rank_zeros_inside_validation_step(runs):
-    """broadcast_buffers=True: inside validation_step both ranks hold rank 0's running_mean, as under Lightning."""
-    # Lightning's ddp always shuffles training data, so its numbers differ from ours; the rule is the same.
-    for records in (load(runs, "bn_true", 2), load(runs, "bn_lightning", 2)):
-        for epoch in range(2):
-            before0, before1 = records[0]["before"][epoch], records[1]["before"][epoch]
-            assert (before0 - before1).abs().max() > 1e-2  # the ranks drifted apart in training
-            for rec in records:
-                torch.testing.assert_close(rec["during"][epoch], before0, rtol=0, atol=0)
-
-
-def test_batchnorm_buffers_stay_per_rank_without_broadcast_buffers(runs):
-    """broadcast_buffers=False: each rank validates with its own running statistics."""
-    records = load(runs, "bn_false", 2)
-    for epoch in range(2):
-        for rec in records:
-            torch.testing.assert_close(rec["during"][epoch], rec["before"][epoch], rtol=0, atol=0)
-        assert (records[0]["during"][epoch] - records[1]["during"][epoch]).abs().max() > 1e-2
-
-
 def test_timeout_on_uneven_predict_shards_names_the_batch_counts(tmp_path):
     """torchmetrics dist_sync_on_step in predict_step, 2 vs 1 batches: rank 0's error names the counts."""
-    launch("compat_workers:scenario_predict_timeout", 2, tmp_path)
+    launch("evaluation_workers:scenario_predict_timeout", 2, tmp_path)
     error = load(tmp_path, "predict_timeout", 2)[0]["error"]
     assert error is not None and "[2, 1]" in error and "dist_sync_on_step" in error
 

@@ -1,5 +1,6 @@
-"""Damaged-checkpoint inputs and an outcome classifier, shared by tests/checkpoint/test_checkpoint_fuzz.py (a bounded,
-seeded Hypothesis run) and benchmarks/fuzz_inputs.py (a larger seeded sweep that prints a table).
+"""Damaged-checkpoint inputs and an outcome classifier for tests/checkpoint/test_checkpoint_fuzz.py (a bounded, seeded
+Hypothesis run; benchmarks/fuzz_inputs.py runs it with more examples). A module of its own: the unreadable-file
+case re-imports it in an unprivileged child process.
 
 Every loader gets the same file; an outcome is "documented" when the loader raised an error its docstring
 promises for that input, "loaded" when it returned (only fine when the file still holds a valid checkpoint

@@ -1,0 +1,139 @@
+"""Sampling input errors and warnings (ddp_strategy/sampling/): what a loader, a batch size or a resumed sampler
+position cannot give, raised (or warned) where the loader is sharded, and each fix the message suggests gives the
+batches the user wanted. One process: the rank-agnostic helpers are called with ``num_replicas=2`` directly, and
+``Trainer(devices=1)`` fits run here; what only 2 ranks raise is in tests/sampling/test_data_compat.py.
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from ddp_testing import Regressor, error_of, loader, one_rank_trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch.utils.data import DataLoader, TensorDataset
+
+from ddp_strategy.process.collectives import check_gatherable
+from ddp_strategy.sampling.evaluation import needs_padding, shard_for_evaluation
+from ddp_strategy.sampling.injection import inject_distributed_sampler, warn_if_not_shardable
+from ddp_strategy.sampling.state import CHECKPOINT_KEY
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def test_a_loader_that_is_not_a_dataloader_is_accepted_with_a_warning(recwarn):
+    """A list of batches (Lightning accepts any iterable) is not refused: with 2 ranks a warning says every rank
+    reads all of it; with 1 rank, for an empty list (Lightning's "no loader") and for a DataLoader, no warning."""
+    batches = [torch.zeros(2, 64)]
+    with pytest.warns(UserWarning, match="MyDDPStrategy got a list as a loader.*each of the 2 ranks iterates all"):
+        warn_if_not_shardable(batches, world_size=2)
+    recwarn.clear()
+    warn_if_not_shardable(batches, world_size=1)
+    warn_if_not_shardable([], world_size=2)
+    warn_if_not_shardable(DataLoader(TensorDataset(torch.zeros(2))), world_size=2)
+    assert not recwarn.list
+
+
+def batches(dataloader: DataLoader, num_replicas: int, **kwargs) -> list[list[int]]:
+    """Batch sizes each of ``num_replicas`` ranks reads from the injected loader, rank by rank."""
+    return [[len(b[0]) for b in inject_distributed_sampler(dataloader, num_replicas, r, 0, **kwargs)]
+            for r in range(num_replicas)]
+
+
+def test_drop_last_without_a_batch_error_suggestions_work():
+    """5 samples, 2 ranks, batch_size=4, drop_last=True: no rank gets a batch. Lowering batch_size to 3,
+    drop_last=False or one device each gives every rank a batch."""
+    with pytest.raises(ValueError, match="drop_last=True with batch_size=4, but a rank's shard has only 3 samples.*"
+                                         "Lower batch_size to at most 3, set drop_last=False, or use fewer devices"):
+        batches(loader(5, 4, drop_last=True), 2)
+    with pytest.raises(ValueError, match="drop_last=True with batch_size=6"):  # an unpadded (evaluation) shard
+        batches(loader(10, 6, drop_last=True), 2, pad=False)
+    assert batches(loader(5, 3, drop_last=True), 2) == [[3], [3]]
+    assert batches(loader(5, 4, drop_last=False), 2) == [[3], [3]]
+    assert batches(loader(5, 4, drop_last=True), 1) == [[4]]
+
+
+def test_fewer_samples_than_ranks_error_suggestions_work():
+    """An unpadded (evaluation) loader of 1 sample on 2 ranks is refused; 2 samples, or 1 device, reads each once."""
+    with pytest.raises(ValueError, match="1 samples but there are 2 ranks.* Use a data set with at least 2 samples, or"
+                                         " fewer devices"):
+        batches(loader(1, 1), 2, pad=False)
+    assert batches(loader(2, 1), 2, pad=False) == [[1], [1]]
+    assert batches(loader(1, 1), 1, pad=False) == [[1]]
+
+
+def test_a_training_batch_larger_than_a_shard_runs_with_a_warning_whose_suggestion_removes_it():
+    """10 samples, batch_size=6, 2 ranks: Lightning's ddp runs it (one batch of 5 per rank), so do we, and warn;
+    batch_size=4 with 6 samples warns likewise, and the suggested batch_size=3 gives full batches, silently."""
+    data = DataLoader(TensorDataset(torch.arange(10)), batch_size=6)
+    with pytest.warns(UserWarning, match="batch_size=6 is per device.*only 5 samples"):
+        new = inject_distributed_sampler(data, 2, 1, 0, pad=True)
+    assert [b[0].tolist() for b in new] == [[1, 3, 5, 7, 9]]
+    with pytest.warns(UserWarning, match="Lower batch_size to at most 3"):
+        assert batches(loader(6, 4), 2) == [[3], [3]]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert batches(loader(6, 3), 2) == [[3], [3]]
+
+
+def test_padded_evaluation_warning_suggestions_give_exact_shards():
+    """An evaluation loader that cannot be sharded exactly warns; each suggested change (batch_size >= 2 and
+    drop_last=False with at least W samples, or a multiple of W samples) reads every sample exactly once."""
+    for padded in (loader(5, 1), loader(5, 2, drop_last=True), loader(1, 4)):
+        with pytest.warns(UserWarning, match="For exact metrics use batch_size >= 2 and drop_last=False with at"):
+            shard_for_evaluation(padded, 2, 0, 0, None, "validation")
+    for exact in (loader(5, 2), loader(6, 1), loader(2, 4)):
+        assert needs_padding(exact, 2) is None
+        shards = [[len(b[0]) for b in shard_for_evaluation(exact, 2, r, 0, None, "validation")] for r in (0, 1)]
+        assert sum(map(sum, shards)) == len(exact.dataset)
+        assert len(shards[0]) == len(shards[1])
+
+
+def test_all_gather_shape_error_names_every_shape_and_its_suggestion_works():
+    """Only the first dimension may differ: anything else is refused with every rank's shape; padded to a common
+    trailing shape they pass."""
+    check_gatherable([(3, 2), (1, 2)], 0)
+    with pytest.raises(ValueError, match=r"\[rank 1\].*rank 0: \(3, 2\), rank 1: \(3, 4\)"):
+        check_gatherable([(3, 2), (3, 4)], 1)
+    with pytest.raises(ValueError, match="rank 0: \\(\\)"):
+        check_gatherable([(), ()], 0)
+    with pytest.raises(ValueError, match="Pad or reshape them to a common shape"):
+        check_gatherable([(3, 4), (2, 5)], 0)
+    check_gatherable([(3, 5), (2, 5)], 0)
+
+
+# ---------------------------------------------------------------------------- resumed positions
+def test_changed_data_resume_error_suggestions_work(tmp_path, caplog):
+    """Resuming mid-epoch with more data is refused; the suggested checkpoint saved at the end of an epoch
+    resumes with the new data (8 samples -> 10: epoch 1 takes 5 steps), and the same data resumes mid-epoch."""
+    mid_ck = ModelCheckpoint(dirpath=tmp_path / "mid", every_n_train_steps=2, save_top_k=-1)
+    end_ck = ModelCheckpoint(dirpath=tmp_path / "end")
+    one_rank_trainer(tmp_path, max_epochs=1, callbacks=[mid_ck, end_ck], enable_checkpointing=True).fit(
+        Regressor(), loader(8))
+    mid, end = tmp_path / "mid" / "epoch=0-step=2.ckpt", tmp_path / "end" / "epoch=0-step=4.ckpt"
+    message = error_of(lambda: one_rank_trainer(tmp_path, max_epochs=2).fit(Regressor(), loader(10), ckpt_path=mid),
+                       caplog)
+    assert re.match("ValueError: .* or resume from a checkpoint saved at the end of an epoch", message, re.S), message
+    same = one_rank_trainer(tmp_path, max_epochs=1)
+    same.fit(Regressor(), loader(8), ckpt_path=mid)
+    assert same.global_step == 4
+    grown = one_rank_trainer(tmp_path, max_epochs=2)
+    grown.fit(Regressor(), loader(10), ckpt_path=end)
+    assert grown.global_step == 4 + 5
+
+
+def test_checkpoint_with_an_unknown_sampler_entry_loads_with_a_warning(tmp_path):
+    """A sampler entry of another version (Lightning's ddp ignores unknown keys) warns and fits on; no refusal."""
+    first = one_rank_trainer(tmp_path, max_epochs=1, enable_checkpointing=True)
+    first.fit(Regressor(), loader(8))
+    path = Path(first.checkpoint_callback.best_model_path)
+    checkpoint = torch.load(path, weights_only=True)
+    checkpoint[CHECKPOINT_KEY] = {"version": 99, "loaders": "elsewhere"}
+    torch.save(checkpoint, tmp_path / "other.ckpt")
+    resumed = one_rank_trainer(tmp_path, max_epochs=2)
+    with pytest.warns(UserWarning, match="not a version-1 sampler position.* It is ignored"):
+        resumed.fit(Regressor(), loader(8), ckpt_path=tmp_path / "other.ckpt")
+    assert resumed.global_step == 8
