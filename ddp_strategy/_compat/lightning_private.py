@@ -34,7 +34,7 @@ __all__ = [
     "load_checkpoint_with_weights_only",
     "prepare_for_backward",
     "resumed_batch_count",
-    "save_hyperparameters",
+    "SavesPublicInitArgs",
     "set_lightning_sampler_injection",
     "shift_epoch_batch_progress",
     "update_dataloader",
@@ -115,27 +115,33 @@ def load_checkpoint_with_weights_only(method: Any, path: Any, map_location: Any,
     return _default.get(PRIVATE_NAMES["cloud_load"])(path, map_location=map_location, weights_only=weights_only)
 
 
-def save_hyperparameters(namespace: _namespace.Namespace, obj: Any, *args: Any, ignore: Any, frame: Any,
-                         logger: bool, classes: tuple[type, ...]) -> None:
-    """Lightning's ``HyperparametersMixin.save_hyperparameters``, also collecting ``__init__`` arguments
-    from frames of ``classes`` (our namespace-free public classes).
+class SavesPublicInitArgs:
+    """Mixed into LightningModule/LightningDataModule flavours: ``save_hyperparameters()`` collects the
+    ``__init__`` arguments of our public classes too.
 
-    Args:
-        namespace: the namespace of ``obj``'s class.
-        obj: the LightningModule or LightningDataModule.
-        args, ignore, logger: as Lightning's ``save_hyperparameters``.
-        frame: the frame of the ``__init__`` that called it.
-        classes: further classes whose ``__init__`` frames hold hyperparameters.
+    Lightning collects them from the frames of ``HyperparametersMixin`` subclasses, and a method of our public
+    class runs with ``__class__`` the public class, which is not one; the rest is Lightning's own
+    ``save_hyperparameters`` (``given_hparams`` from ``collect_init_args``, as its mixin does).
     """
-    given = namespace.get(PRIVATE_NAMES["given_hyperparameters"]).get()
-    if given is None:
-        given = {}
-        mixin = namespace.get("pytorch.core.mixins:HyperparametersMixin")
-        for local_args in namespace.get(PRIVATE_NAMES["collect_init_args"])(frame, [], classes=(mixin, *classes)):
-            given.update(local_args)
-    obj._log_hyperparams = logger
-    namespace.get(PRIVATE_NAMES["save_hyperparameters"])(obj, *args, ignore=ignore, frame=frame, given_hparams=given)
 
+    def save_hyperparameters(self, *args: Any, ignore: Any = None, frame: Any = None, logger: bool = True) -> None:
+        """As Lightning's ``HyperparametersMixin.save_hyperparameters``."""
+        if frame is None:
+            current = inspect.currentframe()
+            frame = current.f_back if current is not None else None
+        namespace = _namespace.load(type(self)._ddp_namespace)  # type: ignore[attr-defined]
+        given = namespace.get(PRIVATE_NAMES["given_hyperparameters"]).get()
+        if given is None:
+            given = {}
+            classes = (namespace.get("pytorch.core.mixins:HyperparametersMixin"), _namespace.Flavoured)
+            for local_args in namespace.get(PRIVATE_NAMES["collect_init_args"])(frame, [], classes=classes):
+                given.update(local_args)
+        self._log_hyperparams = logger
+        namespace.get(PRIVATE_NAMES["save_hyperparameters"])(self, *args, ignore=ignore, frame=frame,
+                                                              given_hparams=given)
+
+
+_namespace.MIXINS.append(("pytorch.core.mixins:HyperparametersMixin", SavesPublicInitArgs))
 
 _USER_SAMPLER_FLAG = "_ddp_strategy_user_use_distributed_sampler"
 
@@ -186,8 +192,6 @@ def update_dataloader_batch_sampler(dataloader: DataLoader, batch_sampler: Any) 
     kwargs.update(batch_sampler=batch_sampler, sampler=None, shuffle=False, batch_size=1, drop_last=False)
     return _reinstantiate_wrapped_cls(dataloader, *args, **kwargs)
 
-
-_namespace.register_save_hyperparameters(save_hyperparameters)
 
 
 def allow_compiled_models(namespace: _namespace.Namespace, strategy_cls: type) -> None:
