@@ -21,25 +21,7 @@ from ddp_strategy._compat import namespace as _namespace
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
-    from torch.utils.data import DataLoader, Sampler
-
-__all__ = [
-    "PRIVATE_NAMES",
-    "ForwardRedirection",
-    "allow_compiled_models",
-    "MultiProcessingLauncher",
-    "SubprocessScriptLauncher",
-    "call_with_weights_only",
-    "is_interactive",
-    "load_checkpoint_with_weights_only",
-    "prepare_for_backward",
-    "resumed_batch_count",
-    "SavesPublicInitArgs",
-    "set_lightning_sampler_injection",
-    "shift_epoch_batch_progress",
-    "update_dataloader",
-    "update_dataloader_batch_sampler",
-]
+    from torch.utils.data import DataLoader
 
 #: Every private (or internal) Lightning name used, by path (see ``_namespace.Namespace.get``); the guard
 #: tests resolve each in every installed namespace.
@@ -77,7 +59,8 @@ MultiProcessingLauncher: type = _namespace.lightning_base(PRIVATE_NAMES["MultiPr
 ForwardRedirection: type = _default.get(PRIVATE_NAMES["ForwardRedirection"])
 prepare_for_backward = _default.get(PRIVATE_NAMES["prepare_for_backward"])
 _IS_INTERACTIVE: bool = _default.get(PRIVATE_NAMES["is_interactive"])
-_update_dataloader = _default.get(PRIVATE_NAMES["update_dataloader"])
+#: ``update_dataloader(dataloader, sampler)``: re-create ``dataloader`` with ``sampler``, keeping its other arguments.
+update_dataloader = _default.get(PRIVATE_NAMES["update_dataloader"])
 _get_dataloader_init_args_and_kwargs = _default.get(PRIVATE_NAMES["get_dataloader_init_args_and_kwargs"])
 _reinstantiate_wrapped_cls = _default.get(PRIVATE_NAMES["reinstantiate_wrapped_cls"])
 
@@ -156,11 +139,6 @@ def is_interactive() -> bool:
         return True
     ipython = sys.modules.get("IPython")
     return ipython is not None and getattr(ipython, "get_ipython", lambda: None)() is not None
-
-
-def update_dataloader(dataloader: DataLoader, sampler: Sampler) -> DataLoader:
-    """Re-create ``dataloader`` with ``sampler``, keeping its other arguments (Lightning's logic)."""
-    return _update_dataloader(dataloader, sampler)
 
 
 def update_dataloader_batch_sampler(dataloader: DataLoader, batch_sampler: Any) -> DataLoader:
@@ -289,8 +267,3 @@ def resumed_batch_count(trainer: pl.Trainer) -> int:
     on_batch_end = total.started == total.ready == total.processed and total.completed == total.processed - 1
     counts_it = hasattr(epoch_loop, "restarted_on_train_batch_end") and on_batch_end
     return epoch_loop.batch_progress.current.completed + int(counts_it)
-
-
-def signature_of(obj: Any) -> list[str]:
-    """Parameter names of ``obj`` (used by the test that guards this module)."""
-    return list(inspect.signature(obj).parameters)
