@@ -23,7 +23,6 @@ from ddp_strategy import checkpoint, diagnostics, options, process, sampling, sy
 from ddp_strategy._compat import lightning_private as _pl
 from ddp_strategy._compat import namespace as _namespace
 from ddp_strategy._compat.namespace import SIGTERMException, TrainerFn, rank_zero_info, reset_seed
-from ddp_strategy.process import START_METHODS, StartMethod, default_start_method  # noqa: F401 (0.1 had them here)
 
 if TYPE_CHECKING:
     from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment

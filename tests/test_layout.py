@@ -208,26 +208,3 @@ def test_parts_import_only_lower_layers_through_their_public_names():
                     len(target) > 2 or not set(names) <= public[theirs]):
                 problems.append(f"{me}:{line} reaches inside {theirs}: {module} {names}")
     assert problems == []
-
-
-def test_module_paths_of_the_flat_layout_still_import():
-    """Every public name of every 0.1 module (tests/flat_layout_names.json, taken from 0.1's source) is still
-    there at its old path, as ``from ddp_strategy.<old> import name`` and as ``ddp_strategy.<old>.name``."""
-    import importlib
-    import json
-
-    import ddp_strategy
-
-    names = json.loads((Path(__file__).parent / "flat_layout_names.json").read_text())
-    missing = [f"{old}.{name}" for old, listed in names.items() for name in listed
-               if not hasattr(importlib.import_module(f"ddp_strategy.{old}"), name)]
-    assert missing == []
-    assert ddp_strategy.comm_hooks.bf16_all_reduce_hook is ddp_strategy.bf16_all_reduce_hook  # attribute access
-    from ddp_strategy.failures import StalledRankError
-    from ddp_strategy.model import DigitsClassifier
-
-    from ddp_strategy.process import boundaries
-
-    assert DigitsClassifier is ddp_strategy.DigitsClassifier and StalledRankError is boundaries.StalledRankError
-    with pytest.raises(AttributeError, match="moved to ddp_strategy.reference.model"):
-        ddp_strategy.model.NoSuchName  # noqa: B018

@@ -21,25 +21,7 @@ from ddp_strategy._compat import namespace as _namespace
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
-    from torch.utils.data import DataLoader, Sampler
-
-__all__ = [
-    "PRIVATE_NAMES",
-    "ForwardRedirection",
-    "allow_compiled_models",
-    "MultiProcessingLauncher",
-    "SubprocessScriptLauncher",
-    "call_with_weights_only",
-    "is_interactive",
-    "load_checkpoint_with_weights_only",
-    "prepare_for_backward",
-    "resumed_batch_count",
-    "save_hyperparameters",
-    "set_lightning_sampler_injection",
-    "shift_epoch_batch_progress",
-    "update_dataloader",
-    "update_dataloader_batch_sampler",
-]
+    from torch.utils.data import DataLoader
 
 #: Every private (or internal) Lightning name used, by path (see ``_namespace.Namespace.get``); the guard
 #: tests resolve each in every installed namespace.
@@ -77,7 +59,8 @@ MultiProcessingLauncher: type = _namespace.lightning_base(PRIVATE_NAMES["MultiPr
 ForwardRedirection: type = _default.get(PRIVATE_NAMES["ForwardRedirection"])
 prepare_for_backward = _default.get(PRIVATE_NAMES["prepare_for_backward"])
 _IS_INTERACTIVE: bool = _default.get(PRIVATE_NAMES["is_interactive"])
-_update_dataloader = _default.get(PRIVATE_NAMES["update_dataloader"])
+#: ``update_dataloader(dataloader, sampler)``: re-create ``dataloader`` with ``sampler``, keeping its other arguments.
+update_dataloader = _default.get(PRIVATE_NAMES["update_dataloader"])
 _get_dataloader_init_args_and_kwargs = _default.get(PRIVATE_NAMES["get_dataloader_init_args_and_kwargs"])
 _reinstantiate_wrapped_cls = _default.get(PRIVATE_NAMES["reinstantiate_wrapped_cls"])
 
@@ -115,27 +98,33 @@ def load_checkpoint_with_weights_only(method: Any, path: Any, map_location: Any,
     return _default.get(PRIVATE_NAMES["cloud_load"])(path, map_location=map_location, weights_only=weights_only)
 
 
-def save_hyperparameters(namespace: _namespace.Namespace, obj: Any, *args: Any, ignore: Any, frame: Any,
-                         logger: bool, classes: tuple[type, ...]) -> None:
-    """Lightning's ``HyperparametersMixin.save_hyperparameters``, also collecting ``__init__`` arguments
-    from frames of ``classes`` (our namespace-free public classes).
+class SavesPublicInitArgs:
+    """Mixed into LightningModule/LightningDataModule flavours: ``save_hyperparameters()`` collects the
+    ``__init__`` arguments of our public classes too.
 
-    Args:
-        namespace: the namespace of ``obj``'s class.
-        obj: the LightningModule or LightningDataModule.
-        args, ignore, logger: as Lightning's ``save_hyperparameters``.
-        frame: the frame of the ``__init__`` that called it.
-        classes: further classes whose ``__init__`` frames hold hyperparameters.
+    Lightning collects them from the frames of ``HyperparametersMixin`` subclasses, and a method of our public
+    class runs with ``__class__`` the public class, which is not one; the rest is Lightning's own
+    ``save_hyperparameters`` (``given_hparams`` from ``collect_init_args``, as its mixin does).
     """
-    given = namespace.get(PRIVATE_NAMES["given_hyperparameters"]).get()
-    if given is None:
-        given = {}
-        mixin = namespace.get("pytorch.core.mixins:HyperparametersMixin")
-        for local_args in namespace.get(PRIVATE_NAMES["collect_init_args"])(frame, [], classes=(mixin, *classes)):
-            given.update(local_args)
-    obj._log_hyperparams = logger
-    namespace.get(PRIVATE_NAMES["save_hyperparameters"])(obj, *args, ignore=ignore, frame=frame, given_hparams=given)
 
+    def save_hyperparameters(self, *args: Any, ignore: Any = None, frame: Any = None, logger: bool = True) -> None:
+        """As Lightning's ``HyperparametersMixin.save_hyperparameters``."""
+        if frame is None:
+            current = inspect.currentframe()
+            frame = current.f_back if current is not None else None
+        namespace = _namespace.load(type(self)._ddp_namespace)  # type: ignore[attr-defined]
+        given = namespace.get(PRIVATE_NAMES["given_hyperparameters"]).get()
+        if given is None:
+            given = {}
+            classes = (namespace.get("pytorch.core.mixins:HyperparametersMixin"), _namespace.Flavoured)
+            for local_args in namespace.get(PRIVATE_NAMES["collect_init_args"])(frame, [], classes=classes):
+                given.update(local_args)
+        self._log_hyperparams = logger
+        namespace.get(PRIVATE_NAMES["save_hyperparameters"])(self, *args, ignore=ignore, frame=frame,
+                                                              given_hparams=given)
+
+
+_namespace.MIXINS.append(("pytorch.core.mixins:HyperparametersMixin", SavesPublicInitArgs))
 
 _USER_SAMPLER_FLAG = "_ddp_strategy_user_use_distributed_sampler"
 
@@ -150,11 +139,6 @@ def is_interactive() -> bool:
         return True
     ipython = sys.modules.get("IPython")
     return ipython is not None and getattr(ipython, "get_ipython", lambda: None)() is not None
-
-
-def update_dataloader(dataloader: DataLoader, sampler: Sampler) -> DataLoader:
-    """Re-create ``dataloader`` with ``sampler``, keeping its other arguments (Lightning's logic)."""
-    return _update_dataloader(dataloader, sampler)
 
 
 def update_dataloader_batch_sampler(dataloader: DataLoader, batch_sampler: Any) -> DataLoader:
@@ -186,8 +170,6 @@ def update_dataloader_batch_sampler(dataloader: DataLoader, batch_sampler: Any) 
     kwargs.update(batch_sampler=batch_sampler, sampler=None, shuffle=False, batch_size=1, drop_last=False)
     return _reinstantiate_wrapped_cls(dataloader, *args, **kwargs)
 
-
-_namespace.register_save_hyperparameters(save_hyperparameters)
 
 
 def allow_compiled_models(namespace: _namespace.Namespace, strategy_cls: type) -> None:
@@ -285,8 +267,3 @@ def resumed_batch_count(trainer: pl.Trainer) -> int:
     on_batch_end = total.started == total.ready == total.processed and total.completed == total.processed - 1
     counts_it = hasattr(epoch_loop, "restarted_on_train_batch_end") and on_batch_end
     return epoch_loop.batch_progress.current.completed + int(counts_it)
-
-
-def signature_of(obj: Any) -> list[str]:
-    """Parameter names of ``obj`` (used by the test that guards this module)."""
-    return list(inspect.signature(obj).parameters)

@@ -1,145 +1,225 @@
 """Which Lightning the user runs: ``lightning`` (``lightning.pytorch``) or the standalone ``pytorch_lightning``.
 
-The two packages hold the same code under two names, and their classes are distinct objects: a
-``pytorch_lightning.Trainer`` refuses a strategy that subclasses ``lightning.pytorch``'s ``Strategy`` and
-a module that subclasses ``lightning.pytorch``'s ``LightningModule``. ``pip install lightning`` (2.4 to 2.6)
-installs both. This module is the one place that imports either, so that the rest of the package is
-written once:
+The two hold the same code under two names, with distinct classes (a ``pytorch_lightning.Trainer`` refuses a
+``lightning.pytorch`` strategy), and ``pip install lightning`` (2.4 to 2.6) installs both. This is the one
+module that imports either (by name; never one that is not installed):
 
-- every class of ours that derives from a Lightning class declares its base by *path*
-  (``class MyDDPStrategy(lightning_base("pytorch.strategies:ParallelStrategy"))``); the class the user
-  names is namespace-free, and ``MyDDPStrategy(...)`` builds an instance of its *flavour* for one
-  namespace: ``type(name, (MyDDPStrategy, <that namespace's ParallelStrategy>))``, made once and cached.
-  ``isinstance(x, MyDDPStrategy)`` holds for every flavour; user subclasses work the same way.
-- the namespace of a new object is, in order: the class's own (``MyDDPStrategy.for_namespace(name)``), the
-  namespace of a Lightning object among its arguments, then :func:`resolve`: the ``DDP_STRATEGY_LIGHTNING``
-  environment variable; else the only namespace installed; else the only one the user has imported (we do
-  not count the one we imported ourselves); else :data:`default`.
-- where Lightning's base is an ABC (``Strategy``, ``CheckpointIO``), our class is also registered as a
-  virtual subclass of the same base in every namespace loaded, so either ``Trainer`` accepts it; a
-  strategy re-builds itself as the right flavour (its ``__init__`` run again with the same arguments)
-  when a Trainer of the other namespace first connects it: ``strategy.accelerator = ...`` is the first
-  thing both namespaces' ``_AcceleratorConnector`` sets, in 2.4, 2.5 and 2.6.
-- namespace-neutral helpers (``rank_zero_info``, ``TrainerFn``, ``reset_seed``, ...) come from
-  :data:`default`, the one namespace imported when ``ddp_strategy`` is: the one :func:`resolve` picks at
-  that moment (``lightning`` when both are installed and neither is imported yet).
+- **Loading.** ``import ddp_strategy`` loads the namespaces imported already, else the one
+  ``DDP_STRATEGY_LIGHTNING`` names, else every one installed (``ddp_strategy`` comes first in an alphabetical
+  import order), and registers ``"my_ddp"`` in each (:func:`on_load`).
+- **Flavours.** Our classes name their Lightning base by path (``class MyDDPStrategy(lightning_base(
+  "pytorch.strategies:ParallelStrategy"))``) and are namespace-free; ``MyDDPStrategy(...)`` builds an instance
+  of its flavour ``type(name, (MyDDPStrategy, <that namespace's ParallelStrategy>))``, made once by
+  :meth:`Flavoured.for_namespace`, which pickles as (public class, namespace). Where the base is an ABC
+  (``Strategy``, ``CheckpointIO``) the public class is registered with it in each namespace, so that
+  ``LightningCLI`` takes ``--trainer.strategy=ddp_strategy.MyDDPStrategy`` and either Trainer takes
+  ``plugins=[DDPCheckpointIO()]``.
+- **Choice.** A new object is built for: its class's own namespace (``MyDDPStrategy.for_namespace(name)``),
+  else that of a Lightning object among its arguments, else :func:`resolve`'s. A strategy handed to the other
+  namespace's Trainer is refused, saying what to do.
 
-No namespace that is not installed is ever imported. Lightning's private names stay in
-:mod:`ddp_strategy._compat.lightning_private`, which takes them from here.
+Namespace-neutral helpers (``rank_zero_info``, ``TrainerFn``, ...) come from :data:`default`.
 """
 
 from __future__ import annotations
 
 import abc
 import copyreg
-import inspect
-import logging
+import importlib
+import importlib.util
+import os
+import sys
+import types
+from functools import cache
 from typing import Any, ClassVar
 
-# The lower half (resolution, loading, neutral helpers), re-exported: callers use this module only.
-from ddp_strategy._compat.resolve import (  # noqa: F401
-    _LOADED,
-    ENV_VAR,
-    NAMESPACES,
-    Namespace,
-    RunningStage,
-    TrainerFn,
-    _check_name,
-    default,
-    get_filesystem,
-    imported,
-    installed,
-    lightning_getattr,
-    lightning_hasattr,
-    load,
-    on_load,
-    rank_zero_info,
-    rank_zero_only,
-    rank_zero_warn,
-    reset_seed,
-    resolve,
-    sync,
-)
+#: Environment variable naming the namespace to use: ``lightning`` or ``pytorch_lightning``.
+ENV_VAR = "DDP_STRATEGY_LIGHTNING"
+#: The two namespaces, the default first.
+NAMESPACES: tuple[str, ...] = ("lightning", "pytorch_lightning")
+#: Per namespace: the Trainer-level package and the Fabric-level package.
+_ROOTS: dict[str, tuple[str, str]] = {"lightning": ("lightning.pytorch", "lightning.fabric"),
+                                      "pytorch_lightning": ("pytorch_lightning", "lightning_fabric")}
+#: Top-level package -> namespace.
+_TOPS = {"lightning": "lightning", "pytorch_lightning": "pytorch_lightning", "lightning_fabric": "pytorch_lightning"}
 
-log = logging.getLogger(__name__)
+
+@cache
+def installed() -> tuple[str, ...]:
+    """The namespaces installed (found by ``importlib.util.find_spec``, nothing imported), default first."""
+    found = []
+    for name in NAMESPACES:
+        # find_spec("lightning.pytorch") would import the package "lightning": look for the folder instead.
+        top, _, sub = _ROOTS[name][0].partition(".")
+        spec = importlib.util.find_spec(top)
+        locations = (spec.submodule_search_locations or []) if spec is not None else []
+        if spec is not None and (not sub or any(os.path.isdir(os.path.join(loc, sub)) for loc in locations)):
+            found.append(name)
+    return tuple(found)
+
+
+def imported() -> tuple[str, ...]:
+    """The installed namespaces whose Trainer-level package is in ``sys.modules`` (imported by anyone)."""
+    return tuple(name for name in installed() if _ROOTS[name][0] in sys.modules)
+
+
+def _check_name(name: str, source: str) -> str:
+    canonical = name.strip().replace("-", "_")
+    if canonical not in NAMESPACES:
+        raise ValueError(f"{source} is {name!r}, which is not a Lightning namespace: use 'lightning' or"
+                         " 'pytorch_lightning'.")
+    if canonical not in installed():
+        raise ModuleNotFoundError(
+            f"{source} is {name!r}, but {canonical} is not installed (installed: {list(installed()) or 'none'})."
+            f" Install it with pip install 'ddp_strategy[{canonical.replace('_', '-')}]', or choose an installed one.")
+    return canonical
+
+
+def _chosen_by_variable() -> str | None:
+    choice = os.environ.get(ENV_VAR, "").strip()
+    return _check_name(choice, f"the environment variable {ENV_VAR}") if choice else None
+
+
+def _namespace_of_module(module: Any) -> str | None:
+    return _TOPS.get(str(module).partition(".")[0]) if module else None
+
+
+def _caller_namespace() -> str | None:
+    """The namespace of the nearest caller outside ``ddp_strategy`` that uses one: a frame of Lightning's own
+    code, or a module whose globals hold modules, classes or functions of exactly one namespace."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        module = frame.f_globals.get("__name__", "")
+        if not str(module).startswith("ddp_strategy"):
+            found = {_namespace_of_module(module)} - {None}
+            if not found:
+                found = {_namespace_of_module(value.__name__ if isinstance(value, types.ModuleType) else
+                                              value.__module__) for value in list(frame.f_globals.values())
+                         if isinstance(value, (types.ModuleType, type, types.FunctionType))} - {None}
+            if found:
+                return found.pop() if len(found) == 1 else None
+        frame = frame.f_back
+    return None
+
+
+def resolve() -> str:
+    """The namespace for a new object: ``DDP_STRATEGY_LIGHTNING``; else the only one installed; else the one the
+    nearest caller uses (the user's module that did ``import pytorch_lightning as pl``, or Lightning's own
+    registry, ``LightningCLI`` or Trainer); else the only one imported; else :data:`default`'s.
+
+    Returns:
+        ``"lightning"`` or ``"pytorch_lightning"``.
+
+    Raises:
+        ValueError: ``DDP_STRATEGY_LIGHTNING`` names no namespace.
+        ModuleNotFoundError: it names one that is not installed, or neither is installed.
+    """
+    chosen = _chosen_by_variable()
+    if chosen is not None:
+        return chosen
+    if not installed():
+        raise ModuleNotFoundError("ddp_strategy needs Lightning, and neither lightning nor pytorch_lightning is"
+                                  " installed: pip install 'ddp_strategy[lightning]' (or"
+                                  " 'ddp_strategy[pytorch-lightning]' for import pytorch_lightning).")
+    if len(installed()) == 1:
+        return installed()[0]
+    chosen = _caller_namespace() or (imported()[0] if len(imported()) == 1 else None)
+    return chosen or default.name
+
+
+class Namespace:
+    """One Lightning namespace, imported.
+
+    Args:
+        name: ``"lightning"`` or ``"pytorch_lightning"``.
+    """
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.pytorch_name, self.fabric_name = _ROOTS[name]
+        self.pytorch: types.ModuleType = importlib.import_module(self.pytorch_name)
+        self.fabric: types.ModuleType = importlib.import_module(self.fabric_name)
+
+    @property
+    def version(self) -> str:
+        """The installed version, e.g. ``"2.6.6"``."""
+        return str(sys.modules[self.pytorch_name.partition(".")[0]].__version__)
+
+    def get(self, path: str) -> Any:
+        """The object at ``path`` in this namespace.
+
+        Args:
+            path: ``"<level>.<module>:<attribute>"`` with level ``pytorch`` or ``fabric``, e.g.
+                ``"pytorch.strategies:ParallelStrategy"`` is ``lightning.pytorch.strategies.ParallelStrategy``
+                or ``pytorch_lightning.strategies.ParallelStrategy``; no attribute gives the module.
+        """
+        module_path, _, attribute = path.partition(":")
+        level, _, rest = module_path.partition(".")
+        root = {"pytorch": self.pytorch_name, "fabric": self.fabric_name}[level]
+        obj: Any = importlib.import_module(f"{root}.{rest}" if rest else root)
+        for part in filter(None, attribute.split(".")):
+            obj = getattr(obj, part)
+        return obj
+
+    def __repr__(self) -> str:
+        return f"Namespace({self.name!r})"
+
+
+_LOADED: dict[str, Namespace] = {}
+_ON_LOAD: list[Any] = []
+
+
+def load(name: str) -> Namespace:
+    """The namespace ``name``, imported on first use; runs the :func:`on_load` registrations for it."""
+    namespace = _LOADED.get(name)
+    if namespace is None:
+        namespace = _LOADED[name] = Namespace(name)
+        for callback in list(_ON_LOAD):
+            callback(namespace)
+    return namespace
+
+
+def on_load(callback: Any) -> None:
+    """Call ``callback(namespace)`` for every namespace loaded now and later (to register with each)."""
+    _ON_LOAD.append(callback)
+    for namespace in list(_LOADED.values()):
+        callback(namespace)
 
 
 def namespace_of(obj: Any) -> str | None:
     """The namespace ``obj`` (an object or a class) belongs to, from its class's modules; None if neither."""
     cls = obj if isinstance(obj, type) else type(obj)
-    own = _own_namespace(cls)
-    if own is not None:
-        return own
-    for klass in cls.__mro__:
-        module = getattr(klass, "__module__", "") or ""
-        if module.startswith(("lightning.pytorch", "lightning.fabric")):
-            return "lightning"
-        if module.startswith(("pytorch_lightning", "lightning_fabric")):
-            return "pytorch_lightning"
-    return None
+    own = getattr(cls, "_ddp_namespace", None)
+    return own or next(filter(None, (_namespace_of_module(getattr(k, "__module__", "")) for k in cls.__mro__)), None)
 
 
 # ----------------------------------------------------------------------------------- flavoured classes
-def _own_namespace(cls: type) -> str | None:
-    for klass in cls.__mro__:
-        name = klass.__dict__.get("_ddp_namespace")
-        if name is not None:
-            return name
-    return None
-
-
-def _public_class(cls: type) -> type:
-    for klass in cls.__mro__:
-        if "_ddp_namespace" in klass.__dict__:
-            return klass.__dict__["_ddp_public"]
-    return cls
-
-
-class _FlavouredMeta(abc.ABCMeta):
-    """Metaclass of :class:`Flavoured`: class attributes Lightning's base defines (``load_from_checkpoint``,
-    ``CHECKPOINT_HYPER_PARAMS_KEY``) are looked up on the flavour for :func:`resolve`'s namespace."""
-
-    def __getattr__(cls, name: str) -> Any:
-        if name.startswith("_") or _own_namespace(cls) is not None or not any(
-                "_ddp_base" in klass.__dict__ for klass in cls.__mro__):
-            raise AttributeError(f"type object {cls.__qualname__!r} has no attribute {name!r}")
-        return getattr(cls.for_namespace(resolve()), name)  # type: ignore[attr-defined]
-
-
-def _flavour_class(public: type, name: str) -> type:
-    """Unpickling: the flavour of ``public`` for namespace ``name``."""
-    return public.for_namespace(name)  # type: ignore[attr-defined]
-
-
-def _reduce_class(cls: type) -> Any:
-    # A flavour has the public class's name, so pickle cannot find it by name: rebuild it from the public
-    # class (pickled by name) and the namespace. ``spawn`` and ``forkserver`` pickle the trainer this way.
-    if "_ddp_namespace" in cls.__dict__:
-        return _flavour_class, (cls.__dict__["_ddp_public"], cls.__dict__["_ddp_namespace"])
-    return cls.__qualname__
-
-
-copyreg.pickle(_FlavouredMeta, _reduce_class)
-
-_FLAVOURS: dict[tuple[type, str], type] = {}
-_BASES: list[type] = []
-
-
-class Flavoured(metaclass=_FlavouredMeta):
+class Flavoured:
     """A class of ours derived from a Lightning class named by path; instances are of a per-namespace flavour.
 
     Use :func:`lightning_base` rather than this class directly.
     """
 
     _ddp_base: ClassVar[str]
+    #: Set on flavours (and inherited by user subclasses of a flavour); None on public classes.
+    _ddp_namespace: ClassVar[str | None] = None
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Any:
-        flavour = cls if _own_namespace(cls) is not None else cls.for_namespace(
-            _namespace_of_arguments(args, kwargs) or resolve())
-        obj = super(Flavoured, flavour).__new__(flavour)  # noqa: UP008  (flavour, not cls)
-        if isinstance(obj, _ConnectsToEitherTrainer):
-            obj.__dict__["_ddp_init_args"] = (args, kwargs)
-        return obj
+        if cls._ddp_namespace is None:
+            found = {namespace_of(value) for value in (*args, *kwargs.values())} - {None}
+            cls = cls.for_namespace(found.pop() if len(found) == 1 else resolve())
+        for name in imported():  # a namespace imported after ddp_strategy: register "my_ddp" there too
+            load(name)
+        return super(Flavoured, cls).__new__(cls)  # noqa: UP008 (cls is the flavour now)
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        # A flavour has the public class's name, so pickle cannot find it by name: rebuild it from the public
+        # class (pickled by name) and the namespace. ``spawn`` and ``forkserver`` pickle the trainer this way.
+        reduced = super().__reduce_ex__(protocol)
+        cls = type(self)
+        if "_ddp_namespace" in cls.__dict__ and reduced[0] is copyreg.__newobj__ and reduced[1][0] is cls:
+            return (_new_flavour, (cls.__bases__[0], cls._ddp_namespace, *reduced[1][1:]), *reduced[2:])
+        return reduced
 
     @classmethod
     def for_namespace(cls, name: str) -> type:
@@ -150,27 +230,41 @@ class Flavoured(metaclass=_FlavouredMeta):
 
         Raises:
             ValueError, ModuleNotFoundError: ``name`` is not an installed namespace.
+            TypeError: ``cls`` subclasses the flavour of another namespace.
         """
         name = _check_name(name, "the namespace")
-        own = _own_namespace(cls)
-        if own is not None:
-            if own == name:
+        if cls._ddp_namespace is not None:
+            if cls._ddp_namespace == name:
                 return cls
             if "_ddp_namespace" not in cls.__dict__:
-                raise TypeError(f"{cls.__qualname__} subclasses the {own} flavour of a ddp_strategy class, so it"
-                                f" cannot be built for {name}; subclass the public class instead.")
-            cls = cls.__dict__["_ddp_public"]
+                raise TypeError(f"{cls.__qualname__} subclasses the {cls._ddp_namespace} flavour of a ddp_strategy"
+                                f" class, so it cannot be built for {name}; subclass the public class instead.")
+            cls = cls.__bases__[0]
         flavour = _FLAVOURS.get((cls, name))
         if flavour is None:
             namespace = load(name)
             base = namespace.get(cls._ddp_base)
-            mixins = tuple(mixin for path, mixin in _MIXINS if issubclass(base, namespace.get(path)))
-            flavour = _FlavouredMeta(cls.__name__, (cls, *mixins, base), {
+            mixins = tuple(mixin for path, mixin in MIXINS if issubclass(base, namespace.get(path)))
+            flavour = _FLAVOURS[(cls, name)] = type(base)(cls.__name__, (cls, *mixins, base), {
                 "__module__": cls.__module__, "__qualname__": cls.__qualname__, "__doc__": cls.__doc__,
-                "_ddp_namespace": name, "_ddp_public": cls})
-            _FLAVOURS[(cls, name)] = flavour
-        sync()
+                "_ddp_namespace": name})
         return flavour
+
+
+_FLAVOURS: dict[tuple[type, str], type] = {}
+
+
+def _new_flavour(public: type, name: str, *args: Any) -> Any:
+    """Unpickling: a new, empty instance of the flavour of ``public`` for namespace ``name``."""
+    flavour = public.for_namespace(name)  # type: ignore[attr-defined]
+    return flavour.__new__(flavour, *args)
+
+
+def _load_from_checkpoint(cls: Any, *args: Any, **kwargs: Any) -> Any:
+    """Lightning's ``load_from_checkpoint``, on the flavour of ``cls`` for :func:`resolve`'s namespace."""
+    flavour = cls.for_namespace(cls._ddp_namespace or resolve())
+    public_base = next(k for k in flavour.__mro__ if "_ddp_base" in k.__dict__)
+    return super(public_base, flavour).load_from_checkpoint(*args, **kwargs)
 
 
 def lightning_base(path: str) -> type:
@@ -182,110 +276,83 @@ def lightning_base(path: str) -> type:
     Returns:
         A :class:`Flavoured` subclass to derive from: ``class MyDDPStrategy(lightning_base(...))``.
     """
-    base = _FlavouredMeta(f"LightningBase[{path}]", (Flavoured,), {"_ddp_base": path, "__module__": __name__})
-    _BASES.append(base)
-    for namespace in list(_LOADED.values()):
-        _register_virtual(base, namespace)
+    body: dict[str, Any] = {"_ddp_base": path, "__module__": __name__}
+    if hasattr(default.get(path), "load_from_checkpoint"):  # LightningModule, LightningDataModule
+        body["load_from_checkpoint"] = classmethod(_load_from_checkpoint)
+    base = type(f"LightningBase[{path}]", (Flavoured,), body)
+
+    def register(namespace: Namespace) -> None:
+        lightning_class = namespace.get(path)
+        if isinstance(lightning_class, abc.ABCMeta):
+            lightning_class.register(base)
+
+    on_load(register)
     return base
 
 
-def _register_virtual(base: type, namespace: Namespace) -> None:
-    lightning_class = namespace.get(base._ddp_base)  # type: ignore[attr-defined]
-    if isinstance(lightning_class, abc.ABCMeta):
-        lightning_class.register(base)
-
-
-on_load(lambda namespace: [_register_virtual(base, namespace) for base in _BASES])
-
-
-def _namespace_of_arguments(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
-    found = {namespace_of(value) for value in (*args, *kwargs.values())} - {None}
-    return found.pop() if len(found) == 1 else None
-
-
-class _ConnectsToEitherTrainer:
-    """Mixed into strategy flavours: follow the namespace of the Trainer that connects the strategy."""
-
-    def _ddp_base_property(self) -> property:
-        found = False
-        for klass in type(self).__mro__:
-            if found and "accelerator" in klass.__dict__:
-                return klass.__dict__["accelerator"]
-            found = found or klass is _ConnectsToEitherTrainer
-        raise AssertionError("Lightning's Strategy defines the accelerator property")
+class _OneNamespaceStrategy:
+    """Mixed into strategy flavours: refuse the other namespace's Trainer (it sets ``strategy.accelerator``
+    first, in 2.4, 2.5 and 2.6), whose objects would meet this namespace's code."""
 
     @property
     def accelerator(self) -> Any:
-        return self._ddp_base_property().fget(self)  # type: ignore[misc]
+        return super().accelerator  # type: ignore[misc]
 
     @accelerator.setter
     def accelerator(self, accelerator: Any) -> None:
-        theirs = namespace_of(accelerator)
-        if theirs is not None and theirs != _own_namespace(type(self)):
-            _reflavour(self, theirs)
-        self._ddp_base_property().fset(self, accelerator)  # type: ignore[misc]
+        theirs, ours = namespace_of(accelerator), type(self)._ddp_namespace
+        if theirs is not None and theirs != ours:
+            raise TypeError(
+                f"This {type(self).__qualname__} was built for {ours}, but a {theirs} Trainer received it (this"
+                f" program imports both). Build it with {type(self).__qualname__}.for_namespace({theirs!r})(...),"
+                f" pass strategy='my_ddp', or set {ENV_VAR}={theirs}.")
+        super(_OneNamespaceStrategy, type(self)).accelerator.__set__(self, accelerator)  # type: ignore[misc]
 
 
-def _reflavour(obj: Any, name: str) -> None:
-    """Turn ``obj`` into its class's flavour for ``name``, running ``__init__`` again with the same arguments."""
-    args, kwargs = obj.__dict__.get("_ddp_init_args", ((), {}))
-    target = _public_class(type(obj)).for_namespace(name)  # type: ignore[attr-defined]
-    log.debug("re-building %s for %s, whose Trainer connects it", type(obj).__qualname__, name)
-    obj.__dict__.clear()
-    obj.__class__ = target
-    obj.__dict__["_ddp_init_args"] = (args, kwargs)
-    target.__init__(obj, *args, **kwargs)
-
-
-#: Lightning's ``save_hyperparameters`` internals, registered by :mod:`ddp_strategy._compat.lightning_private`
-#: when it is imported (it imports this module, so this module cannot import it).
-_SAVE_HYPERPARAMETERS: list[Any] = []
-
-
-def register_save_hyperparameters(function: Any) -> None:
-    """Called once by :mod:`ddp_strategy._compat.lightning_private` with its ``save_hyperparameters``."""
-    _SAVE_HYPERPARAMETERS[:] = [function]
-
-
-class _SavesPublicInitArgs:
-    """Mixed into LightningModule/LightningDataModule flavours: ``save_hyperparameters()`` collects the
-    ``__init__`` arguments of our classes too (Lightning looks for frames of ``HyperparametersMixin``
-    subclasses, and a method of the public class runs with ``__class__`` the public class)."""
-
-    def save_hyperparameters(self, *args: Any, ignore: Any = None, frame: Any = None, logger: bool = True) -> None:
-        assert _SAVE_HYPERPARAMETERS, "ddp_strategy._compat.lightning_private registers it when imported"
-        if frame is None:
-            current = inspect.currentframe()
-            frame = current.f_back if current is not None else None
-        _SAVE_HYPERPARAMETERS[0](load(_own_namespace(type(self)) or resolve()), self, *args,
-                                 ignore=ignore, frame=frame, logger=logger, classes=(Flavoured,))
-
-
-#: (path of a Lightning class, mixin for flavours whose base derives from it), in MRO order.
-_MIXINS: tuple[tuple[str, type], ...] = (
-    ("pytorch.strategies:Strategy", _ConnectsToEitherTrainer),
-    ("pytorch.core.mixins:HyperparametersMixin", _SavesPublicInitArgs),
-)
-
-
-class _AnyNamespaceMeta(type):
-    def __instancecheck__(cls, obj: Any) -> bool:
-        return any(isinstance(obj, load(name).get(cls._ddp_path)) for name in imported() if name in installed())
-
-    def __subclasscheck__(cls, sub: type) -> bool:
-        return any(issubclass(sub, load(name).get(cls._ddp_path)) for name in imported() if name in installed())
+#: (path of a Lightning class, mixin for flavours whose base derives from it), in MRO order;
+#: :mod:`~ddp_strategy._compat.lightning_private` adds its ``SavesPublicInitArgs`` when imported (with the package).
+MIXINS: list[tuple[str, type]] = [("pytorch.strategies:Strategy", _OneNamespaceStrategy)]
 
 
 def any_namespace(path: str) -> type:
-    """A class for ``isinstance``/``except``-free checks: true for the class at ``path`` of any namespace loaded.
+    """A class for ``isinstance`` checks: true for the class at ``path`` of any namespace imported.
 
     Args:
         path: see :meth:`Namespace.get`.
     """
-    return _AnyNamespaceMeta(path.rpartition(":")[2], (), {"_ddp_path": path, "__module__": __name__})
+    def hook(cls: type, sub: type) -> bool:
+        return any(issubclass(sub, load(name).get(path)) for name in imported()) or NotImplemented
 
+    return type(path.rpartition(":")[2], (abc.ABC,), {"__subclasshook__": classmethod(hook), "__module__": __name__})
+
+
+def _load_at_import() -> Namespace:
+    chosen = _chosen_by_variable()
+    for name in imported() or ([chosen] if chosen else installed()):
+        load(name)
+    if chosen is not None:
+        return load(chosen)
+    if not _LOADED:
+        resolve()  # raises: nothing installed
+    return next(iter(_LOADED.values())) if len(_LOADED) == 1 else load(NAMESPACES[0])
+
+
+#: The namespace of the namespace-neutral helpers.
+default: Namespace = _load_at_import()
 
 #: ``isinstance(e, SIGTERMException)`` holds for either namespace's exception.
 SIGTERMException = any_namespace("pytorch.utilities.exceptions:SIGTERMException")
 #: ``isinstance(m, LightningModule)`` holds for either namespace's module.
 LightningModule = any_namespace("pytorch:LightningModule")
+
+# Namespace-neutral helpers, from the default namespace (the same functions and equal enums in both).
+rank_zero_info = default.get("pytorch.utilities.rank_zero:rank_zero_info")
+rank_zero_warn = default.get("pytorch.utilities.rank_zero:rank_zero_warn")
+rank_zero_only = default.get("pytorch.utilities.rank_zero:rank_zero_only")
+reset_seed = default.get("fabric.utilities.seed:reset_seed")
+get_filesystem = default.get("fabric.utilities.cloud_io:get_filesystem")
+find_free_network_port = default.get("fabric.plugins.environments.lightning:find_free_network_port")
+lightning_getattr = default.get("pytorch.utilities.parsing:lightning_getattr")
+lightning_hasattr = default.get("pytorch.utilities.parsing:lightning_hasattr")
+TrainerFn = default.get("pytorch.trainer.states:TrainerFn")
+RunningStage = default.get("pytorch.trainer.states:RunningStage")

@@ -29,6 +29,7 @@ import os
 import pickle
 import shutil
 import signal
+import socket
 import sys
 import tempfile
 import time
@@ -38,7 +39,6 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from ddp_strategy.process import free_port, proc_stat
 
 #: Imported once by the forkserver, so that ranks start from a warm parent.
 PRELOAD = ("torch", "torch.distributed", "ddp_strategy")
@@ -185,7 +185,9 @@ def run_on_ranks(
                         " function), and pass picklable arguments.") from e
     ctx = _context(start_method)
     folder = tempfile.mkdtemp(prefix="ddp_ranks_")
-    port = free_port()
+    with socket.socket() as probe:  # a port free a moment ago, for the ranks' rendezvous on 127.0.0.1
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
     # Not daemonic: a daemonic process may not start children, and a rank may (DataLoader workers, a subprocess).
     procs = [ctx.Process(target=_rank_main, name=f"rank {rank}", daemon=False,
                          args=(rank, world_size, port, folder, fn, tuple(args), kwargs, init_process_group, backend,
@@ -250,12 +252,16 @@ def _end(procs: list[Any]) -> None:
 
 
 def _alive_in_groups(groups: list[int]) -> bool:
-    """Whether a process of one of these process groups is alive (not a zombie), from ``/proc``."""
+    """Whether a process of one of these process groups is alive (not a zombie), from ``/proc`` (proc(5)).
+
+    Not ``os.killpg(pgid, 0)``: it succeeds for a zombie, and an orphan's zombie may wait for its reaper.
+    """
     for entry in Path("/proc").glob("[0-9]*"):
         try:
-            fields = proc_stat(int(entry.name))  # state, ppid, pgrp, ...
+            stat = (entry / "stat").read_text()
         except OSError:
             continue
+        fields = stat[stat.rindex(")") + 2:].split()  # state, ppid, pgrp, ...
         if fields[0] != "Z" and int(fields[2]) in groups:
             return True
     return False

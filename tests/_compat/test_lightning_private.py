@@ -24,6 +24,11 @@ def namespace(request) -> _namespace.Namespace:
     return _namespace.load(request.param)
 
 
+def signature_of(obj) -> list[str]:
+    """Parameter names of ``obj``."""
+    return list(inspect.signature(obj).parameters)
+
+
 def _private(namespace: _namespace.Namespace, name: str):
     return namespace.get(_pl.PRIVATE_NAMES[name])
 
@@ -41,9 +46,14 @@ def test_tested_lightning_minor(namespace):
 
 def test_launchers_keep_their_signatures(namespace):
     """The launchers we construct take the arguments we pass."""
-    assert _pl.signature_of(_private(namespace, "SubprocessScriptLauncher")) == [
+    assert signature_of(_private(namespace, "SubprocessScriptLauncher")) == [
         "cluster_environment", "num_processes", "num_nodes"]
-    assert _pl.signature_of(_private(namespace, "MultiProcessingLauncher")) == ["strategy", "start_method"]
+    assert signature_of(_private(namespace, "MultiProcessingLauncher")) == ["strategy", "start_method"]
+    # process/launching.py's launchers override _wrapping_function and read the popen launcher's procs
+    assert signature_of(_private(namespace, "MultiProcessingLauncher")._wrapping_function)[:4] == [
+        "self", "process_idx", "trainer", "function"]
+    env = namespace.get("fabric.plugins.environments:LightningEnvironment")()
+    assert _private(namespace, "SubprocessScriptLauncher")(env, 2, 1).procs == []
 
 
 def test_our_launchers_are_built_for_the_namespace_of_their_arguments(namespace):
@@ -59,7 +69,7 @@ def test_forward_redirection_hooks_exist(namespace):
     """Our DDP forward redirection overrides these two hooks of Lightning's base class."""
     for hook in ("on_after_inner_forward", "on_after_outer_forward", "__call__"):
         assert callable(getattr(_private(namespace, "ForwardRedirection"), hook))
-    assert _pl.signature_of(_private(namespace, "prepare_for_backward")) == ["model", "output"]
+    assert signature_of(_private(namespace, "prepare_for_backward")) == ["model", "output"]
 
 
 def test_checkpoint_loading_takes_weights_only_or_we_load_ourselves(namespace):
@@ -68,7 +78,7 @@ def test_checkpoint_loading_takes_weights_only_or_we_load_ourselves(namespace):
     strategy_takes = _pl.takes_weights_only(namespace.get("pytorch.strategies:Strategy.load_checkpoint"))
     io_method = namespace.get("fabric.plugins.io.torch_io:TorchCheckpointIO.load_checkpoint")
     assert _pl.takes_weights_only(io_method) == strategy_takes == namespace.version.startswith("2.6.")
-    assert _pl.signature_of(_private(namespace, "cloud_load"))[:3] == ["path_or_url", "map_location", "weights_only"]
+    assert signature_of(_private(namespace, "cloud_load"))[:3] == ["path_or_url", "map_location", "weights_only"]
 
 
 def test_remote_loading_honours_weights_only(namespace):
@@ -94,8 +104,8 @@ def test_remote_loading_honours_weights_only(namespace):
 
 def test_hyperparameter_helpers_keep_their_signatures(namespace):
     """save_hyperparameters for our classes calls Lightning's parsing helpers and reads its context variable."""
-    assert _pl.signature_of(_private(namespace, "collect_init_args")) == ["frame", "path_args", "inside", "classes"]
-    assert _pl.signature_of(_private(namespace, "save_hyperparameters")) == [
+    assert signature_of(_private(namespace, "collect_init_args")) == ["frame", "path_args", "inside", "classes"]
+    assert signature_of(_private(namespace, "save_hyperparameters")) == [
         "obj", "args", "ignore", "frame", "given_hparams"]
     assert _private(namespace, "given_hyperparameters").get() is None
 
@@ -225,7 +235,8 @@ def test_base_class_attributes_the_strategy_sets_or_reads(namespace):
         assert name in vars(s), f"Lightning's Strategy no longer sets {name}"
     assert isinstance(s._forward_redirection, _ForwardRedirection)
     assert callable(getattr(ParallelStrategy, "_configure_launcher", None))
-    trainer = namespace.pytorch.Trainer(accelerator="cpu", devices=2, strategy=MyDDPStrategy(start_method="spawn"),
+    trainer = namespace.pytorch.Trainer(accelerator="cpu", devices=2, strategy=MyDDPStrategy.for_namespace(namespace.name)(
+                                            start_method="spawn"),
                                         sync_batchnorm=True, logger=False)
     assert isinstance(trainer.strategy, ParallelStrategy)
     assert type(trainer.strategy._layer_sync).__name__ == "TorchSyncBatchNorm"
@@ -249,7 +260,7 @@ def test_resumed_batch_count_follows_the_versions_restart_rule(namespace):
 def test_multiprocessing_launcher_worker_signature(namespace):
     """launching.CheckedMultiProcessingLauncher overrides Lightning's private _wrapping_function (to run the
     strategy's on_exception inside each rank): its leading parameters must stay (process_idx, trainer, function)."""
-    params = _pl.signature_of(_private(namespace, "MultiProcessingLauncher")._wrapping_function)
+    params = signature_of(_private(namespace, "MultiProcessingLauncher")._wrapping_function)
     assert params[:4] == ["self", "process_idx", "trainer", "function"]
     assert params[4:] == ["args", "kwargs", "return_queue", "global_states"]
 

@@ -86,20 +86,20 @@ def test_each_namespace_gets_classes_deriving_from_its_own_bases(namespace):
 
 @both
 @pytest.mark.parametrize("made_for, trainer_of", list(itertools.permutations(INSTALLED, 2)))
-def test_a_strategy_follows_the_trainer_that_connects_it(made_for, trainer_of):
-    """A strategy built for one namespace, given to the other's Trainer, becomes that namespace's strategy with
-    the same arguments (its __init__ re-run), and gets that namespace's launcher."""
+def test_a_strategy_built_for_one_namespace_is_refused_by_the_others_trainer(made_for, trainer_of):
+    """A strategy built for one namespace, given to the other's Trainer, is refused in Trainer(...) saying how to
+    build it for that Trainer (its objects would meet the other copy of Lightning's code)."""
     strategy = MyDDPStrategy.for_namespace(made_for)(timeout=42, start_method="spawn")
     other = _namespace.load(trainer_of)
-    trainer = other.pytorch.Trainer(accelerator="cpu", devices=2, strategy=strategy, logger=False)
-    assert trainer.strategy is strategy
-    assert isinstance(strategy, other.get("pytorch.strategies:ParallelStrategy"))
-    assert isinstance(strategy, MyDDPStrategy)
-    assert _namespace.namespace_of(strategy) == trainer_of
-    assert strategy._options.timeout == timedelta(seconds=42) and strategy.start_method == "spawn"
-    assert isinstance(strategy.accelerator, other.get("pytorch.accelerators:CPUAccelerator"))
+    with pytest.raises(TypeError, match=rf"built for {made_for}, but a {trainer_of} Trainer.*for_namespace"):
+        other.pytorch.Trainer(accelerator="cpu", devices=2, strategy=strategy, logger=False)
+    own = MyDDPStrategy.for_namespace(trainer_of)(timeout=42, start_method="spawn")
+    trainer = other.pytorch.Trainer(accelerator="cpu", devices=2, strategy=own, logger=False)
+    assert trainer.strategy is own and _namespace.namespace_of(own) == trainer_of
+    assert own._options.timeout == timedelta(seconds=42) and own.start_method == "spawn"
+    assert isinstance(own.accelerator, other.get("pytorch.accelerators:CPUAccelerator"))
     launcher = other.get("pytorch.strategies.launchers.multiprocessing:_MultiProcessingLauncher")
-    assert isinstance(strategy.launcher, launcher)
+    assert isinstance(own.launcher, launcher)
 
 
 def test_strategy_names_and_plugins_are_accepted_by_each_trainer(namespace):
@@ -179,7 +179,8 @@ print(json.dumps({"strategy": _namespace.namespace_of(MyDDPStrategy()),
 @pytest.mark.multiprocess
 def test_the_users_imports_choose_the_namespace():
     """Fresh interpreters: the namespace the user imported (before or after ddp_strategy) wins; nothing imported:
-    lightning; DDP_STRATEGY_LIGHTNING overrides. A pytorch_lightning user's process never imports lightning."""
+    lightning; DDP_STRATEGY_LIGHTNING overrides. A process that imports pytorch_lightning before ddp_strategy
+    never imports lightning; ddp_strategy imported first loads both, so that "my_ddp" is in both registries."""
     pl_first = _fresh("import pytorch_lightning\n" + _REPORT)
     assert pl_first == {"strategy": "pytorch_lightning", "model": "pytorch_lightning", "lightning_imported": False,
                         "pytorch_lightning_imported": True}
@@ -189,9 +190,23 @@ def test_the_users_imports_choose_the_namespace():
                      "t = pl.Trainer(accelerator='cpu', devices=2, strategy='my_ddp', logger=False)\n"
                      "print(json.dumps({'strategy': ddp_strategy._compat.namespace.namespace_of(t.strategy)}))")
     assert by_name == {"strategy": "pytorch_lightning"}
+    cli_and_subclass = _fresh(
+        "import json, pickle, ddp_strategy, pytorch_lightning as pl\n"
+        "from pytorch_lightning.cli import LightningCLI\n"
+        "from ddp_strategy._compat.namespace import namespace_of\n"
+        "class Mine(ddp_strategy.MyDDPStrategy):\n    pass\n"
+        "cli = LightningCLI(ddp_strategy.DigitsClassifier.for_namespace('pytorch_lightning'), run=False,"
+        " args=['--trainer.strategy=ddp_strategy.MyDDPStrategy', '--trainer.strategy.timeout=9',"
+        " '--trainer.accelerator=cpu', '--trainer.devices=2', '--trainer.logger=false'])\n"
+        "mine = pickle.loads(pickle.dumps(Mine(timeout=3)))\n"
+        "print(json.dumps({'cli': namespace_of(cli.trainer.strategy), 'timeout': cli.trainer.strategy._options"
+        ".timeout.total_seconds(), 'mine': namespace_of(mine), 'is_mine': isinstance(mine, Mine)}))")
+    assert cli_and_subclass == {"cli": "pytorch_lightning", "timeout": 9.0, "mine": "pytorch_lightning",
+                                "is_mine": True}
     lightning_after = _fresh(_REPORT.replace("print(", "import lightning\nprint(", 1))
     assert lightning_after["strategy"] == lightning_after["model"] == "lightning"
-    assert not lightning_after["pytorch_lightning_imported"]
+    both_used = _fresh("import lightning, pytorch_lightning\n" + _REPORT)  # the caller's module imports both
+    assert both_used["strategy"] == both_used["model"] == "lightning"
     by_env = _fresh(_REPORT, env={"DDP_STRATEGY_LIGHTNING": "pytorch_lightning"})
     assert by_env == pl_first
 
