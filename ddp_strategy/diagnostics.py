@@ -1,22 +1,15 @@
-"""What global rank 0 tells the user about a fit: a summary, batch-size warnings, a communication report.
+"""What global rank 0 tells the user about a fit, once, through Lightning's ``rank_zero_info``/``rank_zero_warn``.
 
-Three messages turn the usual DDP pitfalls into text, through Lightning's rank-zero utilities (logged once, by
-global rank 0, on the ``lightning.pytorch`` logger or as a ``UserWarning``):
-
-1. at fit start, :class:`FitSummary`: world size, nodes, backend, start method, per-device batch size, gradient
-   accumulation, global batch size, batches per epoch per rank, samples per rank and padding, DDP options, hook;
-2. at fit start, :func:`batch_size_warnings` when the global batch looks like a mistake;
-3. at fit end, :func:`communication_messages`: time in the gradient all-reduce versus compute per step and how
-   much of it overlapped with backward (:class:`CommStats`, from DDP's own timers), the parameters that never
-   received a gradient on any rank, and a hint when communication dominates ("two devices slower than one").
-
-The message functions take plain numbers (the notebook calls them); :func:`on_fit_start` and :func:`on_fit_end`
-read them from a running Trainer and are called by :class:`~ddp_strategy.strategy.MyDDPStrategy`. Reads loaders
-and DDP's timers only; never touches the process group's lifetime, loaders or checkpoints.
+At fit start the :class:`FitSummary` (world, batch sizes, data per rank, DDP options) and the
+:func:`batch_size_warnings`; at fit end the :func:`communication_messages`: all-reduce versus compute time per
+step from DDP's own timers (:class:`CommStats`), a hint when communication dominates, and the parameters that
+never received a gradient on any rank. The message functions take plain numbers (the notebook calls them);
+:func:`on_fit_start` and :func:`on_fit_end` read them off a running fit for the strategy. Only reads.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -42,17 +35,10 @@ COMM_DOMINATES_FRACTION = 0.5
 class FitSummary:
     """The numbers of one distributed fit, as rank 0 sees them.
 
-    Attributes:
-        world_size: W, processes in total; num_nodes: machines.
-        backend: ``"gloo"``, ``"nccl"``; start_method: ``"popen"``, ``"spawn"``, ``"fork"``, ...
-        per_device_batch_size: B, the training loader's ``batch_size``; None if unknown.
-        accumulate_grad_batches: batches per optimizer step.
-        dataset_size: N training samples; None if unknown (iterable data sets).
-        samples_per_rank: the sampler's ``num_samples``; None if unknown.
-        padding: samples repeated so all ranks get ``samples_per_rank`` (negative: dropped by ``drop_last``).
-        batches_per_epoch: training batches per epoch per rank (after ``limit_train_batches``); may be inf.
-        ddp_options: keyword options passed to ``DistributedDataParallel``.
-        comm_hook: the registered comm hook's name, or ``"none"``.
+    W = ``world_size`` processes on ``num_nodes`` machines; B = ``per_device_batch_size`` (None: unknown);
+    N = ``dataset_size`` (None: iterable data); ``samples_per_rank`` is the sampler's ``num_samples``;
+    ``padding`` the samples repeated so all ranks get as many (negative: dropped by ``drop_last``);
+    ``batches_per_epoch`` per rank after ``limit_train_batches`` (may be inf); ``comm_hook`` its name or "none".
     """
 
     world_size: int
@@ -83,16 +69,7 @@ class FitSummary:
         return math.ceil(self.batches_per_epoch / self.accumulate_grad_batches)
 
     def format(self) -> str:
-        """The summary as 4 lines of text.
-
-        Example (2 processes, B = 32, 2 accumulation steps, 1,437 samples)::
-
-            DDP fit summary: world size 2 (1 node x 2 processes), backend gloo, start method spawn
-              batch: 32 per device x 2 processes x 2 accumulation = global batch size 128 samples per step
-              data: 1437 training samples, 719 per rank per epoch (1 repeated as padding), 23 batches
-                per epoch per rank = 12 optimizer steps
-              DDP options: find_unused_parameters=True; comm hook: none
-        """
+        """The summary as 4 lines of text (example in docs/diagnostics.md)."""
         nodes = f"{_plural(self.num_nodes, 'node')} x {_plural(self.world_size // max(self.num_nodes, 1), 'process')}"
         lines = [f"DDP fit summary: world size {self.world_size} ({nodes}), backend {self.backend},"
                  f" start method {self.start_method}"]
@@ -138,17 +115,13 @@ def batch_size_warnings(per_device_batch_size: int | None, world_size: int, data
         dataset_size: N, training samples; None skips rule 1.
         configured_batch_size: the user's ``batch_size`` setting, if any; None skips rule 2.
 
-    Returns:
-        One message per rule that fires; each says what was found and what to do.
-
-    Example:
+    Returns one message per rule that fires, saying what was found and what to do. Example:
         >>> batch_size_warnings(1024, 2, 1438)[0][:60]
         'Global batch size 2048 (batch_size=1024 per device x 2 proce'
     """
-    if per_device_batch_size is None:
+    b, w, configured, messages = per_device_batch_size, world_size, configured_batch_size, []
+    if b is None:
         return []
-    b, w, configured = per_device_batch_size, world_size, configured_batch_size
-    messages = []
     if dataset_size is not None and b * w > dataset_size:
         messages.append(
             f"Global batch size {b * w} (batch_size={b} per device x {w} processes) exceeds the {dataset_size}"
@@ -223,8 +196,7 @@ def communication_messages(stats: CommStats | None, unused: list[str], world_siz
         stats: rank-averaged timings, or None when DDP timed no step (then the info says so).
         unused: names of parameters that never received a gradient on any rank.
         world_size: W.
-        per_device_batch_size: B, quoted in the hint; None leaves it out.
-        bucket_cap_mb: DDP's bucket size in MiB, quoted in the hint; None leaves it out.
+        per_device_batch_size, bucket_cap_mb: B and DDP's bucket size (MiB), quoted in the hint if given.
 
     Returns:
         ``infos``: the communication summary, plus a hint when the un-overlapped all-reduce exceeds
@@ -271,17 +243,15 @@ class GradientTracker:
         params = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
         self.names: list[str] = [name for name, _ in params]
         self._seen: list[bool] = [False] * len(params)
-        self._handles: dict[int, Any] = {i: p.register_hook(self._hook_for(i)) for i, (_, p) in enumerate(params)}
+        self._handles: dict[int, Any] = {i: p.register_hook(functools.partial(self._mark, i))
+                                         for i, (_, p) in enumerate(params)}
 
-    def _hook_for(self, index: int) -> Any:
-        def hook(grad: torch.Tensor) -> None:
-            self._seen[index] = True
-
-        return hook
+    def _mark(self, index: int, grad: torch.Tensor) -> None:
+        self._seen[index] = True
 
     @property
     def received(self) -> torch.Tensor:
-        """Bool tensor of shape (tracked parameters,): True where a gradient arrived."""
+        """Bool tensor (tracked parameters,): True where a gradient arrived."""
         return torch.tensor(self._seen, dtype=torch.bool)
 
     def prune(self) -> None:
@@ -352,13 +322,8 @@ def on_fit_end(record: FitRecord, ddp_model: nn.Module, device: torch.device) ->
     A collective (one all-reduce of ``4 + 1 + P`` float64 values, P = tracked parameters): every rank must call
     it, after the last training step and before the DDP wrapper is released. The gradient hooks are removed.
 
-    Args:
-        record: from :func:`on_fit_start`.
-        ddp_model: the ``DistributedDataParallel`` wrapper (its logging data holds DDP's timings).
-        device: this rank's device (CUDA for NCCL).
-
-    Returns:
-        ``(stats, unused)``: the rank-averaged timings (None if no rank has any) and the unused parameter names.
+    Returns ``(stats, unused)``: the rank-averaged timings (None if no rank has any) and the names of the
+    parameters without a gradient. ``ddp_model`` is the wrapper (DDP's timings); ``device`` this rank's (NCCL: CUDA).
     """
     tracker = record.tracker
     tracker.close()
@@ -367,11 +332,9 @@ def on_fit_end(record: FitRecord, ddp_model: nn.Module, device: torch.device) ->
     timed = local.as_tensor() if local is not None else torch.zeros(4, dtype=torch.float64)
     total = torch.cat([timed, torch.tensor([float(local is not None)], dtype=torch.float64),
                        tracker.received.to(torch.float64)]).to(device)
-    world_size = 1
     if dist.is_initialized():
         dist.all_reduce(total)
-        world_size = dist.get_world_size()
-    total = total.cpu()
+    world_size, total = dist.get_world_size() if dist.is_initialized() else 1, total.cpu()
     ranks_timed = int(total[4].item())
     stats = CommStats(*(total[:4] / ranks_timed).tolist()) if ranks_timed else None
     unused = [name for name, count in zip(tracker.names, total[5:].tolist(), strict=True) if count == 0]

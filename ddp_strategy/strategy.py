@@ -153,7 +153,9 @@ class MyDDPStrategy(process.RankTopology, checkpoint.DefaultCheckpointIO, Parall
             if self.is_global_zero:
                 self._checkpoints.warn_if_unwritable(trainer)
             self.model = sync.wrap(self.model, self.root_device, self._options.ddp_kwargs, self._options.comm_hook)
-            self._gradients_unchecked = sync.needs_unused_parameter_check(self._options.ddp_kwargs)
+            # Without DDP's own unused-parameter handling, the first backward is checked (post_backward).
+            self._gradients_unchecked = not any(self._options.ddp_kwargs.get(k) for k in ("find_unused_parameters",
+                                                                                         "static_graph"))
             self._gradients_steps = 0
             self.setup_optimizers(trainer)
         else:

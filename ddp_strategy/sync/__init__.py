@@ -10,11 +10,16 @@ Must not touch: loaders, checkpoints, the process group's lifetime. The strategy
 from ddp_strategy.sync.comm_hooks import CommHook, CommHookConfig, bf16_all_reduce_hook, count_collective_bytes
 from ddp_strategy.sync.rank_check import verify_parameters_in_sync
 from ddp_strategy.sync.sync_batchnorm import CPUSyncBatchNorm, cpu_capable
-from ddp_strategy.sync.wrapping import (DDPForwardRedirection, broadcast_states, check_unused_parameters,
-                                        needs_unused_parameter_check, non_default_options, unwrap,
-                                        validate_ddp_kwargs, wrap)
+from ddp_strategy.sync.wrapping import (
+    DDPForwardRedirection,
+    broadcast_states,
+    check_unused_parameters,
+    non_default_options,
+    unwrap,
+    validate_ddp_kwargs,
+    wrap,
+)
 
 __all__ = ["CPUSyncBatchNorm", "CommHook", "CommHookConfig", "DDPForwardRedirection", "bf16_all_reduce_hook",
            "broadcast_states", "check_unused_parameters", "count_collective_bytes", "cpu_capable",
-           "needs_unused_parameter_check", "non_default_options", "unwrap", "validate_ddp_kwargs",
-           "verify_parameters_in_sync", "wrap"]
+           "non_default_options", "unwrap", "validate_ddp_kwargs", "verify_parameters_in_sync", "wrap"]

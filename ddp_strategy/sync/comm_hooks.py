@@ -15,15 +15,11 @@ bf16          :func:`bf16_all_reduce_hook` (gloo-capable, see below) 2 (bfloat16
 powersgd      ``powerSGD_hook.powerSGD_hook`` with a PowerSGDState   (rows + cols) * rank per matrix
 ============  =====================================================  ================================
 
-PyTorch refuses its own ``bf16_compress_hook`` unless CUDA+NCCL>=2.10 (or XPU+XCCL) is present, by the
-hook's ``__name__`` (``DistributedDataParallel._check_comm_hook``). Gloo in torch >= 2.13 all-reduces
-``torch.bfloat16`` tensors (checked by ``tests/test_comm_hooks.py``), so :func:`bf16_all_reduce_hook` does
-exactly what PyTorch's does: cast the float32 bucket to bfloat16, divide by the world size, all-reduce
-(sum) the bfloat16 tensor, and copy the result back into the float32 bucket. What goes over the wire is
-the bfloat16 tensor: 2 bytes per gradient element instead of 4. (It cannot be named
-``bf16_compress_hook``: DDP refuses that name on gloo.) Passing PyTorch's
-``bf16_compress_hook`` / ``bf16_compress_wrapper`` is accepted on every backend: on a backend other than
-NCCL they are replaced by this module's equivalents.
+PyTorch refuses its own ``bf16_compress_hook`` unless CUDA+NCCL>=2.10 is present, by the hook's ``__name__``
+(``DistributedDataParallel._check_comm_hook``). Gloo in torch 2.13 all-reduces ``torch.bfloat16``, so
+:func:`bf16_all_reduce_hook` does what PyTorch's does under another name: the float32 bucket is cast to bfloat16,
+divided by the world size, all-reduced (2 bytes per element on the wire) and copied back. PyTorch's
+``bf16_compress_hook`` / ``bf16_compress_wrapper`` are accepted too: off NCCL they become this module's.
 """
 
 import threading
@@ -103,16 +99,6 @@ HOOKS_BY_NAME: dict[str, CommHook] = {
 }
 
 
-def default_powersgd_state(process_group: dist.ProcessGroup | None = None) -> powersgd.PowerSGDState:
-    """PowerSGD's state for ``ddp_comm_hook="powersgd"`` without ``ddp_comm_state``.
-
-    Rank-1 approximation after 10 iterations of plain all-reduce, with error feedback and warm start
-    (Vogels et al., 2019, https://arxiv.org/abs/1905.13727; PyTorch's recommended starting point).
-    """
-    return powersgd.PowerSGDState(process_group=process_group, matrix_approximation_rank=1,
-                                  start_powerSGD_iter=10, min_compression_rate=2)
-
-
 @dataclass
 class CommHookConfig:
     """What ``MyDDPStrategy`` registers: a hook, its state and an optional wrapper (e.g. fp16 around PowerSGD).
@@ -120,7 +106,9 @@ class CommHookConfig:
     Args:
         hook: a callable ``hook(state, bucket) -> Future[Tensor]`` or a name in :data:`HOOKS_BY_NAME`.
         state: the hook's state (a process group for the default hooks, a ``PowerSGDState`` for PowerSGD);
-            ``None`` = the world for the default hooks, :func:`default_powersgd_state` for PowerSGD.
+            ``None`` = DDP's group for the default hooks; for PowerSGD a rank-1 approximation after 10 iterations
+            of plain all-reduce, with error feedback and warm start (Vogels et al., 2019,
+            https://arxiv.org/abs/1905.13727; PyTorch's recommended starting point).
         wrapper: a function ``wrapper(hook) -> hook`` such as ``default_hooks.fp16_compress_wrapper``.
 
     Raises:
@@ -165,22 +153,16 @@ class CommHookConfig:
                 wrapper = bf16_compress_wrapper
         state = self.state
         if state is None and hook is powersgd.powerSGD_hook:
-            state = default_powersgd_state(process_group)
+            state = powersgd.PowerSGDState(process_group=process_group, matrix_approximation_rank=1,
+                                           start_powerSGD_iter=10, min_compression_rate=2)
         elif state is None:
             state = process_group
-        if wrapper is not None:
-            hook = wrapper(hook)
-        return state, hook
+        return state, wrapper(hook) if wrapper is not None else hook
 
 
 def register_comm_hook(model: DistributedDataParallel, config: CommHookConfig, backend: str) -> None:
-    """Register ``config``'s hook on the DDP wrapper (every backend), its process group counted while a
-    :func:`count_collective_bytes` block is open. Call once per wrapper, before training.
-
-    Raises:
-        RuntimeError / TypeError / ValueError: from ``DistributedDataParallel.register_comm_hook`` when the
-            hook's signature is wrong or a hook is already registered.
-    """
+    """Register ``config``'s hook on the DDP wrapper (every backend), once, before training; its process group
+    counts for :func:`count_collective_bytes`. Errors are DDP's (a wrong signature, a second hook)."""
     resolved = config.resolve(backend, model.process_group)
     if resolved is None:
         return

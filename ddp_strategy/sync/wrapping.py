@@ -23,11 +23,10 @@ from ddp_strategy.sync import comm_hooks
 
 log = logging.getLogger(__name__)
 
-#: DDP's keyword options and their defaults, read from the installed PyTorch's signature, less those the
-#: strategy sets itself.
-_DDP_DEFAULTS: dict[str, Any] = {name: p.default for name, p in inspect.signature(DistributedDataParallel).parameters.items()
-                                 if name not in ("module", "device_ids", "output_device")}
-#: Keyword options accepted by ``MyDDPStrategy(**ddp_kwargs)``: those of the installed PyTorch's DDP.
+#: DDP's keyword options and their defaults, from the installed PyTorch's signature, less those the strategy sets.
+_DDP_DEFAULTS: dict[str, Any] = {name: p.default for name, p in inspect.signature(DistributedDataParallel).parameters
+                                 .items() if name not in ("module", "device_ids", "output_device")}
+#: Keyword options accepted by ``MyDDPStrategy(**ddp_kwargs)``.
 DDP_OPTIONS: tuple[str, ...] = tuple(_DDP_DEFAULTS)
 
 
@@ -40,10 +39,7 @@ def non_default_options(named: dict[str, Any]) -> dict[str, Any]:
 
 
 def validate_ddp_kwargs(ddp_kwargs: dict[str, Any]) -> dict[str, Any]:
-    """Check DDP keyword options by name (``find_unused_parameters=True``, ``bucket_cap_mb=25`` in MiB, ...).
-
-    Returns:
-        A copy of ``ddp_kwargs``.
+    """A copy of ``ddp_kwargs``, checked by name (``find_unused_parameters=True``, ``bucket_cap_mb=25`` in MiB).
 
     Raises:
         TypeError: an option is not a ``DistributedDataParallel`` argument, or is one the strategy sets
@@ -81,12 +77,7 @@ def wrap(module: nn.Module, device: torch.device, ddp_kwargs: dict[str, Any],
     zero-argument callable (e.g. ``lambda: dist.new_group([0, 1])``), called here on every rank, since a group
     can only be built after ``init_process_group``.
 
-    Returns:
-        The wrapper; ``wrapper.module is module``.
-
-    Raises:
-        ValueError: the module has no trainable parameter (:func:`check_trainable`).
-        RuntimeError: from DDP when no process group is initialised.
+    Returns the wrapper (``wrapper.module is module``). Raises :func:`check_trainable`'s ``ValueError``.
     """
     check_trainable(module)
     group = ddp_kwargs.get("process_group")
@@ -166,11 +157,6 @@ def unused_parameters_message(names: list[str], rank: int) -> str:
         " graph traversal per step), or remove / freeze (requires_grad=False) those parameters, or use"
         " static_graph=True if the same parameters are unused in every step."
     )
-
-
-def needs_unused_parameter_check(ddp_kwargs: dict[str, Any]) -> bool:
-    """Whether DDP runs without its own unused-parameter handling (then the strategy checks the first backward)."""
-    return not ddp_kwargs.get("find_unused_parameters", False) and not ddp_kwargs.get("static_graph", False)
 
 
 def check_unused_parameters(model: nn.Module, device: torch.device) -> None:
