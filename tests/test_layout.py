@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "ddp_strategy"
 #: A module past this many lines is probably two concerns (STYLE.md); the strategy only orchestrates.
 MAX_MODULE_LINES = 400
-MAX_STRATEGY_LINES = 360
+MAX_STRATEGY_LINES = 400  # issue 25: hooks that do their work, in hook order
 #: Which sub-packages each part may import (through the sub-package's public names), lowest layer first.
 ALLOWED = {
     "_compat": set(),
@@ -31,7 +31,7 @@ ALLOWED = {
     "__init__": {"_compat", "process", "sampling", "sync", "checkpoint", "reference", "strategy"},
     "testing": {"process"},  # besides process.free_port, the kit uses only public names, as a user's test does
 }
-SUBPACKAGES = ("_compat", "process", "sampling", "sync", "checkpoint", "diagnostics", "reference", "testing")
+SUBPACKAGES = ("_compat", "process", "sampling", "sync", "checkpoint", "reference", "testing")
 
 
 def module_name(path: Path, root: Path) -> str:
@@ -107,7 +107,7 @@ def part_of(module: str) -> str:
 
 
 def test_every_step_is_a_subpackage_with_a_docstring_saying_what_it_owns():
-    """process/, sampling/, sync/, checkpoint/ (and diagnostics/, reference/, _compat/) each say what they own."""
+    """process/, sampling/, sync/, checkpoint/ (and reference/, _compat/) each say what they own."""
     for name in SUBPACKAGES:
         init = PACKAGE / name / "__init__.py"
         assert init.exists(), name
@@ -153,7 +153,7 @@ def test_parts_import_only_lower_layers_through_their_public_names():
                 continue
             target = module.split(".")
             if len(target) == 1:  # from ddp_strategy import a, b: each is a part (or a public name for reference)
-                parts = [n for n in names if n in SUBPACKAGES or n in ("options", "strategy", "cli")]
+                parts = [n for n in names if n in SUBPACKAGES or n in ("options", "strategy", "cli", "diagnostics")]
                 if mine not in ("reference", "cli", "__main__"):
                     problems += [f"{me}:{line} imports public name {n} from ddp_strategy" for n in names
                                  if n not in parts]
