@@ -10,13 +10,14 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Generator, Mapping
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from ddp_strategy import checkpoint, diagnostics, options, process, sampling, sync
@@ -109,10 +110,10 @@ class MyDDPStrategy(process.RankTopology, checkpoint.DefaultCheckpointIO, Parall
         self._sharding = sampling.LoaderSharding(exact_evaluation)
         self._collectives = process.Collectives(check=self._sharding.guard.check)
         self._sampler_seed = sampling.shared_seed(seed)
-        self._gradients = sync.GradientSync(self._options.ddp_kwargs, self._options.comm_hook,
-                                            verify_sync_every_n_steps)
+        self._gradients_unchecked = False  # the first backward's unused-parameter check is still to come
+        self._gradients_steps = 0  # optimizer steps in this fit, for verify_sync_every_n_steps
         self._checkpoints = checkpoint.CheckpointTracker()
-        self._diagnostics = diagnostics.FitDiagnostics()
+        self._diagnostics: diagnostics.FitRecord | None = None
 
     # ------------------------------------------------------------------------- 1. launch + process group
     @override
@@ -144,14 +145,20 @@ class MyDDPStrategy(process.RankTopology, checkpoint.DefaultCheckpointIO, Parall
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         if trainer.state.fn == TrainerFn.FITTING:
-            self._layer_sync, self.model = self._gradients.sync_layers(self._layer_sync, self.model)
+            if self._layer_sync:  # Trainer(sync_batchnorm=True): Lightning's plugin, made CPU-capable
+                self._layer_sync = sync.cpu_capable(self._layer_sync)
+                self.model = self._layer_sync.apply(self.model)
             self._run.add_fit_callbacks(trainer, self.global_rank, self.world_size)
             if self.is_global_zero:
                 self._checkpoints.warn_if_unwritable(trainer)
-            self.model = self._gradients.wrap(self.model, self.root_device)
+            self.model = sync.wrap(self.model, self.root_device, self._options.ddp_kwargs, self._options.comm_hook)
+            # Without DDP's own unused-parameter handling, the first backward is checked (post_backward).
+            self._gradients_unchecked = not any(self._options.ddp_kwargs.get(k) for k in ("find_unused_parameters",
+                                                                                         "static_graph"))
+            self._gradients_steps = 0
             self.setup_optimizers(trainer)
         else:
-            self._gradients.broadcast_states(self.model)
+            sync.broadcast_states(self.model, buffers=self._options.ddp_kwargs.get("broadcast_buffers", True))
         self.setup_precision_plugin()
 
     @override
@@ -161,27 +168,34 @@ class MyDDPStrategy(process.RankTopology, checkpoint.DefaultCheckpointIO, Parall
 
     @override
     def pre_backward(self, closure_loss: Tensor) -> None:
-        """Under manual optimization, prepare DDP's reducer before ``manual_backward``."""
-        self._gradients.before_backward(self.model, closure_loss, self.lightning_module)
+        """Under manual optimization, prepare DDP's reducer before ``manual_backward`` (as Lightning's DDP does)."""
+        if isinstance(self.model, DistributedDataParallel) and not self.model.module.automatic_optimization:
+            _pl.prepare_for_backward(self.model, closure_loss)
 
     @override
     def post_backward(self, closure_loss: Tensor) -> None:
         """After the first backward (find_unused_parameters off), name parameters that got no gradient."""
-        self._gradients.after_backward(self.model, self.root_device)
+        if self._gradients_unchecked:
+            self._gradients_unchecked = False
+            sync.check_unused_parameters(self.model, self.root_device)
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         """Step the optimizer; every ``verify_sync_every_n_steps`` steps, check the ranks agree."""
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
-        self._diagnostics.after_optimizer_step()
-        self._gradients.after_optimizer_step(self.model, self.root_device)
+        if self._diagnostics is not None:
+            self._diagnostics.tracker.prune()
+        self._gradients_steps += 1
+        n = self._options.verify_sync_every_n_steps
+        if n is not None and self._gradients_steps % n == 0 and self.lightning_module is not None:
+            sync.verify_parameters_in_sync(self.lightning_module, self._gradients_steps, self.root_device)
         return output
 
     @contextmanager
     @override
     def block_backward_sync(self) -> Generator[None, None, None]:
         """Skip the gradient all-reduce (DDP's ``no_sync``), e.g. for non-final accumulation micro-batches."""
-        with self._gradients.no_sync(self.model):
+        with self.model.no_sync() if isinstance(self.model, DistributedDataParallel) else nullcontext():
             yield
 
     # ---------------------------------------------------------------------------------------- 2. sampler
@@ -197,7 +211,8 @@ class MyDDPStrategy(process.RankTopology, checkpoint.DefaultCheckpointIO, Parall
     def on_validation_start(self) -> None:
         """Give every rank rank 0's buffers once per validation run (Lightning's ddp does it in every step)."""
         super().on_validation_start()
-        self._gradients.before_validation(self.model)
+        if isinstance(self.model, DistributedDataParallel) and self._options.ddp_kwargs.get("broadcast_buffers", True):
+            sync.broadcast_states(self.model.module, parameters=False)
 
     @override
     def on_validation_end(self) -> None:
@@ -302,22 +317,26 @@ class MyDDPStrategy(process.RankTopology, checkpoint.DefaultCheckpointIO, Parall
         self._sharding.on_train_start(self._trainer, self.world_size)
         if self.is_global_zero and self._trainer is not None:
             self._checkpoints.remove_stale_temp_files(self._trainer)
-        if self._trainer is not None:
-            self._diagnostics.start(self._trainer, str(self._process_group_backend), self.start_method,
-                                    self._options.ddp_kwargs, self.model)
+        if self._trainer is not None and isinstance(self.model, DistributedDataParallel):
+            self._diagnostics = diagnostics.on_fit_start(self._trainer, str(self._process_group_backend),
+                                                         self.start_method, self._options.ddp_kwargs, self.model)
 
     @override
     def on_train_end(self) -> None:
         """Log the communication summary and never-updated parameters (rank 0). A collective, on every rank."""
         super().on_train_end()
-        self._diagnostics.end(self.model, self.root_device)
+        record, self._diagnostics = self._diagnostics, None
+        if record is not None and isinstance(self.model, DistributedDataParallel):
+            diagnostics.on_fit_end(record, self.model, self.root_device)
 
     # ---------------------------------------------------------------------------------------- failures
     @override
     def on_exception(self, exception: BaseException) -> None:
         """Name the failed rank and why; save on SIGTERM if asked; stop local ranks (no collective)."""
         super().on_exception(exception)
-        self._diagnostics.abort()
+        if self._diagnostics is not None:  # remove the gradient hooks; no collective (other ranks may be gone)
+            self._diagnostics.tracker.close()
+            self._diagnostics = None
         save = None
         path = self._options.sigterm_checkpoint_path(self._trainer)
         if isinstance(exception, SIGTERMException) and path is not None and self._trainer is not None:
@@ -332,8 +351,9 @@ class MyDDPStrategy(process.RankTopology, checkpoint.DefaultCheckpointIO, Parall
         """Unwrap, revert layer syncing, give Lightning its sampler back, leave (or keep) the process group."""
         trainer = self._trainer
         fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
-        self.model = self._gradients.unwrap(self.model, self.lightning_module, self._layer_sync, fitting,
-                                            failed=self._run.failed)
+        self.model = sync.unwrap(self.model, failed=self._run.failed)
+        if fitting and self._layer_sync and self.model is not None:
+            self.model = self._layer_sync.revert(self.model)
         self._sharding.hand_back(trainer)
         if trainer is not None:
             self._run.remove_fit_callbacks(trainer)

@@ -33,7 +33,7 @@ ALLOWED = {
     "__init__": {"_compat", "process", "sampling", "sync", "checkpoint", "reference", "strategy"},
     "testing": {"process"},  # besides process.free_port, the kit uses only public names, as a user's test does
 }
-SUBPACKAGES = ("_compat", "process", "sampling", "sync", "checkpoint", "diagnostics", "reference", "testing")
+SUBPACKAGES = ("_compat", "process", "sampling", "sync", "checkpoint", "reference", "testing")
 
 
 def module_name(path: Path, root: Path) -> str:
@@ -109,7 +109,7 @@ def part_of(module: str) -> str:
 
 
 def test_every_step_is_a_subpackage_with_a_docstring_saying_what_it_owns():
-    """process/, sampling/, sync/, checkpoint/ (and diagnostics/, reference/, _compat/) each say what they own."""
+    """process/, sampling/, sync/, checkpoint/ (and reference/, _compat/) each say what they own."""
     for name in SUBPACKAGES:
         init = PACKAGE / name / "__init__.py"
         assert init.exists(), name
@@ -143,14 +143,14 @@ def test_no_import_cycles_in_the_package():
 
 
 def test_the_tests_mirror_the_package():
-    """tests/ holds one folder per sub-package (and scripts/), and at its top only the tests of the top-level modules
+    """tests/ holds one folder per sub-package (and scripts/, and diagnostics/ for diagnostics.py and its workers), and at its top only the tests of the top-level modules
     (test_strategy.py for strategy.py, ...), of the docs and of this layout, conftest.py and the shared helpers.
     Module names are unique: tests/ has no __init__.py, so pytest and spawned ranks import them by name."""
     modules = {f"test_{path.stem}.py" for path in PACKAGE.glob("*.py") if not path.stem.startswith("_")}
     allowed = modules | {"conftest.py", "ddp_testing.py", "test_docs.py", "test_layout.py"}
     assert sorted(path.name for path in TESTS.glob("*.py") if path.name not in allowed) == []
     folders = {path.name for path in TESTS.iterdir() if path.is_dir() and not path.name.startswith((".", "__"))}
-    assert sorted(folders - set(SUBPACKAGES) - {"scripts"}) == []
+    assert sorted(folders - set(SUBPACKAGES) - {"scripts", "diagnostics"}) == []
     names = [path.name for path in TESTS.rglob("*.py")]
     assert sorted({name for name in names if names.count(name) > 1}) == []
 
@@ -193,7 +193,7 @@ def test_parts_import_only_lower_layers_through_their_public_names():
                 continue
             target = module.split(".")
             if len(target) == 1:  # from ddp_strategy import a, b: each is a part (or a public name for reference)
-                parts = [n for n in names if n in SUBPACKAGES or n in ("options", "strategy", "cli")]
+                parts = [n for n in names if n in SUBPACKAGES or n in ("options", "strategy", "cli", "diagnostics")]
                 if mine not in ("reference", "cli", "__main__"):
                     problems += [f"{me}:{line} imports public name {n} from ddp_strategy" for n in names
                                  if n not in parts]

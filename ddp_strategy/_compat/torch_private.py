@@ -10,11 +10,13 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import torch.distributed as dist
 from torch import nn
 
 log = logging.getLogger(__name__)
 
-__all__ = ["DDP_TIMING_KEYS", "ddp_logging_data"]
+__all__ = ["DDP_TIMING_KEYS", "CountingProcessGroup", "broadcast_coalesced", "ddp_logging_data",
+           "release_ddp_process_group"]
 
 #: Keys of ``DistributedDataParallel._get_ddp_logging_data()`` this package reads. Times are in nanoseconds,
 #: averaged by DDP's reducer over the iterations it samples (each of the first 10, then every 100th; the
@@ -50,3 +52,54 @@ def ddp_logging_data(model: nn.Module) -> dict[str, Any]:
     except RuntimeError as e:  # the reducer can be gone after a failed step; diagnostics must not fail the run
         log.debug("DistributedDataParallel._get_ddp_logging_data() failed: %s", e)
         return {}
+
+
+def release_ddp_process_group(model: Any) -> None:
+    """After a failed run: drop a DDP wrapper's references to its process group, so destroying the group closes it.
+
+    A wrapper holds its group in ``process_group`` and in its C++ ``reducer`` and ``logger`` (private
+    attributes). When the run failed, the propagating exception's frames keep the wrapper alive, so without
+    this the group (with gloo, its connections to the other ranks) would live until the process exits, and
+    the other ranks, blocked in a collective, could not learn of the failure before then. The wrapper is
+    unusable afterwards.
+    """
+    for name in ("logger", "reducer"):
+        if hasattr(model, name):
+            delattr(model, name)
+    model.process_group = None
+
+
+def broadcast_coalesced(tensors: list[Any], src: int = 0) -> None:
+    """Broadcast ``tensors`` from rank ``src`` in place, coalesced into 250 MiB buckets, over the world group.
+
+    Wraps ``torch.distributed.utils._sync_params_and_buffers`` (``dist._broadcast_coalesced``), what DDP uses
+    to sync module states at construction. A collective: every rank passes tensors of the same shapes and
+    dtypes, on one device.
+    """
+    from torch.distributed.utils import _sync_params_and_buffers
+
+    _sync_params_and_buffers(dist.group.WORLD, tensors, 250 * 2**20, src)
+
+
+class CountingProcessGroup:
+    """A process group (``None`` = the world, looked up at each call) whose ``allreduce`` calls ``count(tensors)``.
+
+    Relies on ``torch.distributed.all_reduce(t, group=g)`` calling ``g.allreduce([t], opts)`` and the comm hooks
+    calling only ``all_reduce`` and ``size()`` on their group (guarded by ``tests/_compat/test_torch_private.py``);
+    everything else is forwarded to the group.
+    """
+
+    def __init__(self, group: Any, count: Any) -> None:
+        self.group, self.count = group, count
+
+    def _target(self) -> Any:
+        return self.group if self.group is not None else dist.group.WORLD
+
+    def __getattr__(self, name: str) -> Any:
+        if name in ("group", "count"):  # not yet set (copy, unpickling)
+            raise AttributeError(name)
+        return getattr(self._target(), name)
+
+    def allreduce(self, tensors: list[Any], *args: Any) -> Any:
+        self.count(tensors)
+        return self._target().allreduce(tensors, *args)

@@ -1,17 +1,25 @@
 """Step 3, gradient synchronisation: DDP wrapping and its options, comm hooks, SyncBatchNorm, rank checks.
 
-Owns: wrapping the LightningModule in ``DistributedDataParallel`` and unwrapping it
-(:mod:`~ddp_strategy.sync.wrapping`), communication hooks (:mod:`~ddp_strategy.sync.comm_hooks`), SyncBatchNorm
-that also works on CPU (:mod:`~ddp_strategy.sync.sync_batchnorm`) and the parameter checksum check
-(:mod:`~ddp_strategy.sync.rank_check`). Must not touch: loaders, checkpoints, the process group's lifetime.
-Entry point: :class:`GradientSync`.
+Owns: wrapping the LightningModule in ``DistributedDataParallel``, unwrapping it and the checks around it
+(:mod:`~ddp_strategy.sync.wrapping`), communication hooks and counting their bytes
+(:mod:`~ddp_strategy.sync.comm_hooks`), SyncBatchNorm that also works on CPU
+(:mod:`~ddp_strategy.sync.sync_batchnorm`) and the parameter checksum check (:mod:`~ddp_strategy.sync.rank_check`).
+Must not touch: loaders, checkpoints, the process group's lifetime. The strategy's hooks call these directly.
 """
 
 from ddp_strategy.sync.comm_hooks import CommHook, CommHookConfig, bf16_all_reduce_hook, count_collective_bytes
-from ddp_strategy.sync.gradient_sync import GradientSync
-from ddp_strategy.sync.sync_batchnorm import CPUSyncBatchNorm
-from ddp_strategy.sync.wrapping import DDPForwardRedirection, non_default_options, unwrap_module, validate_ddp_kwargs
+from ddp_strategy.sync.rank_check import verify_parameters_in_sync
+from ddp_strategy.sync.sync_batchnorm import CPUSyncBatchNorm, cpu_capable
+from ddp_strategy.sync.wrapping import (
+    DDPForwardRedirection,
+    broadcast_states,
+    check_unused_parameters,
+    non_default_options,
+    unwrap,
+    validate_ddp_kwargs,
+    wrap,
+)
 
-__all__ = ["CPUSyncBatchNorm", "CommHook", "CommHookConfig", "DDPForwardRedirection", "GradientSync",
-           "bf16_all_reduce_hook", "count_collective_bytes", "non_default_options", "unwrap_module",
-           "validate_ddp_kwargs"]
+__all__ = ["CPUSyncBatchNorm", "CommHook", "CommHookConfig", "DDPForwardRedirection", "bf16_all_reduce_hook",
+           "broadcast_states", "check_unused_parameters", "count_collective_bytes", "cpu_capable",
+           "non_default_options", "unwrap", "validate_ddp_kwargs", "verify_parameters_in_sync", "wrap"]

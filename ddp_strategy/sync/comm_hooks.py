@@ -15,18 +15,13 @@ bf16          :func:`bf16_all_reduce_hook` (gloo-capable, see below) 2 (bfloat16
 powersgd      ``powerSGD_hook.powerSGD_hook`` with a PowerSGDState   (rows + cols) * rank per matrix
 ============  =====================================================  ================================
 
-PyTorch refuses its own ``bf16_compress_hook`` unless CUDA+NCCL>=2.10 (or XPU+XCCL) is present, by the
-hook's ``__name__`` (``DistributedDataParallel._check_comm_hook``). Gloo in torch >= 2.13 all-reduces
-``torch.bfloat16`` tensors (checked by ``tests/test_comm_hooks.py``), so :func:`bf16_all_reduce_hook` does
-exactly what PyTorch's does: cast the float32 bucket to bfloat16, divide by the world size, all-reduce
-(sum) the bfloat16 tensor, and copy the result back into the float32 bucket. What goes over the wire is
-the bfloat16 tensor: 2 bytes per gradient element instead of 4. (It cannot be named
-``bf16_compress_hook``: DDP refuses that name on gloo.) Passing PyTorch's
-``bf16_compress_hook`` / ``bf16_compress_wrapper`` is accepted on every backend: on a backend other than
-NCCL they are replaced by this module's equivalents.
+PyTorch refuses its own ``bf16_compress_hook`` unless CUDA+NCCL>=2.10 is present, by the hook's ``__name__``
+(``DistributedDataParallel._check_comm_hook``). Gloo in torch 2.13 all-reduces ``torch.bfloat16``, so
+:func:`bf16_all_reduce_hook` does what PyTorch's does under another name: the float32 bucket is cast to bfloat16,
+divided by the world size, all-reduced (2 bytes per element on the wire) and copied back. PyTorch's
+``bf16_compress_hook`` / ``bf16_compress_wrapper`` are accepted too: off NCCL they become this module's.
 """
 
-import logging
 import threading
 from collections.abc import Callable, Generator
 from contextlib import contextmanager
@@ -39,16 +34,12 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
 from torch.nn.parallel import DistributedDataParallel
 
-log = logging.getLogger(__name__)
+from ddp_strategy._compat import torch_private as _torch_private
 
 CommHook = Callable[[Any, dist.GradBucket], torch.futures.Future]
 
 # No ``from __future__ import annotations`` here: DDP checks a hook's annotations at registration and
 # rejects string annotations ("bucket annotation should be dist.GradBucket").
-
-
-def _group_size(process_group: dist.ProcessGroup | None) -> int:
-    return dist.get_world_size(process_group) if process_group is not None else dist.get_world_size()
 
 
 def bf16_all_reduce_hook(
@@ -66,14 +57,14 @@ def bf16_all_reduce_hook(
         A future of the bucket buffer (N,), float32, holding the average over ranks of the gradients,
         rounded to bfloat16 (8 mantissa bits) on the way. 2 bytes per element go over the wire.
     """
+    group = process_group if process_group is not None else dist.group.WORLD
     buffer = bucket.buffer()
-    compressed = buffer.to(torch.bfloat16).div_(_group_size(process_group))
+    compressed = buffer.to(torch.bfloat16).div_(group.size())
 
     def decompress(fut: torch.futures.Future) -> torch.Tensor:
         buffer.copy_(fut.value()[0])
         return buffer
 
-    group = process_group if process_group is not None else dist.group.WORLD
     return dist.all_reduce(compressed, group=group, async_op=True).get_future().then(decompress)
 
 
@@ -108,16 +99,6 @@ HOOKS_BY_NAME: dict[str, CommHook] = {
 }
 
 
-def default_powersgd_state(process_group: dist.ProcessGroup | None = None) -> powersgd.PowerSGDState:
-    """PowerSGD's state for ``ddp_comm_hook="powersgd"`` without ``ddp_comm_state``.
-
-    Rank-1 approximation after 10 iterations of plain all-reduce, with error feedback and warm start
-    (Vogels et al., 2019, https://arxiv.org/abs/1905.13727; PyTorch's recommended starting point).
-    """
-    return powersgd.PowerSGDState(process_group=process_group, matrix_approximation_rank=1,
-                                  start_powerSGD_iter=10, min_compression_rate=2)
-
-
 @dataclass
 class CommHookConfig:
     """What ``MyDDPStrategy`` registers: a hook, its state and an optional wrapper (e.g. fp16 around PowerSGD).
@@ -125,7 +106,9 @@ class CommHookConfig:
     Args:
         hook: a callable ``hook(state, bucket) -> Future[Tensor]`` or a name in :data:`HOOKS_BY_NAME`.
         state: the hook's state (a process group for the default hooks, a ``PowerSGDState`` for PowerSGD);
-            ``None`` = the world for the default hooks, :func:`default_powersgd_state` for PowerSGD.
+            ``None`` = DDP's group for the default hooks; for PowerSGD a rank-1 approximation after 10 iterations
+            of plain all-reduce, with error feedback and warm start (Vogels et al., 2019,
+            https://arxiv.org/abs/1905.13727; PyTorch's recommended starting point).
         wrapper: a function ``wrapper(hook) -> hook`` such as ``default_hooks.fp16_compress_wrapper``.
 
     Raises:
@@ -170,36 +153,35 @@ class CommHookConfig:
                 wrapper = bf16_compress_wrapper
         state = self.state
         if state is None and hook is powersgd.powerSGD_hook:
-            state = default_powersgd_state(process_group)
+            state = powersgd.PowerSGDState(process_group=process_group, matrix_approximation_rank=1,
+                                           start_powerSGD_iter=10, min_compression_rate=2)
         elif state is None:
             state = process_group
-        if wrapper is not None:
-            hook = wrapper(hook)
-        return state, hook
+        return state, wrapper(hook) if wrapper is not None else hook
 
 
 def register_comm_hook(model: DistributedDataParallel, config: CommHookConfig, backend: str) -> None:
-    """Register ``config``'s hook on the DDP wrapper (every backend). Call once per wrapper, before training.
-
-    Raises:
-        RuntimeError / TypeError / ValueError: from ``DistributedDataParallel.register_comm_hook`` when the
-            hook's signature is wrong or a hook is already registered.
-    """
-    resolved = config.resolve(backend, getattr(model, "process_group", None))
+    """Register ``config``'s hook on the DDP wrapper (every backend), once, before training; its process group
+    counts for :func:`count_collective_bytes`. Errors are DDP's (a wrong signature, a second hook)."""
+    resolved = config.resolve(backend, model.process_group)
     if resolved is None:
         return
     state, hook = resolved
-    log.debug("registering DDP comm hook %s (state %s) on %s", getattr(hook, "__qualname__", hook),
-              type(state).__name__, backend)
+    if state is None or isinstance(state, dist.ProcessGroup):
+        state = _torch_private.CountingProcessGroup(state, _count)
+    elif isinstance(state, powersgd.PowerSGDState) and not isinstance(state.process_group,
+                                                                      _torch_private.CountingProcessGroup):
+        state.process_group = _torch_private.CountingProcessGroup(state.process_group, _count)
     model.register_comm_hook(state, hook)
 
 
-@dataclass
+@dataclass(eq=False)
 class CollectiveBytes:
-    """Counts of the collectives issued while :func:`count_collective_bytes` was active, on this rank.
+    """What the comm hooks all-reduced on this rank while :func:`count_collective_bytes` was open.
 
-    ``bytes_sent`` is each call's input tensor size (``numel * element_size``) summed: the payload this rank
-    contributes. The ring all-reduce moves about ``2 * (world_size - 1) / world_size`` times that per rank.
+    ``calls`` all-reduces; ``bytes_sent``: their input tensors' ``numel * element_size`` summed, the payload
+    this rank contributes (a ring all-reduce moves about ``2 * (world_size - 1) / world_size`` times that);
+    ``by_dtype``: the same bytes by dtype name (``"torch.bfloat16"``).
     """
 
     calls: int = 0
@@ -207,42 +189,34 @@ class CollectiveBytes:
     by_dtype: dict[str, int] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
-    def add(self, tensors: list[torch.Tensor]) -> None:
-        with self._lock:
-            self.calls += 1
+
+_open: list[CollectiveBytes] = []  # the counters of the count_collective_bytes() blocks now open
+
+
+def _count(tensors: list[torch.Tensor]) -> None:
+    for counts in _open:
+        with counts._lock:
+            counts.calls += 1
             for t in tensors:
                 n = t.numel() * t.element_size()
-                self.bytes_sent += n
-                self.by_dtype[str(t.dtype)] = self.by_dtype.get(str(t.dtype), 0) + n
+                counts.bytes_sent += n
+                counts.by_dtype[str(t.dtype)] = counts.by_dtype.get(str(t.dtype), 0) + n
 
 
 @contextmanager
 def count_collective_bytes() -> Generator[CollectiveBytes, None, None]:
-    """Count the Python-level ``all_reduce`` / ``all_gather`` / ``broadcast`` calls and their bytes, this rank.
+    """Count the gradient all-reduces of the registered DDP comm hooks, and their bytes, on this rank.
 
-    A diagnostic for comparing communication hooks: every built-in hook calls ``torch.distributed.all_reduce``
-    from Python (PowerSGD twice per bucket plus once for its uncompressed tensors), so wrapping those
-    functions sees all gradient traffic. DDP's own C++ all-reduce (no hook registered) is *not* seen;
-    register ``ddp_comm_hook="allreduce"`` (the same algorithm) to measure the uncompressed baseline.
-    Not thread-safe against other code patching the same functions.
+    Counts what every hook registered by ``MyDDPStrategy(ddp_comm_hook=...)`` (or :func:`register_comm_hook`)
+    sends over its process group: the built-in hooks and any hook whose state is a process group or a
+    ``PowerSGDState`` (PowerSGD: its P and Q factors and uncompressed tensors). Nothing is patched: the hook's
+    process group is a counting wrapper, which counts only while a block is open (blocks may nest; process-wide).
+    Not counted: DDP's own C++ all-reduce when no hook is registered (register ``ddp_comm_hook="allreduce"``,
+    the same algorithm, to measure the uncompressed baseline) and collectives outside the hooks.
     """
     counts = CollectiveBytes()
-    originals = {name: getattr(dist, name) for name in ("all_reduce", "all_gather", "broadcast")}
-
-    def counting(name: str) -> Callable[..., Any]:
-        original = originals[name]
-
-        def call(tensor_or_list: Any, *args: Any, **kwargs: Any) -> Any:
-            first = tensor_or_list if name != "all_gather" else args[0]
-            counts.add([first] if isinstance(first, torch.Tensor) else list(first))
-            return original(tensor_or_list, *args, **kwargs)
-
-        return call
-
-    for name in originals:
-        setattr(dist, name, counting(name))
+    _open.append(counts)
     try:
         yield counts
     finally:
-        for name, original in originals.items():
-            setattr(dist, name, original)
+        _open.remove(counts)

@@ -50,3 +50,31 @@ def test_ddp_logging_data_names_the_registered_comm_hook(one_rank_group):
 def test_ddp_logging_data_of_a_plain_module_is_empty():
     """Without the private method (a plain module) the wrapper returns {} instead of failing."""
     assert _torch_private.ddp_logging_data(nn.Linear(2, 2)) == {}
+
+
+def test_broadcast_coalesced_and_release_ddp_process_group(one_rank_group):
+    """_sync_params_and_buffers takes (group, tensors, bucket bytes, src); DDP keeps reducer/logger to delete."""
+    tensors = [torch.ones(3), torch.zeros(2, dtype=torch.int64)]
+    _torch_private.broadcast_coalesced(tensors, src=0)  # one rank: the values stay
+    assert tensors[0].tolist() == [1.0, 1.0, 1.0] and tensors[1].tolist() == [0, 0]
+    ddp = DistributedDataParallel(nn.Linear(4, 2))
+    assert hasattr(ddp, "reducer") and hasattr(ddp, "logger")
+    _torch_private.release_ddp_process_group(ddp)
+    assert not hasattr(ddp, "reducer") and not hasattr(ddp, "logger") and ddp.process_group is None
+
+
+@pytest.mark.parametrize("hook", ["allreduce_hook", "fp16_compress_hook"])
+def test_counting_process_group_sees_what_the_hooks_all_reduce(one_rank_group, hook):
+    """The default hooks call only size() and all_reduce (-> group.allreduce([t], opts)) on a hook's state."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    seen = []
+    group = _torch_private.CountingProcessGroup(None, lambda tensors: seen.extend(t.dtype for t in tensors))
+    assert group.size() == 1 and group.rank() == 0
+    ddp = DistributedDataParallel(nn.Linear(4, 2))
+    ddp.register_comm_hook(group, getattr(default_hooks, hook))
+    ddp(torch.ones(2, 4)).sum().backward()
+    assert seen == [torch.float32 if hook == "allreduce_hook" else torch.float16]
+    assert ddp.module.weight.grad[0].tolist() == [2.0] * 4
+    dist.all_reduce(torch.ones(1), group=group)
+    assert len(seen) == 2

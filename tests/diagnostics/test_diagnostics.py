@@ -19,9 +19,14 @@ from diagnostics_workers import ListHandler, MultipliedBatchDigits, UnusedHeadCl
 from torch import nn
 
 from ddp_strategy import DigitsDataModule, MyDDPStrategy
-from ddp_strategy.diagnostics.communication import COMM_DOMINATES_FRACTION, CommStats, communication_messages
-from ddp_strategy.diagnostics.record import GradientTracker
-from ddp_strategy.diagnostics.summary import FitSummary, batch_size_warnings
+from ddp_strategy.diagnostics import (
+    COMM_DOMINATES_FRACTION,
+    CommStats,
+    FitSummary,
+    GradientTracker,
+    batch_size_warnings,
+    communication_messages,
+)
 
 # ------------------------------------------------------------------------------------------ fit summary
 

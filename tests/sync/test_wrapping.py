@@ -10,11 +10,17 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ddp_strategy.process.group import device_ids
 from ddp_strategy.sync import wrapping
+from ddp_strategy.sync.comm_hooks import CommHookConfig
 
 
 def test_known_options_pass_through_with_ddps_defaults():
     """DDP options pass through; no default is changed from DDP's (Lightning's ddp passes none either)."""
     assert wrapping.validate_ddp_kwargs({}) == {}
+    named = {"find_unused_parameters": False, "static_graph": False, "gradient_as_bucket_view": False,
+             "bucket_cap_mb": None, "broadcast_buffers": True}
+    assert wrapping.non_default_options(named) == {}  # DDP's defaults, from its signature: nothing is passed
+    assert wrapping.non_default_options({**named, "broadcast_buffers": False, "bucket_cap_mb": 5}) == {
+        "broadcast_buffers": False, "bucket_cap_mb": 5}
     opts = wrapping.validate_ddp_kwargs({"find_unused_parameters": True, "bucket_cap_mb": 5,
                                          "gradient_as_bucket_view": True})
     assert opts == {"find_unused_parameters": True, "bucket_cap_mb": 5, "gradient_as_bucket_view": True}
@@ -36,13 +42,16 @@ def test_device_ids_are_for_cuda_only():
 
 
 def test_wrap_and_unwrap_in_a_one_rank_group():
-    """wrap_module returns a DDP around the same module with our options; unwrap_module gives it back."""
+    """wrap returns a DDP around the same module with our options and hook; unwrap gives it back."""
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     module = nn.Linear(3, 2)
     options = wrapping.validate_ddp_kwargs({"bucket_cap_mb": 1, "gradient_as_bucket_view": True})
-    wrapped = wrapping.wrap_module(module, torch.device("cpu"), options)
+    wrapped = wrapping.wrap(module, torch.device("cpu"), options, CommHookConfig("fp16"))
     assert isinstance(wrapped, DistributedDataParallel) and wrapped.module is module
     assert wrapped.gradient_as_bucket_view and wrapped.device_ids is None
-    assert wrapping.unwrap_module(wrapped) is module and wrapping.unwrap_module(module) is module
-    wrapping.broadcast_module_states(module)  # world size 1: a no-op that must not fail
+    assert wrapped._get_ddp_logging_data()["comm_hook"] == "fp16_compress_hook"
+    assert wrapping.unwrap(wrapped) is module and wrapping.unwrap(module) is module
+    wrapping.broadcast_states(module)  # world size 1: a no-op that must not fail
+    assert wrapping.unwrap(wrapped, failed=True) is module and wrapped.process_group is None
     dist.destroy_process_group()
+

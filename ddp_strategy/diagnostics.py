@@ -1,0 +1,349 @@
+"""What global rank 0 tells the user about a fit, once, through Lightning's ``rank_zero_info``/``rank_zero_warn``.
+
+At fit start the :class:`FitSummary` (world, batch sizes, data per rank, DDP options) and the
+:func:`batch_size_warnings`; at fit end the :func:`communication_messages`: all-reduce versus compute time per
+step from DDP's own timers (:class:`CommStats`), a hint when communication dominates, and the parameters that
+never received a gradient on any rank. The message functions take plain numbers (the notebook calls them);
+:func:`on_fit_start` and :func:`on_fit_end` read them off a running fit for the strategy. Only reads.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import DataLoader
+from torch.utils.data.distributed import DistributedSampler
+
+from ddp_strategy._compat import torch_private as _torch_private
+from ddp_strategy._compat.namespace import lightning_getattr, lightning_hasattr, rank_zero_info, rank_zero_warn
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+#: The hint is given when un-overlapped all-reduce time exceeds this share of a step (0.5: communication
+#: takes longer than forward and backward compute together).
+COMM_DOMINATES_FRACTION = 0.5
+
+
+@dataclass(frozen=True)
+class FitSummary:
+    """The numbers of one distributed fit, as rank 0 sees them.
+
+    W = ``world_size`` processes on ``num_nodes`` machines; B = ``per_device_batch_size`` (None: unknown);
+    N = ``dataset_size`` (None: iterable data); ``samples_per_rank`` is the sampler's ``num_samples``;
+    ``padding`` the samples repeated so all ranks get as many (negative: dropped by ``drop_last``);
+    ``batches_per_epoch`` per rank after ``limit_train_batches`` (may be inf); ``comm_hook`` its name or "none".
+    """
+
+    world_size: int
+    num_nodes: int
+    backend: str
+    start_method: str
+    per_device_batch_size: int | None
+    accumulate_grad_batches: int = 1
+    dataset_size: int | None = None
+    samples_per_rank: int | None = None
+    padding: int = 0
+    batches_per_epoch: float = math.inf
+    ddp_options: dict[str, Any] = field(default_factory=dict)
+    comm_hook: str = "none"
+
+    @property
+    def global_batch_size(self) -> int | None:
+        """Samples per optimizer step over all ranks: ``B * W * accumulate_grad_batches``, or None."""
+        if self.per_device_batch_size is None:
+            return None
+        return self.per_device_batch_size * self.world_size * self.accumulate_grad_batches
+
+    @property
+    def optimizer_steps_per_epoch(self) -> float:
+        """``ceil(batches_per_epoch / accumulate_grad_batches)`` (inf if the batch count is)."""
+        if math.isinf(self.batches_per_epoch):
+            return math.inf
+        return math.ceil(self.batches_per_epoch / self.accumulate_grad_batches)
+
+    def format(self) -> str:
+        """The summary as 4 lines of text (example in docs/diagnostics.md)."""
+        nodes = f"{_plural(self.num_nodes, 'node')} x {_plural(self.world_size // max(self.num_nodes, 1), 'process')}"
+        lines = [f"DDP fit summary: world size {self.world_size} ({nodes}), backend {self.backend},"
+                 f" start method {self.start_method}"]
+        if self.per_device_batch_size is None:
+            lines.append("  batch: per-device batch size unknown (the loader has no batch_size)")
+        else:
+            lines.append(f"  batch: {self.per_device_batch_size} per device x {_plural(self.world_size, 'process')}"
+                         f" x {self.accumulate_grad_batches} accumulation = global batch size"
+                         f" {self.global_batch_size} samples per step")
+        data = f"{self.dataset_size} training samples" if self.dataset_size is not None else "training samples: ?"
+        if self.samples_per_rank is not None:
+            data += f", {self.samples_per_rank} per rank per epoch"
+            data += (f" ({self.padding} repeated as padding)" if self.padding >= 0
+                     else f" ({-self.padding} dropped by drop_last)")
+        count = lambda v: "inf" if math.isinf(v) else str(int(v))  # noqa: E731
+        data += (f", {count(self.batches_per_epoch)} batches per epoch per rank ="
+                 f" {count(self.optimizer_steps_per_epoch)} optimizer steps")
+        options = ", ".join(f"{k}={v!r}" for k, v in sorted(self.ddp_options.items())) or "defaults"
+        return "\n".join([*lines, "  data: " + data, f"  DDP options: {options}; comm hook: {self.comm_hook}"])
+
+
+def _plural(count: int, word: str) -> str:
+    return f"{count} {word}" + ("" if count == 1 else "es" if word.endswith("s") else "s")
+
+
+def batch_size_warnings(per_device_batch_size: int | None, world_size: int, dataset_size: int | None,
+                        configured_batch_size: int | None = None) -> list[str]:
+    """Warnings for a global batch size that looks like a mistake; ``[]`` when none applies.
+
+    The loader's ``batch_size`` B is per device, so one optimizer step sees ``B * W`` samples. Two rules:
+
+    1. **Global batch larger than the data set**: ``B * W > N``. Each rank holds only ``ceil(N / W)`` samples,
+       fewer than B, so every epoch is one partial step: almost always B was meant as the global batch size.
+    2. **Batch size multiplied by the device count** (a heuristic): W > 1 and B equals ``configured * W``, where
+       ``configured`` is the ``batch_size`` configured on the DataModule or LightningModule (attribute or
+       hyperparameter, found as Lightning's batch-size finder finds it): the pattern
+       ``DataLoader(batch_size=self.batch_size * self.trainer.world_size)``, written expecting DDP to split the
+       batch (as ``DataParallel`` does); DDP does not, so the global batch is W times larger than intended.
+
+    Args:
+        per_device_batch_size: B, the training loader's ``batch_size``; None skips both rules.
+        world_size: W.
+        dataset_size: N, training samples; None skips rule 1.
+        configured_batch_size: the user's ``batch_size`` setting, if any; None skips rule 2.
+
+    Returns one message per rule that fires, saying what was found and what to do. Example:
+        >>> batch_size_warnings(1024, 2, 1438)[0][:60]
+        'Global batch size 2048 (batch_size=1024 per device x 2 proce'
+    """
+    b, w, configured, messages = per_device_batch_size, world_size, configured_batch_size, []
+    if b is None:
+        return []
+    if dataset_size is not None and b * w > dataset_size:
+        messages.append(
+            f"Global batch size {b * w} (batch_size={b} per device x {w} processes) exceeds the {dataset_size}"
+            f" training samples: each rank holds only {math.ceil(dataset_size / w)} samples, so every epoch is one"
+            f" partial step. batch_size is the per-device batch size: for a global batch of {b} pass"
+            f" batch_size={max(b // w, 1)}, and keep batch_size x {w} <= {dataset_size}."
+        )
+    if configured is not None and w > 1 and configured > 0 and b == configured * w:
+        messages.append(
+            f"The training loader's batch_size={b} is the configured batch_size={configured} x {w} processes."
+            f" DDP does not split a batch across devices: batch_size is already per device, so each step sees"
+            f" {b * w} samples, not {b}. Build the loader with batch_size={configured} (global batch"
+            f" {configured * w}) unless a global batch of {b * w} is what you want."
+        )
+    return messages
+
+
+@dataclass(frozen=True)
+class CommStats:
+    """DDP's per-step timings, in milliseconds, averaged over the steps DDP sampled (and over ranks).
+
+    DDP's reducer times forward, backward compute (backward start until the last gradient is ready), gradient
+    communication (first bucket's all-reduce launched until the last one finished) and their overlap
+    (communication while backward was still computing), on iterations 1-10 and every 100th after.
+    """
+
+    forward_ms: float
+    backward_compute_ms: float
+    allreduce_ms: float
+    overlap_ms: float
+
+    @classmethod
+    def from_ddp_logging_data(cls, data: dict[str, Any]) -> CommStats | None:
+        """Build from ``DistributedDataParallel._get_ddp_logging_data()`` (ns); None before DDP timed a step."""
+        if not all(key in data for key in _torch_private.DDP_TIMING_KEYS):
+            return None
+        return cls(*(float(data[key]) / 1e6 for key in _torch_private.DDP_TIMING_KEYS))
+
+    def as_tensor(self) -> torch.Tensor:
+        """``[forward, backward compute, all-reduce, overlap]`` in ms, float64, shape (4,)."""
+        return torch.tensor([self.forward_ms, self.backward_compute_ms, self.allreduce_ms, self.overlap_ms],
+                            dtype=torch.float64)
+
+    @property
+    def compute_ms(self) -> float:
+        """Forward plus backward compute, in ms per step."""
+        return self.forward_ms + self.backward_compute_ms
+
+    @property
+    def exposed_comm_ms(self) -> float:
+        """All-reduce time not hidden behind backward, in ms per step (never negative)."""
+        return max(self.allreduce_ms - self.overlap_ms, 0.0)
+
+    @property
+    def comm_fraction(self) -> float:
+        """Share of a step spent waiting for communication: ``exposed / (compute + exposed)``, in [0, 1]."""
+        total = self.compute_ms + self.exposed_comm_ms
+        return self.exposed_comm_ms / total if total > 0 else 0.0
+
+    @property
+    def overlap_fraction(self) -> float:
+        """Share of the all-reduce time that overlapped with backward, in [0, 1]."""
+        return min(self.overlap_ms / self.allreduce_ms, 1.0) if self.allreduce_ms > 0 else 0.0
+
+
+def communication_messages(stats: CommStats | None, unused: list[str], world_size: int,
+                           per_device_batch_size: int | None = None,
+                           bucket_cap_mb: float | None = None) -> tuple[list[str], list[str]]:
+    """The fit-end messages: ``(infos, warnings)``.
+
+    Args:
+        stats: rank-averaged timings, or None when DDP timed no step (then the info says so).
+        unused: names of parameters that never received a gradient on any rank.
+        world_size: W.
+        per_device_batch_size, bucket_cap_mb: B and DDP's bucket size (MiB), quoted in the hint if given.
+
+    Returns:
+        ``infos``: the communication summary, plus a hint when the un-overlapped all-reduce exceeds
+        :data:`COMM_DOMINATES_FRACTION` of the step. ``warnings``: one naming the unused parameters, if any.
+    """
+    infos: list[str] = []
+    if stats is None:
+        infos.append("DDP communication: no step was timed (DDP times iterations 1-10 and every 100th after).")
+    else:
+        infos.append(
+            f"DDP communication per step (ms, averaged over DDP's sampled steps and {_plural(world_size, 'rank')}):"
+            f" compute {stats.compute_ms:.2f} (forward {stats.forward_ms:.2f} + backward"
+            f" {stats.backward_compute_ms:.2f}), gradient all-reduce {stats.allreduce_ms:.2f}, of which"
+            f" {stats.overlap_ms:.2f} ({stats.overlap_fraction:.0%}) overlapped with backward; waiting for"
+            f" communication {stats.exposed_comm_ms:.2f} = {stats.comm_fraction:.0%} of the step."
+        )
+        if stats.comm_fraction > COMM_DOMINATES_FRACTION:
+            batch = f" than {per_device_batch_size}" if per_device_batch_size is not None else ""
+            bucket = f" (now {bucket_cap_mb:g} MiB)" if bucket_cap_mb is not None else ""
+            infos.append(
+                f"Hint: communication dominates ({stats.comm_fraction:.0%} of each step waits for the gradient"
+                f" all-reduce), so {world_size} processes may be slower than one. Give each all-reduce more work:"
+                f" a larger per-device batch_size{batch} or accumulate_grad_batches; a larger"
+                f" MyDDPStrategy(bucket_cap_mb=...){bucket}; a compression comm hook such as"
+                " torch.distributed.algorithms.ddp_comm_hooks.default_hooks.fp16_compress_hook; or fewer devices."
+            )
+    warnings = [
+        f"{len(unused)} parameter(s) never received a gradient on any rank during fit: {', '.join(unused)}."
+        " They are not trained. Use them in the forward pass, freeze them (requires_grad=False) or remove"
+        " them; with find_unused_parameters=True DDP also pays an extra graph traversal every step."
+    ] if unused else []
+    return infos, warnings
+
+
+class GradientTracker:
+    """Records which parameters with ``requires_grad=True`` receive a gradient, through one autograd hook each.
+
+    The hooks only set a flag. :meth:`prune` (after each optimizer step) removes the hooks of parameters
+    already seen, so after the first step only never-updated parameters still pay for one; :meth:`close`
+    removes the rest. Names are relative to ``module`` (no DDP ``module.`` prefix).
+    """
+
+    def __init__(self, module: nn.Module) -> None:
+        params = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
+        self.names: list[str] = [name for name, _ in params]
+        self._seen: list[bool] = [False] * len(params)
+        self._handles: dict[int, Any] = {i: p.register_hook(functools.partial(self._mark, i))
+                                         for i, (_, p) in enumerate(params)}
+
+    def _mark(self, index: int, grad: torch.Tensor) -> None:
+        self._seen[index] = True
+
+    @property
+    def received(self) -> torch.Tensor:
+        """Bool tensor (tracked parameters,): True where a gradient arrived."""
+        return torch.tensor(self._seen, dtype=torch.bool)
+
+    def prune(self) -> None:
+        """Remove the hooks of parameters that have already received a gradient (not from inside a hook)."""
+        for index in [i for i in self._handles if self._seen[i]]:
+            self._handles.pop(index).remove()
+
+    def close(self) -> None:
+        """Remove the hooks (idempotent)."""
+        for handle in self._handles.values():
+            handle.remove()
+        self._handles = {}
+
+
+@dataclass
+class FitRecord:
+    """What :func:`on_fit_start` hands to :func:`on_fit_end`: the summary and the running gradient tracker."""
+
+    summary: FitSummary
+    tracker: GradientTracker
+
+
+def on_fit_start(trainer: pl.Trainer, backend: str, start_method: str, ddp_options: dict[str, Any],
+                 ddp_model: nn.Module) -> FitRecord:
+    """Log the fit summary and batch-size warnings on rank 0; start tracking gradients on every rank.
+
+    Called on every rank after the DDP wrapper (and its comm hook) and the training loader exist; no collective.
+    Reads the first training DataLoader (every rank computes the same numbers).
+    """
+    data = trainer.train_dataloader
+    while isinstance(data, (list, tuple, dict)) and data:  # a loader, or a list/tuple/dict of them
+        data = next(iter(data.values() if isinstance(data, dict) else data))
+    loader = data if isinstance(data, DataLoader) else None
+    batch_size, n, per_rank, padding = None, None, None, 0
+    if loader is not None:
+        size = loader.batch_size if loader.batch_size is not None else getattr(loader.batch_sampler, "batch_size", None)
+        batch_size = int(size) if isinstance(size, int) else None
+        sampler = loader.sampler if isinstance(loader.sampler, DistributedSampler) else getattr(
+            loader.batch_sampler, "sampler", None)
+        if isinstance(sampler, DistributedSampler):
+            n = len(sampler.dataset)  # type: ignore[arg-type]
+            per_rank, padding = int(sampler.num_samples), int(sampler.total_size) - n
+        else:
+            try:
+                n = len(loader.dataset)  # type: ignore[arg-type]
+            except TypeError:  # an iterable data set
+                n = None
+    summary = FitSummary(
+        world_size=trainer.world_size, num_nodes=trainer.num_nodes, backend=backend, start_method=start_method,
+        per_device_batch_size=batch_size, accumulate_grad_batches=trainer.accumulate_grad_batches,
+        dataset_size=n, samples_per_rank=per_rank, padding=padding,
+        batches_per_epoch=float(trainer.num_training_batches), ddp_options=dict(ddp_options),
+        comm_hook=str(_torch_private.ddp_logging_data(ddp_model).get("comm_hook") or "none"),
+    )
+    module = trainer.lightning_module
+    assert module is not None
+    configured = lightning_getattr(module, "batch_size") if lightning_hasattr(module, "batch_size") else None
+    configured = configured if isinstance(configured, int) and not isinstance(configured, bool) else None
+    rank_zero_info(summary.format())
+    for message in batch_size_warnings(batch_size, summary.world_size, n, configured):
+        rank_zero_warn(message)
+    return FitRecord(summary, GradientTracker(module))
+
+
+def on_fit_end(record: FitRecord, ddp_model: nn.Module, device: torch.device) -> tuple[CommStats | None, list[str]]:
+    """Average DDP's timings and the gradient flags over ranks, then log the fit-end messages on rank 0.
+
+    A collective (one all-reduce of ``4 + 1 + P`` float64 values, P = tracked parameters): every rank must call
+    it, after the last training step and before the DDP wrapper is released. The gradient hooks are removed.
+
+    Returns ``(stats, unused)``: the rank-averaged timings (None if no rank has any) and the names of the
+    parameters without a gradient. ``ddp_model`` is the wrapper (DDP's timings); ``device`` this rank's (NCCL: CUDA).
+    """
+    tracker = record.tracker
+    tracker.close()
+    data = _torch_private.ddp_logging_data(ddp_model)
+    local = CommStats.from_ddp_logging_data(data)
+    timed = local.as_tensor() if local is not None else torch.zeros(4, dtype=torch.float64)
+    total = torch.cat([timed, torch.tensor([float(local is not None)], dtype=torch.float64),
+                       tracker.received.to(torch.float64)]).to(device)
+    if dist.is_initialized():
+        dist.all_reduce(total)
+    world_size, total = dist.get_world_size() if dist.is_initialized() else 1, total.cpu()
+    ranks_timed = int(total[4].item())
+    stats = CommStats(*(total[:4] / ranks_timed).tolist()) if ranks_timed else None
+    unused = [name for name, count in zip(tracker.names, total[5:].tolist(), strict=True) if count == 0]
+    bucket_bytes = data.get("bucket_cap_bytes")
+    bucket_mb = bucket_bytes / 2**20 if isinstance(bucket_bytes, (int, float)) and bucket_bytes > 0 else None
+    infos, warnings = communication_messages(stats, unused, world_size, record.summary.per_device_batch_size,
+                                             bucket_mb)
+    for message in infos:
+        rank_zero_info(message)
+    for message in warnings:
+        rank_zero_warn(message)
+    return stats, unused
