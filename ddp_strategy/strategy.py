@@ -112,6 +112,7 @@ class MyDDPStrategy(process.RankTopology, checkpoint.DefaultCheckpointIO, Parall
         self._sampler_seed = sampling.shared_seed(seed)
         self._gradients_unchecked = False  # the first backward's unused-parameter check is still to come
         self._gradients_steps = 0  # optimizer steps in this fit, for verify_sync_every_n_steps
+        self._verify_sync_every_n_steps = verify_sync_every_n_steps
         self._checkpoints = checkpoint.CheckpointTracker()
         self._diagnostics: diagnostics.FitRecord | None = None
 
@@ -186,7 +187,7 @@ class MyDDPStrategy(process.RankTopology, checkpoint.DefaultCheckpointIO, Parall
         if self._diagnostics is not None:
             self._diagnostics.tracker.prune()
         self._gradients_steps += 1
-        n = self._options.verify_sync_every_n_steps
+        n = self._verify_sync_every_n_steps
         if n is not None and self._gradients_steps % n == 0 and self.lightning_module is not None:
             sync.verify_parameters_in_sync(self.lightning_module, self._gradients_steps, self.root_device)
         return output
