@@ -10,7 +10,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from ddp_strategy import DigitsClassifier, DigitsDataModule
 from ddp_strategy.checkpoint.atomic import unwritable_reason
-from ddp_strategy.sampling.injection import warn_if_not_shardable
+from ddp_strategy.sampling.loaders import warn_if_not_shardable
 from ddp_strategy.sync.wrapping import check_trainable
 
 

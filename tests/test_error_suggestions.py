@@ -35,8 +35,8 @@ from ddp_strategy.diagnostics.summary import batch_size_warnings
 from ddp_strategy.process import group as process_group
 from ddp_strategy.process import launching
 from ddp_strategy.process.collectives import check_gatherable
-from ddp_strategy.sampling.evaluation import needs_padding, shard_for_evaluation
-from ddp_strategy.sampling.injection import inject_distributed_sampler
+from ddp_strategy.sampling.loaders import inject_distributed_sampler, needs_padding, shard_for_evaluation
+from ddp_strategy.sampling.sampler import Shard
 from ddp_strategy.sampling.state import CHECKPOINT_KEY
 from ddp_strategy.sync.comm_hooks import HOOKS_BY_NAME, CommHookConfig
 
@@ -205,9 +205,9 @@ def test_checkpoint_with_an_unknown_sampler_entry_loads_with_a_warning(tmp_path)
 
 
 # ------------------------------------------------------------------------------------------ data errors
-def batches(dataloader: DataLoader, num_replicas: int, **kwargs) -> list[list[int]]:
+def batches(dataloader: DataLoader, num_replicas: int, pad: bool = True) -> list[list[int]]:
     """Batch sizes each of ``num_replicas`` ranks reads from the injected loader, rank by rank."""
-    return [[len(b[0]) for b in inject_distributed_sampler(dataloader, num_replicas, r, 0, **kwargs)]
+    return [[len(b[0]) for b in inject_distributed_sampler(dataloader, Shard(num_replicas, r, pad=pad))]
             for r in range(num_replicas)]
 
 
@@ -243,10 +243,10 @@ def test_padded_evaluation_warning_suggestions_give_exact_shards():
     drop_last=False with at least W samples, or a multiple of W samples) reads every sample exactly once."""
     for padded in (loader(5, 1), loader(5, 2, drop_last=True), loader(1, 4)):
         with pytest.warns(UserWarning, match="For exact metrics use batch_size >= 2 and drop_last=False with at"):
-            shard_for_evaluation(padded, 2, 0, 0, None, "validation")
+            shard_for_evaluation(padded, Shard(2, 0), "validation")
     for exact in (loader(5, 2), loader(6, 1), loader(2, 4)):
         assert needs_padding(exact, 2) is None
-        shards = [[len(b[0]) for b in shard_for_evaluation(exact, 2, r, 0, None, "validation")] for r in (0, 1)]
+        shards = [[len(b[0]) for b in shard_for_evaluation(exact, Shard(2, r), "validation")] for r in (0, 1)]
         assert sum(map(sum, shards)) == len(exact.dataset)
         assert len(shards[0]) == len(shards[1])
 

@@ -1,4 +1,4 @@
-"""Sampler positions as plain data: padding, remainders after one or more runs, merging, checking."""
+"""Sampler positions as plain data: padding, remainders after one or more runs, merging, reading, checking."""
 
 from __future__ import annotations
 
@@ -6,24 +6,20 @@ import io
 
 import pytest
 import torch
+from torch.utils.data import DataLoader
 
-from ddp_strategy.sampling.state import (
-    check_position,
-    checkpoint_entry,
-    gather_positions,
-    loader_positions,
-    merge_rank_positions,
-    pad_cyclic,
-    remaining_positions,
-    shard_positions,
-)
+from ddp_strategy._compat.namespace import TrainerFn
+from ddp_strategy.sampling.loaders import inject_distributed_sampler
+from ddp_strategy.sampling.sampler import EpochSeededDistributedSampler, Shard, ShardedBatchSampler, remaining_positions
+from ddp_strategy.sampling.state import CHECKPOINT_KEY, merge_rank_positions, read_positions, save_positions
 
 
-def test_pad_cyclic_repeats_the_head_like_distributed_sampler():
-    """Padding repeats the head, cycling when more than one round is needed."""
-    assert pad_cyclic([5, 6, 7], 2, [0, 1]) == [5, 6, 7, 0]
-    assert pad_cyclic([5], 4, [0, 1]) == [5, 0, 1, 0]
-    assert pad_cyclic([], 3, [0]) == []
+def test_padding_repeats_the_head_like_distributed_sampler():
+    """Padding repeats the stream's head, cycling when more than one round is needed; nothing pads nothing."""
+    assert [list(EpochSeededDistributedSampler(range(3), 2, r, shuffle=False)) for r in range(2)] == [[0, 2], [1, 0]]
+    assert [list(EpochSeededDistributedSampler(range(2), 5, r, shuffle=False)) for r in range(5)] == [
+        [0], [1], [0], [1], [0]]
+    assert [list(EpochSeededDistributedSampler(range(0), 3, r)) for r in range(3)] == [[], [], []]
 
 
 def test_remaining_positions_the_docstring_example_and_uneven_consumption():
@@ -40,22 +36,51 @@ def test_layers_compose_across_elastic_resumes():
     assert remaining_positions(10, layers) == [7, 8, 9]
 
 
-def test_shard_positions_pads_for_training_only():
-    """Training shards are padded with the head; evaluation shards are not."""
-    assert shard_positions([4, 5, 6], list(range(7)), 2, 1, pad=True) == [5, 0]
-    assert shard_positions([4, 5, 6], list(range(7)), 2, 1, pad=False) == [5]
+def test_a_resumed_remainder_is_padded_for_training_only():
+    """The rest of an epoch (positions 4..6 of 7) is padded with the stream's head in training, not in evaluation."""
+    position = {"epoch": 0, "seed": 0, "length": 7, "kind": "index", "layers": [{"world_size": 2, "consumed": [2, 2]}]}
+    shards = {}
+    for pad in (True, False):
+        sampler = EpochSeededDistributedSampler(range(7), 2, 1, shuffle=False, pad=pad)
+        sampler.resume_from(position)
+        shards[pad] = list(sampler)
+    assert shards == {True: [5, 0], False: [5]}
 
 
-def test_merge_and_gather_without_process_group_and_weights_only_roundtrip():
-    """Per-rank reports merge into one new layer; the entry survives torch.save/torch.load(weights_only=True)."""
-    report = {"epoch": 2, "seed": 1, "length": 9, "kind": "index", "layers": [], "consumed": 3}
-    merged = merge_rank_positions([report, {**report, "consumed": 3}])
-    assert merged["layers"] == [{"world_size": 2, "consumed": [3, 3]}]
-    assert gather_positions([report]) == [merge_rank_positions([report])]
+class _Fitting:
+    """The parts of a fitting Trainer that save_positions reads: one training loader, 3 batches done."""
+
+    def __init__(self, loader):
+        self.state = type("State", (), {"fn": TrainerFn.FITTING})()
+        self.train_dataloader = {"a": [loader]}
+        self.fit_loop = type("Loop", (), {})()
+        self.fit_loop.epoch_loop = type("Loop", (), {})()
+        self.fit_loop.epoch_loop.batch_progress = type("Progress", (), {})()
+        self.fit_loop.epoch_loop.batch_progress.current = type("Counts", (), {"ready": 3})()
+
+
+def test_save_and_read_positions_without_process_group_and_weights_only_roundtrip():
+    """Without a process group the one rank's position is merged alone; the entry survives
+    torch.save/torch.load(weights_only=True) and reads back; a checkpoint without it has no positions."""
+    loader = inject_distributed_sampler(DataLoader(list(range(9)), batch_size=1), Shard(1, 0, seed=1))
+    next(iter(loader))  # starts epoch 0
+    checkpoint: dict = {}
+    save_positions(_Fitting(loader), checkpoint)
+    expected = {"epoch": 0, "seed": 1, "length": 9, "kind": "index", "layers": [{"world_size": 1, "consumed": [3]}]}
+    assert checkpoint[CHECKPOINT_KEY] == {"version": 1, "loaders": [expected]}
     buffer = io.BytesIO()
-    torch.save({"x": checkpoint_entry([merged])}, buffer)
+    torch.save(checkpoint, buffer)
     buffer.seek(0)
-    assert loader_positions(torch.load(buffer, weights_only=True)["x"]) == [merged]
+    assert read_positions(torch.load(buffer, weights_only=True)) == [expected]
+    assert read_positions({}) == []
+
+
+def test_merge_rank_positions_adds_one_layer():
+    """Per-rank reports merge into one new layer after the layers the epoch started from."""
+    report = {"epoch": 2, "seed": 1, "length": 9, "kind": "index", "layers": [{"world_size": 3, "consumed": [1] * 3}],
+              "consumed": 3}
+    merged = merge_rank_positions([report, {**report, "consumed": 2}])
+    assert merged["layers"] == [{"world_size": 3, "consumed": [1, 1, 1]}, {"world_size": 2, "consumed": [3, 2]}]
 
 
 def test_disagreeing_ranks_and_bad_entries_raise():
@@ -63,10 +88,10 @@ def test_disagreeing_ranks_and_bad_entries_raise():
     report = {"epoch": 2, "seed": 1, "length": 9, "kind": "index", "layers": [], "consumed": 3}
     with pytest.raises(RuntimeError, match="rank 1 on 'epoch'"):
         merge_rank_positions([report, {**report, "epoch": 3}])
-    with pytest.raises(ValueError, match="version-1"):
-        loader_positions({"version": 99, "loaders": []})
+    with pytest.warns(UserWarning, match="not a version-1 sampler position.*It is ignored"):
+        assert read_positions({CHECKPOINT_KEY: {"version": 99, "loaders": []}}) == []
     position = merge_rank_positions([report])
     with pytest.raises(ValueError, match="stream of 9 items, but the training loader now yields 10"):
-        check_position(position, 10, "index")
+        EpochSeededDistributedSampler(range(10), 1, 0).resume_from(position)
     with pytest.raises(ValueError, match="'index' sampler"):
-        check_position(position, 9, "batch")
+        ShardedBatchSampler([[i] for i in range(9)], Shard(1, 0)).resume_from(position)
