@@ -269,7 +269,7 @@ class MyDDPStrategy(process.RankTopology, checkpoint.DefaultCheckpointIO, Parall
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         """With every rank's sampler position, global rank 0 writes; a failure raises on every rank. Collective."""
-        sampling.state.save_positions(self._trainer, checkpoint)
+        sampling.save_positions(self._trainer, checkpoint)
         save = functools.partial(self.checkpoint_io.save_checkpoint, checkpoint, filepath, storage_options)
         self._collectives.on_rank_zero(save, f"saving checkpoint {filepath}", self.global_rank)
         self._checkpoints.record(filepath)
@@ -287,7 +287,7 @@ class MyDDPStrategy(process.RankTopology, checkpoint.DefaultCheckpointIO, Parall
         self._checkpoint_path = checkpoint_path
         weights_only = self._checkpoints.weights_only_for(checkpoint_path, weights_only)
         loaded = _pl.call_with_weights_only(super().load_checkpoint, checkpoint_path, weights_only=weights_only)
-        self._sharding.positions = sampling.state.read_positions(loaded)
+        self._sharding.positions = sampling.read_positions(loaded)
         return loaded
 
     @override
@@ -301,7 +301,7 @@ class MyDDPStrategy(process.RankTopology, checkpoint.DefaultCheckpointIO, Parall
     def on_train_start(self) -> None:
         """Restore a mid-epoch batch counter; rank 0: clean checkpoint folders, log the fit summary. No collective."""
         super().on_train_start()
-        sampling.state.restore_batch_counter(self._trainer, self.world_size, self._sharding.until_teardown)
+        sampling.restore_batch_counter(self._trainer, self.world_size, self._sharding.until_teardown)
         if self.is_global_zero and self._trainer is not None:
             self._checkpoints.remove_stale_temp_files(self._trainer)
         if self._trainer is not None:

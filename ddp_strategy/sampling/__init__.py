@@ -6,8 +6,9 @@ in checkpoints and the mid-epoch resume (:mod:`~ddp_strategy.sampling.state`). M
 lifetime, the model, checkpoint files (positions go into the checkpoint dict the strategy hands over).
 """
 
-from ddp_strategy.sampling import state
 from ddp_strategy.sampling.loaders import LoaderSharding
 from ddp_strategy.sampling.sampler import EpochSeededDistributedSampler, Shard, shard_iterable, shared_seed
+from ddp_strategy.sampling.state import read_positions, restore_batch_counter, save_positions
 
-__all__ = ["EpochSeededDistributedSampler", "LoaderSharding", "Shard", "shard_iterable", "shared_seed", "state"]
+__all__ = ["EpochSeededDistributedSampler", "LoaderSharding", "Shard", "read_positions", "restore_batch_counter",
+           "save_positions", "shard_iterable", "shared_seed"]

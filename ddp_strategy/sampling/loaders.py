@@ -11,6 +11,7 @@ collective inside a step before any rank enters it.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from collections.abc import Iterator, Sequence
@@ -23,14 +24,8 @@ from torch.utils.data.distributed import DistributedSampler
 
 from ddp_strategy._compat import lightning_private as _pl
 from ddp_strategy._compat.namespace import RunningStage, TrainerFn, rank_zero_warn
-from ddp_strategy.sampling.sampler import (
-    EpochSeededDistributedSampler,
-    EqualCountBatchSampler,
-    Shard,
-    ShardedBatchSampler,
-    ShardedSampler,
-    _EpochShards,
-)
+from ddp_strategy.sampling import sampler as samplers
+from ddp_strategy.sampling.sampler import Shard
 
 if TYPE_CHECKING:
     from lightning.pytorch import Trainer
@@ -51,10 +46,8 @@ class LoaderSharding:
     def __init__(self, exact_evaluation: bool = True) -> None:
         self.exact_evaluation = exact_evaluation
         self.guard = EvaluationStepGuard()
-        #: Sampler positions read from the checkpoint, one per training loader, for the loaders built next.
-        self.positions: list[dict[str, Any]] = []
-        #: Closed at teardown (Lightning's "not resumable" warning is silenced while a resumed fit runs).
-        self.until_teardown = ExitStack()
+        self.positions: list[dict[str, Any]] = []  #: from the checkpoint, for the training loaders built next
+        self.until_teardown = ExitStack()  #: what lasts while a fit runs (see ``state.restore_batch_counter``)
         self._injecting = True
 
     def take_over(self, trainer: Trainer) -> None:
@@ -73,10 +66,8 @@ class LoaderSharding:
 
         Predict loaders are Lightning's; what cannot be sharded (a list of batches, an ``IterableDataset``) is read
         whole by every rank, as under Lightning's ``ddp``, with a warning. Evaluation and predict loaders then agree
-        on their batch counts (a collective, every rank).
-
-        Raises:
-            ValueError: see :func:`inject_distributed_sampler`; a saved position that does not fit the loader.
+        on their batch counts (a collective, every rank). Raises ``ValueError`` as :func:`inject_distributed_sampler`
+        and where a saved position does not fit the loader.
         """
         training = trainer.state.stage == RunningStage.TRAINING
         if self._injecting:
@@ -117,11 +108,11 @@ def _is_plain_permutation(sampler: Any) -> bool:
             and getattr(sampler, "_num_samples", None) is None)
 
 
-def injected_sampler(dataloader: object) -> _EpochShards | None:
+def injected_sampler(dataloader: object) -> samplers._EpochShards | None:
     """The sampler :func:`inject_distributed_sampler` put into ``dataloader`` (or its batch sampler), else ``None``."""
     batch_sampler = getattr(dataloader, "batch_sampler", None)
     for candidate in (batch_sampler, getattr(dataloader, "sampler", None), getattr(batch_sampler, "sampler", None)):
-        if isinstance(candidate, _EpochShards):
+        if isinstance(candidate, samplers._EpochShards):
             return candidate
     return None
 
@@ -181,8 +172,8 @@ def inject_distributed_sampler(dataloader: object, shard: Shard, training: bool 
 
     Args:
         dataloader: the user's loader (see :func:`needs_distributed_sampler` for what is left alone).
-        shard: this rank's share; ``shard.pad=False`` for exact evaluation.
-        training: whether this is the training loader (warns about short batches); default ``shard.pad``.
+        shard: this rank's share; ``pad=False`` for exact evaluation.
+        training: warn about batches larger than a shard; default ``shard.pad``.
 
     Raises:
         ValueError: fewer items than ranks unpadded; ``drop_last=True`` with a shard smaller than one batch.
@@ -194,23 +185,23 @@ def inject_distributed_sampler(dataloader: object, shard: Shard, training: bool 
     _check_shard_sizes(dataloader, shard, shard.pad if training is None else training)
     source, batch_sampler = _original_sampler(dataloader), dataloader.batch_sampler
     if source is None:
-        return _pl.update_dataloader_batch_sampler(dataloader, ShardedBatchSampler(batch_sampler, shard))
+        return _pl.update_dataloader_batch_sampler(dataloader, samplers.ShardedBatchSampler(batch_sampler, shard))
     if _is_plain_permutation(source) or isinstance(source, SequentialSampler):
-        built: _EpochShards = EpochSeededDistributedSampler(
+        built: samplers._EpochShards = samplers.EpochSeededDistributedSampler(
             dataloader.dataset, shard.num_replicas, shard.rank, shuffle=isinstance(source, RandomSampler),
             seed=shard.seed, epoch_fn=shard.epoch_fn, pad=shard.pad)
     else:
-        built = ShardedSampler(source, shard)
+        built = samplers.ShardedSampler(source, shard)
     if batch_sampler is None:
         return _pl.update_dataloader(dataloader, built)
     built.items_per_batch = int(batch_sampler.batch_size)  # type: ignore[attr-defined]
     built.drop_last_batch = bool(batch_sampler.drop_last)  # type: ignore[attr-defined]
-    if not shard.pad:
-        return _pl.update_dataloader_batch_sampler(dataloader, EqualCountBatchSampler(built, built.items_per_batch))
-    if dataloader.batch_size is None:  # DataLoader(batch_sampler=BatchSampler(s, B, drop_last)): keep B, drop_last
-        return _pl.update_dataloader_batch_sampler(
-            dataloader, BatchSampler(built, built.items_per_batch, built.drop_last_batch))
-    return _pl.update_dataloader(dataloader, built)
+    if shard.pad and dataloader.batch_size is not None:
+        return _pl.update_dataloader(dataloader, built)
+    # Unpadded: equal batch counts; DataLoader(batch_sampler=BatchSampler(s, B, drop_last)): keep B and drop_last.
+    batches = (samplers.EqualCountBatchSampler(built, built.items_per_batch) if not shard.pad
+               else BatchSampler(built, built.items_per_batch, built.drop_last_batch))
+    return _pl.update_dataloader_batch_sampler(dataloader, batches)
 
 
 def needs_padding(dataloader: DataLoader, num_replicas: int) -> str | None:
@@ -264,10 +255,8 @@ def agree_batch_counts(dataloader: object) -> tuple[int, ...] | None:
         local, counts = counts[0], [None] * dist.get_world_size()
         dist.all_gather_object(counts, local)
     result = None if min(counts) < 0 else tuple(counts)
-    try:
+    with contextlib.suppress(AttributeError):  # a loader that forbids attributes: the guard sees no counts
         setattr(dataloader, BATCH_COUNTS_ATTR, result)
-    except AttributeError:  # loaders that forbid attributes: the guard then treats the counts as unknown
-        pass
     return result
 
 
@@ -385,11 +374,7 @@ class EvaluationStepGuard:
         )
 
     def check(self, collective: str, rank: int) -> None:
-        """Raise if a collective is requested inside a step whose ranks hold different batch counts.
-
-        Raises:
-            RuntimeError: with the stage, the per-rank batch counts and what to do instead.
-        """
+        """Raise ``RuntimeError`` (stage, per-rank batch counts, what to do) inside a step on an uneven loader."""
         if self._active is None:
             return
         stage, counts = self._active

@@ -32,29 +32,16 @@ DEFAULT_SEED = 0
 
 
 def shared_seed(seed: int | None = None) -> int:
-    """The shuffle seed: ``seed`` if given, else ``seed_everything``'s (``PL_GLOBAL_SEED``), else 0.
-
-    The strategy broadcasts rank 0's value so every rank uses the same one.
-    """
+    """The shuffle seed: ``seed`` if given, else ``seed_everything``'s (``PL_GLOBAL_SEED``), else 0."""
     return int(seed) if seed is not None else int(os.environ.get("PL_GLOBAL_SEED", DEFAULT_SEED))
 
 
 @dataclass(frozen=True)
 class Shard:
-    """This rank's share of every epoch.
-
-    Attributes:
-        num_replicas: world size W.
-        rank: this process's global rank.
-        seed: shuffle seed, identical on every rank.
-        epoch_fn: returns the current epoch (0-based) whenever an iterator is created; ``None`` leaves
-            ``set_epoch`` to the caller.
-        pad: repeat items so every rank reads as many (training: every rank takes the same number of optimizer
-            steps), or read each item once (exact evaluation; batch samplers then even out their batch counts).
-
-    Raises:
-        ValueError: ``rank`` outside ``[0, W)``.
-    """
+    """This rank's share of every epoch: rank ``rank`` (``0 <= rank < W``, else ``ValueError``) of ``num_replicas``
+    = W, with the shuffle ``seed`` of every rank; ``epoch_fn`` returns the epoch (0-based) whenever an iterator is
+    created (``None``: the caller calls ``set_epoch``); ``pad`` repeats items so every rank reads as many (training:
+    equal optimizer steps), else each item is read once (exact evaluation)."""
 
     num_replicas: int
     rank: int
@@ -117,10 +104,6 @@ class _EpochShards:
     ``stream_length``."""
 
     kind = "index"
-    num_replicas: int
-    rank: int
-    seed: int
-    epoch: int
 
     def _init_shards(self, shard: Shard) -> None:
         self.num_replicas, self.rank, self.seed = shard.num_replicas, shard.rank, int(shard.seed)
@@ -137,8 +120,7 @@ class _EpochShards:
     def _stream(self, epoch: int) -> list[Any]:
         raise NotImplementedError
 
-    def stream_length(self) -> int:
-        """N: the number of items the original sampler yields per epoch."""
+    def stream_length(self) -> int:  # N, the number of items the original sampler yields per epoch
         raise NotImplementedError
 
     def set_epoch(self, epoch: int) -> None:
@@ -211,12 +193,8 @@ class _EpochShards:
         return int(rounding(math.ceil(left / self.num_replicas) / self.items_per_batch))
 
     def position(self, batches_done: int) -> dict[str, Any]:
-        """This rank's place in its current epoch: ``{"epoch", "seed", "length", "kind", "layers", "consumed"}``.
-
-        Args:
-            batches_done: Lightning's count of finished training batches in this epoch
-                (``epoch_loop.batch_progress.current.ready``); :attr:`batch_offset` is subtracted.
-        """
+        """This rank's place in its epoch, ``{"epoch", "seed", "length", "kind", "layers", "consumed"}``, after
+        ``batches_done`` (Lightning's ``epoch_loop.batch_progress.current.ready``, less :attr:`batch_offset`)."""
         started = self._iter_epoch is not None
         consumed = min(max(batches_done - self.batch_offset, 0) * self.items_per_batch, self._iter_len)
         return {"epoch": self._iter_epoch if started else self.epoch, "seed": self.seed,
@@ -261,10 +239,9 @@ class EpochSeededDistributedSampler(_EpochShards, DistributedSampler):
 
     def _stream(self, epoch: int) -> list[int]:
         n = len(self.dataset)  # type: ignore[arg-type]
-        if not self.shuffle:
-            return list(range(self.stream_length()))
-        return torch.randperm(n, generator=torch.Generator().manual_seed(self.seed + epoch)).tolist()[
-            : self.stream_length()]
+        generator = torch.Generator().manual_seed(self.seed + epoch)
+        order = torch.randperm(n, generator=generator).tolist() if self.shuffle else list(range(n))
+        return order[: self.stream_length()]
 
 
 class ShardedSampler(_EpochShards, Sampler[Any]):
@@ -272,11 +249,7 @@ class ShardedSampler(_EpochShards, Sampler[Any]):
 
     Each epoch the original sampler is drawn once with :func:`draw_epoch` (the same draw on every rank), padded
     when ``shard.pad`` and strided: a draw ``[7, 7, 2, 9, 4]`` on 2 ranks gives rank 0 ``[7, 2, 4]`` and rank 1
-    ``[7, 9, 7]`` (the last 7 is padding).
-
-    Args:
-        sampler: the original sampler; ``len()`` must equal what it yields.
-        shard: this rank's share.
+    ``[7, 9, 7]`` (the last 7 is padding). ``len(sampler)`` must equal what it yields.
     """
 
     def __init__(self, sampler: Iterable[Any], shard: Shard) -> None:
@@ -329,17 +302,13 @@ class EqualCountBatchSampler(BatchSampler):
     17 samples, B = 4, 2 ranks: rank 0 ``[0, 2, 4, 6], [8, 10, 12, 14], [16]``; rank 1 ``[1, 3, 5],
     [7, 9, 11, 13], [15]``. Needs ``B >= 2`` and ``N >= W`` whenever N is not a multiple of W.
 
-    Args:
-        sampler: this rank's unpadded sampler.
-        batch_size: B, the loader's per-device batch size.
     """
 
-    def __init__(self, sampler: _EpochShards, batch_size: int) -> None:
+    def __init__(self, sampler: _EpochShards, batch_size: int) -> None:  # this rank's unpadded sampler, B
         super().__init__(sampler, batch_size, drop_last=False)  # type: ignore[arg-type]
         self.longest = math.ceil(sampler.stream_length() / sampler.num_replicas)
 
     def __len__(self) -> int:
-        """K: the same on every rank."""
         return math.ceil(self.longest / self.batch_size)
 
     def __iter__(self) -> Iterator[list[Any]]:
@@ -369,10 +338,8 @@ def shard_iterable(iterable: Iterable[Any], rank: int | None = None, world_size:
         This rank's and worker's items, in stream order.
     """
     initialized = dist.is_available() and dist.is_initialized()
-    if rank is None:
-        rank = dist.get_rank() if initialized else 0
-    if world_size is None:
-        world_size = dist.get_world_size() if initialized else 1
+    rank = (dist.get_rank() if initialized else 0) if rank is None else rank
+    world_size = (dist.get_world_size() if initialized else 1) if world_size is None else world_size
     info = get_worker_info()
     worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
     return itertools.islice(iterable, rank * workers + worker, None, world_size * workers)

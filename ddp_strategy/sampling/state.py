@@ -1,16 +1,14 @@
 """Sampler positions in checkpoints, and the mid-epoch (also elastic) resume they give.
 
-Every checkpoint written while fitting stores, under :data:`CHECKPOINT_KEY`, one position per training loader,
-gathered from every rank::
+Every checkpoint written while fitting stores one position per training loader, gathered from every rank::
 
     {"version": 1, "loaders": [{"epoch": 3, "seed": 42, "length": 1438, "kind": "index",
                                 "layers": [{"world_size": 2, "consumed": [96, 96]}]}]}
 
-``consumed[r]`` counts the items rank ``r`` finished; each resume that reads part of the same epoch adds a layer
-(see :mod:`ddp_strategy.sampling.sampler`), so a resume on any world size regenerates the epoch's stream and reads
-exactly the items no rank has consumed. Plain ints, strings and lists: the file loads with
-``torch.load(weights_only=True)``. Lightning does not fast-forward a loader on a mid-epoch restart (it counts the
-batches it believes done and stops at ``num_training_batches``), so :func:`restore_batch_counter` sets that count.
+``consumed[r]`` counts the items rank ``r`` finished; a resume on any world size regenerates the epoch's stream
+and reads exactly the items no rank consumed (see :mod:`~ddp_strategy.sampling.sampler`). Plain ints, strings and
+lists: the file loads with ``torch.load(weights_only=True)``. Lightning does not fast-forward a loader on a
+mid-epoch restart (it counts the batches it believes done), so :func:`restore_batch_counter` sets that count.
 """
 
 from __future__ import annotations
@@ -110,12 +108,10 @@ def read_positions(checkpoint: dict[str, Any]) -> list[dict[str, Any]]:
 def restore_batch_counter(trainer: Trainer | None, world_size: int, until_teardown: ExitStack) -> None:
     """After a mid-epoch resume, set Lightning's batch counter to ``num_training_batches - batches left``.
 
-    Call at ``on_train_start`` (before the epoch loop's reset); no collective, the same on every rank. With the same
-    world size the counter is already right (on Lightning 2.5+; 2.4 would resume one batch early, see
-    ``_pl.resumed_batch_count``); after an elastic resume each new rank has another number of batches left. Under
-    ``limit_train_batches`` (a fraction below 1.0, or a count) Lightning's restored counter is kept: the epoch ends
-    at the limit, not at the loader's end. Lightning's "dataloader is not resumable" warning, which does not apply,
-    is silenced until ``until_teardown`` closes, and an info line says what happens instead.
+    At ``on_train_start`` (before the epoch loop's reset); no collective. Needed after an elastic resume (each new
+    rank has another number of batches left) and on Lightning 2.4 (``_pl.resumed_batch_count``). Under
+    ``limit_train_batches`` Lightning's restored counter is kept: the epoch ends at the limit. Lightning's
+    "dataloader is not resumable" warning, which does not apply, is silenced until ``until_teardown`` closes.
 
     Raises:
         ValueError: a mid-epoch resume with more than one training loader.
