@@ -89,8 +89,9 @@ class LoaderSharding:
             injected.resume_from(self.positions.pop(0))
         elif self.positions:
             self.positions.pop(0)
-            rank_zero_warn("The checkpoint holds a sampler position, but the training loader's sampler is your own"
-                           " DistributedSampler: the rest of the interrupted epoch is not restored exactly.")
+            rank_zero_warn("The checkpoint holds a sampler position, but the training loader's sampler is not"
+                           " injected by MyDDPStrategy (it is your own DistributedSampler): the rest of the"
+                           " interrupted epoch is not restored exactly.")
         return loader
 
 

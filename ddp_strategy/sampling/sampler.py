@@ -173,8 +173,8 @@ class _EpochShards:
                 f"The checkpoint's sampler position was written for a training stream of {position['length']} items,"
                 f" but the training loader now yields {self.stream_length()}. The data set (or sampler) changed since"
                 " the checkpoint was saved, so the rest of its epoch cannot be found. Resume with the same training"
-                " data, or from a checkpoint saved at the end of an epoch (ModelCheckpoint's default), which holds"
-                " no partial epoch and resumes with any data."
+                " data, or resume from a checkpoint saved at the end of an epoch (ModelCheckpoint's default), which"
+                " holds no partial epoch and resumes with any data."
             )
         if position["kind"] != self.kind:
             raise ValueError(
