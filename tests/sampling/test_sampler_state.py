@@ -3,15 +3,24 @@
 from __future__ import annotations
 
 import io
+import warnings
+from types import SimpleNamespace
 
 import pytest
 import torch
 from torch.utils.data import DataLoader
 
 from ddp_strategy._compat.namespace import TrainerFn
-from ddp_strategy.sampling.loaders import inject_distributed_sampler
+from ddp_strategy.sampling.loaders import LoaderSharding, inject_distributed_sampler, injected_sampler
 from ddp_strategy.sampling.sampler import EpochSeededDistributedSampler, Shard, ShardedBatchSampler, remaining_positions
-from ddp_strategy.sampling.state import CHECKPOINT_KEY, merge_rank_positions, read_positions, save_positions
+from ddp_strategy.sampling.state import (
+    CHECKPOINT_KEY,
+    LIGHTNING_NOT_RESUMABLE_WARNING,
+    merge_rank_positions,
+    read_positions,
+    restore_batch_counter,
+    save_positions,
+)
 
 
 def test_padding_repeats_the_head_like_distributed_sampler():
@@ -47,16 +56,11 @@ def test_a_resumed_remainder_is_padded_for_training_only():
     assert shards == {True: [5, 0], False: [5]}
 
 
-class _Fitting:
-    """The parts of a fitting Trainer that save_positions reads: one training loader, 3 batches done."""
-
-    def __init__(self, loader):
-        self.state = type("State", (), {"fn": TrainerFn.FITTING})()
-        self.train_dataloader = {"a": [loader]}
-        self.fit_loop = type("Loop", (), {})()
-        self.fit_loop.epoch_loop = type("Loop", (), {})()
-        self.fit_loop.epoch_loop.batch_progress = type("Progress", (), {})()
-        self.fit_loop.epoch_loop.batch_progress.current = type("Counts", (), {"ready": 3})()
+def _fitting(loader) -> SimpleNamespace:
+    """The parts of a fitting Trainer that save_positions reads: training loaders, 3 batches done."""
+    progress = SimpleNamespace(current=SimpleNamespace(ready=3))
+    return SimpleNamespace(state=SimpleNamespace(fn=TrainerFn.FITTING), train_dataloader={"a": [loader]},
+                           fit_loop=SimpleNamespace(epoch_loop=SimpleNamespace(batch_progress=progress)))
 
 
 def test_save_and_read_positions_without_process_group_and_weights_only_roundtrip():
@@ -65,7 +69,7 @@ def test_save_and_read_positions_without_process_group_and_weights_only_roundtri
     loader = inject_distributed_sampler(DataLoader(list(range(9)), batch_size=1), Shard(1, 0, seed=1))
     next(iter(loader))  # starts epoch 0
     checkpoint: dict = {}
-    save_positions(_Fitting(loader), checkpoint)
+    save_positions(_fitting(loader), checkpoint)
     expected = {"epoch": 0, "seed": 1, "length": 9, "kind": "index", "layers": [{"world_size": 1, "consumed": [3]}]}
     assert checkpoint[CHECKPOINT_KEY] == {"version": 1, "loaders": [expected]}
     buffer = io.BytesIO()
@@ -95,3 +99,23 @@ def test_disagreeing_ranks_and_bad_entries_raise():
         EpochSeededDistributedSampler(range(10), 1, 0).resume_from(position)
     with pytest.raises(ValueError, match="'index' sampler"):
         ShardedBatchSampler([[i] for i in range(9)], Shard(1, 0)).resume_from(position)
+
+
+def test_a_mid_epoch_resume_sets_lightnings_batch_counter_and_silences_its_warning_until_teardown():
+    """6 of 10 samples left (batch 2, one rank): Lightning's counter becomes 5 - 3 = 2 batches done; its 'not
+    resumable' warning, which does not apply, is filtered only until teardown (later fits still see it)."""
+    loader = inject_distributed_sampler(DataLoader(list(range(10)), batch_size=2), Shard(1, 0))
+    injected_sampler(loader).resume_from({"epoch": 0, "seed": 0, "length": 10, "kind": "index",
+                                          "layers": [{"world_size": 1, "consumed": [4]}]})
+    counters = {"ready": 1, "started": 1, "processed": 1, "completed": 1}
+    progress = SimpleNamespace(current=SimpleNamespace(**counters), total=SimpleNamespace(**counters))
+    trainer = SimpleNamespace(train_dataloader=[loader], limit_train_batches=1.0, num_training_batches=5,
+                              fit_loop=SimpleNamespace(epoch_progress=SimpleNamespace(current=SimpleNamespace(processed=0)),
+                                                       epoch_loop=SimpleNamespace(batch_progress=progress)))
+    sharding, before = LoaderSharding(), list(warnings.filters)
+    restore_batch_counter(trainer, 1, sharding.until_teardown)
+    assert progress.current.ready == progress.total.completed == 2 and injected_sampler(loader).batch_offset == 2
+    assert warnings.filters[0][0] == "ignore" and warnings.filters[0][1].match(LIGHTNING_NOT_RESUMABLE_WARNING)
+    assert [i for b in loader for i in b.tolist()] == [4, 5, 6, 7, 8, 9]
+    sharding.hand_back(None)
+    assert warnings.filters == before
