@@ -218,37 +218,38 @@ class MyDDPStrategy(process.RankTopology, checkpoint.DefaultCheckpointIO, Parall
     @override
     def on_validation_end(self) -> None:
         super().on_validation_end()
-        self._sharding.end_stage()
+        self._sharding.guard.end_stage()
 
     @override
     def on_test_end(self) -> None:
         super().on_test_end()
-        self._sharding.end_stage()
+        self._sharding.guard.end_stage()
 
     @override
     def on_predict_end(self) -> None:
         super().on_predict_end()
-        self._sharding.end_stage()
+        self._sharding.guard.end_stage()
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         """Call the LightningModule directly (not DDP's forward); collectives are refused on uneven loaders."""
         assert self.lightning_module is not None
-        with self.precision_plugin.val_step_context(), self._sharding.step(self._trainer, "validation_step",
-                                                                           args, kwargs):
+        with self.precision_plugin.val_step_context(), self._sharding.guard.step(self._trainer, "validation_step",
+                                                                                 args, kwargs):
             return self.lightning_module.validation_step(*args, **kwargs)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
         """As :meth:`validation_step`."""
         assert self.lightning_module is not None
-        with self.precision_plugin.test_step_context(), self._sharding.step(self._trainer, "test_step", args, kwargs):
+        with self.precision_plugin.test_step_context(), self._sharding.guard.step(self._trainer, "test_step", args,
+                                                                                  kwargs):
             return self.lightning_module.test_step(*args, **kwargs)
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         """Lightning's ``predict_step``, refusing per-step collectives on uneven shards."""
-        with self._sharding.step(self._trainer, "predict_step", args, kwargs):
+        with self._sharding.guard.step(self._trainer, "predict_step", args, kwargs):
             return super().predict_step(*args, **kwargs)
 
     # ------------------------------------------------------------------------------------- collectives
@@ -283,7 +284,7 @@ class MyDDPStrategy(process.RankTopology, checkpoint.DefaultCheckpointIO, Parall
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         """With every rank's sampler position, global rank 0 writes; a failure raises on every rank. Collective."""
-        self._sharding.add_positions(self._trainer, checkpoint)
+        sampling.save_positions(self._trainer, checkpoint)
         save = functools.partial(self.checkpoint_io.save_checkpoint, checkpoint, filepath, storage_options)
         self._collectives.on_rank_zero(save, f"saving checkpoint {filepath}", self.global_rank)
         self._checkpoints.record(filepath)
@@ -301,7 +302,7 @@ class MyDDPStrategy(process.RankTopology, checkpoint.DefaultCheckpointIO, Parall
         self._checkpoint_path = checkpoint_path
         weights_only = self._checkpoints.weights_only_for(checkpoint_path, weights_only)
         loaded = _pl.call_with_weights_only(super().load_checkpoint, checkpoint_path, weights_only=weights_only)
-        self._sharding.take_positions(loaded)
+        self._sharding.positions = sampling.read_positions(loaded)
         return loaded
 
     @override
@@ -315,7 +316,7 @@ class MyDDPStrategy(process.RankTopology, checkpoint.DefaultCheckpointIO, Parall
     def on_train_start(self) -> None:
         """Restore a mid-epoch batch counter; rank 0: clean checkpoint folders, log the fit summary. No collective."""
         super().on_train_start()
-        self._sharding.on_train_start(self._trainer, self.world_size)
+        sampling.restore_batch_counter(self._trainer, self.world_size, self._sharding.until_teardown)
         if self.is_global_zero and self._trainer is not None:
             self._checkpoints.remove_stale_temp_files(self._trainer)
         if self._trainer is not None and isinstance(self.model, DistributedDataParallel):

@@ -1,23 +1,13 @@
-"""Distributed sampler injection, per-epoch seeding and resumable positions.
+"""The distributed samplers: which items each rank reads, each epoch, and where a resumed epoch continues.
 
-Each rank must read a disjoint shard of the data, and the shuffle must change every epoch. Every epoch is a
-*stream* - the sequence the loader's original sampler yields for that epoch - regenerated exactly from the
-shared seed and the epoch; it is padded by repeating its head to a multiple of the world size W and rank
-``r`` takes positions ``r, r + W, ...`` (the rule of PyTorch's
-:class:`~torch.utils.data.distributed.DistributedSampler`,
-https://pytorch.org/docs/stable/data.html#torch.utils.data.distributed.DistributedSampler). Three samplers
-implement it:
-
-* :class:`EpochSeededDistributedSampler` for ``shuffle=True/False`` loaders (a ``DistributedSampler``);
-* :class:`ShardedSampler` for any other sampler (weighted, subset, user classes): the original sampler is
-  drawn once per epoch under a generator seeded with ``seed + epoch`` - identical on every rank - and the
-  draw is sharded by position, so the ranks read disjoint parts of *one* draw;
-* :class:`ShardedBatchSampler` for a custom ``batch_sampler``: whole batches are sharded the same way.
-
-Each reads the trainer's epoch when an iterator is created (so nobody has to call ``set_epoch``), can start
-an epoch part-way from a saved position (:mod:`ddp_strategy.sampling.state`), and reports its own position.
-:mod:`ddp_strategy.sampling.injection` puts them into the user's loaders; :func:`shard_iterable` is the user's tool
-for ``IterableDataset`` streams, which have no indices to shard.
+Every epoch is a *stream*: what the loader's original sampler yields for that epoch (indices, or whole batches
+for a custom batch sampler), regenerated exactly from the shared seed and the epoch. Padded, it is extended by
+repeating its head to a multiple of the world size W; rank ``r`` takes positions ``r, r + W, ...`` (PyTorch's
+``DistributedSampler`` rule). Unpadded (exact evaluation) each item is read once. Each sampler reads the trainer's
+epoch when an iterator is created (nobody calls ``set_epoch``), can start an epoch part-way from a saved position
+and reports its own: a list of layers ``{"world_size": W, "consumed": [c_0, ..., c_{W-1}]}``, one per run that
+read part of the epoch, each later one (after an elastic resume) sharding what the layers before it left.
+:func:`shard_iterable` is the user's tool for ``IterableDataset`` streams, which have no indices to shard.
 """
 
 from __future__ import annotations
@@ -26,84 +16,61 @@ import itertools
 import math
 import os
 import random
+import warnings
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
-from torch.utils.data import Dataset, Sampler, get_worker_info
+from torch.utils.data import BatchSampler, Dataset, Sampler, get_worker_info
 from torch.utils.data.distributed import DistributedSampler
-
-from ddp_strategy.sampling import state as sampler_state
 
 #: Seed used for shuffling when neither the strategy nor ``seed_everything`` set one.
 DEFAULT_SEED = 0
-#: Start of Lightning's warning about resuming mid-epoch with a loader that has no ``state_dict``; it does not
-#: apply to loaders with our samplers, which resume from the checkpoint's sampler position.
-LIGHTNING_NOT_RESUMABLE_WARNING = "You're resuming from a checkpoint that ended before the epoch ended"
-_MISSING = object()
 
 
 def shared_seed(seed: int | None = None) -> int:
-    """Return the shuffle seed: ``seed`` if given, else ``seed_everything``'s (``PL_GLOBAL_SEED``), else 0.
-
-    Args:
-        seed: an explicit seed, or ``None``.
-
-    Returns:
-        The seed as an int. The strategy broadcasts rank 0's value so every rank uses the same one.
-    """
-    if seed is not None:
-        return int(seed)
-    return int(os.environ.get("PL_GLOBAL_SEED", DEFAULT_SEED))
+    """The shuffle seed: ``seed`` if given, else ``seed_everything``'s (``PL_GLOBAL_SEED``), else 0."""
+    return int(seed) if seed is not None else int(os.environ.get("PL_GLOBAL_SEED", DEFAULT_SEED))
 
 
-@contextmanager
-def _seeded_global_rngs(seed: int) -> Iterator[None]:
-    """Seed torch's, Python's and NumPy's global generators with ``seed``; restore them afterwards."""
-    py_state = random.getstate()
-    try:
-        import numpy as np
-        np_state: Any = np.random.get_state()
-    except ImportError:  # pragma: no cover - numpy is a dependency of torch's tests, not of torch
-        np, np_state = None, None
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        random.seed(seed)
-        if np is not None:
-            np.random.seed(seed % 2**32)
-        try:
-            yield
-        finally:
-            random.setstate(py_state)
-            if np is not None:
-                np.random.set_state(np_state)
+@dataclass(frozen=True)
+class Shard:
+    """This rank's share of every epoch: rank ``rank`` (``0 <= rank < W``, else ``ValueError``) of ``num_replicas``
+    = W, with the shuffle ``seed`` of every rank; ``epoch_fn`` returns the epoch (0-based) whenever an iterator is
+    created (``None``: the caller calls ``set_epoch``); ``pad`` repeats items so every rank reads as many (training:
+    equal optimizer steps), else each item is read once (exact evaluation)."""
+
+    num_replicas: int
+    rank: int
+    seed: int = DEFAULT_SEED
+    epoch_fn: Callable[[], int] | None = None
+    pad: bool = True
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.rank < self.num_replicas:
+            raise ValueError(f"rank={self.rank} is outside [0, {self.num_replicas}); pass 0 <= rank < num_replicas.")
 
 
 def draw_epoch(source: Iterable[Any], seed: int, epoch: int) -> list[Any]:
-    """Everything ``source`` yields for ``epoch``, drawn the same way on every rank.
+    """Everything ``source`` (a sampler or batch sampler) yields for ``epoch``, drawn the same way on every rank.
 
-    ``source.set_epoch(epoch)`` is called if it exists. While drawing, torch's, Python's and NumPy's global
-    generators are seeded with ``seed + epoch`` (and restored afterwards, so training randomness is not
-    disturbed), and a ``generator`` attribute on ``source`` or on its ``.sampler`` is temporarily replaced
-    by ``torch.Generator().manual_seed(seed + epoch)`` - that covers ``RandomSampler``,
-    ``WeightedRandomSampler``, ``SubsetRandomSampler`` and ``BatchSampler`` around them. A user class that
-    draws from anything else (the clock, ``os.urandom``) is not reproducible and is not supported.
-
-    Args:
-        source: a sampler or batch sampler.
-        seed: the shared seed.
-        epoch: the epoch, 0-based.
-
-    Returns:
-        The items, as a list.
+    Calls ``source.set_epoch(epoch)`` if it exists, and draws with torch's, Python's and NumPy's global generators
+    and any ``generator`` attribute of ``source`` or its ``.sampler`` (``RandomSampler``, ``WeightedRandomSampler``,
+    ``SubsetRandomSampler``) seeded with ``seed + epoch``, all restored afterwards. A sampler that draws from
+    anything else (the clock, ``os.urandom``) is not reproducible and not supported.
     """
     if callable(getattr(source, "set_epoch", None)):
         source.set_epoch(epoch)  # type: ignore[attr-defined]
     holders = [h for h in (source, getattr(source, "sampler", None)) if h is not None and hasattr(h, "generator")]
     saved = [h.generator for h in holders]
-    with _seeded_global_rngs(seed + epoch):
+    py_state, np_state = random.getstate(), np.random.get_state()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed + epoch)
+        random.seed(seed + epoch)
+        np.random.seed((seed + epoch) % 2**32)
         try:
             for holder in holders:
                 holder.generator = torch.Generator().manual_seed(seed + epoch)
@@ -111,33 +78,38 @@ def draw_epoch(source: Iterable[Any], seed: int, epoch: int) -> list[Any]:
         finally:
             for holder, generator in zip(holders, saved, strict=True):
                 holder.generator = generator
+            random.setstate(py_state)
+            np.random.set_state(np_state)
+
+
+def remaining_positions(length: int, layers: list[dict[str, Any]]) -> list[int]:
+    """Stream positions (``0 <= p < N``) that no rank of any layer has consumed, in stream order.
+
+    N = 10, one layer ``{"world_size": 2, "consumed": [2, 2]}``: the ranks took padded positions 0, 2 and 1, 3, so
+    ``[4, ..., 9]`` are left (consumed positions past the end were padding). Integer arithmetic, no data loaded.
+    """
+    sequence = list(range(length))
+    for layer in layers:
+        world_size, consumed = int(layer["world_size"]), [int(c) for c in layer["consumed"]]
+        if len(set(consumed)) == 1:  # the usual case: every rank took the same number of steps
+            sequence = sequence[world_size * consumed[0]:]
+            continue
+        done = {rank + world_size * j for rank, count in enumerate(consumed) for j in range(count)}
+        sequence = [p for i, p in enumerate(sequence) if i not in done]
+    return sequence
 
 
 class _EpochShards:
-    """The shared machinery: stream -> (resume) -> pad -> stride, plus the position this rank reached.
-
-    Subclasses define :meth:`_stream` (the epoch's items) and :meth:`stream_length` (its length, without
-    drawing). ``num_replicas``, ``rank``, ``seed``, ``epoch``, ``pad``, ``epoch_fn`` and ``items_per_batch``
-    are set by :meth:`_init_shards`.
-    """
+    """Stream -> (resume) -> pad -> stride, and the position reached; subclasses give ``_stream`` and
+    ``stream_length``."""
 
     kind = "index"
-    num_replicas: int
-    rank: int
-    seed: int
-    epoch: int
 
-    def _init_shards(self, num_replicas: int, rank: int, seed: int, epoch_fn: Callable[[], int] | None,
-                     pad: bool) -> None:
-        if not 0 <= rank < num_replicas:
-            raise ValueError(f"rank={rank} is outside [0, {num_replicas}); pass 0 <= rank < num_replicas.")
-        self.num_replicas, self.rank, self.seed = num_replicas, rank, int(seed)
-        self.epoch = getattr(self, "epoch", 0)
-        self.epoch_fn, self.pad = epoch_fn, pad
-        #: samples per batch (1 for a batch sampler, whose items are batches); set by the injection.
-        self.items_per_batch = 1
-        #: the DataLoader drops an incomplete last batch.
-        self.drop_last_batch = False
+    def _init_shards(self, shard: Shard) -> None:
+        self.num_replicas, self.rank, self.seed = shard.num_replicas, shard.rank, int(shard.seed)
+        self.epoch_fn, self.pad, self.epoch = shard.epoch_fn, shard.pad, 0
+        #: samples per batch (1 for a batch sampler) and the loader's drop_last; set by the injection.
+        self.items_per_batch, self.drop_last_batch = 1, False
         #: Lightning's batch counter at the start of the current iterator (non-zero after a resume).
         self.batch_offset = 0
         self._resume: dict[str, Any] | None = None
@@ -145,150 +117,120 @@ class _EpochShards:
         self._iter_epoch: int | None = None
         self._iter_len = 0
 
-    # ----------------------------------------------------------------------------------------- streams
     def _stream(self, epoch: int) -> list[Any]:
         raise NotImplementedError
 
-    def stream_length(self) -> int:
-        """N: the number of items the original sampler yields per epoch."""
+    def stream_length(self) -> int:  # N, the number of items the original sampler yields per epoch
         raise NotImplementedError
 
     def set_epoch(self, epoch: int) -> None:
         """Use ``epoch``'s stream for the next iterator (``epoch_fn``, when given, overrides it then)."""
         self.epoch = int(epoch)
 
-    def _shard_len(self) -> int:
-        n = self.stream_length()
-        return math.ceil(n / self.num_replicas) if self.pad else len(range(self.rank, n, self.num_replicas))
-
     def __len__(self) -> int:
         """Items this rank reads in a full epoch: ``ceil(N / W)`` padded, else its share of N."""
-        return self._shard_len()
+        n = self.stream_length()
+        return math.ceil(n / self.num_replicas) if self.pad else len(range(self.rank, n, self.num_replicas))
 
     def _shard_items(self) -> list[Any]:
         if self.epoch_fn is not None:
             self.set_epoch(int(self.epoch_fn()))
         stream = self._stream(self.epoch)
-        if len(stream) != self.stream_length():
+        n = len(stream)
+        if n != self.stream_length():
             raise RuntimeError(
-                f"{type(self).__name__}: the original sampler yielded {len(stream)} items for epoch {self.epoch}"
-                f" but its len() is {self.stream_length()}. Batch counts come from len(); make them agree."
+                f"{type(self).__name__}: the original sampler yielded {n} items for epoch {self.epoch} but its"
+                f" len() is {self.stream_length()}. Batch counts come from len(); make them agree."
             )
-        layers: list[dict[str, Any]] = []
-        if self._resume is not None:
-            if int(self._resume["epoch"]) == self.epoch:
-                layers = self._resume["layers"]
-            else:
-                self.batch_offset = 0
-            self._resume = None
-        else:
+        resume, self._resume = self._resume, None
+        resuming = resume is not None and int(resume["epoch"]) == self.epoch
+        layers = resume["layers"] if resuming else []  # type: ignore[index]
+        if not resuming:
             self.batch_offset = 0
-        head = list(range(len(stream)))
-        positions = sampler_state.remaining_positions(len(stream), layers) if layers else head
-        mine = sampler_state.shard_positions(positions, head, self.num_replicas, self.rank, self.pad)
+        positions = remaining_positions(n, layers)
+        if self.pad and (missing := -len(positions) % self.num_replicas):
+            positions += (list(range(n)) * math.ceil(missing / n))[:missing]  # DistributedSampler's padding
+        mine = positions[self.rank::self.num_replicas]
         self._iter_epoch, self._start_layers, self._iter_len = self.epoch, layers, len(mine)
         return [stream[p] for p in mine]
 
     def __iter__(self) -> Iterator[Any]:
         return iter(self._shard_items())
 
-    # --------------------------------------------------------------------------------------- positions
     def resume_from(self, position: dict[str, Any]) -> None:
-        """Start the next iterator of ``position["epoch"]`` where ``position`` left off.
+        """Start the next iterator of ``position["epoch"]`` where ``position`` (a merged checkpoint entry) left off.
 
-        A position with nothing left (saved at the end of its epoch) is ignored: there is no rest of an epoch
-        to restore, so it resumes whatever the training data is now, as under Lightning's ``ddp``.
+        A position with nothing left (saved at the end of its epoch) is ignored: there is no rest of an epoch to
+        restore, so it resumes whatever the training data is now, as under Lightning's ``ddp``.
 
         Raises:
             ValueError: ``position`` was saved mid-epoch for a stream of another length or kind.
         """
-        if not sampler_state.remaining_positions(int(position["length"]), position["layers"]):
+        if not remaining_positions(int(position["length"]), position["layers"]):
             return
-        sampler_state.check_position(position, self.stream_length(), self.kind)
-        if int(position["seed"]) != self.seed:
-            self.seed = int(position["seed"])  # the epoch's stream must be regenerated with the old seed
+        if int(position["length"]) != self.stream_length():
+            raise ValueError(
+                f"The checkpoint's sampler position was written for a training stream of {position['length']} items,"
+                f" but the training loader now yields {self.stream_length()}. The data set (or sampler) changed since"
+                " the checkpoint was saved, so the rest of its epoch cannot be found. Resume with the same training"
+                " data, or resume from a checkpoint saved at the end of an epoch (ModelCheckpoint's default), which"
+                " holds no partial epoch and resumes with any data."
+            )
+        if position["kind"] != self.kind:
+            raise ValueError(
+                f"The checkpoint's sampler position is for a {position['kind']!r} sampler, but the training loader"
+                f" now uses a {self.kind!r} one ('index' = a sampler of indices, 'batch' = a custom batch_sampler)."
+            )
+        self.seed = int(position["seed"])  # the epoch's stream is regenerated with the saved seed
         self._resume = position
 
     def pending_resume_batches(self, epoch: int) -> int | None:
-        """Batches this rank will read in ``epoch`` if a resume applies to it, else ``None``.
-
-        Equal on every rank (the remainder is padded), so Lightning's batch counter can be set from it.
-        """
+        """Batches this rank reads in ``epoch`` if a resume applies to it, else ``None``; equal on every rank."""
         if self._resume is None or int(self._resume["epoch"]) != epoch:
             return None
-        left = len(sampler_state.remaining_positions(self.stream_length(), self._resume["layers"]))
-        items = math.ceil(left / self.num_replicas)
+        left = len(remaining_positions(self.stream_length(), self._resume["layers"]))
         rounding = math.floor if self.drop_last_batch else math.ceil
-        return int(rounding(items / self.items_per_batch))
+        return int(rounding(math.ceil(left / self.num_replicas) / self.items_per_batch))
 
     def position(self, batches_done: int) -> dict[str, Any]:
-        """This rank's place in its current epoch, for :func:`sampler_state.gather_positions`.
-
-        Args:
-            batches_done: Lightning's count of finished training batches in this epoch
-                (``epoch_loop.batch_progress.current.ready``); :attr:`batch_offset` is subtracted.
-
-        Returns:
-            ``{"epoch", "seed", "length", "kind", "layers", "consumed"}`` with plain ints and lists.
-        """
-        if self._iter_epoch is None:
-            return {"epoch": self.epoch, "seed": self.seed, "length": self.stream_length(), "kind": self.kind,
-                    "layers": [], "consumed": 0}
+        """This rank's place in its epoch, ``{"epoch", "seed", "length", "kind", "layers", "consumed"}``, after
+        ``batches_done`` (Lightning's ``epoch_loop.batch_progress.current.ready``, less :attr:`batch_offset`)."""
+        started = self._iter_epoch is not None
         consumed = min(max(batches_done - self.batch_offset, 0) * self.items_per_batch, self._iter_len)
-        return {"epoch": self._iter_epoch, "seed": self.seed, "length": self.stream_length(), "kind": self.kind,
-                "layers": self._start_layers, "consumed": int(consumed)}
+        return {"epoch": self._iter_epoch if started else self.epoch, "seed": self.seed,
+                "length": self.stream_length(), "kind": self.kind, "layers": self._start_layers if started else [],
+                "consumed": int(consumed) if started else 0}
 
 
 class EpochSeededDistributedSampler(_EpochShards, DistributedSampler):
     """A :class:`~torch.utils.data.distributed.DistributedSampler` that sets its own epoch and can resume.
 
     Sharding is PyTorch's: with ``shuffle=True`` the permutation of ``range(len(dataset))`` is drawn from a
-    generator seeded with ``seed + epoch``; the list is padded by repeating its head to a multiple of
-    ``num_replicas``; rank ``r`` takes positions ``r, r + num_replicas, ...``. For 5 samples, 2 ranks and
-    ``shuffle=False``: rank 0 gets ``[0, 2, 4]`` and rank 1 gets ``[1, 3, 0]`` (index 0 is padding).
-
-    With ``pad=False`` (used for evaluation) nothing is repeated: rank ``r`` takes positions
-    ``r, r + W, ...`` of the unpadded list, so every sample is evaluated exactly once across ranks and ranks
-    may get one sample less than others (rank 0 ``[0, 2, 4]``, rank 1 ``[1, 3]`` in the example above).
-
-    When ``epoch_fn`` is given, ``__iter__`` calls ``set_epoch(epoch_fn())`` first, so the epoch used is the
-    trainer's current epoch whenever an iterator is created (also on the first epoch after a resume, and
-    with persistent workers, since sampling happens in the main process). Explicit ``set_epoch`` calls with
-    the same value, as Lightning's loops make, are harmless.
+    generator seeded with ``seed + epoch``, padded by repeating its head to a multiple of W, and rank ``r`` takes
+    positions ``r, r + W, ...``. 5 samples, 2 ranks, ``shuffle=False``: rank 0 gets ``[0, 2, 4]``, rank 1
+    ``[1, 3, 0]`` (0 is padding); with ``pad=False`` rank 1 gets ``[1, 3]``. With ``epoch_fn`` the epoch is the
+    trainer's whenever an iterator is created (also after a resume and with persistent workers: sampling happens
+    in the main process).
 
     Args:
         dataset: a map-style data set of length N.
-        num_replicas: world size W.
-        rank: this process's global rank, ``0 <= rank < W``.
+        num_replicas, rank, seed, epoch_fn, pad: see :class:`Shard`.
         shuffle: reshuffle each epoch (True) or keep the data set's order (False).
-        seed: shuffle seed, identical on every rank.
-        drop_last: drop the tail of the stream to a multiple of W instead of padding (each rank then gets
-            ``N // W`` samples).
-        epoch_fn: returns the current epoch (0-based); ``None`` leaves ``set_epoch`` to the caller.
-        pad: repeat samples so all ranks get the same count (True, needed for training: every rank must
-            take the same number of optimizer steps), or not (False, for exact evaluation).
+        drop_last: drop the tail of the stream to a multiple of W instead of padding (``N // W`` samples each).
 
     Raises:
         ValueError: ``rank`` outside ``[0, W)``, or ``pad=False`` combined with ``drop_last=True``.
     """
 
-    def __init__(
-        self,
-        dataset: Dataset,
-        num_replicas: int,
-        rank: int,
-        shuffle: bool = True,
-        seed: int = DEFAULT_SEED,
-        drop_last: bool = False,
-        epoch_fn: Callable[[], int] | None = None,
-        pad: bool = True,
-    ) -> None:
+    def __init__(self, dataset: Dataset, num_replicas: int, rank: int, shuffle: bool = True, seed: int = DEFAULT_SEED,
+                 drop_last: bool = False, epoch_fn: Callable[[], int] | None = None, pad: bool = True) -> None:
         if not pad and drop_last:
             raise ValueError("pad=False keeps every sample exactly once; it cannot be combined with drop_last=True.")
+        shard = Shard(num_replicas, rank, seed, epoch_fn, pad)
         DistributedSampler.__init__(self, dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle,
                                     seed=seed, drop_last=drop_last)
-        self._init_shards(num_replicas, rank, seed, epoch_fn, pad)
-        self.num_samples = self._shard_len()
+        self._init_shards(shard)
+        self.num_samples = len(self)
         self.total_size = self.num_samples * num_replicas if pad else self.stream_length()
 
     def stream_length(self) -> int:
@@ -297,34 +239,22 @@ class EpochSeededDistributedSampler(_EpochShards, DistributedSampler):
 
     def _stream(self, epoch: int) -> list[int]:
         n = len(self.dataset)  # type: ignore[arg-type]
-        if self.shuffle:
-            generator = torch.Generator().manual_seed(self.seed + epoch)
-            indices = torch.randperm(n, generator=generator).tolist()
-        else:
-            indices = list(range(n))
-        return indices[: self.stream_length()]
-
-    def __len__(self) -> int:
-        return self._shard_len()
+        generator = torch.Generator().manual_seed(self.seed + epoch)
+        order = torch.randperm(n, generator=generator).tolist() if self.shuffle else list(range(n))
+        return order[: self.stream_length()]
 
 
 class ShardedSampler(_EpochShards, Sampler[Any]):
     """Shards any sampler by position so the ranks read disjoint parts of one shared draw.
 
-    Each epoch the original sampler is drawn once with :func:`draw_epoch` (same seed on every rank, so
-    every rank computes the same draw), padded to a multiple of W when ``pad`` and strided. For a
-    ``WeightedRandomSampler(weights, num_samples=5)`` on 2 ranks whose epoch draw is ``[7, 7, 2, 9, 4]``,
-    rank 0 reads ``[7, 2, 4]`` and rank 1 ``[7, 9, 7]`` (the last 7 is padding).
-
-    Args:
-        sampler: the original sampler; must have ``len()`` equal to what it yields.
-        num_replicas, rank, seed, epoch_fn, pad: as for :class:`EpochSeededDistributedSampler`.
+    Each epoch the original sampler is drawn once with :func:`draw_epoch` (the same draw on every rank), padded
+    when ``shard.pad`` and strided: a draw ``[7, 7, 2, 9, 4]`` on 2 ranks gives rank 0 ``[7, 2, 4]`` and rank 1
+    ``[7, 9, 7]`` (the last 7 is padding). ``len(sampler)`` must equal what it yields.
     """
 
-    def __init__(self, sampler: Sampler[Any], num_replicas: int, rank: int, seed: int = DEFAULT_SEED,
-                 epoch_fn: Callable[[], int] | None = None, pad: bool = True) -> None:
+    def __init__(self, sampler: Iterable[Any], shard: Shard) -> None:
         self.sampler = sampler
-        self._init_shards(num_replicas, rank, seed, epoch_fn, pad)
+        self._init_shards(shard)
 
     def stream_length(self) -> int:
         return len(self.sampler)  # type: ignore[arg-type]
@@ -336,24 +266,68 @@ class ShardedSampler(_EpochShards, Sampler[Any]):
 class ShardedBatchSampler(ShardedSampler):
     """Shards a custom batch sampler: whole batches, drawn once per epoch, by position.
 
-    Rank ``r`` reads batches ``r, r + W, ...`` of the epoch's draw (padded with the first batches when
-    ``pad``), as Accelerate's ``BatchSamplerShard`` does. Batch sizes are the original sampler's.
+    Rank ``r`` reads batches ``r, r + W, ...`` of the epoch's draw (padded with the first batches), as Accelerate's
+    ``BatchSamplerShard`` does. Unpadded (exact evaluation) every rank still makes ``ceil(N / W)`` steps: a rank one
+    batch short halves its first batch of 2+ samples (every sample read once; it reads a batch again, as Lightning's
+    padding would, with a warning, only if all hold one sample). Batches ``[0, 1, 2], [3], [4, 5], [6, 7], [8]``
+    on 2 ranks: rank 1 reads ``[3], [6], [7]``.
     """
 
     kind = "batch"
+
+    def __len__(self) -> int:
+        return math.ceil(self.stream_length() / self.num_replicas)
+
+    def __iter__(self) -> Iterator[Any]:
+        mine = [list(b) for b in self._shard_items()]
+        while len(mine) < len(self):  # unpadded, one batch short
+            split = next((j for j, b in enumerate(mine) if len(b) >= 2), None)
+            if split is None:
+                stream = self._stream(self.epoch)
+                mine.append(list(stream[(len(mine) * self.num_replicas + self.rank) % len(stream)]))
+                warnings.warn(f"[rank {self.rank}] the custom batch sampler gives this rank fewer batches than rank"
+                              " 0, each of one sample, so one batch is evaluated twice (as under Lightning's ddp) and"
+                              " metrics count it twice.", UserWarning, stacklevel=2)
+            else:
+                half = len(mine[split]) // 2
+                mine[split:split + 1] = [mine[split][:half], mine[split][half:]]
+        return iter(mine)
+
+
+class EqualCountBatchSampler(BatchSampler):
+    """Batches an unpadded shard into as many batches as the longest rank's shard makes (exact evaluation).
+
+    Every rank yields ``K = ceil(ceil(N / W) / B)`` batches, as Lightning's padded ``DistributedSampler`` gives: a
+    shard one sample short gets a first batch of ``B - 1`` (as if Lightning's padding sample stood at its front).
+    17 samples, B = 4, 2 ranks: rank 0 ``[0, 2, 4, 6], [8, 10, 12, 14], [16]``; rank 1 ``[1, 3, 5],
+    [7, 9, 11, 13], [15]``. Needs ``B >= 2`` and ``N >= W`` whenever N is not a multiple of W.
+
+    """
+
+    def __init__(self, sampler: _EpochShards, batch_size: int) -> None:  # this rank's unpadded sampler, B
+        super().__init__(sampler, batch_size, drop_last=False)  # type: ignore[arg-type]
+        self.longest = math.ceil(sampler.stream_length() / sampler.num_replicas)
+
+    def __len__(self) -> int:
+        return math.ceil(self.longest / self.batch_size)
+
+    def __iter__(self) -> Iterator[list[Any]]:
+        items = list(self.sampler)
+        first = self.batch_size - (self.longest - len(items))
+        assert first >= 1 or not items, "a loader without an exact layout must be padded instead"
+        if items:
+            yield items[:first]
+        for start in range(first, len(items), self.batch_size):
+            yield items[start:start + self.batch_size]
 
 
 def shard_iterable(iterable: Iterable[Any], rank: int | None = None, world_size: int | None = None) -> Iterator[Any]:
     """Yield the items of ``iterable`` that belong to this rank and this ``DataLoader`` worker.
 
-    An ``IterableDataset`` has no indices, so the strategy cannot shard it: every rank (and every worker)
-    would read the whole stream. Call this in the data set's ``__iter__``: item ``i`` goes to shard
-    ``i % (W * num_workers)``, shard ``rank * num_workers + worker_id``. For 10 items, 2 ranks and no
-    workers rank 0 gets items 0, 2, 4, 6, 8 and rank 1 gets 1, 3, 5, 7, 9.
-
-    For training, every rank must produce the same number of batches (DDP all-reduces every step); when
-    the stream length is not a multiple of ``W * num_workers * batch_size``, cut it (for example with
-    ``itertools.islice``) to a length that is.
+    An ``IterableDataset`` has no indices, so the strategy cannot shard it. Call this in its ``__iter__``: item
+    ``i`` goes to shard ``i % (W * num_workers)``, shard ``rank * num_workers + worker_id``; 10 items, 2 ranks, no
+    workers: rank 0 gets 0, 2, 4, 6, 8, rank 1 gets 1, 3, 5, 7, 9. For training every rank must make as many
+    batches (DDP all-reduces every step): cut the stream to a multiple of ``W * num_workers * batch_size``.
 
     Args:
         iterable: the full stream, identical on every rank.
@@ -364,11 +338,8 @@ def shard_iterable(iterable: Iterable[Any], rank: int | None = None, world_size:
         This rank's and worker's items, in stream order.
     """
     initialized = dist.is_available() and dist.is_initialized()
-    if rank is None:
-        rank = dist.get_rank() if initialized else 0
-    if world_size is None:
-        world_size = dist.get_world_size() if initialized else 1
+    rank = (dist.get_rank() if initialized else 0) if rank is None else rank
+    world_size = (dist.get_world_size() if initialized else 1) if world_size is None else world_size
     info = get_worker_info()
     worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
     return itertools.islice(iterable, rank * workers + worker, None, world_size * workers)
-

@@ -1,123 +1,56 @@
-"""Where each rank is in its epoch, as plain data: record it, gather it, check it, and cut the remainder.
+"""Sampler positions in checkpoints, and the mid-epoch (also elastic) resume they give.
 
-An epoch is a *stream*: the sequence of N items the original sampler yields for that epoch (sample indices,
-or whole batches for a custom batch sampler), regenerated exactly from ``(seed, epoch)``. With W ranks the
-stream is padded by repeating its head to a multiple of W and rank ``r`` takes positions ``r, r + W, ...``
-(PyTorch's ``DistributedSampler`` rule). After rank ``r`` has consumed ``c_r`` items, the positions
-``r + W * j`` (``j < c_r``) of the padded stream are done.
+Every checkpoint written while fitting stores one position per training loader, gathered from every rank::
 
-A *position* in a checkpoint is a list of layers, one per run that consumed part of the epoch::
+    {"version": 1, "loaders": [{"epoch": 3, "seed": 42, "length": 1438, "kind": "index",
+                                "layers": [{"world_size": 2, "consumed": [96, 96]}]}]}
 
-    {"epoch": 3, "seed": 42, "length": 1438, "kind": "index",
-     "layers": [{"world_size": 2, "consumed": [96, 96]}]}
-
-The first layer shards the whole stream; each later layer (written after an elastic resume) shards what the
-layers before it left. :func:`remaining_positions` replays the layers on ``range(N)`` - integer arithmetic,
-no data is loaded - so a resume on any world size regenerates the stream and keeps exactly the items no
-rank has consumed. Everything is plain ints, strings, lists and dicts, so a checkpoint holding it loads with
-``torch.load(weights_only=True)``.
+``consumed[r]`` counts the items rank ``r`` finished; a resume on any world size regenerates the epoch's stream
+and reads exactly the items no rank consumed (see :mod:`~ddp_strategy.sampling.sampler`). Plain ints, strings and
+lists: the file loads with ``torch.load(weights_only=True)``. Lightning does not fast-forward a loader on a
+mid-epoch restart (it counts the batches it believes done), so :func:`restore_batch_counter` sets that count.
 """
 
 from __future__ import annotations
 
-import math
-from typing import Any
+import warnings
+from contextlib import ExitStack
+from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
+
+from ddp_strategy._compat import lightning_private as _pl
+from ddp_strategy._compat.namespace import TrainerFn, rank_zero_info, rank_zero_warn
+from ddp_strategy.sampling.loaders import injected_sampler
+from ddp_strategy.sampling.sampler import _EpochShards
+
+if TYPE_CHECKING:
+    from lightning.pytorch import Trainer
 
 #: Checkpoint key under which the strategy stores the training samplers' positions.
 CHECKPOINT_KEY = "ddp_strategy_sampler"
 #: Format version of that entry.
 STATE_VERSION = 1
+#: Start of Lightning's warning about resuming mid-epoch with a loader that has no ``state_dict``; it does not
+#: apply to loaders with our samplers, which resume from the checkpoint's sampler position.
+LIGHTNING_NOT_RESUMABLE_WARNING = "You're resuming from a checkpoint that ended before the epoch ended"
 
 
-def pad_cyclic(items: list[Any], world_size: int, head: list[Any]) -> list[Any]:
-    """Return ``items`` followed by the first elements of ``head`` (repeated if needed) up to a multiple of W.
+def _train_samplers(trainer: Trainer) -> list[_EpochShards]:
+    """The samplers MyDDPStrategy injected into ``trainer``'s training loaders (one, or lists/dicts of them)."""
+    def leaves(item: Any) -> list[Any]:
+        item = list(item.values()) if isinstance(item, dict) else item
+        return [leaf for x in item for leaf in leaves(x)] if isinstance(item, (list, tuple)) else [item]
 
-    Args:
-        items: the list to pad.
-        world_size: W >= 1.
-        head: where padding comes from (the epoch's stream, as in ``DistributedSampler``).
-
-    Returns:
-        A new list of length ``ceil(len(items) / W) * W``.
-
-    Raises:
-        ValueError: padding is needed but ``head`` is empty.
-    """
-    missing = (-len(items)) % world_size
-    if missing == 0:
-        return list(items)
-    if not head:
-        raise ValueError(f"Cannot pad {len(items)} items to a multiple of {world_size}: nothing to repeat.")
-    repeats = head * math.ceil(missing / len(head))
-    return list(items) + repeats[:missing]
-
-
-def remaining_positions(length: int, layers: list[dict[str, Any]]) -> list[int]:
-    """Stream positions (``0 <= p < N``) that no rank of any layer has consumed, in stream order.
-
-    For N = 10, one layer ``{"world_size": 2, "consumed": [2, 2]}``: ranks took padded positions 0, 2 and
-    1, 3, so the result is ``[4, 5, 6, 7, 8, 9]``. Positions that were padding (past the end) are ignored:
-    they were repeats.
-
-    Args:
-        length: N, the stream's length.
-        layers: as in the module docstring; ``consumed[r]`` counts items rank ``r`` finished.
-
-    Returns:
-        The positions left, in order.
-    """
-    sequence = list(range(length))
-    for layer in layers:
-        world_size = int(layer["world_size"])
-        consumed = [int(c) for c in layer["consumed"]]
-        if len(set(consumed)) == 1:  # the usual case: every rank took the same number of steps
-            sequence = sequence[world_size * consumed[0]:]
-            continue
-        done = {rank + world_size * j for rank, count in enumerate(consumed) for j in range(count)}
-        sequence = [p for i, p in enumerate(sequence) if i not in done]
-    return sequence
-
-
-def shard_positions(positions: list[int], head: list[int], world_size: int, rank: int, pad: bool) -> list[int]:
-    """Rank ``rank``'s part of ``positions``: padded with ``head`` to a multiple of W (if ``pad``), then strided.
-
-    Args:
-        positions: stream positions to distribute.
-        head: positions used for padding (the whole stream, ``range(N)``).
-        world_size: W.
-        rank: this rank, ``0 <= rank < W``.
-        pad: equal shard lengths (training) or each position exactly once (evaluation).
-
-    Returns:
-        The positions this rank reads, in order.
-    """
-    items = pad_cyclic(positions, world_size, head) if pad else positions
-    return items[rank::world_size]
-
-
-def make_position(epoch: int, seed: int, length: int, kind: str, layers: list[dict[str, Any]]) -> dict[str, Any]:
-    """Build one loader's position entry (see the module docstring) from plain values."""
-    return {"epoch": int(epoch), "seed": int(seed), "length": int(length), "kind": str(kind),
-            "layers": [{"world_size": int(la["world_size"]), "consumed": [int(c) for c in la["consumed"]]}
-                       for la in layers]}
+    return [s for s in map(injected_sampler, leaves(trainer.train_dataloader)) if s is not None]
 
 
 def merge_rank_positions(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
-    """Merge what each rank reported for one loader into one position with a new layer.
-
-    Args:
-        per_rank: for ranks 0..W-1, ``{"epoch", "seed", "length", "kind", "layers", "consumed"}`` where
-            ``layers`` are the layers this epoch started from (identical on all ranks) and ``consumed`` is
-            the number of items this rank finished since.
-
-    Returns:
-        A position whose last layer is ``{"world_size": W, "consumed": [c_0, ..., c_{W-1}]}``.
+    """Merge what each rank's :meth:`~ddp_strategy.sampling.sampler._EpochShards.position` reported for one loader
+    into one position whose last layer is ``{"world_size": W, "consumed": [c_0, ..., c_{W-1}]}``.
 
     Raises:
-        RuntimeError: the ranks disagree on epoch, seed, length, kind or earlier layers (a bug, or ranks
-            that were given different data).
+        RuntimeError: the ranks disagree on epoch, seed, length, kind or earlier layers (ranks given other data).
     """
     first = per_rank[0]
     for rank, entry in enumerate(per_rank):
@@ -127,73 +60,83 @@ def merge_rank_positions(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
                     f"Sampler positions disagree between rank 0 and rank {rank} on {key!r}: {first[key]!r} vs"
                     f" {entry[key]!r}. Every rank must build its training loader from the same data set."
                 )
-    layers = list(first["layers"]) + [{"world_size": len(per_rank), "consumed": [e["consumed"] for e in per_rank]}]
-    return make_position(first["epoch"], first["seed"], first["length"], first["kind"], layers)
+    layer = {"world_size": len(per_rank), "consumed": [int(e["consumed"]) for e in per_rank]}
+    return {**{key: first[key] for key in ("epoch", "seed", "length", "kind")}, "layers": [*first["layers"], layer]}
 
 
-def gather_positions(local: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Gather every rank's positions (one entry per training loader) and merge them per loader.
+def save_positions(trainer: Trainer | None, checkpoint: dict[str, Any]) -> None:
+    """Add every rank's training sampler positions to ``checkpoint`` under :data:`CHECKPOINT_KEY`.
 
-    A collective when a process group exists: every rank must call it, with the same number of loaders.
-    Every rank gets the same merged list back; without a process group the local list is merged alone.
-
-    Args:
-        local: this rank's entries, as :func:`merge_rank_positions` expects.
-
-    Returns:
-        One merged position per loader.
+    A collective (``all_gather_object``) on every rank while fitting with injected samplers; otherwise a no-op.
 
     Raises:
-        RuntimeError: ranks report different numbers of loaders or disagree (see
-            :func:`merge_rank_positions`).
+        RuntimeError: ranks report different numbers of loaders, or disagree (see :func:`merge_rank_positions`).
     """
+    fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
+    samplers = _train_samplers(trainer) if fitting else []  # type: ignore[arg-type]
+    if not samplers:
+        return
+    done = trainer.fit_loop.epoch_loop.batch_progress.current.ready  # type: ignore[union-attr]
+    gathered: list[Any] = [[s.position(done) for s in samplers]]
     if dist.is_available() and dist.is_initialized():
-        gathered: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, local)
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, [s.position(done) for s in samplers])
+    if len({len(g) for g in gathered}) != 1:
+        raise RuntimeError("Ranks have different numbers of training loaders with a sampler position:"
+                           f" {[len(g) for g in gathered]}.")
+    positions = [merge_rank_positions([g[i] for g in gathered]) for i in range(len(samplers))]
+    checkpoint[CHECKPOINT_KEY] = {"version": STATE_VERSION, "loaders": positions}
+
+
+def read_positions(checkpoint: dict[str, Any]) -> list[dict[str, Any]]:
+    """The positions stored in ``checkpoint``, one per training loader (``[]`` if none).
+
+    An entry this version cannot read is ignored with a warning (Lightning's ``ddp`` loads such a file): the
+    epoch's data then restarts, as under Lightning.
+    """
+    entry = checkpoint.get(CHECKPOINT_KEY)
+    if entry is None:
+        return []
+    if isinstance(entry, dict) and entry.get("version") == STATE_VERSION and isinstance(entry.get("loaders"), list):
+        return list(entry["loaders"])
+    rank_zero_warn(f"The checkpoint's {CHECKPOINT_KEY!r} entry is not a version-{STATE_VERSION} sampler position:"
+                   f" {entry!r}. It was written by another version of ddp_strategy. It is ignored: the checkpoint"
+                   " loads, and a mid-epoch resume restarts the epoch's data as under Lightning's ddp.")
+    return []
+
+
+def restore_batch_counter(trainer: Trainer | None, world_size: int, until_teardown: ExitStack) -> None:
+    """After a mid-epoch resume, set Lightning's batch counter to ``num_training_batches - batches left``.
+
+    At ``on_train_start`` (before the epoch loop's reset); no collective. Needed after an elastic resume (each new
+    rank has another number of batches left) and on Lightning 2.4 (``_pl.resumed_batch_count``). Under
+    ``limit_train_batches`` Lightning's restored counter is kept: the epoch ends at the limit. Lightning's
+    "dataloader is not resumable" warning, which does not apply, is silenced until ``until_teardown`` closes.
+
+    Raises:
+        ValueError: a mid-epoch resume with more than one training loader.
+    """
+    if trainer is None:
+        return
+    samplers = _train_samplers(trainer)
+    epoch = trainer.fit_loop.epoch_progress.current.processed
+    pending = [(s, left) for s in samplers if (left := s.pending_resume_batches(epoch)) is not None]
+    if not pending:
+        return
+    if len(samplers) != 1:
+        raise ValueError(
+            f"Resuming mid-epoch with {len(samplers)} training loaders is not supported: Lightning counts one"
+            " batch position for all of them. Resume from an end-of-epoch checkpoint, or use one loader."
+        )
+    ((injected, left),) = pending
+    limit = trainer.limit_train_batches
+    if isinstance(limit, int) or (isinstance(limit, float) and limit < 1.0):
+        done = trainer.fit_loop.epoch_loop.batch_progress.current.ready  # Lightning's count of the limited batches
     else:
-        gathered = [local]
-    counts = {len(g) for g in gathered}
-    if len(counts) != 1:
-        raise RuntimeError(f"Ranks have different numbers of training loaders with a sampler position: {counts}.")
-    return [merge_rank_positions([g[i] for g in gathered]) for i in range(len(local))]
-
-
-def checkpoint_entry(positions: list[dict[str, Any]]) -> dict[str, Any]:
-    """The value stored under :data:`CHECKPOINT_KEY`: ``{"version": 1, "loaders": positions}``."""
-    return {"version": STATE_VERSION, "loaders": positions}
-
-
-def loader_positions(entry: Any) -> list[dict[str, Any]]:
-    """Read and check the entry stored under :data:`CHECKPOINT_KEY`.
-
-    Raises:
-        ValueError: the entry has an unknown version or shape.
-    """
-    if not isinstance(entry, dict) or entry.get("version") != STATE_VERSION or not isinstance(
-            entry.get("loaders"), list):
-        raise ValueError(
-            f"The checkpoint's {CHECKPOINT_KEY!r} entry is not a version-{STATE_VERSION} sampler position: {entry!r}."
-            " It was written by another version of ddp_strategy."
-        )
-    return entry["loaders"]
-
-
-def check_position(position: dict[str, Any], length: int, kind: str) -> None:
-    """Raise if ``position`` cannot describe a loader whose stream has ``length`` items of ``kind``.
-
-    Raises:
-        ValueError: different stream length (another data set, or a sampler whose length changed) or kind.
-    """
-    if int(position["length"]) != int(length):
-        raise ValueError(
-            f"The checkpoint's sampler position was written for a training stream of {position['length']} items,"
-            f" but the training loader now yields {length}. The data set (or sampler) changed since the checkpoint"
-            " was saved, so the rest of its epoch cannot be found. Resume with the same training data, or resume"
-            " from a checkpoint saved at the end of an epoch (ModelCheckpoint's default), which holds no partial"
-            " epoch and resumes with any data."
-        )
-    if position["kind"] != kind:
-        raise ValueError(
-            f"The checkpoint's sampler position is for a {position['kind']!r} sampler, but the training loader now"
-            f" uses a {kind!r} one ('index' = a sampler of indices, 'batch' = a custom batch_sampler)."
-        )
+        done = max(int(trainer.num_training_batches) - left, 0)
+        until_teardown.enter_context(warnings.catch_warnings())
+        warnings.filterwarnings("ignore", message=LIGHTNING_NOT_RESUMABLE_WARNING)
+        rank_zero_info(f"MyDDPStrategy: resuming epoch {epoch} at its saved sampler position: {left} batches per"
+                       f" rank left on {world_size} processes (batch counter set to {done}).")
+    _pl.shift_epoch_batch_progress(trainer, done - _pl.resumed_batch_count(trainer))
+    injected.batch_offset = done

@@ -217,7 +217,7 @@ def test_epoch_batch_progress_counters_shift_together(namespace):
 
 def test_not_resumable_warning_text_is_still_lightnings(namespace):
     """The strategy silences Lightning's 'dataloader is not resumable' warning by its text; the text must match."""
-    from ddp_strategy.sampling.sampler import LIGHTNING_NOT_RESUMABLE_WARNING
+    from ddp_strategy.sampling.state import LIGHTNING_NOT_RESUMABLE_WARNING
 
     assert LIGHTNING_NOT_RESUMABLE_WARNING in inspect.getsource(namespace.get("pytorch.loops.training_epoch_loop"))
 

@@ -8,15 +8,12 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from ddp_strategy.sampling.evaluation import (
-    BATCH_COUNTS_ATTR,
-    EqualCountBatches,
+from ddp_strategy.sampling.loaders import BATCH_COUNTS_ATTR, EvaluationStepGuard, agree_batch_counts, needs_padding
+from ddp_strategy.sampling.sampler import (
+    EpochSeededDistributedSampler,
     EqualCountBatchSampler,
-    EvaluationStepGuard,
-    agree_batch_counts,
-    current_loader,
-    effective_counts,
-    needs_padding,
+    Shard,
+    ShardedBatchSampler,
 )
 
 
@@ -27,11 +24,10 @@ def test_agree_batch_counts_without_process_group_records_the_local_length():
     assert getattr(loader, BATCH_COUNTS_ATTR) == (3,)
 
 
-def test_effective_counts_follow_lightning_limits():
-    """An int limit caps each rank's batches; a float takes a share; 1.0 keeps them."""
-    assert effective_counts((3, 2), 2) == (2, 2)
-    assert effective_counts((4, 2), 0.5) == (2, 1)
-    assert effective_counts((3, 2), 1.0) == (3, 2)
+def _trainer(val, limit=1.0, sanity=False, sanity_steps=2):
+    """The parts of a Trainer the guard reads."""
+    return type("Trainer", (), {"val_dataloaders": val, "limit_val_batches": limit, "sanity_checking": sanity,
+                                "num_sanity_val_steps": sanity_steps})()
 
 
 def test_guard_refuses_collectives_only_inside_steps_on_uneven_loaders():
@@ -41,34 +37,54 @@ def test_guard_refuses_collectives_only_inside_steps_on_uneven_loaders():
     setattr(uneven, BATCH_COUNTS_ATTR, (2, 1))
     setattr(even, BATCH_COUNTS_ATTR, (2, 2))
     guard.check("reduce", 0)
-    with guard.step("validation_step", even, 1.0):
+    with guard.step(_trainer(even), "validation_step", ("batch", 0), {}):
         guard.check("reduce", 0)
-    with guard.step("validation_step", uneven, 1):  # capped at 1 batch each: even
+    with guard.step(_trainer(uneven, limit=1), "validation_step", ("batch", 0), {}):  # capped at 1 batch each: even
         guard.check("reduce", 0)
-    with guard.step("validation_step", uneven, 1.0), pytest.raises(RuntimeError, match=r"\[rank 1\].*\[2, 1\]"):
-        guard.check("reduce", 1)
+    with guard.step(_trainer(uneven, sanity=True, sanity_steps=1), "validation_step", ("batch", 0), {}):
+        guard.check("reduce", 0)  # the sanity check's num_sanity_val_steps=1 caps it too
+    assert guard.describe_uneven() is None
+    with guard.step(_trainer(uneven), "validation_step", ("b", 0), {}):
+        with pytest.raises(RuntimeError, match=r"\[rank 1\].*\[2, 1\]"):
+            guard.check("reduce", 1)
     guard.check("reduce", 0)  # the step ended
+    assert "[2, 1]" in guard.describe_uneven()
+    guard.end_stage()
+    assert guard.describe_uneven() is None
 
 
-def test_current_loader_uses_the_dataloader_index():
-    """Lightning passes dataloader_idx third only with several loaders."""
-    a, b = object(), object()
-    assert current_loader(a, ("batch", 0), {}) is a
-    assert current_loader([a, b], ("batch", 0, 1), {}) is b
-    assert current_loader({"x": a, "y": b}, ("batch", 0), {"dataloader_idx": 1}) is b
-    assert current_loader(None, (), {}) is None
+def test_guard_follows_lightning_limits_and_the_dataloader_index():
+    """An int limit caps each rank's batches, a float takes a share, 1.0 or -1 keep them; with several loaders
+    (Lightning passes dataloader_idx third, or as a keyword) the guard judges the step's own loader."""
+    guard = EvaluationStepGuard()
+    even, uneven = DataLoader(range(4)), DataLoader(range(3))
+    setattr(even, BATCH_COUNTS_ATTR, (4, 4))
+    setattr(uneven, BATCH_COUNTS_ATTR, (4, 2))
+
+    def refuses(trainer, *args, **kwargs) -> bool:
+        with guard.step(trainer, "validation_step", args, kwargs):
+            try:
+                guard.check("reduce", 0)
+            except RuntimeError:
+                return True
+            return False
+
+    assert not refuses(_trainer(uneven, limit=2), "b", 0)
+    assert refuses(_trainer(uneven, limit=0.5), "b", 0)  # (2, 1)
+    assert refuses(_trainer(uneven, limit=-1), "b", 0)
+    assert refuses(_trainer([even, uneven]), "b", 0, 1) and not refuses(_trainer([even, uneven]), "b", 0, 0)
+    assert refuses(_trainer({"x": even, "y": uneven}), "b", 0, dataloader_idx=1)
+    assert not refuses(_trainer(None), "b", 0)
 
 
 def _layout(n: int, batch: int, world: int) -> list[list[list[int]]]:
     """Every rank's batches of an unshuffled evaluation loader of ``n`` samples."""
-    from ddp_strategy.sampling.sampler import EpochSeededDistributedSampler
-
     return [list(EqualCountBatchSampler(EpochSeededDistributedSampler(list(range(n)), world, r, shuffle=False,
                                                                       pad=False), batch)) for r in range(world)]
 
 
 def test_equal_count_batches_match_the_documented_example():
-    """17 samples, batch 4, 2 ranks: the layout in the evaluation module's docstring."""
+    """17 samples, batch 4, 2 ranks: the layout in EqualCountBatchSampler's docstring."""
     assert _layout(17, 4, 2) == [[[0, 2, 4, 6], [8, 10, 12, 14], [16]], [[1, 3, 5], [7, 9, 11, 13], [15]]]
 
 
@@ -95,10 +111,8 @@ def test_needs_padding_only_where_no_exact_layout_exists():
 
 def test_custom_batch_sampler_shards_get_equal_counts_by_halving_a_batch():
     """5 user batches on 2 ranks: rank 1 holds 2 and halves its first batch of 2+ samples; every index once."""
-    from ddp_strategy.sampling.sampler import ShardedBatchSampler
-
     batches = [[0, 1, 2], [3], [4, 5], [6, 7], [8]]
-    layout = [list(EqualCountBatches(ShardedBatchSampler(batches, 2, r, pad=False))) for r in range(2)]
+    layout = [list(ShardedBatchSampler(batches, Shard(2, r, pad=False))) for r in range(2)]
     assert layout == [[[0, 1, 2], [4, 5], [8]], [[3], [6], [7]]]
 
 

@@ -17,8 +17,13 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, TensorDataset
 
 from ddp_strategy.process.collectives import check_gatherable
-from ddp_strategy.sampling.evaluation import needs_padding, shard_for_evaluation
-from ddp_strategy.sampling.injection import inject_distributed_sampler, warn_if_not_shardable
+from ddp_strategy.sampling.loaders import (
+    inject_distributed_sampler,
+    needs_padding,
+    shard_for_evaluation,
+    warn_if_not_shardable,
+)
+from ddp_strategy.sampling.sampler import Shard
 from ddp_strategy.sampling.state import CHECKPOINT_KEY
 
 pytestmark = pytest.mark.timeout(120)
@@ -37,9 +42,9 @@ def test_a_loader_that_is_not_a_dataloader_is_accepted_with_a_warning(recwarn):
     assert not recwarn.list
 
 
-def batches(dataloader: DataLoader, num_replicas: int, **kwargs) -> list[list[int]]:
+def batches(dataloader: DataLoader, num_replicas: int, pad: bool = True) -> list[list[int]]:
     """Batch sizes each of ``num_replicas`` ranks reads from the injected loader, rank by rank."""
-    return [[len(b[0]) for b in inject_distributed_sampler(dataloader, num_replicas, r, 0, **kwargs)]
+    return [[len(b[0]) for b in inject_distributed_sampler(dataloader, Shard(num_replicas, r, pad=pad))]
             for r in range(num_replicas)]
 
 
@@ -70,7 +75,7 @@ def test_a_training_batch_larger_than_a_shard_runs_with_a_warning_whose_suggesti
     batch_size=4 with 6 samples warns likewise, and the suggested batch_size=3 gives full batches, silently."""
     data = DataLoader(TensorDataset(torch.arange(10)), batch_size=6)
     with pytest.warns(UserWarning, match="batch_size=6 is per device.*only 5 samples"):
-        new = inject_distributed_sampler(data, 2, 1, 0, pad=True)
+        new = inject_distributed_sampler(data, Shard(2, 1, 0, pad=True))
     assert [b[0].tolist() for b in new] == [[1, 3, 5, 7, 9]]
     with pytest.warns(UserWarning, match="Lower batch_size to at most 3"):
         assert batches(loader(6, 4), 2) == [[3], [3]]
@@ -84,10 +89,10 @@ def test_padded_evaluation_warning_suggestions_give_exact_shards():
     drop_last=False with at least W samples, or a multiple of W samples) reads every sample exactly once."""
     for padded in (loader(5, 1), loader(5, 2, drop_last=True), loader(1, 4)):
         with pytest.warns(UserWarning, match="For exact metrics use batch_size >= 2 and drop_last=False with at"):
-            shard_for_evaluation(padded, 2, 0, 0, None, "validation")
+            shard_for_evaluation(padded, Shard(2, 0), "validation")
     for exact in (loader(5, 2), loader(6, 1), loader(2, 4)):
         assert needs_padding(exact, 2) is None
-        shards = [[len(b[0]) for b in shard_for_evaluation(exact, 2, r, 0, None, "validation")] for r in (0, 1)]
+        shards = [[len(b[0]) for b in shard_for_evaluation(exact, Shard(2, r), "validation")] for r in (0, 1)]
         assert sum(map(sum, shards)) == len(exact.dataset)
         assert len(shards[0]) == len(shards[1])
 

@@ -16,7 +16,7 @@ from torch.utils.data import (
 )
 from torch.utils.data.distributed import DistributedSampler
 
-from ddp_strategy.sampling.injection import (
+from ddp_strategy.sampling.loaders import (
     inject_distributed_sampler,
     injected_sampler,
     needs_distributed_sampler,
@@ -24,6 +24,7 @@ from ddp_strategy.sampling.injection import (
 )
 from ddp_strategy.sampling.sampler import (
     EpochSeededDistributedSampler,
+    Shard,
     ShardedSampler,
     draw_epoch,
     shard_iterable,
@@ -70,14 +71,14 @@ def test_epoch_fn_reseeds_each_epoch_and_matches_set_epoch():
 def test_shuffle_false_keeps_dataset_order():
     """A loader built with shuffle=False keeps its order on each rank."""
     loader = DataLoader(TensorDataset(torch.arange(8)), batch_size=2, shuffle=False)
-    new = inject_distributed_sampler(loader, num_replicas=2, rank=1, seed=0)
+    new = inject_distributed_sampler(loader, Shard(2, 1, 0))
     assert [b[0].tolist() for b in new] == [[1, 3], [5, 7]]
 
 
 def test_injection_keeps_per_device_batch_size_and_shuffles_when_loader_did():
     """Injection keeps batch_size (per device) and other arguments, and shuffles when the loader did."""
     loader = DataLoader(TensorDataset(torch.arange(100)), batch_size=7, shuffle=True, drop_last=True)
-    new = inject_distributed_sampler(loader, num_replicas=2, rank=0, seed=11)
+    new = inject_distributed_sampler(loader, Shard(2, 0, 11))
     assert new.batch_size == 7 and new.drop_last
     assert isinstance(new.sampler, EpochSeededDistributedSampler) and new.sampler.shuffle
     assert [i for b in new for i in b[0].tolist()] == list(new.sampler)[: 7 * 7]
@@ -96,7 +97,7 @@ def test_user_distributed_sampler_and_iterable_datasets_are_left_alone():
     stream = DataLoader(Stream())
     for obj in (own, stream, [1, 2, 3]):
         assert not needs_distributed_sampler(obj)
-        assert inject_distributed_sampler(obj, 2, 0, 0) is obj
+        assert inject_distributed_sampler(obj, Shard(2, 0, 0)) is obj
 
 
 def test_shared_seed_prefers_explicit_then_seed_everything(monkeypatch):
@@ -117,7 +118,7 @@ def test_custom_samplers_are_sharded_from_one_shared_draw():
     data = TensorDataset(torch.arange(12))
     for source in (WeightedRandomSampler(torch.rand(12), num_samples=9), SubsetRandomSampler([1, 4, 5, 7, 9, 11])):
         loader = DataLoader(data, sampler=source, batch_size=2)
-        shards = [_drawn(inject_distributed_sampler(loader, 3, r, seed=4)) for r in range(3)]
+        shards = [_drawn(inject_distributed_sampler(loader, Shard(3, r, 4))) for r in range(3)]
         draw = draw_epoch(source, 4, 0)
         padded = draw + draw[: (-len(draw)) % 3]
         assert [padded[r::3] for r in range(3)] == shards
@@ -141,11 +142,11 @@ def test_user_sampler_class_gets_set_epoch_and_global_rng_is_untouched():
             return 6
 
     mine = Mine()
-    sharded = ShardedSampler(mine, 2, 1, seed=0, epoch_fn=lambda: 5)
+    sharded = ShardedSampler(mine, Shard(2, 1, seed=0, epoch_fn=lambda: 5))
     state = torch.get_rng_state()
     first = list(sharded)
     assert torch.equal(state, torch.get_rng_state()) and mine.epochs == [5]
-    assert first == list(ShardedSampler(mine, 2, 1, seed=0, epoch_fn=lambda: 5))
+    assert first == list(ShardedSampler(mine, Shard(2, 1, seed=0, epoch_fn=lambda: 5)))
 
 
 def test_custom_batch_sampler_is_sharded_by_whole_batches():
@@ -159,26 +160,29 @@ def test_custom_batch_sampler_is_sharded_by_whole_batches():
             return 5
 
     loader = DataLoader(TensorDataset(torch.arange(9)), batch_sampler=Buckets())
-    shards = [[b[0].tolist() for b in inject_distributed_sampler(loader, 2, r, 0)] for r in range(2)]
+    shards = [[b[0].tolist() for b in inject_distributed_sampler(loader, Shard(2, r, 0))] for r in range(2)]
     assert shards == [[[0, 1], [3, 4, 5], [7, 8]], [[2], [6], [0, 1]]]
-    unpadded = [[b[0].tolist() for b in inject_distributed_sampler(loader, 2, r, 0, pad=False)] for r in range(2)]
-    assert unpadded == [[[0, 1], [3, 4, 5], [7, 8]], [[2], [6]]]
+    # Unpadded (exact evaluation) rank 1 is one batch short and has no batch of 2+ to halve: it reads one again.
+    with pytest.warns(UserWarning, match=r"\[rank 1\] .* one batch is evaluated twice"):
+        unpadded = [[b[0].tolist() for b in inject_distributed_sampler(loader, Shard(2, r, 0, pad=False))]
+                    for r in range(2)]
+    assert unpadded == shards
 
 
 def test_plain_batch_sampler_keeps_batch_size_and_drop_last():
     """DataLoader(batch_sampler=BatchSampler(...)) keeps B and drop_last after injection."""
     data = TensorDataset(torch.arange(11))
     loader = DataLoader(data, batch_sampler=BatchSampler(SequentialSampler(data), 3, drop_last=True))
-    new = inject_distributed_sampler(loader, 2, 1, seed=0)
+    new = inject_distributed_sampler(loader, Shard(2, 1, 0))
     assert [b[0].tolist() for b in new] == [[1, 3, 5], [7, 9, 0]]
 
 
 def test_injection_happens_once():
     """A loader that already carries an injected sampler is returned unchanged."""
     loader = DataLoader(TensorDataset(torch.arange(8)), batch_size=2, shuffle=True)
-    once = inject_distributed_sampler(loader, 2, 0, 0)
+    once = inject_distributed_sampler(loader, Shard(2, 0, 0))
     assert injected_sampler(once) is not None and not needs_distributed_sampler(once)
-    assert inject_distributed_sampler(once, 2, 0, 0) is once
+    assert inject_distributed_sampler(once, Shard(2, 0, 0)) is once
 
 
 def test_epoch_fn_with_persistent_workers_reshuffles_each_epoch():
@@ -186,7 +190,7 @@ def test_epoch_fn_with_persistent_workers_reshuffles_each_epoch():
     epoch = {"value": 0}
     data = TensorDataset(torch.arange(10))
     loader = DataLoader(data, batch_size=5, shuffle=True, num_workers=1, persistent_workers=True)
-    new = inject_distributed_sampler(loader, 2, 0, seed=1, epoch_fn=lambda: epoch["value"])
+    new = inject_distributed_sampler(loader, Shard(2, 0, 1, epoch_fn=lambda: epoch["value"]))
     orders = []
     for e in range(2):
         epoch["value"] = e
@@ -203,7 +207,7 @@ def test_fewer_samples_than_ranks_are_padded_with_a_warning_as_lightning_pads_th
     rank 0 is warned (a 1-sample sanity set on 2 devices runs under Lightning's ddp, so it is not refused)."""
     loader = DataLoader(TensorDataset(torch.arange(1)), batch_size=1)
     with pytest.warns(UserWarning, match="1 samples but there are 2 ranks: the shards are padded with repeats"):
-        shards = [inject_distributed_sampler(loader, 2, r, 0, pad=True) for r in range(2)]
+        shards = [inject_distributed_sampler(loader, Shard(2, r, 0, pad=True)) for r in range(2)]
     assert [[b[0].tolist() for b in shard] for shard in shards] == [[[0]], [[0]]]
 
 
@@ -231,7 +235,7 @@ def test_iterable_dataset_is_not_sharded_and_warned_about():
             return iter(range(3))
 
     loader = DataLoader(Stream())
-    assert inject_distributed_sampler(loader, 2, 0, 0) is loader
+    assert inject_distributed_sampler(loader, Shard(2, 0, 0)) is loader
     with pytest.warns(UserWarning, match="shard_iterable"):
         warn_if_not_shardable(loader, 2)
 

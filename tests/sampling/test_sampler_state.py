@@ -1,29 +1,34 @@
-"""Sampler positions as plain data: padding, remainders after one or more runs, merging, checking."""
+"""Sampler positions as plain data: padding, remainders after one or more runs, merging, reading, checking."""
 
 from __future__ import annotations
 
 import io
+import warnings
+from types import SimpleNamespace
 
 import pytest
 import torch
+from torch.utils.data import DataLoader
 
+from ddp_strategy._compat.namespace import TrainerFn
+from ddp_strategy.sampling.loaders import LoaderSharding, inject_distributed_sampler, injected_sampler
+from ddp_strategy.sampling.sampler import EpochSeededDistributedSampler, Shard, ShardedBatchSampler, remaining_positions
 from ddp_strategy.sampling.state import (
-    check_position,
-    checkpoint_entry,
-    gather_positions,
-    loader_positions,
+    CHECKPOINT_KEY,
+    LIGHTNING_NOT_RESUMABLE_WARNING,
     merge_rank_positions,
-    pad_cyclic,
-    remaining_positions,
-    shard_positions,
+    read_positions,
+    restore_batch_counter,
+    save_positions,
 )
 
 
-def test_pad_cyclic_repeats_the_head_like_distributed_sampler():
-    """Padding repeats the head, cycling when more than one round is needed."""
-    assert pad_cyclic([5, 6, 7], 2, [0, 1]) == [5, 6, 7, 0]
-    assert pad_cyclic([5], 4, [0, 1]) == [5, 0, 1, 0]
-    assert pad_cyclic([], 3, [0]) == []
+def test_padding_repeats_the_head_like_distributed_sampler():
+    """Padding repeats the stream's head, cycling when more than one round is needed; nothing pads nothing."""
+    assert [list(EpochSeededDistributedSampler(range(3), 2, r, shuffle=False)) for r in range(2)] == [[0, 2], [1, 0]]
+    assert [list(EpochSeededDistributedSampler(range(2), 5, r, shuffle=False)) for r in range(5)] == [
+        [0], [1], [0], [1], [0]]
+    assert [list(EpochSeededDistributedSampler(range(0), 3, r)) for r in range(3)] == [[], [], []]
 
 
 def test_remaining_positions_the_docstring_example_and_uneven_consumption():
@@ -40,22 +45,46 @@ def test_layers_compose_across_elastic_resumes():
     assert remaining_positions(10, layers) == [7, 8, 9]
 
 
-def test_shard_positions_pads_for_training_only():
-    """Training shards are padded with the head; evaluation shards are not."""
-    assert shard_positions([4, 5, 6], list(range(7)), 2, 1, pad=True) == [5, 0]
-    assert shard_positions([4, 5, 6], list(range(7)), 2, 1, pad=False) == [5]
+def test_a_resumed_remainder_is_padded_for_training_only():
+    """The rest of an epoch (positions 4..6 of 7) is padded with the stream's head in training, not in evaluation."""
+    position = {"epoch": 0, "seed": 0, "length": 7, "kind": "index", "layers": [{"world_size": 2, "consumed": [2, 2]}]}
+    shards = {}
+    for pad in (True, False):
+        sampler = EpochSeededDistributedSampler(range(7), 2, 1, shuffle=False, pad=pad)
+        sampler.resume_from(position)
+        shards[pad] = list(sampler)
+    assert shards == {True: [5, 0], False: [5]}
 
 
-def test_merge_and_gather_without_process_group_and_weights_only_roundtrip():
-    """Per-rank reports merge into one new layer; the entry survives torch.save/torch.load(weights_only=True)."""
-    report = {"epoch": 2, "seed": 1, "length": 9, "kind": "index", "layers": [], "consumed": 3}
-    merged = merge_rank_positions([report, {**report, "consumed": 3}])
-    assert merged["layers"] == [{"world_size": 2, "consumed": [3, 3]}]
-    assert gather_positions([report]) == [merge_rank_positions([report])]
+def _fitting(loader) -> SimpleNamespace:
+    """The parts of a fitting Trainer that save_positions reads: training loaders, 3 batches done."""
+    progress = SimpleNamespace(current=SimpleNamespace(ready=3))
+    return SimpleNamespace(state=SimpleNamespace(fn=TrainerFn.FITTING), train_dataloader={"a": [loader]},
+                           fit_loop=SimpleNamespace(epoch_loop=SimpleNamespace(batch_progress=progress)))
+
+
+def test_save_and_read_positions_without_process_group_and_weights_only_roundtrip():
+    """Without a process group the one rank's position is merged alone; the entry survives
+    torch.save/torch.load(weights_only=True) and reads back; a checkpoint without it has no positions."""
+    loader = inject_distributed_sampler(DataLoader(list(range(9)), batch_size=1), Shard(1, 0, seed=1))
+    next(iter(loader))  # starts epoch 0
+    checkpoint: dict = {}
+    save_positions(_fitting(loader), checkpoint)
+    expected = {"epoch": 0, "seed": 1, "length": 9, "kind": "index", "layers": [{"world_size": 1, "consumed": [3]}]}
+    assert checkpoint[CHECKPOINT_KEY] == {"version": 1, "loaders": [expected]}
     buffer = io.BytesIO()
-    torch.save({"x": checkpoint_entry([merged])}, buffer)
+    torch.save(checkpoint, buffer)
     buffer.seek(0)
-    assert loader_positions(torch.load(buffer, weights_only=True)["x"]) == [merged]
+    assert read_positions(torch.load(buffer, weights_only=True)) == [expected]
+    assert read_positions({}) == []
+
+
+def test_merge_rank_positions_adds_one_layer():
+    """Per-rank reports merge into one new layer after the layers the epoch started from."""
+    report = {"epoch": 2, "seed": 1, "length": 9, "kind": "index", "layers": [{"world_size": 3, "consumed": [1] * 3}],
+              "consumed": 3}
+    merged = merge_rank_positions([report, {**report, "consumed": 2}])
+    assert merged["layers"] == [{"world_size": 3, "consumed": [1, 1, 1]}, {"world_size": 2, "consumed": [3, 2]}]
 
 
 def test_disagreeing_ranks_and_bad_entries_raise():
@@ -63,10 +92,30 @@ def test_disagreeing_ranks_and_bad_entries_raise():
     report = {"epoch": 2, "seed": 1, "length": 9, "kind": "index", "layers": [], "consumed": 3}
     with pytest.raises(RuntimeError, match="rank 1 on 'epoch'"):
         merge_rank_positions([report, {**report, "epoch": 3}])
-    with pytest.raises(ValueError, match="version-1"):
-        loader_positions({"version": 99, "loaders": []})
+    with pytest.warns(UserWarning, match="not a version-1 sampler position.*It is ignored"):
+        assert read_positions({CHECKPOINT_KEY: {"version": 99, "loaders": []}}) == []
     position = merge_rank_positions([report])
     with pytest.raises(ValueError, match="stream of 9 items, but the training loader now yields 10"):
-        check_position(position, 10, "index")
+        EpochSeededDistributedSampler(range(10), 1, 0).resume_from(position)
     with pytest.raises(ValueError, match="'index' sampler"):
-        check_position(position, 9, "batch")
+        ShardedBatchSampler([[i] for i in range(9)], Shard(1, 0)).resume_from(position)
+
+
+def test_a_mid_epoch_resume_sets_lightnings_batch_counter_and_silences_its_warning_until_teardown():
+    """6 of 10 samples left (batch 2, one rank): Lightning's counter becomes 5 - 3 = 2 batches done; its 'not
+    resumable' warning, which does not apply, is filtered only until teardown (later fits still see it)."""
+    loader = inject_distributed_sampler(DataLoader(list(range(10)), batch_size=2), Shard(1, 0))
+    injected_sampler(loader).resume_from({"epoch": 0, "seed": 0, "length": 10, "kind": "index",
+                                          "layers": [{"world_size": 1, "consumed": [4]}]})
+    counters = {"ready": 1, "started": 1, "processed": 1, "completed": 1}
+    progress = SimpleNamespace(current=SimpleNamespace(**counters), total=SimpleNamespace(**counters))
+    trainer = SimpleNamespace(train_dataloader=[loader], limit_train_batches=1.0, num_training_batches=5,
+                              fit_loop=SimpleNamespace(epoch_progress=SimpleNamespace(current=SimpleNamespace(processed=0)),
+                                                       epoch_loop=SimpleNamespace(batch_progress=progress)))
+    sharding, before = LoaderSharding(), list(warnings.filters)
+    restore_batch_counter(trainer, 1, sharding.until_teardown)
+    assert progress.current.ready == progress.total.completed == 2 and injected_sampler(loader).batch_offset == 2
+    assert warnings.filters[0][0] == "ignore" and warnings.filters[0][1].match(LIGHTNING_NOT_RESUMABLE_WARNING)
+    assert [i for b in loader for i in b.tolist()] == [4, 5, 6, 7, 8, 9]
+    sharding.hand_back(None)
+    assert warnings.filters == before

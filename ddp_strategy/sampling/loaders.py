@@ -1,0 +1,389 @@
+"""Which loader gets which sampler, bad-input checks, and evaluation loaders with equal batch counts.
+
+:class:`LoaderSharding` is what the strategy calls for every loader a ``*_dataloader`` hook returns. Training
+loaders are padded (every rank takes as many steps) and resume from the checkpoint's sampler position. Validation
+and test loaders hold each sample once, batched so every rank takes the ``ceil(ceil(N / W) / B)`` steps Lightning's
+padded sampler gives, so per-step collectives meet (``self.log(..., on_step=True, sync_dist=True)``); where no
+such layout exists they are padded as under Lightning's ddp, with a warning. Where batch counts still differ (the
+user's own distributed sampler, an ``IterableDataset``, predict), :class:`EvaluationStepGuard` refuses a strategy
+collective inside a step before any rank enters it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+from collections.abc import Iterator, Sequence
+from contextlib import ExitStack, contextmanager
+from typing import TYPE_CHECKING, Any
+
+import torch.distributed as dist
+from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, SequentialSampler
+from torch.utils.data.distributed import DistributedSampler
+
+from ddp_strategy._compat import lightning_private as _pl
+from ddp_strategy._compat.namespace import RunningStage, TrainerFn, rank_zero_warn
+from ddp_strategy.sampling import sampler as samplers
+from ddp_strategy.sampling.sampler import Shard
+
+if TYPE_CHECKING:
+    from lightning.pytorch import Trainer
+
+#: Start of the warning :func:`warn_if_order_kept` gives (``warnings.filterwarnings("ignore", message=...)``).
+ORDER_KEPT_WARNING = "MyDDPStrategy keeps the training loader's order"
+#: Attribute set on an evaluation loader: its number of batches on every rank, as a tuple.
+BATCH_COUNTS_ATTR = "_ddp_strategy_batch_counts"
+
+
+class LoaderSharding:
+    """Shards one strategy's loaders, keeping what lasts across stages: the guard and the saved positions.
+
+    Args:
+        exact_evaluation: validation/test loaders hold each sample once (True), or are padded as under ``ddp``.
+    """
+
+    def __init__(self, exact_evaluation: bool = True) -> None:
+        self.exact_evaluation = exact_evaluation
+        self.guard = EvaluationStepGuard()
+        self.positions: list[dict[str, Any]] = []  #: from the checkpoint, for the training loaders built next
+        self.until_teardown = ExitStack()  #: what lasts while a fit runs (see ``state.restore_batch_counter``)
+        self._injecting = True
+
+    def take_over(self, trainer: Trainer) -> None:
+        """Turn Lightning's sampler injection off (kept for predict); ``use_distributed_sampler=False`` is honoured."""
+        self._injecting = _pl.set_lightning_sampler_injection(trainer, enabled=trainer.state.fn == TrainerFn.PREDICTING)
+
+    def hand_back(self, trainer: Trainer | None) -> None:
+        """At teardown: give Lightning its sampler injection back, forget unused positions."""
+        if trainer is not None:
+            _pl.set_lightning_sampler_injection(trainer, enabled=True)
+        self.positions = []
+        self.until_teardown.close()
+
+    def prepare(self, dataloader: object, trainer: Trainer, world_size: int, rank: int, seed: int) -> object:
+        """Return ``dataloader`` sharded for ``rank`` of ``world_size`` in the trainer's current stage.
+
+        Predict loaders are Lightning's; what cannot be sharded (a list of batches, an ``IterableDataset``) is read
+        whole by every rank, as under Lightning's ``ddp``, with a warning. Evaluation and predict loaders then agree
+        on their batch counts (a collective, every rank). Raises ``ValueError`` as :func:`inject_distributed_sampler`
+        and where a saved position does not fit the loader.
+        """
+        training = trainer.state.stage == RunningStage.TRAINING
+        if self._injecting:
+            warn_if_not_shardable(dataloader, world_size)
+        if not self._injecting or trainer.state.fn == TrainerFn.PREDICTING:
+            if not training:
+                agree_batch_counts(dataloader)
+            return dataloader
+        shard = Shard(world_size, rank, seed, epoch_fn=lambda: trainer.fit_loop.epoch_progress.current.processed)
+        if not training:
+            stage = "test" if trainer.state.stage == RunningStage.TESTING else "validation"
+            loader = (shard_for_evaluation(dataloader, shard, stage) if self.exact_evaluation
+                      else inject_distributed_sampler(dataloader, shard, training=False))
+            agree_batch_counts(loader)
+            return loader
+        warn_if_order_kept(dataloader, world_size, trainer.overfit_batches)
+        loader = inject_distributed_sampler(dataloader, shard)
+        if self.positions and (injected := injected_sampler(loader)) is not None:
+            injected.resume_from(self.positions.pop(0))
+        elif self.positions:
+            self.positions.pop(0)
+            rank_zero_warn("The checkpoint holds a sampler position, but the training loader's sampler is not"
+                           " injected by MyDDPStrategy (it is your own DistributedSampler): the rest of the"
+                           " interrupted epoch is not restored exactly.")
+        return loader
+
+
+def _original_sampler(dataloader: DataLoader) -> Any:
+    """The sampler of indices behind ``dataloader`` (also inside a plain ``BatchSampler``), else ``None``."""
+    batch_sampler = dataloader.batch_sampler
+    if batch_sampler is None:
+        return dataloader.sampler
+    return batch_sampler.sampler if type(batch_sampler) is BatchSampler else None
+
+
+def _is_plain_permutation(sampler: Any) -> bool:
+    """A ``RandomSampler`` as ``shuffle=True`` makes it: one permutation of the data set, no replacement."""
+    return (isinstance(sampler, RandomSampler) and not sampler.replacement
+            and getattr(sampler, "_num_samples", None) is None)
+
+
+def injected_sampler(dataloader: object) -> samplers._EpochShards | None:
+    """The sampler :func:`inject_distributed_sampler` put into ``dataloader`` (or its batch sampler), else ``None``."""
+    batch_sampler = getattr(dataloader, "batch_sampler", None)
+    for candidate in (batch_sampler, getattr(dataloader, "sampler", None), getattr(batch_sampler, "sampler", None)):
+        if isinstance(candidate, samplers._EpochShards):
+            return candidate
+    return None
+
+
+def needs_distributed_sampler(dataloader: object) -> bool:
+    """False for non-``DataLoader`` objects, ``IterableDataset`` loaders, loaders that carry one of our samplers
+    (injection happens once) and loaders whose (batch) sampler is already distributed (the user's is respected)."""
+    if not isinstance(dataloader, DataLoader) or isinstance(dataloader.dataset, IterableDataset):
+        return False
+    batch_sampler = dataloader.batch_sampler
+    samplers = (dataloader.sampler, batch_sampler, getattr(batch_sampler, "sampler", None))
+    return injected_sampler(dataloader) is None and not any(
+        isinstance(s, DistributedSampler) or (hasattr(s, "num_replicas") and hasattr(s, "rank")) for s in samplers
+        if s is not None)
+
+
+def _check_shard_sizes(dataloader: DataLoader, shard: Shard, training: bool) -> None:
+    """Raise (the same on every rank) where ``dataloader`` cannot be sharded; warn where Lightning's ddp runs it."""
+    source, w = _original_sampler(dataloader), shard.num_replicas
+    n = len(source if source is not None else dataloader.batch_sampler)  # type: ignore[arg-type]
+    what = "samples" if source is not None else "batches"
+    if n < w and not shard.pad:
+        raise ValueError(f"The loader has {n} {what} but there are {w} ranks: some rank would get nothing."
+                         f" Use a data set with at least {w} {what}, or fewer devices.")
+    if n < w:
+        rank_zero_warn(
+            f"The loader has {n} {what} but there are {w} ranks: the shards are padded with repeats (as Lightning's"
+            f" DistributedSampler pads them), so some ranks read the same {what}. Use a data set with at least {w}"
+            f" {what}, or fewer devices."
+        )
+    batch_sampler = dataloader.batch_sampler
+    if source is None or batch_sampler is None:
+        return
+    batch_size, drop_last = int(batch_sampler.batch_size), bool(batch_sampler.drop_last)  # type: ignore[attr-defined]
+    smallest = math.ceil(n / w) if shard.pad else n // w
+    if drop_last and smallest < batch_size:
+        raise ValueError(
+            f"drop_last=True with batch_size={batch_size}, but a rank's shard has only {smallest} samples ({n} samples"
+            f" over {w} ranks): that rank would get no batch at all. Lower batch_size to at most {smallest}, set"
+            " drop_last=False, or use fewer devices."
+        )
+    if training and smallest < batch_size:
+        rank_zero_warn(
+            f"batch_size={batch_size} is per device, but each rank's training shard has only {smallest} samples"
+            f" ({n} samples over {w} ranks), so every step sees a short batch. Lower batch_size to at most {smallest}"
+            f" (the global batch is batch_size x {w}), or use fewer devices."
+        )
+
+
+def inject_distributed_sampler(dataloader: object, shard: Shard, training: bool | None = None) -> object:
+    """Return ``dataloader`` re-created around a distributed sampler for ``shard``, or unchanged if it needs none.
+
+    ``shuffle=True/False`` loaders get an :class:`~ddp_strategy.sampling.sampler.EpochSeededDistributedSampler`,
+    other samplers a ``ShardedSampler``, custom batch samplers a ``ShardedBatchSampler``; unpadded, batches come from
+    an ``EqualCountBatchSampler``. Re-created by Lightning's logic (subclass arguments kept); ``batch_size`` stays
+    the per-device B: the global batch is ``B * W``.
+
+    Args:
+        dataloader: the user's loader (see :func:`needs_distributed_sampler` for what is left alone).
+        shard: this rank's share; ``pad=False`` for exact evaluation.
+        training: warn about batches larger than a shard; default ``shard.pad``.
+
+    Raises:
+        ValueError: fewer items than ranks unpadded; ``drop_last=True`` with a shard smaller than one batch.
+        MisconfigurationException: a ``DataLoader`` subclass whose ``__init__`` arguments Lightning cannot find.
+    """
+    if not needs_distributed_sampler(dataloader):
+        return dataloader
+    assert isinstance(dataloader, DataLoader)
+    _check_shard_sizes(dataloader, shard, shard.pad if training is None else training)
+    source, batch_sampler = _original_sampler(dataloader), dataloader.batch_sampler
+    if source is None:
+        return _pl.update_dataloader_batch_sampler(dataloader, samplers.ShardedBatchSampler(batch_sampler, shard))
+    if _is_plain_permutation(source) or isinstance(source, SequentialSampler):
+        built: samplers._EpochShards = samplers.EpochSeededDistributedSampler(
+            dataloader.dataset, shard.num_replicas, shard.rank, shuffle=isinstance(source, RandomSampler),
+            seed=shard.seed, epoch_fn=shard.epoch_fn, pad=shard.pad)
+    else:
+        built = samplers.ShardedSampler(source, shard)
+    if batch_sampler is None:
+        return _pl.update_dataloader(dataloader, built)
+    built.items_per_batch = int(batch_sampler.batch_size)  # type: ignore[attr-defined]
+    built.drop_last_batch = bool(batch_sampler.drop_last)  # type: ignore[attr-defined]
+    if shard.pad and dataloader.batch_size is not None:
+        return _pl.update_dataloader(dataloader, built)
+    # Unpadded: equal batch counts; DataLoader(batch_sampler=BatchSampler(s, B, drop_last)): keep B and drop_last.
+    batches = (samplers.EqualCountBatchSampler(built, built.items_per_batch) if not shard.pad
+               else BatchSampler(built, built.items_per_batch, built.drop_last_batch))
+    return _pl.update_dataloader_batch_sampler(dataloader, batches)
+
+
+def needs_padding(dataloader: DataLoader, num_replicas: int) -> str | None:
+    """Why ``dataloader`` has no exact layout with equal batch counts (a phrase for the warning), or ``None``.
+
+    One exists when N is a multiple of W, or when B >= 2, N >= W and the incomplete last batch is kept; custom batch
+    samplers always have one (``ShardedBatchSampler``).
+    """
+    source = _original_sampler(dataloader)
+    if source is None or len(source) % num_replicas == 0:
+        return None
+    batch_sampler = dataloader.batch_sampler
+    if batch_sampler is None:
+        return "the loader does not batch (batch_size=None)"
+    if bool(getattr(batch_sampler, "drop_last", False)):
+        return "the loader drops its incomplete last batch (drop_last=True)"
+    if int(getattr(batch_sampler, "batch_size", 1)) < 2:
+        return "batch_size=1 leaves a shorter rank no batch to make one sample smaller"
+    if len(source) < num_replicas:
+        return f"there are fewer samples ({len(source)}) than ranks ({num_replicas})"
+    return None
+
+
+def shard_for_evaluation(dataloader: object, shard: Shard, stage: str) -> object:
+    """A validation (``stage="validation"``) or test loader with each sample once and equal batch counts, or padded
+    as Lightning's ddp pads it, with a rank-0 warning, where :func:`needs_padding` finds no such layout."""
+    reason = needs_padding(dataloader, shard.num_replicas) if needs_distributed_sampler(dataloader) else None
+    if reason is None:
+        return inject_distributed_sampler(dataloader, dataclasses.replace(shard, pad=False))
+    n, w = len(_original_sampler(dataloader)), shard.num_replicas  # type: ignore[arg-type]
+    rank_zero_warn(
+        f"The {stage} loader has {n} samples for {w} ranks and {reason}, so the ranks cannot hold the same number of"
+        f" batches with every sample exactly once. Like Lightning's ddp, its shards are padded: {-n % w} sample(s)"
+        f" are evaluated twice, and {stage} metrics count them twice. For exact metrics use batch_size >= 2 and"
+        f" drop_last=False with at least {w} samples, or a data set whose size is a multiple of {w}."
+    )
+    return inject_distributed_sampler(dataloader, dataclasses.replace(shard, pad=True), training=False)
+
+
+def agree_batch_counts(dataloader: object) -> tuple[int, ...] | None:
+    """``(batches on rank 0, ..., rank W-1)`` (``None`` if some loader has no length), also kept on the loader.
+
+    A collective: every rank calls it for the same loader (Lightning processes each evaluation loader on every rank
+    in the same order); without a process group the local length alone.
+    """
+    try:
+        counts: list[Any] = [len(dataloader)]  # type: ignore[arg-type]
+    except TypeError:
+        counts = [-1]
+    if dist.is_available() and dist.is_initialized():
+        local, counts = counts[0], [None] * dist.get_world_size()
+        dist.all_gather_object(counts, local)
+    result = None if min(counts) < 0 else tuple(counts)
+    with contextlib.suppress(AttributeError):  # a loader that forbids attributes: the guard sees no counts
+        setattr(dataloader, BATCH_COUNTS_ATTR, result)
+    return result
+
+
+def warn_if_order_kept(dataloader: object, world_size: int, overfit_batches: int | float = 0) -> None:
+    """Warn once (rank 0) when the training batches differ from Lightning's ``ddp`` because the order is kept.
+
+    Lightning's ``ddp`` shuffles every training loader it shards (but under ``overfit_batches``); we shuffle only a
+    loader built with ``shuffle=True`` (the same shards as Lightning's) and keep any other's order.
+    """
+    if overfit_batches or not needs_distributed_sampler(dataloader):
+        return
+    assert isinstance(dataloader, DataLoader)
+    source = _original_sampler(dataloader)
+    if _is_plain_permutation(source):
+        return
+    shards = (f"rank r of {world_size} reads positions r, r + {world_size}, r + {2 * world_size}, ..." if world_size > 1
+              else "the one process reads every position")
+    advice = "MyDDPStrategy has no setting that gives Lightning's batches here"
+    if isinstance(source, SequentialSampler):
+        what = f"its sampler is a SequentialSampler (shuffle=False), so {shards} of the data set, every epoch"
+        lightning = ("shuffles training data even with shuffle=False (its DistributedSampler for training always has"
+                     " shuffle=True)")
+        advice = "For Lightning's batches and weights pass shuffle=True to the training DataLoader"
+    elif source is not None:
+        what = (f"its sampler is a {type(source).__name__}, drawn once per epoch (the same draw on every rank), and"
+                f" {shards} of that draw, in its order")
+        lightning = ("has each rank draw with its own global random state and shuffles the positions (its"
+                     " DistributedSamplerWrapper for training always has shuffle=True)")
+    else:
+        what = (f"its batch sampler is a {type(dataloader.batch_sampler).__name__}, whose batches are read whole and"
+                f" in order ({shards} of each epoch's batches)")
+        lightning = ("re-creates the batch sampler around a shuffling DistributedSampler (or raises TypeError where"
+                     " it cannot)")
+    rank_zero_warn(
+        f"{ORDER_KEPT_WARNING}: {what}. Lightning's strategy='ddp' {lightning}, so the batches each rank reads, and"
+        f" the trained weights, differ from a run with strategy='ddp'. {advice}; if the order is intended, silence"
+        f" this with warnings.filterwarnings('ignore', message=\"{ORDER_KEPT_WARNING}\")."
+    )
+
+
+def warn_if_not_shardable(dataloader: object, world_size: int) -> None:
+    """Warn once (rank 0), for W > 1, when ``dataloader`` has no indices to shard, so every rank reads all of it.
+
+    Lightning accepts any iterable (``trainer.test(model, [batch])``, an ``IterableDataset``); as under its ``ddp``,
+    every rank iterates all of it. An empty list (Lightning's "no loader") is not warned about.
+    """
+    if world_size == 1 or (isinstance(dataloader, (list, tuple)) and not dataloader):
+        return
+    if not isinstance(dataloader, DataLoader):
+        rank_zero_warn(
+            f"MyDDPStrategy got a {type(dataloader).__name__} as a loader, not a torch.utils.data.DataLoader: it"
+            f" cannot be sharded, so each of the {world_size} ranks iterates all of it (as under Lightning's ddp) and"
+            " sees the same batches. To give every rank its own part, wrap the data in a Dataset and a DataLoader."
+        )
+    elif isinstance(dataloader.dataset, IterableDataset):
+        rank_zero_warn(
+            f"{type(dataloader.dataset).__name__} is an IterableDataset: it has no indices, so MyDDPStrategy cannot"
+            " shard it and every rank reads whatever its __iter__ yields. Shard it yourself in __iter__ with"
+            " ddp_strategy.shard_iterable (by rank and DataLoader worker), or every rank sees the same data."
+        )
+
+
+class EvaluationStepGuard:
+    """Refuses strategy collectives inside an evaluation step whose ranks hold different batch counts.
+
+    The strategy runs each ``*_step`` in :meth:`step` and calls :meth:`check` in each of its collectives.
+    """
+
+    def __init__(self) -> None:
+        self._active: tuple[str, tuple[int, ...]] | None = None
+        #: The last uneven step's ``(stage, counts)``, for a timed-out collective's error, until :meth:`end_stage`.
+        self.last_uneven: tuple[str, tuple[int, ...]] | None = None
+
+    @contextmanager
+    def step(self, trainer: Any, stage: str, args: Sequence[Any], kwargs: dict[str, Any]) -> Iterator[None]:
+        """Run an evaluation step of ``stage`` (``"validation_step"``, ...) on ``dataloaders[dataloader_idx]``
+        (Lightning passes the index third, with several loaders), its counts cut to ``limit_*_batches``
+        (``num_sanity_val_steps`` in the sanity check; an int caps, a float takes a share)."""
+        kind = {"validation_step": "val", "test_step": "test", "predict_step": "predict"}[stage]
+        loaders, limit = getattr(trainer, f"{kind}_dataloaders"), getattr(trainer, f"limit_{kind}_batches")
+        if kind == "val" and trainer.sanity_checking:
+            limit = trainer.num_sanity_val_steps
+        loaders = list(loaders.values()) if isinstance(loaders, dict) else (
+            list(loaders) if isinstance(loaders, (list, tuple)) else [loaders])
+        index = kwargs.get("dataloader_idx", args[2] if len(args) > 2 else 0)
+        counts = getattr(loaders[index] if 0 <= index < len(loaders) else None, BATCH_COUNTS_ATTR, None)
+        previous = self._active
+        if counts is not None:
+            if isinstance(limit, float) or limit < 0:
+                counts = tuple(int(c * limit) for c in counts) if 0 <= limit < 1.0 else counts
+            else:
+                counts = tuple(min(c, limit) for c in counts)
+            self._active = (stage, counts) if len(set(counts)) > 1 else None
+            self.last_uneven = self._active or self.last_uneven
+        try:
+            yield
+        finally:
+            self._active = previous
+
+    def end_stage(self) -> None:
+        """Forget the stage's uneven batch counts."""
+        self.last_uneven = None
+
+    def describe_uneven(self) -> str | None:
+        """A sentence naming the last uneven evaluation loader's batch counts, for a collective's error."""
+        if self.last_uneven is None:
+            return None
+        stage, counts = self.last_uneven
+        return (
+            f"The ranks were running {stage} on a loader whose ranks hold different numbers of batches"
+            f" {list(counts)} (ranks 0..{len(counts) - 1}), so a collective made in every step directly with"
+            " torch.distributed (for example a torchmetrics metric with dist_sync_on_step=True) waits on the ranks"
+            " with fewer batches: sync at epoch end instead (dist_sync_on_step=False), or give every rank the same"
+            " number of batches."
+        )
+
+    def check(self, collective: str, rank: int) -> None:
+        """Raise ``RuntimeError`` (stage, per-rank batch counts, what to do) inside a step on an uneven loader."""
+        if self._active is None:
+            return
+        stage, counts = self._active
+        raise RuntimeError(
+            f"[rank {rank}] {stage} requested a collective ({collective}) on every step, but the ranks hold"
+            f" different numbers of batches {list(counts)} (ranks 0..{len(counts) - 1}) - predict shards (Lightning's"
+            " UnrepeatedDistributedSamplerWrapper), your own distributed sampler and IterableDatasets are not evened"
+            " out. A per-step collective would pair with a different step on the other ranks and hang or return a"
+            " wrong value. Log with on_step=False (the epoch-level sync_dist value is exact), move the collective"
+            " to the epoch-end hook (on_predict_epoch_end, ...), or give every rank the same number of batches."
+        )
