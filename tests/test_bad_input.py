@@ -9,7 +9,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from ddp_strategy import DigitsClassifier, DigitsDataModule
-from ddp_strategy.checkpoint.atomic import unwritable_reason
+from ddp_strategy.checkpoint.io import unwritable_reason
 from ddp_strategy.sampling.injection import warn_if_not_shardable
 from ddp_strategy.sync.wrapping import check_trainable
 

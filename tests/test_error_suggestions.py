@@ -30,7 +30,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, TensorDataset
 
 from ddp_strategy import MyDDPStrategy, export_weights, import_plain_checkpoint
-from ddp_strategy.checkpoint.files import plain_state_dict
+from ddp_strategy.checkpoint.convert import plain_state_dict
 from ddp_strategy.diagnostics.summary import batch_size_warnings
 from ddp_strategy.process import group as process_group
 from ddp_strategy.process import launching

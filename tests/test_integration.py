@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from ddp_testing import IndexedDigits, RecordingClassifier, run_cli
 
 from ddp_strategy import DigitsDataModule, DigitsNet, MyDDPStrategy, load_plain_state_dict
-from ddp_strategy.checkpoint.files import load_file
+from ddp_strategy.checkpoint.io import load_file
 from ddp_strategy.testing import run_on_ranks
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]

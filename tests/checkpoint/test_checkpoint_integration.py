@@ -11,7 +11,7 @@ from ddp_testing import LIGHTNING_KEYS, probe_input
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from ddp_strategy import DigitsClassifier, DigitsDataModule, DigitsNet, MyDDPStrategy, load_plain_state_dict
-from ddp_strategy.checkpoint.files import load_file
+from ddp_strategy.checkpoint.io import load_file
 from ddp_strategy.testing import run_on_ranks
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
