@@ -34,8 +34,7 @@ from ddp_strategy import (
     strip_ddp_prefix,
     unwrapped_state_dict,
 )
-from ddp_strategy.checkpoint.io import atomic_save, remove_stale_temp_files
-from ddp_strategy.checkpoint.io import load_file
+from ddp_strategy.checkpoint.io import atomic_save, load_file, remove_stale_temp_files
 
 PLAIN_KEYS = set(DigitsNet().state_dict())
 LIGHTNING_KEYS = {f"model.{k}" for k in PLAIN_KEYS}
