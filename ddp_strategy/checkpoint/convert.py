@@ -1,11 +1,7 @@
-"""Plain PyTorch checkpoints in, plain model weights out.
-
-Out: :func:`load_plain_state_dict` returns a checkpoint's weights ready for the plain ``nn.Module``;
-:func:`export_weights` writes just the model's ``state_dict`` (``torch.save`` or safetensors) for inference with
-PyTorch alone. In: hand-written DDP scripts save ``{"epoch", "model_state_dict": ddp_model.state_dict(),
-"optimizer_state_dict"}`` (keys ``module.<name>``), as in PyTorch's DDP and ImageNet examples;
-:func:`import_plain_checkpoint` loads such a file into our model and, if asked, writes a Lightning checkpoint that
-``Trainer.fit(model, ckpt_path=...)`` resumes from (next epoch, optimizer state).
+"""Plain PyTorch checkpoints in, plain model weights out: :func:`load_plain_state_dict` (weights ready for the plain
+``nn.Module``), :func:`export_weights` (just the ``state_dict``, for PyTorch alone) and
+:func:`import_plain_checkpoint` (a hand-written DDP script's file, keys ``module.<name>``, into our model, and a
+Lightning checkpoint that ``Trainer.fit(model, ckpt_path=...)`` resumes from).
 """
 
 from __future__ import annotations
@@ -79,14 +75,13 @@ def load_plain_state_dict(path: str | os.PathLike, submodule: str = "model",
                           weights_only: bool = True) -> dict[str, torch.Tensor]:
     """Load the weights of one sub-module from a checkpoint, ready for the plain ``nn.Module``.
 
-    Works for Lightning checkpoints (weights under ``"state_dict"``), plain PyTorch files holding a
-    ``"model_state_dict"`` or ``"model"`` entry, and bare state dicts, with or without DDP's ``module.`` and
-    ``torch.compile``'s ``_orig_mod.`` segments. With the model at hand, :func:`import_plain_checkpoint` matches
-    keys exactly and strictly.
+    Lightning checkpoints (``"state_dict"``), plain PyTorch files (``"model_state_dict"`` or ``"model"``) and bare
+    state dicts, with or without ``module.`` and ``_orig_mod.`` segments. With the model at hand,
+    :func:`import_plain_checkpoint` matches keys exactly and strictly.
 
     Args:
         path: checkpoint file.
-        submodule: attribute name of the plain model inside the LightningModule (``"model"`` for
+        submodule: attribute of the plain model in the LightningModule (``"model"`` for
             :class:`~ddp_strategy.reference.model.DigitsClassifier`); ``""`` returns the whole state dict.
         weights_only: load with ``torch.load(weights_only=True)`` (default); False only for files you trust.
 
@@ -95,19 +90,14 @@ def load_plain_state_dict(path: str | os.PathLike, submodule: str = "model",
 
     Raises:
         FileNotFoundError, PermissionError, DamagedCheckpointError, UnsafeCheckpointError: see
-            :func:`~ddp_strategy.checkpoint.io.load_file` and :func:`find_model_state_dict`.
-        KeyError: a valid state dict, but no key starts with ``<submodule>.``; the message lists a few keys.
+            :func:`~ddp_strategy.checkpoint.io.load_file`; KeyError: no key starts with ``<submodule>.``.
     """
     checkpoint = load_file(path, weights_only=weights_only, opt_out="load_plain_state_dict(..., weights_only=False)")
     return plain_state_dict(checkpoint, path, submodule)
 
 
 def _int_entry(checkpoint: Mapping[str, Any], keys: tuple[str, ...], source: str) -> int:
-    """The first of ``keys`` present in ``checkpoint`` as an int >= 0 (0 if none is).
-
-    Raises:
-        DamagedCheckpointError: the entry is not a whole number >= 0 (e.g. a string or a list).
-    """
+    """The first of ``keys`` in ``checkpoint`` as an int >= 0 (0 if none is); else ``DamagedCheckpointError``."""
     key = next((k for k in keys if k in checkpoint), None)
     if key is None:
         return 0
@@ -123,14 +113,8 @@ def _int_entry(checkpoint: Mapping[str, Any], keys: tuple[str, ...], source: str
 
 
 def _check_optimizer_lines_up(optimizer_state: Mapping[str, Any], params: list[torch.Tensor], source: str) -> None:
-    """``optimizer_state`` is laid out as ``Optimizer.state_dict()`` writes it, and each per-parameter tensor has
-    the shape of the parameter at that position.
-
-    Raises:
-        DamagedCheckpointError: another layout (``param_groups`` not a list of dicts with a ``params`` list of ints,
-            or ``state`` not a dict of dicts).
-        ValueError: the state covers another number of parameters, or a slot's shape differs from its parameter's.
-    """
+    """Raise ``DamagedCheckpointError`` unless ``optimizer_state`` is laid out as ``Optimizer.state_dict()`` writes
+    it, ``ValueError`` unless each per-parameter tensor has the shape of the parameter at that position."""
     groups, state = optimizer_state["param_groups"], optimizer_state["state"]
     if not (isinstance(groups, (list, tuple)) and isinstance(state, Mapping)
             and all(isinstance(g, Mapping) and isinstance(g.get("params"), (list, tuple))
@@ -190,40 +174,32 @@ def import_plain_checkpoint(
 ) -> dict[str, Any]:
     """Load a plain PyTorch (hand-written DDP) checkpoint into ``model``; optionally write a Lightning one.
 
-    The file may hold ``{"epoch", "model_state_dict" | "state_dict" | "model", "optimizer_state_dict" |
-    "optimizer", "global_step"?}`` or be a bare state dict; keys may carry DDP's ``module.`` and
-    ``torch.compile``'s ``_orig_mod.``. They are matched exactly against ``model``'s own keys or those of one of
-    its sub-modules (for :class:`~ddp_strategy.reference.model.DigitsClassifier` the file's ``layers.0.weight``
-    becomes ``model.layers.0.weight``). With ``output_path`` (``model`` must be a LightningModule) a Lightning
-    checkpoint is written atomically: the weights, the optimizer state (checked to line up with the parameters of
-    the matched part, in ``parameters()`` order, as ``configure_optimizers`` must build it), the hyper-parameters
-    and the loop counters, so ``Trainer.fit(model, ckpt_path=output_path)`` continues at epoch ``epochs_completed``.
-
-    Example:
-        >>> model = DigitsClassifier()
-        >>> import_plain_checkpoint("ddp_script.pt", model, "imported.ckpt")  # doctest: +SKIP
-        >>> trainer.fit(model, datamodule, ckpt_path="imported.ckpt")         # doctest: +SKIP
+    The file holds ``{"epoch", "model_state_dict" | "state_dict" | "model", "optimizer_state_dict" | "optimizer",
+    "global_step"?}`` (as PyTorch's DDP and ImageNet examples save) or is a bare state dict; its keys (with or
+    without ``module.``/``_orig_mod.``) are matched exactly against ``model``'s or one of its sub-modules' (for
+    :class:`~ddp_strategy.reference.model.DigitsClassifier` ``layers.0.weight`` becomes ``model.layers.0.weight``).
+    With ``output_path`` (a LightningModule only) a Lightning checkpoint is written atomically: weights, optimizer
+    state (checked to line up with the matched part's ``parameters()``, as ``configure_optimizers`` must build it),
+    hyper-parameters and loop counters, so ``Trainer.fit(model, ckpt_path=output_path)`` continues at epoch
+    ``epochs_completed``.
 
     Args:
-        source: the file, or the already loaded dict.
-        model: a LightningModule or a plain ``nn.Module``; loaded in place.
+        source: the file, or the already loaded dict; model: a LightningModule or ``nn.Module``, loaded in place.
         output_path: where to write the Lightning checkpoint; ``None`` writes nothing.
         strict: every key must match (default); False loads the matching ones.
         weights_only: load the file with ``torch.load(weights_only=True)`` (default); False only for trusted files.
-        epochs_completed: epochs already trained. Default: the file's ``"epoch"`` entry, read as in PyTorch's
-            ImageNet example (``"epoch": epoch + 1``); pass it when your script saved the 0-based index of the last
-            finished epoch instead. 0 without an ``"epoch"`` entry.
+        epochs_completed: epochs already trained; default the file's ``"epoch"``, read as PyTorch's ImageNet example
+            writes it (``epoch + 1``; pass it if your script saved the last epoch's 0-based index), else 0.
 
     Returns:
         The Lightning checkpoint dict (also when nothing is written).
 
     Raises:
-        FileNotFoundError, PermissionError, DamagedCheckpointError, UnsafeCheckpointError: loading the file
-            failed, or what it holds is not a checkpoint (no model state dict, a weight that is not a tensor, an
-            ``epoch`` that is not a whole number, an optimizer entry not laid out as PyTorch writes it).
+        FileNotFoundError, PermissionError, DamagedCheckpointError, UnsafeCheckpointError: loading failed, or the
+            content is not a checkpoint (no model state dict, a non-tensor weight, an ``epoch`` that is not a whole
+            number, an optimizer entry not laid out as PyTorch writes it).
         StateDictMismatchError: ``strict`` and the keys or shapes do not match (lists them).
-        ValueError: the optimizer state does not line up with the parameters, or ``output_path`` is given and the
-            file has no optimizer state.
+        ValueError: the optimizer state does not line up with the parameters, or is missing with ``output_path``.
         TypeError: ``output_path`` is given but ``model`` is not a LightningModule.
     """
     if output_path is not None and not isinstance(model, _namespace.LightningModule):
@@ -277,21 +253,16 @@ def export_weights(
     safetensors: bool | None = None,
     weights_only: bool = True,
 ) -> dict[str, torch.Tensor]:
-    """Write just the plain model weights (a ``state_dict``) for inference without Lightning.
+    """Write just the plain model weights (a ``state_dict``) for inference without Lightning, atomically.
 
-    Keys carry no ``module.``, ``_orig_mod.`` or ``<submodule>.``; tensors are detached, contiguous and on the
-    CPU. The file is written atomically. Read it back with ``torch.load(path, weights_only=True)`` or
-    ``safetensors.torch.load_file(path)``, then ``net.load_state_dict(...)``.
+    Keys carry no ``module.``, ``_orig_mod.`` or ``<submodule>.``; tensors are detached, contiguous, on the CPU.
+    Read it back with ``torch.load(path, weights_only=True)`` or ``safetensors.torch.load_file(path)``.
 
     Args:
-        source: a checkpoint file (Lightning or plain; see ``weights_only``) or a module.
-        path: the output file.
-        submodule: attribute of the plain model inside the LightningModule (default ``"model"``); ``""`` exports
-            everything.
-        safetensors: write safetensors (needs ``pip install ddp_strategy[safetensors]``); default ``None`` decides
-            by the suffix ``.safetensors``.
-        weights_only: load a checkpoint file with ``torch.load(weights_only=True)`` (default); False only for files
-            you trust.
+        source: a checkpoint file (Lightning or plain) or a module; path: the output file.
+        submodule: attribute of the plain model in the LightningModule (default ``"model"``); ``""``: everything.
+        safetensors: write safetensors (``pip install ddp_strategy[safetensors]``); default: if the suffix is
+            ``.safetensors``. weights_only: as for :func:`load_plain_state_dict`.
 
     Returns:
         The exported state dict.
@@ -299,8 +270,7 @@ def export_weights(
     Raises:
         FileNotFoundError, PermissionError, DamagedCheckpointError, UnsafeCheckpointError: ``source`` is a file
             that cannot be loaded or holds no model state dict of tensors (see :func:`load_plain_state_dict`).
-        ImportError: safetensors requested but not installed.
-        KeyError: no key under ``submodule``.
+        ImportError: safetensors requested but not installed. KeyError: no key under ``submodule``.
         TypeError: ``source`` is a module whose state dict holds a non-tensor (extra state) under ``submodule``.
     """
     if isinstance(source, nn.Module):

@@ -1,22 +1,17 @@
 """Crash-safe checkpoint writes, safe and clearly failing loads, and ``DDPCheckpointIO``, Lightning's plugin for both.
 
-Writes (:func:`atomic_save`) go to a hidden temporary file in the target's own folder (the system temp folder
-may be another file system, where ``os.replace`` is not atomic), which is flushed, fsynced and renamed over the
-target with :func:`os.replace` (atomic on POSIX and Windows), then the folder is fsynced: a crash leaves the old
-or the new complete file. Temporary files of dead writers are removed (:func:`remove_stale_temp_files`) before
-the next write to that folder and when a fit starts.
-
-Loads (:func:`load_file`) use ``torch.load(weights_only=True)`` by default (an untrusted file cannot run code;
-https://pytorch.org/docs/stable/generated/torch.load.html), check the CRC-32 of every zip member (``torch.load``
-does not), and turn any file that is not a valid checkpoint into one of four errors naming the path:
-:class:`DamagedCheckpointError`, :class:`UnsafeCheckpointError`, ``FileNotFoundError`` or ``PermissionError``
-(fuzzed: tests/checkpoint/test_checkpoint_fuzz.py, benchmarks/fuzz_inputs.py). Rank-agnostic: the strategy
-makes global rank 0 write.
+Writes (:func:`atomic_save`) go to a hidden temporary file in the target's folder (the system temp folder may be
+another file system, where ``os.replace`` is not atomic): flushed, fsynced, renamed over the target, folder
+fsynced. Loads (:func:`load_file`) use ``torch.load(weights_only=True)`` (an untrusted file cannot run code), check
+every zip member's CRC-32 and turn any file that is not a valid checkpoint into one of four errors naming the path
+(fuzzed: tests/checkpoint/test_checkpoint_fuzz.py, benchmarks/fuzz_inputs.py). Rank-agnostic: the strategy makes
+global rank 0 write.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import pickle
@@ -65,14 +60,9 @@ def _pid_alive(pid: int) -> bool:
 
 
 def remove_stale_temp_files(folder: str | os.PathLike) -> list[Path]:
-    """Delete :func:`atomic_save` temporary files in ``folder`` left by writers on this host that died.
+    """Delete (and return) the :func:`atomic_save` temporary files in ``folder`` whose writer, on this host, died.
 
-    A file is stale when its name has the temporary pattern (``.<target>.<host>.<pid>.<random>.tmp``), its host
-    is this one and process ``pid`` no longer runs. Files of live writers and of other hosts (shared file
-    systems) are left alone. A missing folder is fine.
-
-    Returns:
-        The paths removed.
+    Files of live writers and of other hosts (shared file systems) are left alone; a missing folder is fine.
     """
     folder = Path(folder)
     if not folder.is_dir():
@@ -90,19 +80,13 @@ def remove_stale_temp_files(folder: str | os.PathLike) -> list[Path]:
 
 
 def atomic_save(obj: Any, path: str | os.PathLike, save_fn: Callable[[Any, Any], None] = torch.save) -> None:
-    """Write ``obj`` to ``path`` so that a crash at any moment leaves the old or the new complete file.
+    """Write ``obj`` to the local file ``path`` so that a crash at any moment leaves the old or the new complete file.
 
-    ``save_fn(obj, file)`` writes into a hidden temporary file in ``path``'s folder (never named ``*.ckpt``),
-    which is flushed and fsynced, renamed over ``path`` with :func:`os.replace`, and the folder is fsynced. The
-    file gets the permissions a plain ``torch.save(obj, path)`` gives (0o666 less the umask, applied by the
-    kernel when the file is created), so whoever could read Lightning's file can read it. On any error the
-    temporary file is removed and the error re-raised. Stale temporary files of dead writers in the folder are
-    removed first. Creates the folder if needed.
-
-    Args:
-        obj: what to save (a checkpoint dict, a state dict).
-        path: the local target file.
-        save_fn: writes ``obj`` to an open binary file; default :func:`torch.save`.
+    ``save_fn(obj, file)`` (default :func:`torch.save`) writes into a hidden temporary file in ``path``'s folder
+    (never ``*.ckpt``), which is flushed, fsynced and renamed over ``path`` with :func:`os.replace`; the folder is
+    fsynced. The file gets the mode ``torch.save(obj, path)`` gives (0o666 less the umask, which the kernel
+    applies at creation). On any error the temporary file is removed and the error re-raised. Creates the folder;
+    removes dead writers' temporary files there first.
     """
     path = os.path.abspath(os.fspath(path))
     folder = os.path.dirname(path)
@@ -136,13 +120,12 @@ def unwritable_reason(folders: list[str | os.PathLike]) -> str | None:
     in its nearest existing parent (where ``ModelCheckpoint`` will create it). Remote (``scheme://``) paths are
     skipped.
     """
-    for folder in map(os.fspath, folders):
+    for folder in [os.fspath(f) for f in folders if "://" not in os.fspath(f)]:
         existing = os.path.abspath(folder)
         while not os.path.exists(existing):
             existing = os.path.dirname(existing)
         try:
-            if "://" not in folder:
-                tempfile.TemporaryFile(dir=existing).close()
+            tempfile.TemporaryFile(dir=existing).close()
         except OSError as e:
             return (f"Checkpoint folder {folder} is not writable ({type(e).__name__}: {e.strerror or e}). Choose a"
                     " writable ModelCheckpoint(dirpath=...) or Trainer(default_root_dir=...) before training.")
@@ -150,10 +133,8 @@ def unwritable_reason(folders: list[str | os.PathLike]) -> str | None:
 
 
 def file_stamp(path: Any) -> tuple[str, tuple[int, int]] | None:
-    """``(real path, (size in bytes, modification time in ns))`` of a local file, or None (remote or missing).
-
-    Lets a writer recognise, later, a file it wrote itself and that nobody changed since.
-    """
+    """``(real path, (size in bytes, modification time in ns))`` of a local file, or None (remote or missing): how
+    a writer recognises, later, a file it wrote itself and that nobody changed since."""
     if not isinstance(path, (str, os.PathLike)) or "://" in os.fspath(path):
         return None
     try:
@@ -179,20 +160,18 @@ def load_file(
     verify_checksums: bool = True,
     opt_out: str = "load_file(..., weights_only=False)",
 ) -> Any:
-    """``torch.load`` a checkpoint file, with errors that name the file, whatever bytes it holds.
+    """``torch.load`` a checkpoint file (https://pytorch.org/docs/stable/generated/torch.load.html), with errors that
+    name the file, whatever bytes it holds.
 
-    A file that is not a valid checkpoint raises one of the four errors below, never another type
-    (``torch.load`` itself lets ``IndexError``, ``KeyError``, ``UnicodeDecodeError`` ... escape on corrupt
-    input); the warnings ``torch.load`` emits while failing are dropped (the error says what happened), those of
-    a load that succeeds are passed on. ``torch.load`` does not check the CRC-32 its zip format stores for every
-    member, so with ``verify_checksums`` each member is read once and checked first (about one extra read of
-    the file; members saved with ``torch.serialization.set_crc32_options(False)`` store 0 and are skipped;
-    legacy non-zip files carry no checksum).
+    A file that is not a valid checkpoint raises one of the four errors below, never another type (``torch.load``
+    lets ``IndexError``, ``UnicodeDecodeError`` ... escape on corrupt input); warnings of a failing load are
+    dropped, those of a successful one passed on. ``torch.load`` does not check the CRC-32 its zip format stores,
+    so with ``verify_checksums`` each member is read once first (members stored with CRC-32 0, saved under
+    ``torch.serialization.set_crc32_options(False)``, are skipped; legacy non-zip files carry none).
 
     Args:
-        path: the file.
-        map_location: as for :func:`torch.load`; default ``"cpu"``.
-        weights_only: refuse to unpickle arbitrary objects (default True). Pass False only for files you trust.
+        path: the file; map_location: as for :func:`torch.load` (default ``"cpu"``).
+        weights_only: refuse to unpickle arbitrary objects (default True); False only for files you trust.
         verify_checksums: check every zip member's CRC-32 before loading (default True).
         opt_out: how the caller's caller turns ``weights_only`` off, quoted in the :class:`UnsafeCheckpointError`.
 
@@ -215,8 +194,9 @@ def load_file(
                 _verify_zip_checksums(f, path, size)
     except OSError as e:
         raise _open_error(path, e) from e
+    own_errors: list[Exception] = []  # raised by the caller's map_location callable: not the file's fault
     if callable(map_location):
-        map_location = _TaggedMapLocation(map_location)
+        map_location = functools.partial(_tagged, map_location, own_errors)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
@@ -224,13 +204,8 @@ def load_file(
         except OSError as e:  # the file changed (removed, chmod) since it was opened above
             raise _open_error(path, e) from e
         except Exception as e:  # whatever the unpickler raised, the file is not a checkpoint we can load
-            cause: BaseException | None = e
-            seen: set[int] = set()
-            while cause is not None and id(cause) not in seen and not isinstance(cause, _MapLocationFailed):
-                seen.add(id(cause))
-                cause = cause.__cause__ or cause.__context__
-            if isinstance(cause, _MapLocationFailed):  # the caller's map_location failed, not the file: its own error
-                raise cause.__cause__  # type: ignore[misc]  # noqa: B904
+            if own_errors:
+                raise own_errors[0]  # noqa: B904 (the caller's own error, as it raised it)
             if isinstance(e, RuntimeError) and "Attempting to deserialize object on" in str(e):
                 raise  # a valid file for a device this machine lacks: PyTorch's message says what to do
             raise _load_error(path, size, weights_only, e, opt_out) from e
@@ -239,21 +214,13 @@ def load_file(
     return loaded
 
 
-class _MapLocationFailed(Exception):
-    """Raised in place of an exception from the caller's ``map_location`` callable; the original is the cause."""
-
-
-class _TaggedMapLocation:
-    """Wraps a ``map_location`` callable so that its own failures are told apart from a damaged file's."""
-
-    def __init__(self, fn: Callable[..., Any]) -> None:
-        self.fn = fn
-
-    def __call__(self, storage: Any, location: str) -> Any:
-        try:
-            return self.fn(storage, location)
-        except Exception as e:
-            raise _MapLocationFailed() from e
+def _tagged(fn: Callable[..., Any], errors: list[Exception], storage: Any, location: str) -> Any:
+    """``fn(storage, location)``, its exception also kept in ``errors`` (a damaged file's are told apart)."""
+    try:
+        return fn(storage, location)
+    except Exception as e:
+        errors.append(e)
+        raise
 
 
 def _open_error(path: str, error: OSError) -> OSError:
@@ -347,16 +314,14 @@ def _is_local(path: Any) -> bool:
 class DDPCheckpointIO(TorchCheckpointIO):
     """Lightning's :class:`~lightning.fabric.plugins.io.torch_io.TorchCheckpointIO`, crash-safe and safe to load.
 
-    ``save_checkpoint`` writes local files with :func:`atomic_save` and model keys without ``_orig_mod.``;
-    ``load_checkpoint`` loads with ``weights_only=True`` unless told otherwise and reports damaged files clearly
-    (:func:`load_file`). Remote paths (fsspec URLs) and ``remove_checkpoint`` are Lightning's. Rank-agnostic: the
-    strategy calls ``save_checkpoint`` on global rank 0 only.
+    Local files: written by :func:`atomic_save` with keys without ``_orig_mod.``, loaded by :func:`load_file`
+    (``weights_only=True`` unless told otherwise). Remote paths (fsspec URLs) and ``remove_checkpoint`` are
+    Lightning's. Rank-agnostic: the strategy calls ``save_checkpoint`` on global rank 0 only.
 
     Args:
-        weights_only: what ``load_checkpoint(weights_only=None)`` uses (default True). An explicit
+        weights_only: what ``load_checkpoint(weights_only=None)`` uses (default True); an explicit
             ``Trainer.fit(ckpt_path=..., weights_only=False)`` still opts out for one load.
-        verify_checksums: check the CRC-32 of every zip member before loading (default True; see
-            :func:`load_file`): costs about one extra read of the file, catches flipped bits in tensor data.
+        verify_checksums: check every zip member's CRC-32 before loading (default True; about one extra read).
 
     Raises:
         TypeError: ``weights_only`` or ``verify_checksums`` is not a bool.
@@ -392,9 +357,7 @@ class DDPCheckpointIO(TorchCheckpointIO):
         map_location: Callable | Any = lambda storage, loc: storage,
         weights_only: bool | None = None,
     ) -> dict[str, Any]:
-        """Load a checkpoint; ``weights_only=None`` means this plugin's default (True).
-
-        Local files: whatever the file holds, the result is a checkpoint dict or one of the errors below.
+        """Load a checkpoint (``weights_only=None``: this plugin's default); a local file gives a dict or:
 
         Raises:
             FileNotFoundError, PermissionError, DamagedCheckpointError, UnsafeCheckpointError: see

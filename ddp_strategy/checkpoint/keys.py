@@ -1,11 +1,9 @@
-"""Checkpoint keys without wrapper segments, and exact matching of a file's keys to a model's.
+"""Checkpoint keys without wrapper segments, and exact matching of a file's keys to a model's. Rank-agnostic.
 
-``DistributedDataParallel`` names every key ``module.<name>`` and ``torch.compile``'s ``OptimizedModule``
-inserts an ``_orig_mod.`` segment wherever it wraps a module (a compiled sub-module, a compiled whole model, also
-stacked with DDP in either order). Checkpoints are written without those segments (:func:`unwrapped_state_dict`,
-exact: it walks the module tree, so a real sub-module called ``module`` keeps its name), and loading renames a
-file's keys to the model's own (:func:`match_state_dict`), with one error listing missing and unexpected keys
-(:class:`StateDictMismatchError`). Rank-agnostic.
+``DistributedDataParallel`` names every key ``module.<name>``; ``torch.compile``'s ``OptimizedModule`` inserts
+``_orig_mod.`` wherever it wraps a module. Checkpoints are written without them (:func:`unwrapped_state_dict`,
+walking the module tree, so a real sub-module called ``module`` keeps its name); loading renames a file's keys to
+the model's own (:func:`match_state_dict`), or raises one :class:`StateDictMismatchError` listing the rest.
 """
 
 from __future__ import annotations
@@ -56,16 +54,9 @@ def unwrapped_name(module: nn.Module, key: str) -> str:
 
 
 def unwrapped_state_dict(module: nn.Module) -> dict[str, Any]:
-    """``module.state_dict()`` with every DDP ``module.`` and ``torch.compile`` ``_orig_mod.`` segment removed.
-
-    A compiled sub-module inside a LightningModule, a compiled whole model and DDP/compile stacks in either
-    order all give the keys of the plain, uncompiled module (see :func:`unwrapped_name`).
-
-    Args:
-        module: any module, wrapped or not.
-
-    Returns:
-        Clean name -> tensor (the same tensors as ``module.state_dict()``, in the same order).
+    """``module.state_dict()`` (same tensors, same order) with every DDP ``module.`` and ``torch.compile``
+    ``_orig_mod.`` segment removed: compiled sub-modules, a compiled whole model and DDP/compile stacks in either
+    order all give the plain module's keys (:func:`unwrapped_name`).
 
     Raises:
         RuntimeError: two keys map to the same clean name (a sub-module literally called ``_orig_mod``).
@@ -86,20 +77,16 @@ def _without_compile_segments(key: str) -> str:
 
 
 def strip_compile_prefixes(state_dict: Mapping[str, Any]) -> dict[str, Any]:
-    """Remove every ``_orig_mod.`` segment (``torch.compile``'s) from every key; for files, where no model is known.
-
-    Example:
-        >>> strip_compile_prefixes({"model._orig_mod.fc.weight": 1, "_orig_mod.module.b": 2})
-        {'model.fc.weight': 1, 'module.b': 2}
-    """
+    """Remove every ``_orig_mod.`` segment (``torch.compile``'s) from every key, for files (no model known):
+    ``{"model._orig_mod.fc.weight": 1, "_orig_mod.module.b": 2}`` -> ``{"model.fc.weight": 1, "module.b": 2}``."""
     return {_without_compile_segments(key): value for key, value in state_dict.items()}
 
 
 def strip_ddp_prefix(state_dict: Mapping[str, Any]) -> dict[str, Any]:
     """Remove a leading ``module.`` from every key when all keys carry it, as a DDP wrapper's do.
 
-    A heuristic for when the model is not at hand: a model whose only child is really called ``module`` would
-    lose it. When the model is known, use :func:`match_state_dict` (exact) instead.
+    A heuristic for when the model is not at hand (a model whose only child is really called ``module`` would lose
+    it); with the model, use :func:`match_state_dict` (exact).
 
     Example:
         >>> strip_ddp_prefix({"module.fc.weight": 1, "module.fc.bias": 2})
@@ -170,15 +157,14 @@ def match_state_dict(
 ) -> dict[str, Any]:
     """Rename a checkpoint's model keys to ``model``'s own, ready for ``model.load_state_dict``.
 
-    Accepts keys with or without DDP's ``module.`` and ``torch.compile``'s ``_orig_mod.`` segments, for a
-    ``model`` that is itself compiled or not: of the candidate renamings (compile segments removed, ``module.``
-    kept or removed, each of ``prefixes`` in front) the one matching most of the model's keys wins.
+    Keys may carry DDP's ``module.`` and ``torch.compile``'s ``_orig_mod.``, ``model`` may be compiled or not: of
+    the candidate renamings (:func:`_best_key_mapping`) the one matching most of the model's keys wins.
 
     Args:
         state_dict: name -> tensor, as found in a checkpoint.
         model: the module to load into (e.g. the LightningModule).
-        strict: raise when keys are missing, unexpected or of another shape (default). With False the
-            matching keys are returned and the rest is skipped (Lightning: ``model.strict_loading = False``).
+        strict: raise when keys are missing, unexpected or of another shape (default); with False the matching
+            keys are returned and the rest skipped (Lightning: ``model.strict_loading = False``).
         source: the file, named in the error.
         prefixes: attribute paths to try in front of the file's keys (e.g. ``("", "model.")``).
 
