@@ -32,9 +32,8 @@ from ddp_strategy._compat.namespace import (
     rank_zero_warn,
     reset_seed,
 )
-from ddp_strategy.checkpoint import io as checkpoint_io
-from ddp_strategy.checkpoint import keys as checkpoint_keys
-from ddp_strategy.process import START_METHODS, StartMethod, collectives, default_start_method  # noqa: F401 (0.1 had them here)
+from ddp_strategy.checkpoint import FIT_MISMATCH_HINT, StateDictMismatchError, file_stamp, match_state_dict
+from ddp_strategy.process import START_METHODS, StartMethod, default_start_method  # noqa: F401 (0.1 had them here)
 
 if TYPE_CHECKING:
     from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
@@ -238,8 +237,8 @@ class MyDDPStrategy(ParallelStrategy):
             if self.is_global_zero:  # remove what killed checkpoint writers left; name an unwritable folder now
                 folders = [cb.dirpath for cb in trainer.checkpoint_callbacks if getattr(cb, "dirpath", None)]
                 for folder in folders:
-                    checkpoint_io.remove_stale_temp_files(folder)
-                problem = checkpoint_io.unwritable_reason(folders)  # a warning: Lightning's ddp fails at the save
+                    checkpoint.remove_stale_temp_files(folder)
+                problem = checkpoint.unwritable_reason(folders)  # a warning: Lightning's ddp fails at the save
                 if problem:
                     rank_zero_warn(f"{problem} The first checkpoint saved there will fail; fix the folder now.")
             self.model = self._gradients.wrap(self.model, self.root_device)
@@ -370,17 +369,17 @@ class MyDDPStrategy(ParallelStrategy):
     @override
     def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
         """``(W, *shape)``, Lightning's; first dimensions that differ give ``(W, max n_r, *rest)``, padded as
-        ``DistributedSampler`` pads, and a rank-0 warning once (:func:`ddp_strategy.process.collectives`).
+        ``DistributedSampler`` pads, and a rank-0 warning once (:func:`ddp_strategy.process.all_gather_padded`).
 
         Raises:
             ValueError: the tensors differ in another dimension (on every rank).
         """
         self._sharding.guard.check("all_gather", self.global_rank)
-        shapes = collectives.gather_shapes(tensor, group)
+        shapes = process.gather_shapes(tensor, group)
         if len(set(shapes)) == 1:
             return super().all_gather(tensor, group=group, sync_grads=sync_grads)
         warn, self._warned_padded_gather = not self._warned_padded_gather, True
-        return collectives.all_gather_padded(tensor, shapes, group, sync_grads, warn=warn)
+        return process.all_gather_padded(tensor, shapes, group, sync_grads, warn=warn)
 
     # ------------------------------------------------------------------------------------ 4. checkpoints
     @override
@@ -393,17 +392,17 @@ class MyDDPStrategy(ParallelStrategy):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         """With every rank's sampler position, global rank 0 writes; a failure raises on every rank. Collective."""
         self._sharding.add_positions(self._trainer, checkpoint)
-        collectives.on_global_zero(self.global_rank, self.root_device, f"saving checkpoint {filepath}",
+        process.on_global_zero(self.global_rank, self.root_device, f"saving checkpoint {filepath}",
                                    self.checkpoint_io.save_checkpoint, checkpoint, filepath, storage_options)
-        if (stamp := checkpoint_io.file_stamp(filepath)) is not None:  # trusted when loaded back unchanged
+        if (stamp := file_stamp(filepath)) is not None:  # trusted when loaded back unchanged
             self._written[stamp[0]] = stamp[1]
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:
         """Global rank 0 removes the file; a collective, like :meth:`save_checkpoint`."""
-        if (stamp := checkpoint_io.file_stamp(filepath)) is not None:
+        if (stamp := file_stamp(filepath)) is not None:
             self._written.pop(stamp[0], None)
-        collectives.on_global_zero(self.global_rank, self.root_device, f"removing checkpoint {filepath}",
+        process.on_global_zero(self.global_rank, self.root_device, f"removing checkpoint {filepath}",
                                    self.checkpoint_io.remove_checkpoint, filepath)
 
     @override
@@ -411,7 +410,7 @@ class MyDDPStrategy(ParallelStrategy):
         """Every rank reads the file and keeps its sampler positions for the training loaders built next. A file
         saved here and unchanged since is trusted unless the caller chose (``lr_find``, ``ckpt_path="best"`` cannot)."""
         self._checkpoint_path = checkpoint_path
-        stamp = checkpoint_io.file_stamp(checkpoint_path)
+        stamp = file_stamp(checkpoint_path)
         if weights_only is None and stamp is not None and self._written.get(stamp[0]) == stamp[1]:
             weights_only = False
         loaded = _pl.call_with_weights_only(super().load_checkpoint, checkpoint_path, weights_only=weights_only)
@@ -428,11 +427,11 @@ class MyDDPStrategy(ParallelStrategy):
         with contextlib.suppress(RuntimeError):  # not attached to a trainer (self._trainer is set later, in setup)
             fitting = module.trainer is not None and module.trainer.state.fn == TrainerFn.FITTING
         try:
-            state_dict = checkpoint_keys.match_state_dict(checkpoint["state_dict"], module, strict=strict,
-                                                          source=getattr(self, "_checkpoint_path", None))
-        except checkpoint_keys.StateDictMismatchError as e:
+            state_dict = match_state_dict(checkpoint["state_dict"], module, strict=strict,
+                                          source=getattr(self, "_checkpoint_path", None))
+        except StateDictMismatchError as e:
             if fitting:  # fit(ckpt_path=...) restores the optimizer too, which needs exactly the file's parameters
-                e.args = (f"{e}\n{checkpoint_keys.FIT_MISMATCH_HINT}",)
+                e.args = (f"{e}\n{FIT_MISMATCH_HINT}",)
             raise
         module.load_state_dict(state_dict, strict=strict)
 
