@@ -7,6 +7,7 @@ The strategy only orchestrates: each step has one entry point in its sub-package
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 from collections.abc import Generator, Mapping
@@ -16,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
@@ -23,7 +25,15 @@ from typing_extensions import override
 from ddp_strategy import checkpoint, diagnostics, options, process, sampling, sync
 from ddp_strategy._compat import lightning_private as _pl
 from ddp_strategy._compat import namespace as _namespace
-from ddp_strategy._compat.namespace import SIGTERMException, TrainerFn, rank_zero_info, reset_seed
+from ddp_strategy._compat.namespace import (
+    SIGTERMException,
+    TrainerFn,
+    rank_zero_info,
+    rank_zero_only,
+    rank_zero_warn,
+    reset_seed,
+)
+from ddp_strategy.checkpoint import FIT_MISMATCH_HINT, StateDictMismatchError, file_stamp, match_state_dict
 
 if TYPE_CHECKING:
     from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
@@ -35,7 +45,7 @@ else:  # the flavour for the user's Lightning namespace is built on construction
     ParallelStrategy = _namespace.lightning_base("pytorch.strategies:ParallelStrategy")
 
 
-class MyDDPStrategy(process.RankTopology, checkpoint.DefaultCheckpointIO, ParallelStrategy):
+class MyDDPStrategy(ParallelStrategy):
     """Distributed data parallel training: one process per device, gradients all-reduced during backward.
 
     ``Trainer(accelerator="cpu", devices=2, strategy=MyDDPStrategy())`` starts 2 processes in a gloo process
@@ -108,13 +118,81 @@ class MyDDPStrategy(process.RankTopology, checkpoint.DefaultCheckpointIO, Parall
         self._forward_redirection = sync.DDPForwardRedirection()
         self._run = process.ProcessGroupRun(self._options.timeout, self._options.barrier_timeout, init_method, store)
         self._sharding = sampling.LoaderSharding(exact_evaluation)
-        self._collectives = process.Collectives(check=self._sharding.guard.check)
+        self._warned_padded_gather = False
         self._sampler_seed = sampling.shared_seed(seed)
         self._gradients_unchecked = False  # the first backward's unused-parameter check is still to come
         self._gradients_steps = 0  # optimizer steps in this fit, for verify_sync_every_n_steps
         self._verify_sync_every_n_steps = verify_sync_every_n_steps
-        self._checkpoints = checkpoint.CheckpointTracker()
+        self._written: dict[str, tuple[int, int]] = {}  # checkpoints saved here: real path -> (bytes, mtime ns)
         self._diagnostics: diagnostics.FitRecord | None = None
+
+    # ---------------------------------------------------------------------------------------- topology
+    # World size W = num_nodes * num_processes; global rank = node_rank * num_processes + local_rank (node-major).
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        """This rank's device: ``parallel_devices[local_rank]``."""
+        assert self.parallel_devices is not None, "the Trainer sets parallel_devices before use"
+        return self.parallel_devices[self.local_rank]
+
+    _num_nodes = 1
+
+    @property
+    def num_nodes(self) -> int:
+        """Number of machines (Lightning's ``Trainer(num_nodes=...)``)."""
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        """Processes (devices) per node."""
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def is_distributed(self) -> bool:
+        """Always True: tells Lightning to synchronise ``self.log(..., sync_dist=True)`` values."""
+        return True
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        """``num_replicas`` (world size) and ``rank`` (global rank) for a ``DistributedSampler``."""
+        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+
+    @property
+    def process_group_backend(self) -> str | None:
+        """The backend in use once the process group exists, else the user's choice (or None)."""
+        return self._process_group_backend
+
+    @property
+    def node_group(self) -> Any:
+        """The intra-node process group of this rank (the world group on one node); None before setup."""
+        return self._run.node_group
+
+    @property
+    def node_ranks(self) -> list[int]:
+        """Global ranks on this rank's node, e.g. ``[2, 3]`` for node 1 of 2 with 2 devices each."""
+        return list(self._run.node_ranks)
+
+    @property
+    def start_method(self) -> process.StartMethod:
+        """How processes are started: ``"popen"``, ``"spawn"``, ``"fork"`` or ``"forkserver"``."""
+        return self._options.start_method
+
+    @property
+    @override
+    def checkpoint_io(self) -> CheckpointIO:
+        """The checkpoint plugin: :class:`~ddp_strategy.DDPCheckpointIO` unless the user passed another."""
+        if self._checkpoint_io is None:
+            self._checkpoint_io = checkpoint.DDPCheckpointIO()
+        return self._checkpoint_io
+
+    @checkpoint_io.setter
+    def checkpoint_io(self, io: CheckpointIO | None) -> None:
+        self._checkpoint_io = io
 
     # ------------------------------------------------------------------------- 1. launch + process group
     @override
@@ -122,6 +200,15 @@ class MyDDPStrategy(process.RankTopology, checkpoint.DefaultCheckpointIO, Parall
         # Runs in Trainer(...), before any process starts: refuse impossible set-ups here, not in a child.
         self._launcher = self._run.make_launcher(self, self.start_method, self._process_group_backend,
                                                  self._options.allow_cpu_oversubscription)
+
+    def set_world_ranks(self) -> None:
+        """Check the launch variables (every rank, in ``Trainer(...)``; a ``ValueError`` names a bad one, see
+        :func:`ddp_strategy.process.check_launch_env`), then set this process's global rank and the world size."""
+        if self.cluster_environment is not None:
+            process.check_launch_env(self.cluster_environment, self.num_nodes, self.num_processes)
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
 
     @override
     def setup_environment(self) -> None:
@@ -150,8 +237,13 @@ class MyDDPStrategy(process.RankTopology, checkpoint.DefaultCheckpointIO, Parall
                 self._layer_sync = sync.cpu_capable(self._layer_sync)
                 self.model = self._layer_sync.apply(self.model)
             self._run.add_fit_callbacks(trainer, self.global_rank, self.world_size)
-            if self.is_global_zero:
-                self._checkpoints.warn_if_unwritable(trainer)
+            if self.is_global_zero:  # remove what killed checkpoint writers left; name an unwritable folder now
+                folders = [cb.dirpath for cb in trainer.checkpoint_callbacks if getattr(cb, "dirpath", None)]
+                for folder in folders:
+                    checkpoint.remove_stale_temp_files(folder)
+                problem = checkpoint.unwritable_reason(folders)  # a warning: Lightning's ddp fails at the save
+                if problem:
+                    rank_zero_warn(f"{problem} The first checkpoint saved there will fail; fix the folder now.")
             self.model = sync.wrap(self.model, self.root_device, self._options.ddp_kwargs, self._options.comm_hook)
             # Without DDP's own unused-parameter handling, the first backward is checked (post_backward).
             self._gradients_unchecked = not any(self._options.ddp_kwargs.get(k) for k in ("find_unused_parameters",
@@ -253,26 +345,57 @@ class MyDDPStrategy(process.RankTopology, checkpoint.DefaultCheckpointIO, Parall
             return super().predict_step(*args, **kwargs)
 
     # ------------------------------------------------------------------------------------- collectives
+    # Lightning's DDPStrategy logic. Called on every rank (world size 1 included); refused inside an evaluation
+    # step whose ranks hold different batch counts (:class:`ddp_strategy.sampling.LoaderSharding`).
     @override
     def barrier(self, name: str | None = None) -> None:
-        """Wait for every rank (:meth:`ddp_strategy.process.Collectives.barrier`)."""
-        self._collectives.barrier(self.root_device, self.global_rank)
+        """Wait for every rank; NCCL gets this rank's device. A no-op without a process group."""
+        self._sharding.guard.check("barrier", self.global_rank)
+        if dist.is_available() and dist.is_initialized():
+            dist.barrier(**({"device_ids": process.device_ids(self.root_device)} if dist.get_backend() == "nccl"
+                            else {}))
 
     @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:
-        """Rank ``src``'s ``obj`` on every rank (:meth:`ddp_strategy.process.Collectives.broadcast`)."""
-        return self._collectives.broadcast(obj, src, self.global_rank)
+        """Rank ``src``'s ``obj`` on every rank (pickled); ``obj`` itself without a process group."""
+        self._sharding.guard.check("broadcast", self.global_rank)
+        box = [obj]
+        if dist.is_available() and dist.is_initialized():
+            dist.broadcast_object_list(box, src)
+        return box[0]
 
     @override
     def reduce(self, tensor: Tensor | Any, group: Any | None = None, reduce_op: Any | None = "mean") -> Tensor | Any:
-        """All-reduce over the world, ``"mean"`` by default (:meth:`ddp_strategy.process.Collectives.reduce`)."""
-        return self._collectives.reduce(tensor, group, reduce_op, self.global_rank)
+        """A new tensor, ``tensor`` all-reduced over the world (Lightning's ``_sync_ddp``); non-tensors pass through.
+
+        ``reduce_op``: ``"mean"`` (default; an integer tensor's mean is float32), ``"avg"``, ``"sum"``, ``"max"``,
+        ``"min"`` or a ``torch.distributed.ReduceOp`` of these. Raises ``ValueError`` for another op or a ``group``.
+        """
+        self._sharding.guard.check("reduce (e.g. self.log(..., on_step=True, sync_dist=True))", self.global_rank)
+        op = (getattr(reduce_op, "name", None) or str(reduce_op or "mean")).lower()
+        if group is not None or op not in ("mean", "avg", "sum", "max", "min"):
+            raise ValueError("MyDDPStrategy.reduce only reduces over the world process group; pass group=None."
+                             if group is not None else f"Unsupported reduce op {reduce_op!r}; use one of"
+                             " ['avg', 'max', 'mean', 'min', 'sum'].")
+        if not isinstance(tensor, Tensor):
+            return tensor
+        result = tensor.float() if op in ("mean", "avg") and not tensor.is_floating_point() else tensor.clone()
+        return _pl.sync_ddp_if_available(result, reduce_op=op)
 
     @override
     def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
-        """``(W, *shape)``; uneven first dimensions too (:meth:`ddp_strategy.process.Collectives.all_gather`)."""
-        equal = functools.partial(super().all_gather, tensor, group=group, sync_grads=sync_grads)
-        return self._collectives.all_gather(tensor, group, sync_grads, self.global_rank, equal)
+        """``(W, *shape)``, Lightning's; first dimensions that differ give ``(W, max n_r, *rest)``, padded as
+        ``DistributedSampler`` pads, and a rank-0 warning once (:func:`ddp_strategy.process.all_gather_padded`).
+
+        Raises:
+            ValueError: the tensors differ in another dimension (on every rank).
+        """
+        self._sharding.guard.check("all_gather", self.global_rank)
+        shapes = process.gather_shapes(tensor, group)
+        if len(set(shapes)) == 1:
+            return super().all_gather(tensor, group=group, sync_grads=sync_grads)
+        warn, self._warned_padded_gather = not self._warned_padded_gather, True
+        return process.all_gather_padded(tensor, shapes, group, sync_grads, warn=warn)
 
     # ------------------------------------------------------------------------------------ 4. checkpoints
     @override
@@ -285,40 +408,55 @@ class MyDDPStrategy(process.RankTopology, checkpoint.DefaultCheckpointIO, Parall
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         """With every rank's sampler position, global rank 0 writes; a failure raises on every rank. Collective."""
         sampling.save_positions(self._trainer, checkpoint)
-        save = functools.partial(self.checkpoint_io.save_checkpoint, checkpoint, filepath, storage_options)
-        self._collectives.on_rank_zero(save, f"saving checkpoint {filepath}", self.global_rank)
-        self._checkpoints.record(filepath)
+        process.on_global_zero(self.global_rank, self.root_device, f"saving checkpoint {filepath}",
+                               self.checkpoint_io.save_checkpoint, checkpoint, filepath, storage_options)
+        if (stamp := file_stamp(filepath)) is not None:  # trusted when loaded back unchanged
+            self._written[stamp[0]] = stamp[1]
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:
         """Global rank 0 removes the file; a collective, like :meth:`save_checkpoint`."""
-        self._checkpoints.forget(filepath)
-        remove = functools.partial(self.checkpoint_io.remove_checkpoint, filepath)
-        self._collectives.on_rank_zero(remove, f"removing checkpoint {filepath}", self.global_rank)
+        if (stamp := file_stamp(filepath)) is not None:
+            self._written.pop(stamp[0], None)
+        process.on_global_zero(self.global_rank, self.root_device, f"removing checkpoint {filepath}",
+                                   self.checkpoint_io.remove_checkpoint, filepath)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        """Every rank reads the file and keeps its sampler positions for the training loaders built next."""
+        """Every rank reads the file and keeps its sampler positions for the training loaders built next. A file
+        saved here and unchanged since is trusted unless the caller chose (``lr_find``, ``ckpt_path="best"`` cannot)."""
         self._checkpoint_path = checkpoint_path
-        weights_only = self._checkpoints.weights_only_for(checkpoint_path, weights_only)
+        stamp = file_stamp(checkpoint_path)
+        if weights_only is None and stamp is not None and self._written.get(stamp[0]) == stamp[1]:
+            weights_only = False
         loaded = _pl.call_with_weights_only(super().load_checkpoint, checkpoint_path, weights_only=weights_only)
         self._sharding.positions = sampling.read_positions(loaded)
         return loaded
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        """Load weights with keys matched exactly to the module's (:class:`~ddp_strategy.StateDictMismatchError`)."""
-        assert self.lightning_module is not None
-        self._checkpoints.load_into(self.lightning_module, checkpoint, strict, getattr(self, "_checkpoint_path", None))
+        """Load weights with keys matched exactly to the module's (:func:`~ddp_strategy.match_state_dict`); with
+        ``strict`` (``LightningModule.strict_loading``) a ``StateDictMismatchError`` on every rank lists the rest."""
+        module = self.lightning_module
+        assert module is not None
+        fitting = False
+        with contextlib.suppress(RuntimeError):  # not attached to a trainer (self._trainer is set later, in setup)
+            fitting = module.trainer is not None and module.trainer.state.fn == TrainerFn.FITTING
+        try:
+            state_dict = match_state_dict(checkpoint["state_dict"], module, strict=strict,
+                                          source=getattr(self, "_checkpoint_path", None))
+        except StateDictMismatchError as e:
+            if fitting:  # fit(ckpt_path=...) restores the optimizer too, which needs exactly the file's parameters
+                e.args = (f"{e}\n{FIT_MISMATCH_HINT}",)
+            raise
+        module.load_state_dict(state_dict, strict=strict)
 
     # ------------------------------------------------------------------------------------- diagnostics
     @override
     def on_train_start(self) -> None:
-        """Restore a mid-epoch batch counter; rank 0: clean checkpoint folders, log the fit summary. No collective."""
+        """Restore a mid-epoch batch counter; rank 0: log the fit summary. No collective."""
         super().on_train_start()
         sampling.restore_batch_counter(self._trainer, self.world_size, self._sharding.until_teardown)
-        if self.is_global_zero and self._trainer is not None:
-            self._checkpoints.remove_stale_temp_files(self._trainer)
         if self._trainer is not None and isinstance(self.model, DistributedDataParallel):
             self._diagnostics = diagnostics.on_fit_start(self._trainer, str(self._process_group_backend),
                                                          self.start_method, self._options.ddp_kwargs, self.model)

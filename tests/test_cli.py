@@ -11,7 +11,7 @@ import torch
 from ddp_testing import run_cli
 
 from ddp_strategy import DigitsDataModule, DigitsNet, load_plain_state_dict
-from ddp_strategy.checkpoint.files import load_file
+from ddp_strategy.checkpoint.io import load_file
 from ddp_strategy.cli import build_cli
 
 

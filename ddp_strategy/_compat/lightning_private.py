@@ -267,3 +267,19 @@ def resumed_batch_count(trainer: pl.Trainer) -> int:
     on_batch_end = total.started == total.ready == total.processed and total.completed == total.processed - 1
     counts_it = hasattr(epoch_loop, "restarted_on_train_batch_end") and on_batch_end
     return epoch_loop.batch_progress.current.completed + int(counts_it)
+
+
+# Lightning's collectives (fabric/utilities/distributed.py): namespace-neutral, they act on torch.distributed.
+PRIVATE_NAMES.update({
+    "sync_ddp_if_available": "fabric.utilities.distributed:_sync_ddp_if_available",
+    "all_gather_ddp_if_available": "fabric.utilities.distributed:_all_gather_ddp_if_available",
+    "gather_all_tensors": "fabric.utilities.distributed:_gather_all_tensors",
+})
+#: ``(tensor, group=None, reduce_op=None)``: all-reduce in place (``"mean"``/``"avg"`` on gloo: sum, then divide);
+#: the tensor itself without a process group. What Lightning's ``DDPStrategy.reduce`` calls.
+sync_ddp_if_available = _default.get(PRIVATE_NAMES["sync_ddp_if_available"])
+#: ``(tensor, group=None, sync_grads=False)``: ``(W, *shape)`` of equal shapes; what ``ParallelStrategy.all_gather``
+#: calls.
+all_gather_ddp_if_available = _default.get(PRIVATE_NAMES["all_gather_ddp_if_available"])
+#: ``(tensor, group=None)``: every rank's tensor, shapes may differ in every dimension (padded, gathered, trimmed).
+gather_all_tensors = _default.get(PRIVATE_NAMES["gather_all_tensors"])

@@ -1,12 +1,7 @@
-"""Bringing plain PyTorch checkpoints in, and plain model weights out.
-
-In: hand-written DDP scripts save ``{"epoch": ..., "model_state_dict": ddp_model.state_dict(),
-"optimizer_state_dict": optimizer.state_dict()}`` (keys ``module.<name>``), as in PyTorch's DDP and
-ImageNet examples. :func:`import_plain_checkpoint` loads such a file into our model and, if asked, writes a
-Lightning checkpoint that ``Trainer.fit(model, ckpt_path=...)`` resumes from (next epoch, optimizer state).
-
-Out: :func:`export_weights` writes just the model's ``state_dict`` (``torch.save`` or safetensors) for
-inference with PyTorch alone.
+"""Plain PyTorch checkpoints in, plain model weights out: :func:`load_plain_state_dict` (weights ready for the plain
+``nn.Module``), :func:`export_weights` (just the ``state_dict``, for PyTorch alone) and
+:func:`import_plain_checkpoint` (a hand-written DDP script's file, keys ``module.<name>``, into our model, and a
+Lightning checkpoint that ``Trainer.fit(model, ckpt_path=...)`` resumes from).
 """
 
 from __future__ import annotations
@@ -20,55 +15,89 @@ import torch
 from torch import nn
 
 from ddp_strategy._compat import namespace as _namespace
-from ddp_strategy.checkpoint.atomic import atomic_save
-from ddp_strategy.checkpoint.files import DamagedCheckpointError, find_model_state_dict, load_file, plain_state_dict
-from ddp_strategy.checkpoint.keys import match_state_dict, unwrapped_name, unwrapped_state_dict
+from ddp_strategy.checkpoint.io import DamagedCheckpointError, atomic_save, load_file
+from ddp_strategy.checkpoint.keys import (
+    match_state_dict,
+    strip_compile_prefixes,
+    strip_ddp_prefix,
+    unwrapped_name,
+    unwrapped_state_dict,
+)
 
 log = logging.getLogger(__name__)
 
+#: Entries under which checkpoints keep the model's state dict, in the order they are looked for.
+MODEL_STATE_KEYS = ("state_dict", "model_state_dict", "model")
 #: Entries under which plain checkpoints keep the optimizer's state dict, in the order they are looked for.
 OPTIMIZER_STATE_KEYS = ("optimizer_state_dict", "optimizer")
 
 
-def _find_optimizer_state(checkpoint: Mapping[str, Any]) -> dict[str, Any] | None:
-    for key in OPTIMIZER_STATE_KEYS:
-        value = checkpoint.get(key)
-        if isinstance(value, Mapping) and "state" in value and "param_groups" in value:
-            return dict(value)
-    return None
-
-
-def _submodule_prefixes(model: nn.Module) -> list[str]:
-    """``""`` and ``"<path>."`` for every sub-module, by clean name (no wrapper segments), shortest first."""
-    names = {unwrapped_name(model, name + ".x")[:-1] for name, _ in model.named_modules() if name}
-    return [""] + sorted(names - {""}, key=lambda n: (n.count("."), n))
-
-
-def _check_optimizer_layout(optimizer_state: Mapping[str, Any], source: str) -> None:
-    """``torch.optim.Optimizer.state_dict()``'s layout: ``param_groups`` a list of dicts with a ``params`` list
-    of ints, ``state`` a dict of dicts.
+def find_model_state_dict(checkpoint: Any, path: str | os.PathLike | None = None) -> Mapping[str, Any]:
+    """The model state dict inside a loaded checkpoint: a :data:`MODEL_STATE_KEYS` entry, or the dict itself.
 
     Raises:
-        DamagedCheckpointError: the entry has another shape, so it was not written by ``Optimizer.state_dict()``.
+        DamagedCheckpointError: no such entry and the dict is not a dict of tensors, the checkpoint is not a dict,
+            or a state-dict key is not a string.
     """
-    groups, state = optimizer_state["param_groups"], optimizer_state["state"]
-    ok = (isinstance(groups, (list, tuple)) and isinstance(state, Mapping)
-          and all(isinstance(g, Mapping) and isinstance(g.get("params"), (list, tuple))
-                  and all(isinstance(i, int) for i in g["params"]) for g in groups)
-          and all(isinstance(v, Mapping) for v in state.values()))
-    if not ok:
-        raise DamagedCheckpointError(
-            f"The optimizer state in {source} is not laid out as torch.optim.Optimizer.state_dict() writes it"
-            " ('param_groups': a list of dicts with a 'params' list of ints, 'state': a dict of dicts). Is the"
-            " file damaged or written by something else? Load the weights only with output_path=None.")
+    where = os.fspath(path) if path else "the checkpoint"
+    state_dict: Mapping[str, Any] | None = None
+    if isinstance(checkpoint, Mapping):
+        state_dict = next((checkpoint[k] for k in MODEL_STATE_KEYS if isinstance(checkpoint.get(k), Mapping)), None)
+        if state_dict is None and checkpoint and all(isinstance(v, torch.Tensor) for v in checkpoint.values()):
+            state_dict = checkpoint
+    if state_dict is None:
+        found = [repr(k)[:40] for k in list(checkpoint)[:10]] if isinstance(checkpoint, Mapping) else (
+            f"a {type(checkpoint).__name__}")
+        raise DamagedCheckpointError(f"No model state dict in {where}: expected one of the entries"
+                                     f" {list(MODEL_STATE_KEYS)} or a dict of tensors, found {found}.")
+    odd = next((k for k in state_dict if not isinstance(k, str)), None)
+    if odd is not None:
+        raise DamagedCheckpointError(f"The model state dict in {where} has a key that is not a string:"
+                                     f" {odd!r} ({type(odd).__name__}); state-dict keys are parameter names."
+                                     " Is this file a checkpoint?")
+    return state_dict
+
+
+def plain_state_dict(checkpoint: Any, path: str | os.PathLike, submodule: str = "model") -> dict[str, torch.Tensor]:
+    """:func:`load_plain_state_dict` for a checkpoint already loaded from ``path`` (named in errors)."""
+    state_dict = strip_ddp_prefix(strip_compile_prefixes(find_model_state_dict(checkpoint, path)))
+    if not submodule:
+        return state_dict
+    prefix = submodule + "."
+    picked = {key[len(prefix):]: value for key, value in state_dict.items() if key.startswith(prefix)}
+    if not picked:
+        raise KeyError(f"No key in {os.fspath(path)} starts with {prefix!r}; found e.g. {list(state_dict)[:5]}."
+                       " Pass submodule='' for the whole state dict, or the attribute name of your model.")
+    return picked
+
+
+def load_plain_state_dict(path: str | os.PathLike, submodule: str = "model",
+                          weights_only: bool = True) -> dict[str, torch.Tensor]:
+    """Load the weights of one sub-module from a checkpoint, ready for the plain ``nn.Module``.
+
+    Lightning checkpoints (``"state_dict"``), plain PyTorch files (``"model_state_dict"`` or ``"model"``) and bare
+    state dicts, with or without ``module.`` and ``_orig_mod.`` segments. With the model at hand,
+    :func:`import_plain_checkpoint` matches keys exactly and strictly.
+
+    Args:
+        path: checkpoint file.
+        submodule: attribute of the plain model in the LightningModule (``"model"`` for
+            :class:`~ddp_strategy.reference.model.DigitsClassifier`); ``""`` returns the whole state dict.
+        weights_only: load with ``torch.load(weights_only=True)`` (default); False only for files you trust.
+
+    Returns:
+        Parameter and buffer name -> tensor, keys without ``module.``, ``_orig_mod.`` or ``<submodule>.``.
+
+    Raises:
+        FileNotFoundError, PermissionError, DamagedCheckpointError, UnsafeCheckpointError: see
+            :func:`~ddp_strategy.checkpoint.io.load_file`; KeyError: no key starts with ``<submodule>.``.
+    """
+    checkpoint = load_file(path, weights_only=weights_only, opt_out="load_plain_state_dict(..., weights_only=False)")
+    return plain_state_dict(checkpoint, path, submodule)
 
 
 def _int_entry(checkpoint: Mapping[str, Any], keys: tuple[str, ...], source: str) -> int:
-    """The first of ``keys`` present in ``checkpoint`` as a non-negative int (0 if none is).
-
-    Raises:
-        DamagedCheckpointError: the entry is not a whole number >= 0 (e.g. a string or a list).
-    """
+    """The first of ``keys`` in ``checkpoint`` as an int >= 0 (0 if none is); else ``DamagedCheckpointError``."""
     key = next((k for k in keys if k in checkpoint), None)
     if key is None:
         return 0
@@ -84,14 +113,23 @@ def _int_entry(checkpoint: Mapping[str, Any], keys: tuple[str, ...], source: str
 
 
 def _check_optimizer_lines_up(optimizer_state: Mapping[str, Any], params: list[torch.Tensor], source: str) -> None:
-    """Each optimizer slot's per-parameter tensors must have the shape of the parameter at that position."""
-    _check_optimizer_layout(optimizer_state, source)
-    ids = [i for group in optimizer_state["param_groups"] for i in group["params"]]
+    """Raise ``DamagedCheckpointError`` unless ``optimizer_state`` is laid out as ``Optimizer.state_dict()`` writes
+    it, ``ValueError`` unless each per-parameter tensor has the shape of the parameter at that position."""
+    groups, state = optimizer_state["param_groups"], optimizer_state["state"]
+    if not (isinstance(groups, (list, tuple)) and isinstance(state, Mapping)
+            and all(isinstance(g, Mapping) and isinstance(g.get("params"), (list, tuple))
+                    and all(isinstance(i, int) for i in g["params"]) for g in groups)
+            and all(isinstance(v, Mapping) for v in state.values())):
+        raise DamagedCheckpointError(
+            f"The optimizer state in {source} is not laid out as torch.optim.Optimizer.state_dict() writes it"
+            " ('param_groups': a list of dicts with a 'params' list of ints, 'state': a dict of dicts). Is the"
+            " file damaged or written by something else? Load the weights only with output_path=None.")
+    ids = [i for group in groups for i in group["params"]]
     if len(ids) != len(params):
         raise ValueError(f"The optimizer state in {source} covers {len(ids)} parameters but the model part it"
                          f" belongs to has {len(params)}; the optimizer was built over other parameters.")
     for position, index in enumerate(ids):
-        for name, value in optimizer_state["state"].get(index, {}).items():
+        for name, value in state.get(index, {}).items():
             if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape != params[position].shape:
                 raise ValueError(
                     f"The optimizer state in {source} does not line up with the model's parameters: slot"
@@ -102,22 +140,27 @@ def _check_optimizer_lines_up(optimizer_state: Mapping[str, Any], params: list[t
 
 
 def _fit_loop_state(epochs_completed: int, global_step: int) -> dict[str, Any]:
-    """Lightning's ``fit_loop`` state for ``epochs_completed`` finished epochs and ``global_step`` steps.
-
-    Taken from a fresh Trainer's own ``fit_loop.state_dict()`` (so its layout is Lightning's), with the
-    epoch and optimizer-step counters set.
-    """
+    """Lightning's ``fit_loop`` state after ``epochs_completed`` epochs and ``global_step`` optimizer steps: a fresh
+    Trainer's own ``fit_loop.state_dict()`` (so its layout is Lightning's), counters set."""
     trainer = _namespace.default.pytorch.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False)
+                                                 enable_progress_bar=False, enable_model_summary=False)
     state = trainer.fit_loop.state_dict()
+    steps = state["epoch_loop.automatic_optimization.optim_progress"]["optimizer"]["step"]
     for scope in ("total", "current"):
         for field in state["epoch_progress"][scope]:
             state["epoch_progress"][scope][field] = epochs_completed
-        for counter in state["epoch_loop.automatic_optimization.optim_progress"]["optimizer"]["step"][scope]:
-            state["epoch_loop.automatic_optimization.optim_progress"]["optimizer"]["step"][scope][counter] = (
-                global_step if scope == "total" else 0)
+        for counter in steps[scope]:
+            steps[scope][counter] = global_step if scope == "total" else 0
     state["epoch_loop.state_dict"]["_batches_that_stepped"] = global_step
     return state
+
+
+def _clean_paths(model: nn.Module) -> dict[str, nn.Module]:
+    """``"<path>."`` (clean: no wrapper segments) -> sub-module, for every sub-module, shortest path first."""
+    paths: dict[str, nn.Module] = {}
+    for name, module in model.named_modules():
+        paths.setdefault(unwrapped_name(model, name + ".x")[:-1] if name else "", module)
+    return dict(sorted(paths.items(), key=lambda item: (item[0].count("."), item[0])))
 
 
 def import_plain_checkpoint(
@@ -131,55 +174,43 @@ def import_plain_checkpoint(
 ) -> dict[str, Any]:
     """Load a plain PyTorch (hand-written DDP) checkpoint into ``model``; optionally write a Lightning one.
 
-    The file may hold ``{"epoch", "model_state_dict" | "state_dict" | "model", "optimizer_state_dict" |
-    "optimizer", "global_step"?}`` or be a bare state dict; keys may carry DDP's ``module.`` and
-    ``torch.compile``'s ``_orig_mod.``. They are matched exactly against ``model``: either ``model``'s own
-    keys or those of one of its sub-modules (for :class:`~ddp_strategy.reference.model.DigitsClassifier` the file's
-    ``layers.0.weight`` becomes ``model.layers.0.weight``).
-
-    With ``output_path`` (``model`` must be a LightningModule) a Lightning checkpoint is written atomically:
-    the weights, the optimizer state (checked to line up with the parameters of the matched part, in
-    ``parameters()`` order, as ``configure_optimizers`` must build it), the hyper-parameters and the loop
-    counters, so ``Trainer.fit(model, ckpt_path=output_path)`` continues at epoch ``epochs_completed``.
-
-    Example:
-        >>> model = DigitsClassifier()
-        >>> import_plain_checkpoint("ddp_script.pt", model, "imported.ckpt")  # doctest: +SKIP
-        >>> trainer.fit(model, datamodule, ckpt_path="imported.ckpt")         # doctest: +SKIP
+    The file holds ``{"epoch", "model_state_dict" | "state_dict" | "model", "optimizer_state_dict" | "optimizer",
+    "global_step"?}`` (as PyTorch's DDP and ImageNet examples save) or is a bare state dict; its keys (with or
+    without ``module.``/``_orig_mod.``) are matched exactly against ``model``'s or one of its sub-modules' (for
+    :class:`~ddp_strategy.reference.model.DigitsClassifier` ``layers.0.weight`` becomes ``model.layers.0.weight``).
+    With ``output_path`` (a LightningModule only) a Lightning checkpoint is written atomically: weights, optimizer
+    state (checked to line up with the matched part's ``parameters()``, as ``configure_optimizers`` must build it),
+    hyper-parameters and loop counters, so ``Trainer.fit(model, ckpt_path=output_path)`` continues at epoch
+    ``epochs_completed``.
 
     Args:
-        source: the file, or the already loaded dict.
-        model: a LightningModule or a plain ``nn.Module``; loaded in place.
+        source: the file, or the already loaded dict; model: a LightningModule or ``nn.Module``, loaded in place.
         output_path: where to write the Lightning checkpoint; ``None`` writes nothing.
         strict: every key must match (default); False loads the matching ones.
-        weights_only: load the file with ``torch.load(weights_only=True)`` (default); False only for files
-            you trust.
-        epochs_completed: epochs already trained. Default: the file's ``"epoch"`` entry, read as in PyTorch's
-            ImageNet example (``"epoch": epoch + 1``, the epoch to start from); pass it when your script
-            saved the 0-based index of the last finished epoch instead. 0 without an ``"epoch"`` entry.
+        weights_only: load the file with ``torch.load(weights_only=True)`` (default); False only for trusted files.
+        epochs_completed: epochs already trained; default the file's ``"epoch"``, read as PyTorch's ImageNet example
+            writes it (``epoch + 1``; pass it if your script saved the last epoch's 0-based index), else 0.
 
     Returns:
         The Lightning checkpoint dict (also when nothing is written).
 
     Raises:
-        FileNotFoundError, PermissionError, DamagedCheckpointError, UnsafeCheckpointError: loading the file
-            failed, or what it holds is not a checkpoint (no model state dict, a weight that is not a tensor,
-            an ``epoch`` that is not a whole number, an optimizer entry not laid out as PyTorch writes it).
+        FileNotFoundError, PermissionError, DamagedCheckpointError, UnsafeCheckpointError: loading failed, or the
+            content is not a checkpoint (no model state dict, a non-tensor weight, an ``epoch`` that is not a whole
+            number, an optimizer entry not laid out as PyTorch writes it).
         StateDictMismatchError: ``strict`` and the keys or shapes do not match (lists them).
-        ValueError: the optimizer state does not line up with the parameters, or ``output_path`` is given
-            and the file has no optimizer state.
+        ValueError: the optimizer state does not line up with the parameters, or is missing with ``output_path``.
         TypeError: ``output_path`` is given but ``model`` is not a LightningModule.
     """
     if output_path is not None and not isinstance(model, _namespace.LightningModule):
         raise TypeError(f"A Lightning checkpoint needs a LightningModule; got {type(model).__name__}. Pass the"
                         " LightningModule, or output_path=None to load the weights only.")
     name = os.fspath(source) if isinstance(source, (str, os.PathLike)) else "the given checkpoint"
-    opt_out = "import_plain_checkpoint(..., weights_only=False)"
-    checkpoint = (load_file(source, weights_only=weights_only, opt_out=opt_out)
-                  if isinstance(source, (str, os.PathLike)) else source)
-    state_dict = find_model_state_dict(checkpoint, name)
-    prefixes = _submodule_prefixes(model)
-    loadable = match_state_dict(state_dict, model, strict=strict, source=name, prefixes=prefixes)
+    checkpoint = (load_file(source, weights_only=weights_only, opt_out="import_plain_checkpoint(...,"
+                            " weights_only=False)") if isinstance(source, (str, os.PathLike)) else source)
+    parts = _clean_paths(model)
+    loadable = match_state_dict(find_model_state_dict(checkpoint, name), model, strict=strict, source=name,
+                                prefixes=list(parts))
     own = model.state_dict()
     for key, value in loadable.items():
         if isinstance(own[key], torch.Tensor) and not isinstance(value, torch.Tensor):
@@ -190,18 +221,17 @@ def import_plain_checkpoint(
     if epochs_completed is None:
         epochs_completed = _int_entry(checkpoint, ("epoch",), name)
     global_step = _int_entry(checkpoint, ("global_step", "step"), name)
+    namespace = _namespace.load(_namespace.namespace_of(model) or _namespace.default.name)
     result: dict[str, Any] = {
-        "epoch": max(epochs_completed - 1, 0),
-        "global_step": global_step,
-        "pytorch-lightning_version": _namespace.load(_namespace.namespace_of(model) or _namespace.default.name).version,
-        "state_dict": unwrapped_state_dict(model),
-        "loops": {"fit_loop": _fit_loop_state(epochs_completed, global_step)},
-        "lr_schedulers": [],
-        "callbacks": {},
+        "epoch": max(epochs_completed - 1, 0), "global_step": global_step,
+        "pytorch-lightning_version": namespace.version, "state_dict": unwrapped_state_dict(model),
+        "loops": {"fit_loop": _fit_loop_state(epochs_completed, global_step)}, "lr_schedulers": [], "callbacks": {},
     }
-    optimizer_state = _find_optimizer_state(checkpoint)
+    optimizer_state = next((dict(v) for v in map(checkpoint.get, OPTIMIZER_STATE_KEYS)
+                            if isinstance(v, Mapping) and "state" in v and "param_groups" in v), None)
     if optimizer_state is not None:
-        part = _matched_part(model, loadable)
+        clean = [unwrapped_name(model, k) for k in loadable]  # the deepest part holding every loaded key
+        part = [model, *(m for path, m in parts.items() if clean and all(k.startswith(path) for k in clean))][-1]
         _check_optimizer_lines_up(optimizer_state, list(part.parameters()), name)
         result["optimizer_states"] = [optimizer_state]
     if isinstance(model, _namespace.LightningModule) and model.hparams:
@@ -216,23 +246,6 @@ def import_plain_checkpoint(
     return result
 
 
-def _matched_part(model: nn.Module, loadable: Mapping[str, Any]) -> nn.Module:
-    """The deepest sub-module of ``model`` that contains every loaded key (``model`` itself if none is deeper)."""
-    clean = [unwrapped_name(model, k) for k in loadable]
-    best: nn.Module = model
-    for prefix in _submodule_prefixes(model)[1:]:
-        if clean and all(k.startswith(prefix) for k in clean):
-            best = model.get_submodule(_raw_path(model, prefix[:-1]))
-    return best
-
-
-def _raw_path(model: nn.Module, clean_path: str) -> str:
-    for name, _ in model.named_modules():
-        if name and unwrapped_name(model, name + ".x")[:-2] == clean_path:
-            return name
-    raise AssertionError(clean_path)
-
-
 def export_weights(
     source: str | os.PathLike | nn.Module,
     path: str | os.PathLike,
@@ -240,21 +253,16 @@ def export_weights(
     safetensors: bool | None = None,
     weights_only: bool = True,
 ) -> dict[str, torch.Tensor]:
-    """Write just the plain model weights (a ``state_dict``) for inference without Lightning.
+    """Write just the plain model weights (a ``state_dict``) for inference without Lightning, atomically.
 
-    Keys carry no ``module.``, ``_orig_mod.`` or ``<submodule>.``; tensors are detached, contiguous and on
-    the CPU. The file is written atomically. Read it back with ``torch.load(path, weights_only=True)`` or
-    ``safetensors.torch.load_file(path)``, then ``net.load_state_dict(...)``.
+    Keys carry no ``module.``, ``_orig_mod.`` or ``<submodule>.``; tensors are detached, contiguous, on the CPU.
+    Read it back with ``torch.load(path, weights_only=True)`` or ``safetensors.torch.load_file(path)``.
 
     Args:
-        source: a checkpoint file (Lightning or plain; see ``weights_only``) or a module.
-        path: the output file.
-        submodule: attribute of the plain model inside the LightningModule (default ``"model"``); ``""``
-            exports everything.
-        safetensors: write safetensors (needs ``pip install ddp_strategy[safetensors]``); default ``None``
-            decides by the suffix ``.safetensors``.
-        weights_only: load a checkpoint file with ``torch.load(weights_only=True)`` (default); False only for
-            files you trust.
+        source: a checkpoint file (Lightning or plain) or a module; path: the output file.
+        submodule: attribute of the plain model in the LightningModule (default ``"model"``); ``""``: everything.
+        safetensors: write safetensors (``pip install ddp_strategy[safetensors]``); default: if the suffix is
+            ``.safetensors``. weights_only: as for :func:`load_plain_state_dict`.
 
     Returns:
         The exported state dict.
@@ -262,8 +270,7 @@ def export_weights(
     Raises:
         FileNotFoundError, PermissionError, DamagedCheckpointError, UnsafeCheckpointError: ``source`` is a file
             that cannot be loaded or holds no model state dict of tensors (see :func:`load_plain_state_dict`).
-        ImportError: safetensors requested but not installed.
-        KeyError: no key under ``submodule``.
+        ImportError: safetensors requested but not installed. KeyError: no key under ``submodule``.
         TypeError: ``source`` is a module whose state dict holds a non-tensor (extra state) under ``submodule``.
     """
     if isinstance(source, nn.Module):
@@ -285,15 +292,14 @@ def export_weights(
     weights = {k: v.detach().cpu().contiguous() for k, v in weights.items()}
     if safetensors is None:
         safetensors = os.fspath(path).endswith(".safetensors")
-    if safetensors:
-        try:
-            from safetensors.torch import save as to_safetensors_bytes
-        except ImportError as e:
-            raise ImportError("Writing safetensors needs the safetensors package:"
-                              " pip install 'ddp_strategy[safetensors]', or export a PyTorch file instead (a path"
-                              " not ending in .safetensors, such as weights.pt: torch.load reads any"
-                              " *.safetensors path as safetensors).") from e
-        atomic_save(weights, path, save_fn=lambda obj, f: f.write(to_safetensors_bytes(obj)))
-    else:
+    if not safetensors:
         atomic_save(weights, path)
+        return weights
+    try:
+        from safetensors.torch import save as to_safetensors_bytes
+    except ImportError as e:
+        raise ImportError("Writing safetensors needs the safetensors package: pip install 'ddp_strategy[safetensors]',"
+                          " or export a PyTorch file instead (a path not ending in .safetensors, such as weights.pt:"
+                          " torch.load reads any *.safetensors path as safetensors).") from e
+    atomic_save(weights, path, save_fn=lambda obj, f: f.write(to_safetensors_bytes(obj)))
     return weights

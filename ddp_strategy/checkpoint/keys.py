@@ -1,12 +1,9 @@
-"""Checkpoint keys without wrapper segments, and exact matching of a file's keys to a model's.
+"""Checkpoint keys without wrapper segments, and exact matching of a file's keys to a model's. Rank-agnostic.
 
-``DistributedDataParallel`` names every key ``module.<name>`` and ``torch.compile``'s
-``OptimizedModule`` inserts an ``_orig_mod.`` segment wherever it wraps a module (a compiled sub-module
-inside the LightningModule, a compiled whole model, also stacked with DDP in either order). Checkpoints
-are written without those segments (:func:`unwrapped_state_dict`, exact: it walks the module tree, so a
-real sub-module called ``module`` keeps its name), and loading renames a file's keys to the model's own
-(:func:`match_state_dict`, exact against the model's keys), with one error listing missing and unexpected
-keys (:class:`StateDictMismatchError`). Rank-agnostic.
+``DistributedDataParallel`` names every key ``module.<name>``; ``torch.compile``'s ``OptimizedModule`` inserts
+``_orig_mod.`` wherever it wraps a module. Checkpoints are written without them (:func:`unwrapped_state_dict`,
+walking the module tree, so a real sub-module called ``module`` keeps its name); loading renames a file's keys to
+the model's own (:func:`match_state_dict`), or raises one :class:`StateDictMismatchError` listing the rest.
 """
 
 from __future__ import annotations
@@ -27,17 +24,11 @@ COMPILE_SEGMENT = "_orig_mod"
 MAX_LISTED_KEYS = 10
 
 
-# ----------------------------------------------------------------------------------------------- keys
-def _is_compiled(module: nn.Module) -> bool:
-    """Whether ``module`` is a ``torch.compile`` wrapper (``OptimizedModule``), without importing dynamo."""
-    return type(module).__name__ == "OptimizedModule" and COMPILE_SEGMENT in module._modules
-
-
 def _wrapped_child(module: nn.Module) -> str | None:
     """The attribute name of the module a DDP or ``torch.compile`` wrapper holds, or None for other modules."""
     if isinstance(module, DistributedDataParallel):
         return "module"
-    if _is_compiled(module):
+    if type(module).__name__ == "OptimizedModule" and COMPILE_SEGMENT in module._modules:  # no dynamo import
         return COMPILE_SEGMENT
     return None
 
@@ -45,12 +36,9 @@ def _wrapped_child(module: nn.Module) -> str | None:
 def unwrapped_name(module: nn.Module, key: str) -> str:
     """``key`` of ``module.state_dict()`` without the segments DDP and ``torch.compile`` wrappers add.
 
-    Exact: the key is followed through the module tree and a segment is dropped only where the parent
-    really is a ``DistributedDataParallel`` (``module``) or an ``OptimizedModule`` (``_orig_mod``).
-
-    Example:
-        For ``DDP(torch.compile(net))``: ``"module._orig_mod.fc.weight"`` -> ``"fc.weight"``; for a model
-        with a real child called ``module``: ``"module.weight"`` stays ``"module.weight"``.
+    Exact: a segment is dropped only where the parent really is a ``DistributedDataParallel`` (``module``) or an
+    ``OptimizedModule`` (``_orig_mod``). For ``DDP(torch.compile(net))``: ``"module._orig_mod.fc.weight"`` ->
+    ``"fc.weight"``; for a model with a real child called ``module``, ``"module.weight"`` stays.
     """
     parts = key.split(".")
     kept: list[str] = []
@@ -62,21 +50,13 @@ def unwrapped_name(module: nn.Module, key: str) -> str:
         if part != _wrapped_child(current):
             kept.append(part)
         current = current._modules.get(part)
-    kept.append(parts[-1])
-    return ".".join(kept)
+    return ".".join([*kept, parts[-1]])
 
 
 def unwrapped_state_dict(module: nn.Module) -> dict[str, Any]:
-    """``module.state_dict()`` with every DDP ``module.`` and ``torch.compile`` ``_orig_mod.`` segment removed.
-
-    A compiled sub-module inside a LightningModule, a compiled whole model and DDP/compile stacks in either
-    order all give the keys of the plain, uncompiled module. See :func:`unwrapped_name`.
-
-    Args:
-        module: any module, wrapped or not.
-
-    Returns:
-        Clean name -> tensor (the same tensors as ``module.state_dict()``, in the same order).
+    """``module.state_dict()`` (same tensors, same order) with every DDP ``module.`` and ``torch.compile``
+    ``_orig_mod.`` segment removed: compiled sub-modules, a compiled whole model and DDP/compile stacks in either
+    order all give the plain module's keys (:func:`unwrapped_name`).
 
     Raises:
         RuntimeError: two keys map to the same clean name (a sub-module literally called ``_orig_mod``).
@@ -91,26 +71,22 @@ def unwrapped_state_dict(module: nn.Module) -> dict[str, Any]:
     return clean
 
 
-def strip_compile_prefixes(state_dict: Mapping[str, Any]) -> dict[str, Any]:
-    """Remove every ``_orig_mod.`` segment (``torch.compile``'s) from every key; for files, where no model is known.
-
-    Example:
-        >>> strip_compile_prefixes({"model._orig_mod.fc.weight": 1, "_orig_mod.module.b": 2})
-        {'model.fc.weight': 1, 'module.b': 2}
-    """
-    return {_strip_segments(key): value for key, value in state_dict.items()}
-
-
-def _strip_segments(key: str) -> str:
+def _without_compile_segments(key: str) -> str:
     parts = key.split(".")
     return ".".join([part for part in parts[:-1] if part != COMPILE_SEGMENT] + parts[-1:])
+
+
+def strip_compile_prefixes(state_dict: Mapping[str, Any]) -> dict[str, Any]:
+    """Remove every ``_orig_mod.`` segment (``torch.compile``'s) from every key, for files (no model known):
+    ``{"model._orig_mod.fc.weight": 1, "_orig_mod.module.b": 2}`` -> ``{"model.fc.weight": 1, "module.b": 2}``."""
+    return {_without_compile_segments(key): value for key, value in state_dict.items()}
 
 
 def strip_ddp_prefix(state_dict: Mapping[str, Any]) -> dict[str, Any]:
     """Remove a leading ``module.`` from every key when all keys carry it, as a DDP wrapper's do.
 
-    A heuristic for when the model is not at hand: a model whose only child is really called ``module``
-    would lose it. When the model is known, use :func:`match_state_dict` (exact) instead.
+    A heuristic for when the model is not at hand (a model whose only child is really called ``module`` would lose
+    it); with the model, use :func:`match_state_dict` (exact).
 
     Example:
         >>> strip_ddp_prefix({"module.fc.weight": 1, "module.fc.bias": 2})
@@ -152,31 +128,20 @@ def _listing(keys: list[str]) -> str:
     return shown + (f", ... and {len(keys) - MAX_LISTED_KEYS} more" if len(keys) > MAX_LISTED_KEYS else "")
 
 
-def _source_variants(keys: Iterable[str], prefix: str) -> list[dict[str, str]]:
-    """Candidate renamings of a file's keys: compile segments removed, then with and without DDP's prefix."""
-    stripped = {key: _strip_segments(key) for key in keys}
-    variants = [{key: prefix + name for key, name in stripped.items()}]
-    if stripped and all(name.startswith(DDP_PREFIX) for name in stripped.values()):
-        variants.append({key: prefix + name[len(DDP_PREFIX):] for key, name in stripped.items()})
-    return variants
+def _best_key_mapping(keys: list[str], expected: set[str], prefixes: Iterable[str]) -> dict[str, str]:
+    """File key -> clean model key: the candidate renaming that matches most of ``expected``.
 
-
-def best_key_mapping(keys: Iterable[str], model: nn.Module, prefixes: Iterable[str] = ("",)) -> dict[str, str]:
-    """Map a file's keys to ``model``'s clean key names: the renaming that matches most of the model's keys.
-
-    Candidates: every ``_orig_mod.`` segment removed, then a leading ``module.`` kept or (if every key has
-    it) removed, then each of ``prefixes`` put in front. Ties go to the earlier candidate (no stripping,
-    the first prefix), so a real child called ``module`` keeps its name.
-
-    Returns:
-        File key -> clean model key (possibly one the model does not have).
+    Candidates: every ``_orig_mod.`` segment removed, then a leading ``module.`` kept or (if every key has it)
+    removed, then each of ``prefixes`` put in front. Ties go to the earlier candidate (no stripping, the first
+    prefix), so a real child called ``module`` keeps its name.
     """
-    keys = list(keys)
-    expected = {unwrapped_name(model, k) for k in model.state_dict()}
+    stripped = {key: _without_compile_segments(key) for key in keys}
+    ddp = bool(stripped) and all(name.startswith(DDP_PREFIX) for name in stripped.values())
     best: dict[str, str] = {key: key for key in keys}
     best_score = -1
     for prefix in prefixes:
-        for variant in _source_variants(keys, prefix):
+        for cut in (0, len(DDP_PREFIX)) if ddp else (0,):
+            variant = {key: prefix + name[cut:] for key, name in stripped.items()}
             score = sum(name in expected for name in variant.values())
             if score > best_score:
                 best, best_score = variant, score
@@ -192,14 +157,14 @@ def match_state_dict(
 ) -> dict[str, Any]:
     """Rename a checkpoint's model keys to ``model``'s own, ready for ``model.load_state_dict``.
 
-    Accepts keys with or without DDP's ``module.`` and ``torch.compile``'s ``_orig_mod.`` segments, for a
-    ``model`` that is itself compiled or not (see :func:`best_key_mapping`).
+    Keys may carry DDP's ``module.`` and ``torch.compile``'s ``_orig_mod.``, ``model`` may be compiled or not: of
+    the candidate renamings (:func:`_best_key_mapping`) the one matching most of the model's keys wins.
 
     Args:
         state_dict: name -> tensor, as found in a checkpoint.
         model: the module to load into (e.g. the LightningModule).
-        strict: raise when keys are missing, unexpected or of another shape (default). With False the
-            matching keys are returned and the rest is skipped (Lightning: ``model.strict_loading = False``).
+        strict: raise when keys are missing, unexpected or of another shape (default); with False the matching
+            keys are returned and the rest skipped (Lightning: ``model.strict_loading = False``).
         source: the file, named in the error.
         prefixes: attribute paths to try in front of the file's keys (e.g. ``("", "model.")``).
 
@@ -210,7 +175,7 @@ def match_state_dict(
         StateDictMismatchError: ``strict`` and the keys or shapes do not match; the message lists them.
     """
     own = {unwrapped_name(model, k): (k, v) for k, v in model.state_dict().items()}
-    mapping = best_key_mapping(state_dict, model, prefixes)
+    mapping = _best_key_mapping(list(state_dict), set(own), prefixes)
     matched: dict[str, Any] = {}
     unexpected: list[str] = []
     shapes: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {}
@@ -224,7 +189,7 @@ def match_state_dict(
             shapes[name] = (tuple(value.shape), tuple(target.shape))
             continue
         matched[target_key] = value
-    found = {mapping[k] for k in state_dict}
+    found = set(mapping.values())
     missing = [name for name in own if name not in found]
     if strict and (missing or unexpected or shapes):
         where = f"Checkpoint {os.fspath(source)}" if source is not None else "The checkpoint's state_dict"
@@ -245,15 +210,3 @@ def match_state_dict(
             missing, unexpected, shapes,
         )
     return matched
-
-
-def normalize_checkpoint(checkpoint: dict[str, Any]) -> dict[str, Any]:
-    """Return ``checkpoint`` with ``_orig_mod.`` segments removed from its ``"state_dict"`` keys (if any).
-
-    Used on save where only the dict, not the model, is at hand. DDP's ``module.`` is not touched here: the
-    strategy already saves the unwrapped LightningModule (see :func:`unwrapped_state_dict`), and guessing
-    would rename a real child called ``module``.
-    """
-    if isinstance(checkpoint.get("state_dict"), Mapping):
-        return {**checkpoint, "state_dict": strip_compile_prefixes(checkpoint["state_dict"])}
-    return checkpoint

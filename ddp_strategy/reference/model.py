@@ -47,7 +47,7 @@ class DigitsClassifier(LightningModule):
 
     Accuracy is a ``torchmetrics`` ``MulticlassAccuracy``; under DDP torchmetrics sums its counts over
     ranks at epoch end, so ``val_acc`` is over the whole validation set. Checkpoint keys are
-    ``model.<name>``: :func:`ddp_strategy.checkpoint.files.load_plain_state_dict` returns them ready for
+    ``model.<name>``: :func:`ddp_strategy.checkpoint.convert.load_plain_state_dict` returns them ready for
     ``DigitsNet.load_state_dict``.
 
     Args:

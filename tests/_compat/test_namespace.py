@@ -24,7 +24,7 @@ from ddp_strategy import (
     load_plain_state_dict,
 )
 from ddp_strategy._compat import namespace as _namespace
-from ddp_strategy.checkpoint.files import load_file
+from ddp_strategy.checkpoint.io import load_file
 from ddp_strategy.process.boundaries import EpochBoundaryCheck
 
 pytestmark = pytest.mark.compat

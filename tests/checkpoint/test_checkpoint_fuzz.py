@@ -117,7 +117,7 @@ def test_missing_file_directory_and_unreadable_file(scratch):
 
 def test_errors_that_are_not_about_the_file_pass_through(scratch):
     """A failing map_location callable raises its own error, not DamagedCheckpointError; so does a missing device."""
-    from ddp_strategy.checkpoint.files import load_file
+    from ddp_strategy.checkpoint.io import load_file
 
     path = write(scratch, GOOD)
 

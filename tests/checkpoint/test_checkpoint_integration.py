@@ -1,4 +1,5 @@
-"""Checkpoints of real 2-process fits: plain loading, compiled keys, resuming, read-after-write, weights_only."""
+"""Checkpoints of real 2-process fits: plain loading, compiled keys, resuming, read-after-write, weights_only;
+and a rank-0 write that fails, raised on every rank."""
 
 from __future__ import annotations
 
@@ -8,10 +9,18 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from ddp_testing import LIGHTNING_KEYS, probe_input
+from lightning.fabric.plugins.environments import LightningEnvironment
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from ddp_strategy import DigitsClassifier, DigitsDataModule, DigitsNet, MyDDPStrategy, load_plain_state_dict
-from ddp_strategy.checkpoint.files import load_file
+from ddp_strategy import (
+    DDPCheckpointIO,
+    DigitsClassifier,
+    DigitsDataModule,
+    DigitsNet,
+    MyDDPStrategy,
+    load_plain_state_dict,
+)
+from ddp_strategy.checkpoint.io import load_file
 from ddp_strategy.testing import run_on_ranks
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
@@ -130,3 +139,42 @@ def test_our_checkpoints_load_with_weights_only(runs):
     model = DigitsClassifier.load_from_checkpoint(path, weights_only=True)
     with torch.no_grad():
         torch.testing.assert_close(model(probe_input()), full[0]["predictions"], rtol=0, atol=0)
+
+
+class _FailingIO(DDPCheckpointIO):
+    """A checkpoint plugin whose writes and removals fail, as on a full or read-only disk."""
+
+    def save_checkpoint(self, checkpoint, path, storage_options=None) -> None:
+        raise OSError(f"disk full while writing {path}")
+
+    def remove_checkpoint(self, path) -> None:
+        raise PermissionError(f"read-only: {path}")
+
+
+def _save_and_remove_on_kit_rank(rank: int, world_size: int, folder: str) -> dict:
+    """Both ranks save and remove through a failing plugin; record what each raised, then that the group still works."""
+    env = LightningEnvironment()
+    env.set_global_rank(rank)
+    strategy = MyDDPStrategy(parallel_devices=[torch.device("cpu")] * world_size, cluster_environment=env,
+                             checkpoint_io=_FailingIO())
+    raised = {}
+    for what, call in (("save", lambda: strategy.save_checkpoint({"state_dict": {}}, f"{folder}/x.ckpt")),
+                       ("remove", lambda: strategy.remove_checkpoint(f"{folder}/x.ckpt"))):
+        try:
+            call()
+            raised[what] = None
+        except Exception as e:
+            raised[what] = f"{type(e).__name__}: {e}"
+    raised["after"] = float(strategy.reduce(torch.tensor(1.0), reduce_op="sum"))  # nobody is left waiting
+    return raised
+
+
+def test_a_failed_rank_zero_save_raises_on_every_rank(tmp_path):
+    """A write (or removal) that fails on global rank 0 raises there and on rank 1, naming rank 0's error; no hang."""
+    rank0, rank1 = run_on_ranks(_save_and_remove_on_kit_rank, 2, args=(str(tmp_path),), timeout_s=60)
+    assert rank0["save"] == f"OSError: disk full while writing {tmp_path}/x.ckpt"
+    assert rank1["save"] == f"RuntimeError: [rank 1] global rank 0 failed saving checkpoint {tmp_path}/x.ckpt: " \
+                            f"OSError: disk full while writing {tmp_path}/x.ckpt"
+    assert rank0["remove"] == f"PermissionError: read-only: {tmp_path}/x.ckpt"
+    assert rank1["remove"].startswith(f"RuntimeError: [rank 1] global rank 0 failed removing checkpoint {tmp_path}")
+    assert rank0["after"] == rank1["after"] == 2.0

@@ -34,8 +34,7 @@ from ddp_strategy import (
     strip_ddp_prefix,
     unwrapped_state_dict,
 )
-from ddp_strategy.checkpoint.atomic import atomic_save, remove_stale_temp_files
-from ddp_strategy.checkpoint.files import load_file
+from ddp_strategy.checkpoint.io import atomic_save, load_file, remove_stale_temp_files
 
 PLAIN_KEYS = set(DigitsNet().state_dict())
 LIGHTNING_KEYS = {f"model.{k}" for k in PLAIN_KEYS}
@@ -163,7 +162,7 @@ def test_missing_truncated_and_garbage_files_give_clear_errors(tmp_path):
 
 _WRITER = """
 import io, sys, time, torch
-from ddp_strategy.checkpoint.atomic import atomic_save
+from ddp_strategy.checkpoint.io import atomic_save
 path, ready, halfway = sys.argv[1], sys.argv[2], sys.argv[3]
 big = {"state_dict": {f"w{i}": torch.full((1024, 1024), float(i)) for i in range(16)}}  # 16 x 4 MiB
 atomic_save({"version": 1, **big}, path)

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from ddp_testing import finish, free_port, is_loopback, listening_sockets
 
 from ddp_strategy import DigitsClassifier, DigitsDataModule, MyDDPStrategy
-from ddp_strategy.checkpoint.files import load_file
+from ddp_strategy.checkpoint.io import load_file
 from ddp_strategy.sampling.state import CHECKPOINT_KEY
 
 pytestmark = pytest.mark.multiprocess

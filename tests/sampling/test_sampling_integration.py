@@ -27,7 +27,7 @@ from sampling_workers import (
 )
 from torch.utils.data import WeightedRandomSampler
 
-from ddp_strategy.checkpoint.files import load_file
+from ddp_strategy.checkpoint.io import load_file
 from ddp_strategy.sampling.sampler import EpochSeededDistributedSampler, draw_epoch
 from ddp_strategy.sampling.state import CHECKPOINT_KEY
 

@@ -1,0 +1,379 @@
+"""Crash-safe checkpoint writes, safe and clearly failing loads, and ``DDPCheckpointIO``, Lightning's plugin for both.
+
+Writes (:func:`atomic_save`) go to a hidden temporary file in the target's folder (the system temp folder may be
+another file system, where ``os.replace`` is not atomic): flushed, fsynced, renamed over the target, folder
+fsynced. Loads (:func:`load_file`) use ``torch.load(weights_only=True)`` (an untrusted file cannot run code), check
+every zip member's CRC-32 and turn any file that is not a valid checkpoint into one of four errors naming the path
+(fuzzed: tests/checkpoint/test_checkpoint_fuzz.py, benchmarks/fuzz_inputs.py). Rank-agnostic: the strategy makes
+global rank 0 write.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import os
+import pickle
+import pickletools
+import re
+import secrets
+import socket
+import tempfile
+import warnings
+import zipfile
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ddp_strategy._compat import lightning_private as _pl
+from ddp_strategy._compat import namespace as _namespace
+from ddp_strategy.checkpoint.keys import strip_compile_prefixes
+
+if TYPE_CHECKING:
+    from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+else:  # built for the user's Lightning namespace on construction (see ddp_strategy._compat.namespace)
+    TorchCheckpointIO = _namespace.lightning_base("fabric.plugins.io.torch_io:TorchCheckpointIO")
+
+log = logging.getLogger(__name__)
+
+
+# --------------------------------------------------------------------------------------------- writes
+def _host_tag() -> str:
+    return re.sub(r"[^A-Za-z0-9-]", "-", socket.gethostname()) or "host"
+
+
+#: ``.<target>.<host>.<pid>.<random>.tmp``: hidden, never ``*.ckpt``, and its writer can be recognised.
+_TMP_PATTERN = re.compile(r"^\.(?P<name>.+)\.(?P<host>[A-Za-z0-9-]+)\.(?P<pid>\d+)\.[A-Za-z0-9_]+\.tmp$")
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's
+        pass
+    return True
+
+
+def remove_stale_temp_files(folder: str | os.PathLike) -> list[Path]:
+    """Delete (and return) the :func:`atomic_save` temporary files in ``folder`` whose writer, on this host, died.
+
+    Files of live writers and of other hosts (shared file systems) are left alone; a missing folder is fine.
+    """
+    folder = Path(folder)
+    if not folder.is_dir():
+        return []
+    removed = []
+    for entry in folder.iterdir():
+        m = _TMP_PATTERN.match(entry.name)
+        if not m or m["host"] != _host_tag() or int(m["pid"]) == os.getpid() or _pid_alive(int(m["pid"])):
+            continue
+        with contextlib.suppress(FileNotFoundError):
+            entry.unlink()
+            removed.append(entry)
+            log.info("removed the temporary file of a checkpoint writer that died: %s", entry)
+    return removed
+
+
+def atomic_save(obj: Any, path: str | os.PathLike, save_fn: Callable[[Any, Any], None] = torch.save) -> None:
+    """Write ``obj`` to the local file ``path`` so that a crash at any moment leaves the old or the new complete file.
+
+    ``save_fn(obj, file)`` (default :func:`torch.save`) writes into a hidden temporary file in ``path``'s folder
+    (never ``*.ckpt``), which is flushed, fsynced and renamed over ``path`` with :func:`os.replace`; the folder is
+    fsynced. The file gets the mode ``torch.save(obj, path)`` gives (0o666 less the umask, which the kernel
+    applies at creation). On any error the temporary file is removed and the error re-raised. Creates the folder;
+    removes dead writers' temporary files there first.
+    """
+    path = os.path.abspath(os.fspath(path))
+    folder = os.path.dirname(path)
+    os.makedirs(folder, exist_ok=True)
+    remove_stale_temp_files(folder)
+    tmp = os.path.join(folder, f".{os.path.basename(path)}.{_host_tag()}.{os.getpid()}.{secrets.token_hex(6)}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            save_fn(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(tmp)
+        raise
+    with contextlib.suppress(OSError):  # make the rename durable (POSIX; folders cannot be opened on Windows)
+        folder_fd = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(folder_fd)
+        finally:
+            os.close(folder_fd)
+    log.debug("saved %s atomically", path)
+
+
+def unwritable_reason(folders: list[str | os.PathLike]) -> str | None:
+    """Why checkpoints cannot be written to the first of ``folders`` that fails, or None; leaves no trace.
+
+    Creates and removes an unnamed probe file (``tempfile.TemporaryFile``) in each folder or, for a missing one,
+    in its nearest existing parent (where ``ModelCheckpoint`` will create it). Remote (``scheme://``) paths are
+    skipped.
+    """
+    for folder in [os.fspath(f) for f in folders if "://" not in os.fspath(f)]:
+        existing = os.path.abspath(folder)
+        while not os.path.exists(existing):
+            existing = os.path.dirname(existing)
+        try:
+            tempfile.TemporaryFile(dir=existing).close()
+        except OSError as e:
+            return (f"Checkpoint folder {folder} is not writable ({type(e).__name__}: {e.strerror or e}). Choose a"
+                    " writable ModelCheckpoint(dirpath=...) or Trainer(default_root_dir=...) before training.")
+    return None
+
+
+def file_stamp(path: Any) -> tuple[str, tuple[int, int]] | None:
+    """``(real path, (size in bytes, modification time in ns))`` of a local file, or None (remote or missing): how
+    a writer recognises, later, a file it wrote itself and that nobody changed since."""
+    if not isinstance(path, (str, os.PathLike)) or "://" in os.fspath(path):
+        return None
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return os.path.realpath(path), (st.st_size, st.st_mtime_ns)
+
+
+# ---------------------------------------------------------------------------------------------- loads
+class DamagedCheckpointError(ValueError):
+    """A checkpoint file is truncated, corrupt or not a PyTorch checkpoint at all."""
+
+
+class UnsafeCheckpointError(pickle.UnpicklingError):
+    """``weights_only=True`` refused an object in the file (it could run code when unpickled)."""
+
+
+def load_file(
+    path: str | os.PathLike,
+    map_location: Any = "cpu",
+    weights_only: bool = True,
+    verify_checksums: bool = True,
+    opt_out: str = "load_file(..., weights_only=False)",
+) -> Any:
+    """``torch.load`` a checkpoint file (https://pytorch.org/docs/stable/generated/torch.load.html), with errors that
+    name the file, whatever bytes it holds.
+
+    A file that is not a valid checkpoint raises one of the four errors below, never another type (``torch.load``
+    lets ``IndexError``, ``UnicodeDecodeError`` ... escape on corrupt input); warnings of a failing load are
+    dropped, those of a successful one passed on. ``torch.load`` does not check the CRC-32 its zip format stores,
+    so with ``verify_checksums`` each member is read once first (members stored with CRC-32 0, saved under
+    ``torch.serialization.set_crc32_options(False)``, are skipped; legacy non-zip files carry none).
+
+    Args:
+        path: the file; map_location: as for :func:`torch.load` (default ``"cpu"``).
+        weights_only: refuse to unpickle arbitrary objects (default True); False only for files you trust.
+        verify_checksums: check every zip member's CRC-32 before loading (default True).
+        opt_out: how the caller's caller turns ``weights_only`` off, quoted in the :class:`UnsafeCheckpointError`.
+
+    Returns:
+        What the file holds (any object; callers check its type).
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist or is a directory (the message lists checkpoint files in it).
+        PermissionError: ``path`` cannot be read by this user.
+        DamagedCheckpointError: the file is truncated, corrupt or not a PyTorch checkpoint.
+        UnsafeCheckpointError: ``weights_only`` and the file holds an object outside PyTorch's allow-list.
+        RuntimeError: ``map_location`` names a device this machine lacks (PyTorch's own message); an exception
+            of a ``map_location`` callable is raised as it is.
+    """
+    path = os.fspath(path)
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if verify_checksums and f.read(4) == b"PK\x03\x04":  # the zip magic: torch.load's zip format
+                _verify_zip_checksums(f, path, size)
+    except OSError as e:
+        raise _open_error(path, e) from e
+    own_errors: list[Exception] = []  # raised by the caller's map_location callable: not the file's fault
+    if callable(map_location):
+        map_location = functools.partial(_tagged, map_location, own_errors)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            loaded = torch.load(path, map_location=map_location, weights_only=weights_only)
+        except OSError as e:  # the file changed (removed, chmod) since it was opened above
+            raise _open_error(path, e) from e
+        except Exception as e:  # whatever the unpickler raised, the file is not a checkpoint we can load
+            if own_errors:
+                raise own_errors[0]  # noqa: B904 (the caller's own error, as it raised it)
+            if isinstance(e, RuntimeError) and "Attempting to deserialize object on" in str(e):
+                raise  # a valid file for a device this machine lacks: PyTorch's message says what to do
+            raise _load_error(path, size, weights_only, e, opt_out) from e
+    for w in caught:
+        warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)
+    return loaded
+
+
+def _tagged(fn: Callable[..., Any], errors: list[Exception], storage: Any, location: str) -> Any:
+    """``fn(storage, location)``, its exception also kept in ``errors`` (a damaged file's are told apart)."""
+    try:
+        return fn(storage, location)
+    except Exception as e:
+        errors.append(e)
+        raise
+
+
+def _open_error(path: str, error: OSError) -> OSError:
+    """The error for a checkpoint path that cannot be opened: PermissionError or FileNotFoundError."""
+    if isinstance(error, PermissionError):
+        return PermissionError(f"Checkpoint file {path} cannot be read: permission denied for this user"
+                               f" (uid {os.getuid() if hasattr(os, 'getuid') else '?'}). Make it readable"
+                               " (chmod u+r) or run as its owner.")
+    if os.path.isdir(path):
+        try:
+            found = sorted(name for name in os.listdir(path) if name.endswith((".ckpt", ".pt", ".pth")))[:5]
+        except OSError:
+            found = []
+        return FileNotFoundError(f"Checkpoint path {path} is a directory, not a checkpoint file. Pass a file"
+                                 f" inside it{f' (found {found})' if found else ''}.")
+    return FileNotFoundError(f"Checkpoint file not found: {path} ({error.strerror or type(error).__name__}).")
+
+
+def _load_error(path: str, size: int, weights_only: bool, error: Exception, opt_out: str) -> Exception:
+    """The documented error for a file ``torch.load`` failed on: unsafe content, else damaged."""
+    message = str(error)
+    if weights_only is not False and "Unsupported global" in message:  # None: torch.load's default, True
+        first = next(line for line in message.splitlines() if "Unsupported global" in line)
+        first = first.split("Unsupported global:")[-1].split(" was not")[0].strip()
+        return UnsafeCheckpointError(
+            f"Checkpoint {path} holds an object that weights_only=True loading refuses ({first}). If you"
+            f" trust this file, load it with {opt_out}, or allow the type before loading (on every rank) with"
+            f" torch.serialization.add_safe_globals([{first.removeprefix('GLOBAL').strip()}])."
+        )
+    if weights_only is not False and isinstance(error, pickle.UnpicklingError) and _well_formed_zip_pickle(path):
+        # A complete pickle the weights-only unpickler cannot read (torch.save(..., pickle_protocol=4), or
+        # another library's pickle inside a torch zip): not damaged, but refused.
+        reason = next((line.strip() for line in message.splitlines() if "Unsupported" in line), message[:120])
+        return UnsafeCheckpointError(
+            f"Checkpoint {path} is a well-formed PyTorch file, but weights_only=True loading cannot read its"
+            f" pickle ({reason}); torch.save(..., pickle_protocol=N) with N > 2 does this. If you trust this file,"
+            f" load it with {opt_out}, or save it again with the default protocol."
+        )
+    if "WeightsUnpickler error:" in message:  # skip torch's long preamble about weights_only defaults
+        message = message.split("WeightsUnpickler error:", 1)[1]
+    detail = next((line.strip() for line in message.splitlines() if line.strip()), "")[:200]
+    return DamagedCheckpointError(
+        f"Checkpoint file {path} is damaged (truncated or corrupt, {size} bytes) or is not a PyTorch"
+        f" checkpoint: {type(error).__name__}: {detail}. Use an earlier checkpoint or save this one again."
+    )
+
+
+def _well_formed_zip_pickle(path: str) -> bool:
+    """Whether ``path`` is a zip whose ``data.pkl`` is one complete pickle stream (parsed, never executed)."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            data = archive.read(next(n for n in archive.namelist() if n.endswith("/data.pkl") or n == "data.pkl"))
+        ops = list(pickletools.genops(data))
+        return bool(ops) and ops[-1][0].name == "STOP" and ops[-1][2] + 1 == len(data)
+    except Exception:  # not a zip, no data.pkl, or a malformed stream: damaged
+        return False
+
+
+def _verify_zip_checksums(f: Any, path: str, size: int) -> None:
+    """Read every member of the zip ``f`` once (16 MiB at a time), so ``zipfile`` compares each CRC-32.
+
+    Raises:
+        DamagedCheckpointError: the zip cannot be read or a member's CRC-32 differs.
+    """
+    member = None
+    try:
+        with zipfile.ZipFile(f) as archive:
+            for info in archive.infolist():
+                member = info.filename
+                if info.CRC == 0 and info.file_size > 0:  # written with torch's CRC-32 switched off
+                    continue
+                with archive.open(info) as data:
+                    while data.read(1 << 24):
+                        pass
+    except Exception as e:  # zipfile raises BadZipFile, EOFError, ValueError, struct.error, ... on bad bytes
+        where = f" (member {member})" if member else ""
+        raise DamagedCheckpointError(
+            f"Checkpoint file {path} is damaged (truncated or corrupt, {size} bytes): its zip structure or a"
+            f" checksum does not check out{where}: {type(e).__name__}: {str(e)[:200]}. Use an earlier"
+            " checkpoint or save this one again."
+        ) from e
+
+
+# ----------------------------------------------------------------------------------- Lightning plugin
+def _is_local(path: Any) -> bool:
+    if isinstance(path, (str, os.PathLike)) and "://" not in os.fspath(path):
+        return True
+    return type(_namespace.get_filesystem(path)).__name__ == "LocalFileSystem"
+
+
+class DDPCheckpointIO(TorchCheckpointIO):
+    """Lightning's :class:`~lightning.fabric.plugins.io.torch_io.TorchCheckpointIO`, crash-safe and safe to load.
+
+    Local files: written by :func:`atomic_save` with keys without ``_orig_mod.``, loaded by :func:`load_file`
+    (``weights_only=True`` unless told otherwise). Remote paths (fsspec URLs) and ``remove_checkpoint`` are
+    Lightning's. Rank-agnostic: the strategy calls ``save_checkpoint`` on global rank 0 only.
+
+    Args:
+        weights_only: what ``load_checkpoint(weights_only=None)`` uses (default True); an explicit
+            ``Trainer.fit(ckpt_path=..., weights_only=False)`` still opts out for one load.
+        verify_checksums: check every zip member's CRC-32 before loading (default True; about one extra read).
+
+    Raises:
+        TypeError: ``weights_only`` or ``verify_checksums`` is not a bool.
+    """
+
+    def __init__(self, weights_only: bool = True, verify_checksums: bool = True) -> None:
+        super().__init__()
+        if weights_only is not None and not isinstance(weights_only, bool):  # None: torch.load's default
+            raise TypeError(f"DDPCheckpointIO(weights_only=...) must be True or False, got {weights_only!r}.")
+        if not isinstance(verify_checksums, bool):
+            raise TypeError(f"DDPCheckpointIO(verify_checksums=...) must be True or False, got {verify_checksums!r}.")
+        self.weights_only = weights_only
+        self.verify_checksums = verify_checksums
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
+        """Save ``checkpoint`` to ``path`` atomically (see :func:`atomic_save`), ``_orig_mod.`` gone from its keys.
+
+        Raises:
+            TypeError: ``storage_options`` is given (not supported by this plugin, as in Lightning's).
+        """
+        if isinstance(checkpoint.get("state_dict"), Mapping):
+            checkpoint = {**checkpoint, "state_dict": strip_compile_prefixes(checkpoint["state_dict"])}
+        if not _is_local(path):
+            super().save_checkpoint(checkpoint, path, storage_options=storage_options)
+            return
+        if storage_options is not None:
+            raise TypeError(f"{type(self).__name__} does not support storage_options; got {storage_options!r}.")
+        atomic_save(checkpoint, path)
+
+    def load_checkpoint(
+        self,
+        path: Any,
+        map_location: Callable | Any = lambda storage, loc: storage,
+        weights_only: bool | None = None,
+    ) -> dict[str, Any]:
+        """Load a checkpoint (``weights_only=None``: this plugin's default); a local file gives a dict or:
+
+        Raises:
+            FileNotFoundError, PermissionError, DamagedCheckpointError, UnsafeCheckpointError: see
+                :func:`load_file`; ``DamagedCheckpointError`` also when the file holds something other than a
+                dict (a list, a tensor, ...), which no Lightning checkpoint is.
+        """
+        weights_only = self.weights_only if weights_only is None else weights_only
+        if not _is_local(path):
+            return _pl.load_checkpoint_with_weights_only(super().load_checkpoint, path, map_location, weights_only)
+        checkpoint = load_file(
+            path, map_location=map_location, weights_only=weights_only, verify_checksums=self.verify_checksums,
+            opt_out="weights_only=False in the Trainer call that loads it (trainer.fit(model, ckpt_path=...,"
+                    " weights_only=False); also validate, test and predict), or for every load"
+                    " MyDDPStrategy(checkpoint_io=DDPCheckpointIO(weights_only=False))")
+        if not isinstance(checkpoint, dict):
+            raise DamagedCheckpointError(f"Checkpoint file {os.fspath(path)} holds a {type(checkpoint).__name__},"
+                                         " not a checkpoint dict; it was not written by Trainer.save_checkpoint."
+                                         " Pass the .ckpt file Lightning saved.")
+        return checkpoint
