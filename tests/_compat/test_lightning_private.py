@@ -300,9 +300,9 @@ def test_the_popen_observer_watches_the_launchers_list_which_a_failing_launcher_
 def test_lightnings_collectives_keep_their_signatures_and_world_of_one_behaviour(namespace):
     """_sync_ddp_if_available, _all_gather_ddp_if_available and _gather_all_tensors take the arguments the strategy
     passes; without a process group the first two return the tensor itself (the strategy relies on that)."""
-    assert _pl.signature_of(_private(namespace, "sync_ddp_if_available")) == ["result", "group", "reduce_op"]
-    assert _pl.signature_of(_private(namespace, "all_gather_ddp_if_available")) == ["tensor", "group", "sync_grads"]
-    assert _pl.signature_of(_private(namespace, "gather_all_tensors")) == ["result", "group"]
+    assert signature_of(_private(namespace, "sync_ddp_if_available")) == ["result", "group", "reduce_op"]
+    assert signature_of(_private(namespace, "all_gather_ddp_if_available")) == ["tensor", "group", "sync_grads"]
+    assert signature_of(_private(namespace, "gather_all_tensors")) == ["result", "group"]
     t = torch.ones(2)
     assert _private(namespace, "sync_ddp_if_available")(t, reduce_op="sum") is t
     assert _private(namespace, "all_gather_ddp_if_available")(t, sync_grads=True) is t
