@@ -24,6 +24,7 @@ from ddp_strategy._compat import lightning_private as _pl
 from ddp_strategy._compat import namespace as _namespace
 from ddp_strategy._compat.namespace import SIGTERMException, TrainerFn, rank_zero_info, reset_seed
 from ddp_strategy.process import START_METHODS, StartMethod, default_start_method  # noqa: F401 (0.1 had them here)
+from ddp_strategy.process import boundaries, failures, launching
 
 if TYPE_CHECKING:
     from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
@@ -119,19 +120,19 @@ class MyDDPStrategy(process.RankTopology, checkpoint.DefaultCheckpointIO, Parall
     @override
     def _configure_launcher(self) -> None:
         # Runs in Trainer(...), before any process starts: refuse impossible set-ups here, not in a child.
-        self._launcher = self._run.make_launcher(self, self.start_method, self._process_group_backend,
+        self._launcher = launching.make_launcher(self, self.start_method, self._process_group_backend,
                                                  self._options.allow_cpu_oversubscription)
 
     @override
     def setup_environment(self) -> None:
-        """Set the device up, then join a new rendezvous and process group (every rank, before model code)."""
+        """Set the device up, then join (or reuse) the world process group (every rank, before model code)."""
         reset_seed()
         self.set_world_ranks()
-        self._run.check_world(self.cluster_environment, self.num_nodes, self.num_processes)
+        launching.check_external_world(self.cluster_environment, self.num_nodes, self.num_processes)
         super().setup_environment()
-        self._process_group_backend = self._run.join(
-            self.cluster_environment, self.root_device, self._process_group_backend, self.num_nodes,
-            self.num_processes, self._launcher, self.start_method)
+        self._process_group_backend = self._run.join(self.cluster_environment, self.root_device,
+                                                     self._process_group_backend, self.num_nodes, self.num_processes)
+        launching.wait_for_ranks_at_exit(self._launcher)
 
     # --------------------------------------------------------------------------------- 3. DDP wrapping
     @override
@@ -146,7 +147,8 @@ class MyDDPStrategy(process.RankTopology, checkpoint.DefaultCheckpointIO, Parall
         self.model_to_device()
         if trainer.state.fn == TrainerFn.FITTING:
             self._layer_sync, self.model = self._gradients.sync_layers(self._layer_sync, self.model)
-            self._run.add_fit_callbacks(trainer, self.global_rank, self.world_size)
+            boundaries.add_fit_callbacks(trainer, self._run.barrier_group, self._run.barrier_timeout,
+                                         self.global_rank, self.world_size)
             if self.is_global_zero:
                 self._checkpoints.warn_if_unwritable(trainer)
             self.model = self._gradients.wrap(self.model, self.root_device)
@@ -324,22 +326,22 @@ class MyDDPStrategy(process.RankTopology, checkpoint.DefaultCheckpointIO, Parall
         if isinstance(exception, SIGTERMException) and path is not None and self._trainer is not None:
             rank_zero_info(f"SIGTERM: saving a checkpoint to {path} before exiting; resume with fit(ckpt_path=...)")
             save = functools.partial(self._trainer.save_checkpoint, path)
-        self._run.on_exception(exception, self.global_rank, self.world_size, self._sharding.guard.describe_uneven(),
-                               save, process.launched_ranks(self._launcher))
+        failures.on_exception(self._run, exception, self.global_rank, self.world_size,
+                              self._sharding.guard.describe_uneven(), save, self._launcher)
 
     # --------------------------------------------------------------------------------------- teardown
     @override
     def teardown(self) -> None:
-        """Unwrap, revert layer syncing, give Lightning its sampler back, leave (or keep) the process group."""
+        """Unwrap, revert layer syncing, give Lightning its sampler back; after a failure, leave the process group."""
         trainer = self._trainer
         fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
         self.model = self._gradients.unwrap(self.model, self.lightning_module, self._layer_sync, fitting,
                                             failed=self._run.failed)
         self._sharding.hand_back(trainer)
         if trainer is not None:
-            self._run.remove_fit_callbacks(trainer)
+            boundaries.remove_fit_callbacks(trainer)
         super().teardown()
-        self._run.leave(self.global_rank, self.world_size, bool(process.launched_ranks(self._launcher)))
+        failures.teardown(self._run, self.global_rank, self.world_size)
 
     @classmethod
     @override

@@ -14,7 +14,7 @@ from torch import nn
 
 log = logging.getLogger(__name__)
 
-__all__ = ["DDP_TIMING_KEYS", "ddp_logging_data"]
+__all__ = ["DDP_TIMING_KEYS", "ddp_logging_data", "default_store"]
 
 #: Keys of ``DistributedDataParallel._get_ddp_logging_data()`` this package reads. Times are in nanoseconds,
 #: averaged by DDP's reducer over the iterations it samples (each of the first 10, then every 100th; the
@@ -50,3 +50,17 @@ def ddp_logging_data(model: nn.Module) -> dict[str, Any]:
     except RuntimeError as e:  # the reducer can be gone after a failed step; diagnostics must not fail the run
         log.debug("DistributedDataParallel._get_ddp_logging_data() failed: %s", e)
         return {}
+
+
+def default_store() -> Any:
+    """The default (world) process group's store: ``torch.distributed.distributed_c10d._get_default_store()``.
+
+    The store the group was created with (as torch wraps it); the strategy keeps its failure reports there
+    (:mod:`ddp_strategy.process.failures`), under a prefix per run.
+
+    Raises:
+        ValueError: no default process group.
+    """
+    from torch.distributed import distributed_c10d
+
+    return distributed_c10d._get_default_store()

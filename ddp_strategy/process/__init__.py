@@ -1,31 +1,33 @@
-"""Step 1, the process group: launching, rendezvous, backend, failures, teardown, and the collectives.
+"""Step 1, the process group: launching, the world group and its rendezvous, failures, teardown, collectives.
 
-Owns: which launcher starts the ranks and what is refused before any process starts
-(:mod:`~ddp_strategy.process.launching`), the rendezvous store of each run
-(:mod:`~ddp_strategy.process.rendezvous`), the world process group's creation, lifetime and destruction
-(:mod:`~ddp_strategy.process.group`), naming the rank that failed (:mod:`~ddp_strategy.process.failures`) and
-the strategy's collectives (:mod:`~ddp_strategy.process.collectives`). Must not touch: loaders, the model or
-checkpoints. Entry points: :class:`ProcessGroupRun` and :class:`Collectives`.
+Owns which launcher starts the ranks and what is refused before any process starts
+(:mod:`~ddp_strategy.process.launching`), the world process group, reused by every run in a process as under
+Lightning's ``ddp`` (:mod:`~ddp_strategy.process.group`), naming the rank that failed and ending the run
+(:mod:`~ddp_strategy.process.failures`, whose docstring states the protocol), the epoch- and step-boundary checks
+(:mod:`~ddp_strategy.process.boundaries`) and the strategy's collectives (:mod:`~ddp_strategy.process.collectives`).
+Must not touch: loaders, the model or checkpoints.
 """
 
+from ddp_strategy._compat.namespace import default as _default
 from ddp_strategy.process.collectives import Collectives, all_gather_rows
+from ddp_strategy.process.failures import destroy_process_group
 from ddp_strategy.process.group import (
     DEFAULT_TIMEOUT,
+    ProcessGroupRun,
     all_reduce,
     as_timedelta,
-    destroy_process_group,
     device_ids,
     init_process_group,
     validate_backend_name,
     validate_init_method,
 )
 from ddp_strategy.process.launching import START_METHODS, StartMethod, check_launch_env, default_start_method
-from ddp_strategy.process.failures import proc_stat
-from ddp_strategy.process.rendezvous import free_port
-from ddp_strategy.process.run import ProcessGroupRun, launched_ranks
 from ddp_strategy.process.topology import RankTopology
+
+#: Lightning's ``find_free_network_port`` (for the demo and the testing kit): a port free a moment ago.
+free_port = _default.get("fabric.plugins.environments.lightning:find_free_network_port")
 
 __all__ = ["DEFAULT_TIMEOUT", "START_METHODS", "Collectives", "ProcessGroupRun", "RankTopology", "StartMethod",
            "all_gather_rows", "all_reduce", "as_timedelta", "check_launch_env", "default_start_method",
-           "destroy_process_group", "device_ids", "free_port", "init_process_group", "launched_ranks",
-           "proc_stat", "validate_backend_name", "validate_init_method"]
+           "destroy_process_group", "device_ids", "free_port", "init_process_group", "validate_backend_name",
+           "validate_init_method"]

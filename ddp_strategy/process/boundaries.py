@@ -1,8 +1,9 @@
-"""Checks at epoch and step boundaries: every rank arrives, and a SLURM requeue stops all ranks at one step.
+"""Checks at epoch and step boundaries while fitting: every rank arrives, and a SLURM requeue stops all at one step.
 
-``EpochBoundaryCheck`` meets every rank at a gloo ``monitored_barrier`` at each training epoch's start (naming a
-rank that did not arrive, :class:`StalledRankError`) and compares the ranks' batch counts;
-``RequeueAtStepBoundary`` makes a pre-emption signal stop every rank after the same optimizer step.
+:class:`EpochBoundaryCheck` meets every rank at a gloo ``monitored_barrier`` at each training epoch's start (naming
+a rank that did not arrive: :class:`~ddp_strategy.process.failures.StalledRankError`) and compares the ranks' batch
+counts; :class:`RequeueAtStepBoundary` makes a pre-emption signal stop every rank after the same optimizer step.
+:func:`add_fit_callbacks` and :func:`remove_fit_callbacks` put them in and out of ``trainer.callbacks``.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from ddp_strategy._compat import namespace as _namespace
+from ddp_strategy.process.failures import StalledRankError
 
 if TYPE_CHECKING:
     from lightning.pytorch import Callback
@@ -24,34 +26,6 @@ else:  # built for the user's Lightning namespace on construction (see ddp_strat
     Callback = _namespace.lightning_base("pytorch.callbacks:Callback")
 
 log = logging.getLogger(__name__)
-
-
-class StalledRankError(RuntimeError):
-    """A rank did not reach a monitored barrier in time; the message names it."""
-
-
-def monitored_barrier(group: Any, timeout: timedelta, where: str, rank: int) -> None:
-    """A barrier that names the ranks that did not arrive (gloo's ``monitored_barrier``).
-
-    A collective: every rank must call it. Rank 0 waits up to ``timeout`` for every other rank and then
-    raises, naming all missing ranks (``wait_all_ranks=True``).
-
-    Args:
-        group: a gloo process group (``None`` = the world group, which must then be gloo).
-        timeout: how long rank 0 waits.
-        where: what the barrier marks, for the message, e.g. ``"the start of epoch 3"``.
-        rank: this rank, for the message.
-
-    Raises:
-        RuntimeError: a rank did not arrive in time; the message names it and the likely causes.
-    """
-    try:
-        dist.monitored_barrier(group=group, timeout=timeout, wait_all_ranks=True)
-    except RuntimeError as e:
-        raise StalledRankError(
-            f"[rank {rank}] not every rank reached {where} within {timeout.total_seconds():.0f} s: {e}. That rank"
-            " is stalled (an endless loop, a deadlocked DataLoader worker, slow storage) or has died."
-        ) from e
 
 
 def check_epoch_start(trainer: Any, group: Any, timeout: timedelta, rank: int, world_size: int) -> None:
@@ -68,13 +42,19 @@ def check_epoch_start(trainer: Any, group: Any, timeout: timedelta, rank: int, w
         rank, world_size: this rank and the number of ranks; with one rank nothing is done.
 
     Raises:
-        RuntimeError: a rank did not reach the barrier in ``timeout``.
+        StalledRankError: a rank did not reach the barrier in ``timeout`` (a ``RuntimeError``).
         ValueError: ranks have different numbers of training batches this epoch.
     """
     if world_size == 1:
         return
     epoch = trainer.current_epoch
-    monitored_barrier(group, timeout, f"the start of training epoch {epoch}", rank)
+    try:  # rank 0 waits up to ``timeout``, then names every missing rank (wait_all_ranks=True)
+        dist.monitored_barrier(group=group, timeout=timeout, wait_all_ranks=True)
+    except RuntimeError as e:
+        raise StalledRankError(
+            f"[rank {rank}] not every rank reached the start of training epoch {epoch} within"
+            f" {timeout.total_seconds():.0f} s: {e}. That rank is stalled (an endless loop, a deadlocked DataLoader"
+            " worker, slow storage) or has died.") from e
     batches = trainer.num_training_batches
     counts: list[Any] = [None] * world_size
     dist.all_gather_object(counts, int(batches) if batches != float("inf") else -1, group=group)
@@ -169,3 +149,20 @@ class RequeueAtStepBoundary(Callback):
         if self._signal is not None and signal.getsignal(self._signal) == self._note_signal:
             signal.signal(self._signal, self._lightning_handler)
         self._signal = self._lightning_handler = None
+
+
+def add_fit_callbacks(trainer: Any, group: Any, timeout: timedelta, rank: int, world_size: int) -> None:
+    """Add :class:`EpochBoundaryCheck` and :class:`RequeueAtStepBoundary` to ``trainer.callbacks`` (once each)."""
+    if not any(isinstance(cb, EpochBoundaryCheck) for cb in trainer.callbacks):
+        trainer.callbacks.append(EpochBoundaryCheck(group, timeout, rank, world_size))
+    if not any(isinstance(cb, RequeueAtStepBoundary) for cb in trainer.callbacks):
+        trainer.callbacks.append(RequeueAtStepBoundary(group, world_size))
+
+
+def remove_fit_callbacks(trainer: Any) -> None:
+    """Remove what :func:`add_fit_callbacks` added, giving the requeue signal back to Lightning's handler."""
+    for cb in trainer.callbacks:
+        if isinstance(cb, RequeueAtStepBoundary):
+            cb.restore()
+    trainer.callbacks[:] = [cb for cb in trainer.callbacks
+                            if not isinstance(cb, (EpochBoundaryCheck, RequeueAtStepBoundary))]

@@ -21,7 +21,7 @@ from ddp_strategy._compat import lightning_private as _pl
 from ddp_strategy._compat import namespace as _namespace
 from ddp_strategy._compat.namespace import rank_zero_warn
 from ddp_strategy.process import failures
-from ddp_strategy.process import group as process_group
+from ddp_strategy.process.group import resolve_backend
 
 if TYPE_CHECKING:
     from lightning.fabric.plugins import ClusterEnvironment
@@ -50,14 +50,6 @@ def _is_plain_lightning_environment(env: object) -> bool:
     return type(env).__name__ == "LightningEnvironment" and isinstance(env, LightningEnvironment)
 
 
-def available_cpus() -> int:
-    """CPU cores this process may run on (its affinity mask), at least 1."""
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:  # not on Linux
-        return max(1, os.cpu_count() or 1)
-
-
 def check_cpu_processes(num_processes: int, allow_oversubscription: bool = False) -> None:
     """Warn (rank 0, once) when more CPU processes per node are started than there are cores.
 
@@ -70,7 +62,7 @@ def check_cpu_processes(num_processes: int, allow_oversubscription: bool = False
         allow_oversubscription: the user asked for it (``MyDDPStrategy(allow_cpu_oversubscription=True)``):
             no warning.
     """
-    cores = available_cpus()
+    cores = max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
     if num_processes > cores and not allow_oversubscription:
         rank_zero_warn(
             f"Trainer(devices={num_processes}) on CPU starts {num_processes} processes, but only {cores} CPU"
@@ -208,22 +200,30 @@ def check_fork_safe(start_method: str, device_type: str) -> None:
         )
 
 
-_waited_for: set[int] = set()
+def make_launcher(strategy: Any, start_method: str, backend: str | None, allow_cpu_oversubscription: bool) -> Any:
+    """Lightning's launcher for ``start_method``, after refusing what cannot work (runs in ``Trainer(...)``).
 
+    ``"popen"`` is Lightning's ``_SubprocessScriptLauncher`` (the script re-run per rank); the others are its
+    ``_MultiProcessingLauncher`` with our checks (:class:`CheckedMultiProcessingLauncher`).
 
-def wait_for_ranks_at_exit(procs: list[Any], timeout_s: float = 60.0) -> None:
-    """Make the launching process wait, at interpreter exit, for the rank processes it started.
-
-    With ``start_method="popen"`` Lightning re-runs the script for ranks 1.. and does not wait for them, so
-    the launcher could exit first and leave them running on their own for a moment. Registered once per
-    process list (an ``atexit`` handler); ranks still alive after ``timeout_s`` seconds are killed.
-
-    Args:
-        procs: the launcher's ``subprocess.Popen`` objects.
-        timeout_s: seconds to wait for them to finish the script by themselves.
+    Raises:
+        ValueError: a backend the device cannot use (``"nccl"`` on CPU).
     """
-    if procs and id(procs) not in _waited_for:
-        _waited_for.add(id(procs))
+    env, devices = strategy.cluster_environment, strategy.parallel_devices
+    resolve_backend(devices[0], backend)
+    if devices[0].type == "cpu" and not env.creates_processes_externally:
+        check_cpu_processes(strategy.num_processes, allow_cpu_oversubscription)
+    if start_method == "popen":
+        return _pl.SubprocessScriptLauncher(env, strategy.num_processes, strategy.num_nodes)
+    return CheckedMultiProcessingLauncher(strategy, start_method=start_method)
+
+
+def wait_for_ranks_at_exit(launcher: Any, timeout_s: float = 60.0) -> None:
+    """Under popen, make the launching process wait at interpreter exit for the ranks it started (Lightning does
+    not), so none outlives it; still alive after ``timeout_s`` seconds, they are killed. Once per launch."""
+    procs = launcher.procs if isinstance(launcher, _pl.SubprocessScriptLauncher) else None
+    if procs and not getattr(launcher, "_ddp_strategy_waits", False):
+        launcher._ddp_strategy_waits = True
         atexit.register(failures.stop_processes, procs, timeout_s)
 
 
@@ -236,8 +236,7 @@ class CheckedMultiProcessingLauncher(_pl.MultiProcessingLauncher):
     """
 
     def launch(self, function: Any, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
-        """Check picklability (``spawn``, ``forkserver``), release a process group an earlier run in this process
-        kept (:func:`ddp_strategy.process.group.keep_process_group`), then launch as Lightning does.
+        """Check picklability (``spawn``, ``forkserver``) and CUDA (``fork``), then launch as Lightning does.
 
         Raises:
             RuntimeError: the arguments cannot be pickled, or CUDA would be forked (:func:`check_fork_safe`).
@@ -254,9 +253,8 @@ class CheckedMultiProcessingLauncher(_pl.MultiProcessingLauncher):
                         " level (not inside a function or notebook cell) and avoid lambdas, or use"
                         " start_method='popen' (running a script) or 'fork' (Linux, notebooks)."
                     ) from e
-        # A group an earlier run in this process kept for the user's code must not reach the new ranks: a forked
-        # child would inherit it without gloo's threads and hang destroying it.
-        process_group.release_kept_process_group()
+        if self._start_method == "fork":  # a forked rank would inherit this process's group, without gloo's threads
+            failures.destroy_process_group()
         restore = self._forward_sigterm_to_ranks()
         try:
             return super().launch(function, *args, trainer=trainer, **kwargs)
@@ -326,5 +324,5 @@ class CheckedMultiProcessingLauncher(_pl.MultiProcessingLauncher):
 
         try:
             return super()._wrapping_function(process_idx, trainer, guarded, *rest, **kw)
-        finally:  # a spawned/forked rank ends with its work: no atexit hook runs there (os._exit)
-            process_group.destroy_process_group()
+        finally:  # a spawned/forked rank ends with its work
+            failures.destroy_process_group()

@@ -3,8 +3,7 @@
 Owns: starting ranks from a prepared parent (:func:`run_on_ranks`, :mod:`~ddp_strategy.testing.ranks`), the
 assertions DDP tests need (:mod:`~ddp_strategy.testing.checks`) and the pytest plugin that gives them to
 tests (the top-level module ``pytest_ddp_strategy``, registered as the ``pytest11`` entry point ``ddp_strategy``).
-Must not touch: the strategy's internals; it uses only public names (and ``ddp_strategy.process.free_port``,
-``ddp_strategy.process.proc_stat``).
+Must not touch: the strategy's internals; it uses only public names (and ``ddp_strategy.process.free_port``).
 """
 
 from ddp_strategy.testing.checks import (

@@ -38,7 +38,13 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from ddp_strategy.process import free_port, proc_stat
+from ddp_strategy.process import free_port
+
+
+def proc_stat(pid: int) -> list[str]:
+    """The fields of ``/proc/<pid>/stat`` after the command name: ``[state, ppid, pgrp, ...]`` (Linux, proc(5))."""
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return stat[stat.rindex(")") + 2:].split()
 
 #: Imported once by the forkserver, so that ranks start from a warm parent.
 PRELOAD = ("torch", "torch.distributed", "ddp_strategy")

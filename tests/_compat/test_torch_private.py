@@ -50,3 +50,14 @@ def test_ddp_logging_data_names_the_registered_comm_hook(one_rank_group):
 def test_ddp_logging_data_of_a_plain_module_is_empty():
     """Without the private method (a plain module) the wrapper returns {} instead of failing."""
     assert _torch_private.ddp_logging_data(nn.Linear(2, 2)) == {}
+
+
+def test_default_store_is_the_world_groups_store(one_rank_group):
+    """failures.run_reports keeps its keys in the default group's store (_get_default_store): a key set there is
+    seen by a second handle on it, and it refuses without a group."""
+    _torch_private.default_store().set("ddp_strategy/guard", "1")
+    assert _torch_private.default_store().get("ddp_strategy/guard") == b"1"
+    dist.destroy_process_group()
+    with pytest.raises(ValueError):
+        _torch_private.default_store()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # for the fixture's teardown

@@ -82,6 +82,7 @@ def test_an_exception_on_one_rank_ends_every_rank_within_30_s(tmp_path, scenario
     assert code != 0
     assert seconds < 30, f"took {seconds:.1f} s after the failure"
     assert own in out and "Traceback" in out
+    assert (tmp_path / "finally_rank0").exists(), "the launching process was killed before its finally ran"
     if seen_by_peer:
         assert seen_by_peer in out
 
@@ -94,6 +95,7 @@ def test_a_killed_rank_is_named_and_the_others_exit_within_60_s(tmp_path, start_
     assert code != 0 and seconds < 60, f"exit {code} after {seconds:.1f} s"
     expected = "rank 1 (pid" if start_method == "popen" else "process 1 terminated with signal SIGKILL"
     assert expected in out and ("is no longer running" in out or start_method == "spawn")
+    assert (tmp_path / "finally_rank0").exists(), "the launching process was killed before its finally ran"
 
 
 @pytest.mark.timeout(300)
