@@ -23,8 +23,14 @@ from ddp_strategy import checkpoint, diagnostics, options, process, sampling, sy
 from ddp_strategy._compat import lightning_private as _pl
 from ddp_strategy._compat import namespace as _namespace
 from ddp_strategy._compat.namespace import SIGTERMException, TrainerFn, rank_zero_info, reset_seed
-from ddp_strategy.process import START_METHODS, StartMethod, default_start_method  # noqa: F401 (0.1 had them here)
-from ddp_strategy.process import boundaries, failures, launching
+from ddp_strategy.process import (  # noqa: F401 (0.1 had START_METHODS, StartMethod, default_start_method here)
+    START_METHODS,
+    StartMethod,
+    boundaries,
+    default_start_method,
+    failures,
+    launching,
+)
 
 if TYPE_CHECKING:
     from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment

@@ -42,8 +42,8 @@ import socket
 import time
 import traceback
 import weakref
-from datetime import timedelta
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
@@ -84,14 +84,6 @@ def run_reports(rank: int, world_size: int) -> dist.Store:
     return reports
 
 
-def is_collective_error(exception: BaseException) -> bool:
-    """Whether ``exception`` looks like a broken or timed-out collective rather than this rank's own bug."""
-    if isinstance(exception, getattr(dist, "DistError", ())):
-        return True
-    text = f"{type(exception).__name__}: {exception}".lower()
-    return isinstance(exception, RuntimeError) and any(m in text for m in _PEER_ERROR_MARKERS)
-
-
 def summarize(exception: BaseException) -> str:
     """``Type: message (file:line in function)`` for the innermost frame of ``exception``."""
     frames = traceback.extract_tb(exception.__traceback__)
@@ -101,14 +93,9 @@ def summarize(exception: BaseException) -> str:
 
 def on_exception(run: Any, exception: BaseException, rank: int, world_size: int, known_cause: str | None,
                  sigterm_save: Callable[[], None] | None, launcher: Any) -> None:
-    """Steps 2, 3 and 5 of the protocol, on the rank where ``exception`` was raised; no collective.
-
-    Args:
-        run: the rank's :class:`~ddp_strategy.process.group.ProcessGroupRun` (its ``reports`` store, flags).
-        known_cause: a cause the strategy knows (uneven evaluation batches), put before the generic ones.
-        sigterm_save: saves a checkpoint (a collective: every rank gets SIGTERM); called for a SIGTERM stop.
-        launcher: the strategy's Lightning launcher.
-    """
+    """Steps 2, 3 and 5 of the protocol, where ``exception`` was raised; no collective. ``run`` is the rank's
+    :class:`~ddp_strategy.process.group.ProcessGroupRun`; ``known_cause`` a cause the strategy knows (uneven
+    evaluation batches); ``sigterm_save`` saves a checkpoint on a SIGTERM stop (a collective: every rank got it)."""
     run.failed, store = True, run.reports
     if isinstance(launcher, _pl.SubprocessScriptLauncher) and launcher.procs:
         run.stopping, launcher.procs[:] = list(launcher.procs), []  # emptied in place: the observer's own list
@@ -120,7 +107,8 @@ def on_exception(run: Any, exception: BaseException, rank: int, world_size: int,
         pass  # an interruption, or not a rank (the parent of spawned ranks), or one that never joined
     elif isinstance(exception, StalledRankError):
         log.error("%s", exception)  # it names the missing ranks already
-    elif is_collective_error(exception):
+    elif isinstance(exception, getattr(dist, "DistError", ())) or isinstance(exception, RuntimeError) and any(
+            m in f"{type(exception).__name__}: {exception}".lower() for m in _PEER_ERROR_MARKERS):
         peers = describe_peers(store, rank, world_size)
         extra = explain(exception, rank, peers, run.timeout, known_cause)
         if exception.args and isinstance(exception.args[0], str):
@@ -137,10 +125,7 @@ def on_exception(run: Any, exception: BaseException, rank: int, world_size: int,
 
 
 def teardown(run: Any, rank: int, world_size: int) -> None:
-    """Step 4 and the end of step 5: after a failed run, destroy the group, wait for the peers, stop launched ranks.
-
-    After a successful run nothing is done: the group stays for the next stage and the user's code.
-    """
+    """Step 4 and the end of step 5 after a failed run; after a successful one the group stays (next stage, user)."""
     store, run.reports = run.reports, None
     if not run.failed:
         return
@@ -169,7 +154,7 @@ def destroy_process_group() -> bool:
 
 
 def _best_effort(store: dist.Store, rank: int, operation: Callable[[], Any]) -> Any:
-    """Run a store operation with :data:`STORE_TIMEOUT_S`; log and return None if the store is gone."""
+    """``operation()`` on ``store`` with :data:`STORE_TIMEOUT_S`; None if the store is gone."""
     try:
         store.set_timeout(timedelta(seconds=STORE_TIMEOUT_S))
         return operation()
@@ -217,7 +202,7 @@ def wait_for_peers(store: dist.Store, rank: int, world_size: int, timeout_s: flo
         return bool(failed or explained) or (pid is not None and _gone(pid))
 
     while waiting and time.monotonic() < deadline:
-        left = _best_effort(store, rank, lambda: [peer for peer in waiting if not done(peer)])
+        left = _best_effort(store, rank, lambda w=waiting: [peer for peer in w if not done(peer)])
         if left is None:
             return
         waiting = left
@@ -225,12 +210,8 @@ def wait_for_peers(store: dist.Store, rank: int, world_size: int, timeout_s: flo
 
 
 def describe_peers(store: dist.Store, rank: int, world_size: int) -> str:
-    """One clause per peer that reported a failure or whose process on this host is gone, ``"; "``-joined.
-
-    Returns:
-        e.g. ``"rank 1 failed: ZeroDivisionError: ... (train.py:12 in training_step)"`` or ``"rank 1 (pid 4242)
-        is no longer running: ..."``; ``""`` when nothing is known.
-    """
+    """``"rank 1 failed: Type: message (file:line in function)"`` or ``"rank 1 (pid 4242) is no longer running:
+    ..."`` for each peer that reported a failure or whose process on this host is gone, ``"; "``-joined."""
     found: list[str] = []
     deadline = time.monotonic() + PEER_EXIT_WAIT_S  # shared by all peers
 

@@ -33,11 +33,8 @@ INIT_METHOD_SCHEMES: tuple[str, ...] = ("env://", "tcp://", "file://")
 
 
 def validate_backend_name(backend: str | None) -> None:
-    """Refuse, before any process starts, a backend ``torch.distributed`` does not know or this build lacks.
-
-    Args:
-        backend: ``"gloo"``, ``"nccl"``, a backend registered with ``torch.distributed.Backend.register_backend``,
-            or ``None`` (chosen from the device).
+    """Refuse, before any process starts, a backend not in ``torch.distributed.Backend.backend_list`` (which has
+    those registered with ``Backend.register_backend``) or not compiled in; ``None`` is chosen from the device.
 
     Raises:
         ValueError: the name is not in ``torch.distributed.Backend.backend_list``, or is not compiled in.
@@ -117,22 +114,21 @@ def listen_address(main_address: str, num_nodes: int) -> str:
 
 
 def _tcp_store(host: str, port: int, rank: int, timeout: timedelta, num_nodes: int) -> dist.TCPStore:
-    """A ``TCPStore`` at ``host:port``; rank 0 serves it from a socket it binds on :func:`listen_address` (torch's
+    """A ``TCPStore`` at ``host:port``; rank 0 serves it from a socket bound on :func:`listen_address` (torch's
     own server would listen on every interface)."""
     if rank != 0:
         return dist.TCPStore("127.0.0.1" if num_nodes == 1 else host, port, None, is_master=False, timeout=timeout)
-    bind = listen_address(host, num_nodes)
-    family = socket.getaddrinfo(bind, port, type=socket.SOCK_STREAM)[0][0] if bind else socket.AF_INET6
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    bind, sock = listen_address(host, num_nodes), None
     try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        if not bind:
-            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
-        sock.bind((bind, port))
-        sock.listen(128)
-    except OSError:
-        sock.close()
-        raise
+        sock = socket.create_server((bind, port), family=socket.AF_INET6 if ":" in bind else socket.AF_INET) \
+            if bind else None
+    except OSError as e:
+        if e.errno != errno.EADDRNOTAVAIL:
+            raise
+        log.warning("MASTER_ADDR=%s (%s) is not an address of rank 0's machine: the rendezvous store listens on"
+                    " every interface.", host, bind)
+    if sock is None:  # every interface, IPv4 and IPv6
+        sock = socket.create_server(("", port), family=socket.AF_INET6, dualstack_ipv6=True)
     return dist.TCPStore(bind or host, port, None, is_master=True, timeout=timeout, wait_for_workers=False,
                          master_listen_fd=sock.detach())  # the store owns (and closes) the socket now
 
@@ -150,10 +146,8 @@ def init_process_group(backend: str, rank: int, world_size: int, main_address: s
     it; it returns once all ``world_size`` ranks have joined, or raises after ``timeout``.
 
     Args:
-        backend: see :func:`resolve_backend`.
-        rank, world_size: this process's global rank and the number of processes.
+        backend, rank, world_size, timeout: as for ``torch.distributed.init_process_group``.
         main_address, main_port: rank 0's store (``env://``).
-        timeout: for the rendezvous and every collective.
         device: a CUDA device is passed as ``device_id`` (eager NCCL initialisation).
         init_method, store: see :func:`validate_init_method`; a ``torch.distributed.Store`` shared by all ranks.
         num_nodes: number of machines.
@@ -198,7 +192,8 @@ def init_process_group(backend: str, rank: int, world_size: int, main_address: s
         text = str(e)
         if "address already in use" in text.lower() or getattr(e, "errno", None) == errno.EADDRINUSE:
             raise RuntimeError(f"[rank {rank}] cannot start the rendezvous at {where}: the port is already in use by"
-                               " another process. Choose another MASTER_PORT, or unset it so a free port is picked.")
+                               " another process. Choose another MASTER_PORT, or unset it so a free port is"
+                               " picked.") from e
         raise RuntimeError(
             f"[rank {rank}] could not join the process group at {where} (world size {world_size}) within"
             f" {timeout.total_seconds():.0f} s: {text.splitlines()[0] if text else type(e).__name__}. Check that"
@@ -207,12 +202,10 @@ def init_process_group(backend: str, rank: int, world_size: int, main_address: s
 
 
 class ProcessGroupRun:
-    """One rank's part in a run (a stage, a fit, a torchrun attempt) of the world group.
+    """One rank's part in the runs (stages, fits) of one strategy: the rendezvous, side groups, failure state.
 
-    Args:
-        timeout: how long a collective waits for the other ranks.
-        barrier_timeout: how long the epoch-start ``monitored_barrier`` waits before naming missing ranks.
-        init_method, store: the rendezvous (see :func:`init_process_group`).
+    ``timeout`` is the collectives', ``barrier_timeout`` the epoch-start ``monitored_barrier``'s; ``init_method``
+    and ``store`` are the rendezvous (:func:`init_process_group`).
     """
 
     def __init__(self, timeout: timedelta, barrier_timeout: timedelta, init_method: str | None = None,
@@ -232,11 +225,8 @@ class ProcessGroupRun:
         self.grace_s = 5.0
 
     def join(self, env: Any, device: torch.device, backend: str | None, num_nodes: int, num_processes: int) -> str:
-        """Join (or reuse) the world group and make this run's side groups and failure reports (every rank).
-
-        Returns:
-            The backend in use.
-        """
+        """Join (or reuse) the world group, make the side groups and this run's failure reports; return the backend
+        in use. Every rank."""
         backend = resolve_backend(device, backend)
         rank, world_size = env.global_rank(), num_nodes * num_processes
         init_process_group(backend, rank, world_size, env.main_address, env.main_port, self.timeout, device,
@@ -260,19 +250,9 @@ def device_ids(device: torch.device) -> list[int] | None:
 
 
 def all_reduce(tensor: torch.Tensor, op: Any = "mean") -> torch.Tensor:
-    """``tensor`` reduced over all ranks, as a new tensor (the input is unchanged). A collective, every rank.
-
-    Args:
-        tensor: any shape, on the backend's device; every rank the same shape and dtype.
-        op: ``"mean"`` (``"avg"``), ``"sum"``, ``"max"``, ``"min"`` or the matching ``ReduceOp``; a mean of an
-            integer tensor is float32.
-
-    Returns:
-        The same result on every rank; a copy of ``tensor`` without a process group (world size 1).
-
-    Raises:
-        ValueError: another ``op``.
-    """
+    """``tensor`` (any shape, the same on every rank) reduced over all ranks, as a new tensor: the same on every rank,
+    a copy without a process group. A collective. ``op``: ``"mean"``/``"avg"`` (an integer mean is float32),
+    ``"sum"``, ``"max"``, ``"min"`` or a ``ReduceOp``; another raises ``ValueError``."""
     ops = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM,
            "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
     name = (op.name if hasattr(op, "name") else str(op)).lower()
