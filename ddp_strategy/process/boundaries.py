@@ -97,11 +97,8 @@ class RequeueAtStepBoundary(Callback):
         """Take over the requeue signal from Lightning's handler, if SLURM auto-requeue is on (every rank)."""
         env = trainer.strategy.cluster_environment
         requeue_signal = getattr(env, "requeue_signal", None) if getattr(env, "auto_requeue", False) else None
-        if requeue_signal is None:
-            return
-        if threading.current_thread() is not threading.main_thread():
-            return
-        handler = signal.getsignal(requeue_signal)
+        main = threading.current_thread() is threading.main_thread()
+        handler = signal.getsignal(requeue_signal) if requeue_signal is not None and main else None
         if callable(handler):
             self._signal, self._lightning_handler, self._received = requeue_signal, handler, False
             signal.signal(requeue_signal, self._note_signal)
@@ -121,12 +118,9 @@ class RequeueAtStepBoundary(Callback):
             self._received = False
             self._lightning_handler(self._signal, None)
 
-    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
-        """Give the signal back to Lightning's handler (Lightning restores the original at teardown)."""
-        self.restore()
-
-    def restore(self) -> None:
-        """Put Lightning's handler back if ours is still installed (no collective)."""
+    def on_train_end(self, trainer: Any = None, pl_module: Any = None) -> None:
+        """Give the signal back to Lightning's handler if ours is still installed (Lightning restores the original
+        at teardown). No collective."""
         if self._signal is not None and signal.getsignal(self._signal) == self._note_signal:
             signal.signal(self._signal, self._lightning_handler)
         self._signal = self._lightning_handler = None
@@ -144,6 +138,6 @@ def remove_fit_callbacks(trainer: Any) -> None:
     """Remove what :func:`add_fit_callbacks` added, giving the requeue signal back to Lightning's handler."""
     for cb in trainer.callbacks:
         if isinstance(cb, RequeueAtStepBoundary):
-            cb.restore()
+            cb.on_train_end()
     trainer.callbacks[:] = [cb for cb in trainer.callbacks
                             if not isinstance(cb, (EpochBoundaryCheck, RequeueAtStepBoundary))]

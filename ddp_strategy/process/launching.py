@@ -37,11 +37,8 @@ START_METHODS: tuple[str, ...] = ("popen", "spawn", "fork", "forkserver")
 
 
 def default_start_method() -> StartMethod:
-    """``"fork"`` in an interactive session (Jupyter, REPL), where a script cannot be re-run; else ``"popen"``.
-
-    ``popen`` re-runs the user's script once per extra device (Lightning's default for ``"ddp"``): nothing
-    has to be pickled and CUDA may be initialised in the parent.
-    """
+    """``"fork"`` in an interactive session (Jupyter, REPL), where a script cannot be re-run; else ``"popen"``
+    (Lightning's default for ``"ddp"``: nothing is pickled, and CUDA may be initialised in the parent)."""
     return "fork" if _pl.is_interactive() else "popen"
 
 
@@ -174,10 +171,8 @@ def check_fork_safe(start_method: str, device_type: str) -> None:
 
 
 def make_launcher(strategy: Any, start_method: str, backend: str | None, allow_cpu_oversubscription: bool) -> Any:
-    """Lightning's launcher for ``start_method``, after refusing what cannot work (runs in ``Trainer(...)``).
-
-    ``"popen"`` is Lightning's ``_SubprocessScriptLauncher`` (the script re-run per rank); the others are its
-    ``_MultiProcessingLauncher`` with our checks (:class:`CheckedMultiProcessingLauncher`).
+    """In ``Trainer(...)``, after refusing what cannot work: Lightning's ``_SubprocessScriptLauncher`` for ``"popen"``
+    (the script re-run per rank), else its ``_MultiProcessingLauncher`` (:class:`CheckedMultiProcessingLauncher`).
 
     Raises:
         ValueError: a backend the device cannot use (``"nccl"`` on CPU).
