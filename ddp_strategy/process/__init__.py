@@ -1,9 +1,6 @@
-"""Step 1, the process group: launching, the world group and its rendezvous, failures, teardown, collectives.
-
-Owns which launcher starts the ranks and what is refused before any process starts
-(:mod:`~ddp_strategy.process.launching`), the world process group, reused by every run in a process as under
-Lightning's ``ddp`` (:mod:`~ddp_strategy.process.group`), naming the rank that failed and ending the run
-(:mod:`~ddp_strategy.process.failures`, whose docstring states the protocol), the epoch- and step-boundary checks
+"""Step 1, the process group: launching and its checks (:mod:`~ddp_strategy.process.launching`), the world group,
+reused by every run in a process as under Lightning's ``ddp`` (:mod:`~ddp_strategy.process.group`), the failure
+protocol (:mod:`~ddp_strategy.process.failures`), the epoch- and step-boundary checks
 (:mod:`~ddp_strategy.process.boundaries`) and the strategy's collectives (:mod:`~ddp_strategy.process.collectives`).
 Must not touch: loaders, the model or checkpoints.
 """

@@ -64,12 +64,8 @@ def resolve_backend(device: torch.device, backend: str | None) -> str:
 
 
 def as_timedelta(timeout: float | timedelta) -> timedelta:
-    """``timeout`` (seconds, or a ``timedelta``) as a positive ``timedelta``.
-
-    Raises:
-        TypeError: neither a number nor a ``timedelta``.
-        ValueError: not positive, or not finite.
-    """
+    """``timeout`` (seconds, or a ``timedelta``) as a positive ``timedelta``; else ``TypeError`` (neither) or
+    ``ValueError`` (not positive, not finite)."""
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float, timedelta)):
         raise TypeError(f"timeout must be seconds (a number) or a datetime.timedelta, got {timeout!r}.")
     try:
@@ -82,11 +78,8 @@ def as_timedelta(timeout: float | timedelta) -> timedelta:
 
 
 def validate_init_method(init_method: str | None) -> None:
-    """Refuse an ``init_method`` other than ``None``/``"env://"``, ``"tcp://host:port"`` or ``"file:///path"``.
-
-    Raises:
-        ValueError: another scheme, or a ``tcp://`` URL without a port.
-    """
+    """Refuse (``ValueError``) an ``init_method`` other than ``None``/``"env://"``, ``"tcp://host:port"`` or
+    ``"file:///path"``, or a ``tcp://`` URL without a port."""
     if init_method is not None and not init_method.startswith(INIT_METHOD_SCHEMES):
         raise ValueError(f"init_method={init_method!r} is not supported; use 'env://' (default), 'tcp://host:port' or"
                          " 'file:///path/to/shared/file', or pass a torch.distributed Store as store=...")
@@ -139,8 +132,8 @@ def init_process_group(backend: str, rank: int, world_size: int, main_address: s
     """Join the default (world) process group, or reuse the one this process already has (Lightning does too).
 
     The rendezvous, in order of precedence: a ready ``store``; ``init_method`` (``file://`` by torch's handler,
-    ``tcp://host:port`` as ``env://``); under torchrun (``TORCHELASTIC_USE_AGENT_STORE=True``) torch's ``env://``
-    handler, a client of the elastic agent's store; else ``env://`` at ``main_address:main_port`` (exported as
+    ``tcp://host:port`` as ``env://``); under torchrun (``TORCHELASTIC_USE_AGENT_STORE=True``) the elastic
+    agent's store, under a prefix per attempt; else ``env://`` at ``main_address:main_port`` (exported as
     ``MASTER_ADDR``/``MASTER_PORT``), served by rank 0 on loopback when ``num_nodes == 1``. On one node gloo's
     own connections are kept on loopback too (``GLOO_SOCKET_IFNAME``, unless the user set it). Every rank calls
     it; it returns once all ``world_size`` ranks have joined, or raises after ``timeout``.
@@ -183,9 +176,14 @@ def init_process_group(backend: str, rank: int, world_size: int, main_address: s
     log.info("[rank %d] joining the process group: backend=%s world_size=%d rendezvous=%s timeout=%.0fs",
              rank, backend, world_size, where, timeout.total_seconds())
     try:
-        if store is not None:  # a store that outlives this group (a FileStore in a notebook): a prefix per group
-            store = dist.PrefixStore(f"ddp_strategy/{(store.add('ddp_strategy/joins', 1) - 1) // world_size}", store)
-        elif init_method is None and not (agent and env):
+        if store is not None or (agent and env):  # a store that outlives this group: a prefix per group, with
+            # torchrun's agent per attempt and world size too (g is the same on every rank: see failures.run_reports)
+            prefix = f"ddp_strategy/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{world_size}" if store is None \
+                else "ddp_strategy"
+            if store is None:
+                store = dist.TCPStore(main_address, main_port, None, is_master=False, timeout=timeout)
+            store = dist.PrefixStore(f"{prefix}/group_{(store.add(f'{prefix}/groups', 1) - 1) // world_size}", store)
+        elif init_method is None:
             store = _tcp_store(main_address, main_port, rank, timeout, num_nodes)
         dist.init_process_group(backend, init_method=init_method if store is None else None, store=store, **kwargs)
     except (RuntimeError, OSError, ValueError) as e:
@@ -211,17 +209,12 @@ class ProcessGroupRun:
     def __init__(self, timeout: timedelta, barrier_timeout: timedelta, init_method: str | None = None,
                  store: dist.Store | None = None) -> None:
         self.timeout, self.barrier_timeout, self.init_method, self.store = timeout, barrier_timeout, init_method, store
-        #: This run's failure reports (:mod:`ddp_strategy.process.failures`); None outside a run.
-        self.reports: dist.Store | None = None
-        #: This rank's intra-node group (the world on one node) and its global ranks.
-        self.node_group: Any = None
+        self.reports: dist.Store | None = None  # this run's failure reports (failures.run_reports)
+        self.node_group: Any = None  # this rank's intra-node group (the world on one node), and its ranks
         self.node_ranks: list[int] = []
-        #: A gloo group for ``monitored_barrier`` on other backends; None for gloo (the world group is used).
-        self.barrier_group: Any = None
-        #: Set by :func:`ddp_strategy.process.failures.on_exception`, cleared when the next run joins.
-        self.failed = self.own_failure = False
-        #: The ranks this process launched (popen), taken from Lightning's launcher after a failure.
-        self.stopping: list[Any] = []
+        self.barrier_group: Any = None  # gloo, for monitored_barrier on other backends (None: the world group)
+        self.failed = self.own_failure = False  # set by failures.on_exception, cleared when the next run joins
+        self.stopping: list[Any] = []  # popen's ranks, taken from Lightning's launcher after a failure
         self.grace_s = 5.0
 
     def join(self, env: Any, device: torch.device, backend: str | None, num_nodes: int, num_processes: int) -> str:

@@ -170,9 +170,11 @@ def test_the_group_is_reused_and_destroying_it_closes_rank_0s_store_and_gloo_soc
 
 
 def test_under_torchrun_env_rendezvous_uses_the_agents_store(monkeypatch):
-    """TORCHELASTIC_USE_AGENT_STORE=True: init_method None or 'env://' joins the agent's store as a client."""
+    """TORCHELASTIC_USE_AGENT_STORE=True: init_method None or 'env://' joins the agent's store as a client, prefixed
+    per attempt and per group."""
     agent = dist.TCPStore("127.0.0.1", 0, None, is_master=True, timeout=timedelta(seconds=30), wait_for_workers=False)
     monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
     served = []
     monkeypatch.setattr(process_group, "_tcp_store", lambda *a, **k: served.append(a))
     for init_method in (None, "env://"):
@@ -181,4 +183,5 @@ def test_under_torchrun_env_rendezvous_uses_the_agents_store(monkeypatch):
         failures.run_reports(0, 1).set("mine", "1")
         failures.destroy_process_group()
     assert served == []  # no store of our own next to the agent's
-    assert agent.num_keys() > 2  # the group's keys and ours went to the agent's store
+    # each group under its own prefix in the attempt's (its gloo addresses are never read by a later group)
+    assert agent.check([f"ddp_strategy/2/1/group_{g}/0//ddp_strategy/2/1/run_0/mine" for g in (0, 1)])
