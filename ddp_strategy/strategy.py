@@ -23,14 +23,7 @@ from ddp_strategy import checkpoint, diagnostics, options, process, sampling, sy
 from ddp_strategy._compat import lightning_private as _pl
 from ddp_strategy._compat import namespace as _namespace
 from ddp_strategy._compat.namespace import SIGTERMException, TrainerFn, rank_zero_info, reset_seed
-from ddp_strategy.process import (  # noqa: F401 (0.1 had START_METHODS, StartMethod, default_start_method here)
-    START_METHODS,
-    StartMethod,
-    boundaries,
-    default_start_method,
-    failures,
-    launching,
-)
+from ddp_strategy.process import START_METHODS, StartMethod, default_start_method  # noqa: F401 (0.1 had them here)
 
 if TYPE_CHECKING:
     from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
@@ -126,19 +119,18 @@ class MyDDPStrategy(process.RankTopology, checkpoint.DefaultCheckpointIO, Parall
     @override
     def _configure_launcher(self) -> None:
         # Runs in Trainer(...), before any process starts: refuse impossible set-ups here, not in a child.
-        self._launcher = launching.make_launcher(self, self.start_method, self._process_group_backend,
-                                                 self._options.allow_cpu_oversubscription)
+        self._launcher = process.launching.make_launcher(self, self.start_method, self._process_group_backend,
+                                                         self._options.allow_cpu_oversubscription)
 
     @override
     def setup_environment(self) -> None:
         """Set the device up, then join (or reuse) the world process group (every rank, before model code)."""
         reset_seed()
         self.set_world_ranks()
-        launching.check_external_world(self.cluster_environment, self.num_nodes, self.num_processes)
+        process.launching.check_external_world(self.cluster_environment, self.num_nodes, self.num_processes)
         super().setup_environment()
         self._process_group_backend = self._run.join(self.cluster_environment, self.root_device,
                                                      self._process_group_backend, self.num_nodes, self.num_processes)
-        launching.wait_for_ranks_at_exit(self._launcher)
 
     # --------------------------------------------------------------------------------- 3. DDP wrapping
     @override
@@ -153,8 +145,7 @@ class MyDDPStrategy(process.RankTopology, checkpoint.DefaultCheckpointIO, Parall
         self.model_to_device()
         if trainer.state.fn == TrainerFn.FITTING:
             self._layer_sync, self.model = self._gradients.sync_layers(self._layer_sync, self.model)
-            boundaries.add_fit_callbacks(trainer, self._run.barrier_group, self._run.barrier_timeout,
-                                         self.global_rank, self.world_size)
+            process.boundaries.add_fit_callbacks(trainer, self._run, self.global_rank, self.world_size)
             if self.is_global_zero:
                 self._checkpoints.warn_if_unwritable(trainer)
             self.model = self._gradients.wrap(self.model, self.root_device)
@@ -332,7 +323,7 @@ class MyDDPStrategy(process.RankTopology, checkpoint.DefaultCheckpointIO, Parall
         if isinstance(exception, SIGTERMException) and path is not None and self._trainer is not None:
             rank_zero_info(f"SIGTERM: saving a checkpoint to {path} before exiting; resume with fit(ckpt_path=...)")
             save = functools.partial(self._trainer.save_checkpoint, path)
-        failures.on_exception(self._run, exception, self.global_rank, self.world_size,
+        process.failures.on_exception(self._run, exception, self.global_rank, self.world_size,
                               self._sharding.guard.describe_uneven(), save, self._launcher)
 
     # --------------------------------------------------------------------------------------- teardown
@@ -345,9 +336,9 @@ class MyDDPStrategy(process.RankTopology, checkpoint.DefaultCheckpointIO, Parall
                                             failed=self._run.failed)
         self._sharding.hand_back(trainer)
         if trainer is not None:
-            boundaries.remove_fit_callbacks(trainer)
+            process.boundaries.remove_fit_callbacks(trainer)
         super().teardown()
-        failures.teardown(self._run, self.global_rank, self.world_size)
+        process.failures.teardown(self._run, self.global_rank, self.world_size)
 
     @classmethod
     @override

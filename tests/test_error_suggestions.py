@@ -268,7 +268,7 @@ def test_all_gather_shape_error_suggestion_works():
 # ------------------------------------------------------------------------------------ settings errors
 def test_cpu_oversubscription_warning_suggestions_silence_it(monkeypatch):
     """More CPU processes than cores warns; devices=<cores> or allow_cpu_oversubscription=True does not."""
-    monkeypatch.setattr(launching, "available_cpus", lambda: 2)
+    monkeypatch.setattr(launching.os, "sched_getaffinity", lambda pid: {0, 1})
     with pytest.warns(UserWarning, match=r"Pass devices=2 or fewer .*MyDDPStrategy\(allow_cpu_oversubscription=True\)"):
         launching.check_cpu_processes(3)
     with warnings.catch_warnings():

@@ -1,4 +1,4 @@
-"""Step 1, the process group: launching and its checks (:mod:`~ddp_strategy.process.launching`), the world group,
+"""Step 1, the process group. Owns: launching and its checks (:mod:`~ddp_strategy.process.launching`), the world group,
 reused by every run in a process as under Lightning's ``ddp`` (:mod:`~ddp_strategy.process.group`), the failure
 protocol (:mod:`~ddp_strategy.process.failures`), the epoch- and step-boundary checks
 (:mod:`~ddp_strategy.process.boundaries`) and the strategy's collectives (:mod:`~ddp_strategy.process.collectives`).
@@ -6,6 +6,7 @@ Must not touch: loaders, the model or checkpoints.
 """
 
 from ddp_strategy._compat.namespace import default as _default
+from ddp_strategy.process import boundaries, failures, launching
 from ddp_strategy.process.collectives import Collectives, all_gather_rows
 from ddp_strategy.process.failures import destroy_process_group
 from ddp_strategy.process.group import (
@@ -24,7 +25,9 @@ from ddp_strategy.process.topology import RankTopology
 #: Lightning's ``find_free_network_port`` (for the demo and the testing kit): a port free a moment ago.
 free_port = _default.get("fabric.plugins.environments.lightning:find_free_network_port")
 
-__all__ = ["DEFAULT_TIMEOUT", "START_METHODS", "Collectives", "ProcessGroupRun", "RankTopology", "StartMethod",
-           "all_gather_rows", "all_reduce", "as_timedelta", "check_launch_env", "default_start_method",
-           "destroy_process_group", "device_ids", "free_port", "init_process_group", "validate_backend_name",
-           "validate_init_method"]
+__all__ = [
+    "Collectives", "DEFAULT_TIMEOUT", "ProcessGroupRun", "RankTopology", "START_METHODS", "StartMethod",
+    "all_gather_rows", "all_reduce", "as_timedelta", "boundaries", "check_launch_env", "default_start_method",
+    "destroy_process_group", "device_ids", "failures", "free_port", "init_process_group", "launching",
+    "validate_backend_name", "validate_init_method",
+]

@@ -126,12 +126,13 @@ class RequeueAtStepBoundary(Callback):
         self._signal = self._lightning_handler = None
 
 
-def add_fit_callbacks(trainer: Any, group: Any, timeout: timedelta, rank: int, world_size: int) -> None:
-    """Add :class:`EpochBoundaryCheck` and :class:`RequeueAtStepBoundary` to ``trainer.callbacks`` (once each)."""
+def add_fit_callbacks(trainer: Any, run: Any, rank: int, world_size: int) -> None:
+    """Add :class:`EpochBoundaryCheck` and :class:`RequeueAtStepBoundary` to ``trainer.callbacks`` (once each), on
+    ``run``'s barrier group (a :class:`~ddp_strategy.process.group.ProcessGroupRun`)."""
     if not any(isinstance(cb, EpochBoundaryCheck) for cb in trainer.callbacks):
-        trainer.callbacks.append(EpochBoundaryCheck(group, timeout, rank, world_size))
+        trainer.callbacks.append(EpochBoundaryCheck(run.barrier_group, run.barrier_timeout, rank, world_size))
     if not any(isinstance(cb, RequeueAtStepBoundary) for cb in trainer.callbacks):
-        trainer.callbacks.append(RequeueAtStepBoundary(group, world_size))
+        trainer.callbacks.append(RequeueAtStepBoundary(run.barrier_group, world_size))
 
 
 def remove_fit_callbacks(trainer: Any) -> None:

@@ -10,6 +10,7 @@ See https://pytorch.org/docs/stable/distributed.html#initialization.
 from __future__ import annotations
 
 import errno
+import gc
 import ipaddress
 import logging
 import os
@@ -111,6 +112,7 @@ def _tcp_store(host: str, port: int, rank: int, timeout: timedelta, num_nodes: i
     own server would listen on every interface)."""
     if rank != 0:
         return dist.TCPStore("127.0.0.1" if num_nodes == 1 else host, port, None, is_master=False, timeout=timeout)
+    gc.collect()  # a failed run's objects (a Trainer, its DDP wrapper) may still hold our previous store on this port
     bind, sock = listen_address(host, num_nodes), None
     try:
         sock = socket.create_server((bind, port), family=socket.AF_INET6 if ":" in bind else socket.AF_INET) \

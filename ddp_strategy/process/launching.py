@@ -181,18 +181,12 @@ def make_launcher(strategy: Any, start_method: str, backend: str | None, allow_c
     resolve_backend(devices[0], backend)
     if devices[0].type == "cpu" and not env.creates_processes_externally:
         check_cpu_processes(strategy.num_processes, allow_cpu_oversubscription)
-    if start_method == "popen":
-        return _pl.SubprocessScriptLauncher(env, strategy.num_processes, strategy.num_nodes)
-    return CheckedMultiProcessingLauncher(strategy, start_method=start_method)
-
-
-def wait_for_ranks_at_exit(launcher: Any, timeout_s: float = 60.0) -> None:
-    """Under popen, make the launching process wait at interpreter exit for the ranks it started (Lightning does
-    not), so none outlives it; still alive after ``timeout_s`` seconds, they are killed. Once per launch."""
-    procs = launcher.procs if isinstance(launcher, _pl.SubprocessScriptLauncher) else None
-    if procs and not getattr(launcher, "_ddp_strategy_waits", False):
-        launcher._ddp_strategy_waits = True
-        atexit.register(failures.stop_processes, procs, timeout_s)
+    if start_method != "popen":
+        return CheckedMultiProcessingLauncher(strategy, start_method=start_method)
+    launcher = _pl.SubprocessScriptLauncher(env, strategy.num_processes, strategy.num_nodes)
+    if not env.creates_processes_externally:  # at exit, wait up to 60 s for the ranks it starts (Lightning does not)
+        atexit.register(lambda: failures.stop_processes(launcher.procs, grace_s=60.0))
+    return launcher
 
 
 class CheckedMultiProcessingLauncher(_pl.MultiProcessingLauncher):
