@@ -10,7 +10,6 @@ See https://pytorch.org/docs/stable/distributed.html#initialization.
 from __future__ import annotations
 
 import errno
-import gc
 import ipaddress
 import logging
 import os
@@ -107,23 +106,29 @@ def listen_address(main_address: str, num_nodes: int) -> str:
     return ip
 
 
+_served_ports: set[int] = set()  # ports this process served a store on
+
+
 def _tcp_store(host: str, port: int, rank: int, timeout: timedelta, num_nodes: int) -> dist.TCPStore:
     """A ``TCPStore`` at ``host:port``; rank 0 serves it from a socket bound on :func:`listen_address` (torch's
     own server would listen on every interface)."""
     if rank != 0:
         return dist.TCPStore("127.0.0.1" if num_nodes == 1 else host, port, None, is_master=False, timeout=timeout)
-    gc.collect()  # a failed run's objects (a Trainer, its DDP wrapper) may still hold our previous store on this port
     bind, sock = listen_address(host, num_nodes), None
     try:
         sock = socket.create_server((bind, port), family=socket.AF_INET6 if ":" in bind else socket.AF_INET) \
             if bind else None
     except OSError as e:
+        if e.errno == errno.EADDRINUSE and port in _served_ports:  # our previous group's store, still held after a
+            # failed run: it serves this group too, under the group's own prefix
+            return dist.TCPStore(bind, port, None, is_master=False, timeout=timeout)
         if e.errno != errno.EADDRNOTAVAIL:
             raise
         log.warning("MASTER_ADDR=%s (%s) is not an address of rank 0's machine: the rendezvous store listens on"
                     " every interface.", host, bind)
     if sock is None:  # every interface, IPv4 and IPv6
         sock = socket.create_server(("", port), family=socket.AF_INET6, dualstack_ipv6=True)
+    _served_ports.add(port)
     return dist.TCPStore(bind or host, port, None, is_master=True, timeout=timeout, wait_for_workers=False,
                          master_listen_fd=sock.detach())  # the store owns (and closes) the socket now
 
@@ -178,15 +183,13 @@ def init_process_group(backend: str, rank: int, world_size: int, main_address: s
     log.info("[rank %d] joining the process group: backend=%s world_size=%d rendezvous=%s timeout=%.0fs",
              rank, backend, world_size, where, timeout.total_seconds())
     try:
-        if store is not None or (agent and env):  # a store that outlives this group: a prefix per group, with
-            # torchrun's agent per attempt and world size too (g is the same on every rank: see failures.run_reports)
-            prefix = f"ddp_strategy/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{world_size}" if store is None \
-                else "ddp_strategy"
-            if store is None:
-                store = dist.TCPStore(main_address, main_port, None, is_master=False, timeout=timeout)
+        if store is None and init_method is None:  # env://: rank 0's own store, or torchrun's agent's
+            store = dist.TCPStore(main_address, main_port, None, is_master=False, timeout=timeout) if agent \
+                else _tcp_store(main_address, main_port, rank, timeout, num_nodes)
+        if store is not None:  # a store may outlive this group: a prefix per group (torchrun's: per attempt too);
+            # g is the same on every rank (see failures.run_reports)
+            prefix = f"ddp_strategy/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{world_size}"
             store = dist.PrefixStore(f"{prefix}/group_{(store.add(f'{prefix}/groups', 1) - 1) // world_size}", store)
-        elif init_method is None:
-            store = _tcp_store(main_address, main_port, rank, timeout, num_nodes)
         dist.init_process_group(backend, init_method=init_method if store is None else None, store=store, **kwargs)
     except (RuntimeError, OSError, ValueError) as e:
         text = str(e)
