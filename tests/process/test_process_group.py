@@ -60,13 +60,14 @@ def test_cuda_device_is_passed_for_eager_nccl_init(monkeypatch):
     """On CUDA the device reaches init_process_group as device_id (checked without a GPU), with our own store."""
     calls, stores = {}, []
     monkeypatch.setattr(dist, "is_initialized", lambda: False)
-    monkeypatch.setattr(process_group, "_tcp_store", lambda *a, **k: stores.append(a) or "store")
+    monkeypatch.setattr(process_group, "_tcp_store", lambda *a, **k: stores.append(a) or dist.HashStore())
     monkeypatch.setattr(dist, "init_process_group", lambda *a, **k: calls.update(args=a, kwargs=k))
     process_group.init_process_group("nccl", 1, 2, "127.0.0.1", 29512, timedelta(seconds=9), torch.device("cuda", 1))
     assert stores == [("127.0.0.1", 29512, 1, timedelta(seconds=9), 1)]
     assert calls["args"] == ("nccl",)
-    assert calls["kwargs"] == {"init_method": None, "store": "store", "rank": 1, "world_size": 2,
-                               "timeout": timedelta(seconds=9), "device_id": torch.device("cuda", 1)}
+    assert isinstance(calls["kwargs"].pop("store"), dist.PrefixStore)  # our store, under the group's prefix
+    assert calls["kwargs"] == {"init_method": None, "rank": 1, "world_size": 2, "timeout": timedelta(seconds=9),
+                               "device_id": torch.device("cuda", 1)}
     process_group.init_process_group("gloo", 0, 2, "127.0.0.1", 29512, timedelta(seconds=9), torch.device("cpu"))
     assert "device_id" not in calls["kwargs"] and stores[-1][2] == 0
 
