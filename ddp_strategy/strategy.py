@@ -198,8 +198,8 @@ class MyDDPStrategy(ParallelStrategy):
     @override
     def _configure_launcher(self) -> None:
         # Runs in Trainer(...), before any process starts: refuse impossible set-ups here, not in a child.
-        self._launcher = self._run.make_launcher(self, self.start_method, self._process_group_backend,
-                                                 self._options.allow_cpu_oversubscription)
+        self._launcher = process.launching.make_launcher(self, self.start_method, self._process_group_backend,
+                                                         self._options.allow_cpu_oversubscription)
 
     def set_world_ranks(self) -> None:
         """Check the launch variables (every rank, in ``Trainer(...)``; a ``ValueError`` names a bad one, see
@@ -212,14 +212,13 @@ class MyDDPStrategy(ParallelStrategy):
 
     @override
     def setup_environment(self) -> None:
-        """Set the device up, then join a new rendezvous and process group (every rank, before model code)."""
+        """Set the device up, then join (or reuse) the world process group (every rank, before model code)."""
         reset_seed()
         self.set_world_ranks()
-        self._run.check_world(self.cluster_environment, self.num_nodes, self.num_processes)
+        process.launching.check_external_world(self.cluster_environment, self.num_nodes, self.num_processes)
         super().setup_environment()
-        self._process_group_backend = self._run.join(
-            self.cluster_environment, self.root_device, self._process_group_backend, self.num_nodes,
-            self.num_processes, self._launcher, self.start_method)
+        self._process_group_backend = self._run.join(self.cluster_environment, self.root_device,
+                                                     self._process_group_backend, self.num_nodes, self.num_processes)
 
     # --------------------------------------------------------------------------------- 3. DDP wrapping
     @override
@@ -236,7 +235,7 @@ class MyDDPStrategy(ParallelStrategy):
             if self._layer_sync:  # Trainer(sync_batchnorm=True): Lightning's plugin, made CPU-capable
                 self._layer_sync = sync.cpu_capable(self._layer_sync)
                 self.model = self._layer_sync.apply(self.model)
-            self._run.add_fit_callbacks(trainer, self.global_rank, self.world_size)
+            process.boundaries.add_fit_callbacks(trainer, self._run, self.global_rank, self.world_size)
             if self.is_global_zero:  # remove what killed checkpoint writers left; name an unwritable folder now
                 folders = [cb.dirpath for cb in trainer.checkpoint_callbacks if getattr(cb, "dirpath", None)]
                 for folder in folders:
@@ -482,13 +481,13 @@ class MyDDPStrategy(ParallelStrategy):
         if isinstance(exception, SIGTERMException) and path is not None and self._trainer is not None:
             rank_zero_info(f"SIGTERM: saving a checkpoint to {path} before exiting; resume with fit(ckpt_path=...)")
             save = functools.partial(self._trainer.save_checkpoint, path)
-        self._run.on_exception(exception, self.global_rank, self.world_size, self._sharding.guard.describe_uneven(),
-                               save, process.launched_ranks(self._launcher))
+        process.failures.on_exception(self._run, exception, self.global_rank, self.world_size,
+                              self._sharding.guard.describe_uneven(), save, self._launcher)
 
     # --------------------------------------------------------------------------------------- teardown
     @override
     def teardown(self) -> None:
-        """Unwrap, revert layer syncing, give Lightning its sampler back, leave (or keep) the process group."""
+        """Unwrap, revert layer syncing, give Lightning its sampler back; after a failure, leave the process group."""
         trainer = self._trainer
         fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
         self.model = sync.unwrap(self.model, failed=self._run.failed)
@@ -496,9 +495,9 @@ class MyDDPStrategy(ParallelStrategy):
             self.model = self._layer_sync.revert(self.model)
         self._sharding.hand_back(trainer)
         if trainer is not None:
-            self._run.remove_fit_callbacks(trainer)
+            process.boundaries.remove_fit_callbacks(trainer)
         super().teardown()
-        self._run.leave(self.global_rank, self.world_size, bool(process.launched_ranks(self._launcher)))
+        process.failures.teardown(self._run, self.global_rank, self.world_size)
 
     @classmethod
     @override

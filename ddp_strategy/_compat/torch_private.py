@@ -15,7 +15,7 @@ from torch import nn
 
 log = logging.getLogger(__name__)
 
-__all__ = ["DDP_TIMING_KEYS", "CountingProcessGroup", "broadcast_coalesced", "ddp_logging_data",
+__all__ = ["DDP_TIMING_KEYS", "CountingProcessGroup", "broadcast_coalesced", "ddp_logging_data", "default_store",
            "release_ddp_process_group"]
 
 #: Keys of ``DistributedDataParallel._get_ddp_logging_data()`` this package reads. Times are in nanoseconds,
@@ -103,3 +103,16 @@ class CountingProcessGroup:
     def allreduce(self, tensors: list[Any], *args: Any) -> Any:
         self.count(tensors)
         return self._target().allreduce(tensors, *args)
+
+def default_store() -> Any:
+    """The default (world) process group's store: ``torch.distributed.distributed_c10d._get_default_store()``.
+
+    The store the group was created with (as torch wraps it); the strategy keeps its failure reports there
+    (:mod:`ddp_strategy.process.failures`), under a prefix per run.
+
+    Raises:
+        ValueError: no default process group.
+    """
+    from torch.distributed import distributed_c10d
+
+    return distributed_c10d._get_default_store()

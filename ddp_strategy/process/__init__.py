@@ -1,30 +1,32 @@
-"""Step 1, the process group: launching, rendezvous, backend, failures, teardown, and the collectives.
-
-Owns: which launcher starts the ranks and what is refused before any process starts
-(:mod:`~ddp_strategy.process.launching`), the rendezvous store of each run
-(:mod:`~ddp_strategy.process.rendezvous`), the world process group's creation, lifetime and destruction
-(:mod:`~ddp_strategy.process.group`), naming the rank that failed (:mod:`~ddp_strategy.process.failures`) and
-``all_gather`` of uneven tensors (:mod:`~ddp_strategy.process.collectives`). Must not touch: loaders, the model or
-checkpoints. Entry point: :class:`ProcessGroupRun`.
+"""Step 1, the process group. Owns: launching and its checks (:mod:`~ddp_strategy.process.launching`), the world group,
+reused by every run in a process as under Lightning's ``ddp`` (:mod:`~ddp_strategy.process.group`), the failure
+protocol (:mod:`~ddp_strategy.process.failures`), the epoch- and step-boundary checks
+(:mod:`~ddp_strategy.process.boundaries`) and ``all_gather`` of uneven tensors and rank-0 work every rank agrees on
+(:mod:`~ddp_strategy.process.collectives`). Must not touch: loaders, the model or checkpoints.
 """
 
+from ddp_strategy._compat.namespace import default as _default
+from ddp_strategy.process import boundaries, failures, launching
 from ddp_strategy.process.collectives import all_gather_padded, all_gather_rows, gather_shapes, on_global_zero
-from ddp_strategy.process.failures import proc_stat
+from ddp_strategy.process.failures import destroy_process_group
 from ddp_strategy.process.group import (
     DEFAULT_TIMEOUT,
+    ProcessGroupRun,
     all_reduce,
     as_timedelta,
-    destroy_process_group,
     device_ids,
     init_process_group,
     validate_backend_name,
     validate_init_method,
 )
 from ddp_strategy.process.launching import START_METHODS, StartMethod, check_launch_env, default_start_method
-from ddp_strategy.process.rendezvous import free_port
-from ddp_strategy.process.run import ProcessGroupRun, launched_ranks
 
-__all__ = ["DEFAULT_TIMEOUT", "START_METHODS", "ProcessGroupRun", "StartMethod", "all_gather_padded",
-           "all_gather_rows", "all_reduce", "as_timedelta", "check_launch_env", "default_start_method",
-           "destroy_process_group", "device_ids", "free_port", "gather_shapes", "init_process_group", "launched_ranks",
-           "on_global_zero", "proc_stat", "validate_backend_name", "validate_init_method"]
+#: Lightning's ``find_free_network_port`` (for the demo): a port free a moment ago.
+free_port = _default.get("fabric.plugins.environments.lightning:find_free_network_port")
+
+__all__ = [
+    "DEFAULT_TIMEOUT", "ProcessGroupRun", "START_METHODS", "StartMethod", "all_gather_padded", "all_gather_rows",
+    "all_reduce", "as_timedelta", "boundaries", "check_launch_env", "default_start_method", "destroy_process_group",
+    "device_ids", "failures", "free_port", "gather_shapes", "init_process_group", "launching", "on_global_zero",
+    "validate_backend_name", "validate_init_method",
+]

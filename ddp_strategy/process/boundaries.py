@@ -1,8 +1,9 @@
-"""Checks at epoch and step boundaries: every rank arrives, and a SLURM requeue stops all ranks at one step.
+"""Checks at epoch and step boundaries while fitting: every rank arrives, and a SLURM requeue stops all at one step.
 
-``EpochBoundaryCheck`` meets every rank at a gloo ``monitored_barrier`` at each training epoch's start (naming a
-rank that did not arrive, :class:`StalledRankError`) and compares the ranks' batch counts;
-``RequeueAtStepBoundary`` makes a pre-emption signal stop every rank after the same optimizer step.
+:class:`EpochBoundaryCheck` meets every rank at a gloo ``monitored_barrier`` at each training epoch's start (naming
+a rank that did not arrive: :class:`~ddp_strategy.process.failures.StalledRankError`) and compares the ranks' batch
+counts; :class:`RequeueAtStepBoundary` makes a pre-emption signal stop every rank after the same optimizer step.
+:func:`add_fit_callbacks` and :func:`remove_fit_callbacks` put them in and out of ``trainer.callbacks``.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from ddp_strategy._compat import namespace as _namespace
+from ddp_strategy.process.failures import StalledRankError
 
 if TYPE_CHECKING:
     from lightning.pytorch import Callback
@@ -26,101 +28,62 @@ else:  # built for the user's Lightning namespace on construction (see ddp_strat
 log = logging.getLogger(__name__)
 
 
-class StalledRankError(RuntimeError):
-    """A rank did not reach a monitored barrier in time; the message names it."""
+class EpochBoundaryCheck(Callback):
+    """At each training epoch's start, on every rank: a monitored barrier, then agree on the number of batches.
 
-
-def monitored_barrier(group: Any, timeout: timedelta, where: str, rank: int) -> None:
-    """A barrier that names the ranks that did not arrive (gloo's ``monitored_barrier``).
-
-    A collective: every rank must call it. Rank 0 waits up to ``timeout`` for every other rank and then
-    raises, naming all missing ranks (``wait_all_ranks=True``).
+    Two small collectives per epoch, in ``on_train_epoch_start`` (every rank at the same point, before the data
+    iterator exists; Lightning's loop broadcasts a SIGTERM flag before every batch, so a check at the first batch
+    would come too late to name a rank that stalled between epochs). Ranks with different batch counts would pair
+    DDP's all-reduces wrongly and hang mid-epoch, so they fail here, on every rank, with the counts.
 
     Args:
-        group: a gloo process group (``None`` = the world group, which must then be gloo).
-        timeout: how long rank 0 waits.
-        where: what the barrier marks, for the message, e.g. ``"the start of epoch 3"``.
-        rank: this rank, for the message.
-
-    Raises:
-        RuntimeError: a rank did not arrive in time; the message names it and the likely causes.
-    """
-    try:
-        dist.monitored_barrier(group=group, timeout=timeout, wait_all_ranks=True)
-    except RuntimeError as e:
-        raise StalledRankError(
-            f"[rank {rank}] not every rank reached {where} within {timeout.total_seconds():.0f} s: {e}. That rank"
-            " is stalled (an endless loop, a deadlocked DataLoader worker, slow storage) or has died."
-        ) from e
-
-
-def check_epoch_start(trainer: Any, group: Any, timeout: timedelta, rank: int, world_size: int) -> None:
-    """At a training epoch's start: a monitored barrier, then agree on the number of batches.
-
-    Two small collectives per epoch, on every rank. A rank that stalled since the last epoch is named by
-    the barrier; ranks with different batch counts would pair DDP's all-reduces wrongly and hang mid-epoch,
-    so they fail here, on every rank, with the counts.
-
-    Args:
-        trainer: the Trainer (its ``current_epoch`` and ``num_training_batches`` are read).
-        group: a gloo process group for the barrier (``None`` = the world group, gloo).
-        timeout: how long rank 0 waits at the barrier.
+        group: a gloo process group (``None``: the world group, gloo).
+        timeout: how long rank 0 waits at the barrier before naming every missing rank.
         rank, world_size: this rank and the number of ranks; with one rank nothing is done.
 
     Raises:
-        RuntimeError: a rank did not reach the barrier in ``timeout``.
+        StalledRankError: a rank did not reach the barrier in ``timeout``.
         ValueError: ranks have different numbers of training batches this epoch.
-    """
-    if world_size == 1:
-        return
-    epoch = trainer.current_epoch
-    monitored_barrier(group, timeout, f"the start of training epoch {epoch}", rank)
-    batches = trainer.num_training_batches
-    counts: list[Any] = [None] * world_size
-    dist.all_gather_object(counts, int(batches) if batches != float("inf") else -1, group=group)
-    if len(set(counts)) > 1:
-        raise ValueError(
-            f"[rank {rank}] ranks have different numbers of training batches in epoch {epoch}:"
-            f" {dict(enumerate(counts))}. DDP needs every rank to take the same number of steps. Let"
-            " MyDDPStrategy shard the data (a map-style data set in a DataLoader, with"
-            " Trainer(use_distributed_sampler=True), the default), or make the shards you give each rank (your"
-            " own sampler, or your split under use_distributed_sampler=False) hold the same number of batches."
-        )
-
-
-class EpochBoundaryCheck(Callback):
-    """Runs :func:`check_epoch_start` in ``on_train_epoch_start``, on every rank, before the epoch's first collective.
-
-    Lightning's training loop broadcasts a SIGTERM flag before every batch, so a check placed at the first
-    batch would come too late to name a rank that stalled between epochs. Callback ``on_train_epoch_start``
-    hooks run on every rank at the same point, before the data iterator is created. The strategy adds this
-    callback while fitting and removes it at teardown.
-
-    Args:
-        group, timeout, rank, world_size: see :func:`check_epoch_start`.
     """
 
     def __init__(self, group: Any, timeout: timedelta, rank: int, world_size: int) -> None:
         self.group, self.timeout, self.rank, self.world_size = group, timeout, rank, world_size
 
     def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
-        check_epoch_start(trainer, self.group, self.timeout, self.rank, self.world_size)
+        if self.world_size == 1:
+            return
+        epoch, rank = trainer.current_epoch, self.rank
+        try:
+            dist.monitored_barrier(group=self.group, timeout=self.timeout, wait_all_ranks=True)
+        except RuntimeError as e:
+            raise StalledRankError(
+                f"[rank {rank}] not every rank reached the start of training epoch {epoch} within"
+                f" {self.timeout.total_seconds():.0f} s: {e}. That rank is stalled (an endless loop, a deadlocked"
+                " DataLoader worker, slow storage) or has died.") from e
+        batches = trainer.num_training_batches
+        counts: list[Any] = [None] * self.world_size
+        dist.all_gather_object(counts, int(batches) if batches != float("inf") else -1, group=self.group)
+        if len(set(counts)) > 1:
+            raise ValueError(
+                f"[rank {rank}] ranks have different numbers of training batches in epoch {epoch}:"
+                f" {dict(enumerate(counts))}. DDP needs every rank to take the same number of steps. Let"
+                " MyDDPStrategy shard the data (a map-style data set in a DataLoader, with"
+                " Trainer(use_distributed_sampler=True), the default), or make the shards you give each rank (your"
+                " own sampler, or your split under use_distributed_sampler=False) hold the same number of batches."
+            )
 
 
 class RequeueAtStepBoundary(Callback):
     """Runs Lightning's SLURM auto-requeue (its ``SIGUSR1`` handler) at a step boundary, on every rank at once.
 
-    With ``SLURMEnvironment(auto_requeue=True)`` (Lightning's default under SLURM) Lightning saves
-    ``<default_root_dir>/hpc_ckpt_<n>.ckpt`` and runs ``scontrol requeue`` inside the signal handler, at
-    whatever point each rank happens to be. Saving is a collective here (every rank's sampler position goes
-    into the file), and a checkpoint taken in the middle of a step does not resume exactly. So, while
-    training, the signal only sets a flag; after every training batch the ranks agree on it (a one-element
-    all-reduce, only while auto-requeue is active) and, if any rank got the signal, all of them run
-    Lightning's handler there: the checkpoint is a step-boundary checkpoint, like ``ModelCheckpoint``'s, and
-    the requeued job resumes from it exactly. The strategy adds this callback while fitting.
+    Under ``SLURMEnvironment(auto_requeue=True)`` Lightning saves ``hpc_ckpt_<n>.ckpt`` and runs ``scontrol
+    requeue`` inside the signal handler, wherever each rank is; but saving is a collective here (every rank's
+    sampler position goes in), and a mid-step checkpoint does not resume exactly. So while training the signal
+    only sets a flag; after every batch the ranks agree on it (a one-element all-reduce, only while auto-requeue is
+    on) and, if any rank got it, all run Lightning's handler there: a step-boundary checkpoint that resumes exactly.
 
     Args:
-        group: a gloo process group for the flag (``None`` = the world group, gloo).
+        group: a gloo process group for the flag (``None``: the world group, gloo).
         world_size: number of ranks; with one rank no collective is made.
     """
 
@@ -132,15 +95,10 @@ class RequeueAtStepBoundary(Callback):
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         """Take over the requeue signal from Lightning's handler, if SLURM auto-requeue is on (every rank)."""
-        # SLURMEnvironment's attributes, read by name: the class differs between the lightning and
-        # pytorch_lightning namespaces.
         env = trainer.strategy.cluster_environment
         requeue_signal = getattr(env, "requeue_signal", None) if getattr(env, "auto_requeue", False) else None
-        if requeue_signal is None:
-            return
-        if threading.current_thread() is not threading.main_thread():
-            return
-        handler = signal.getsignal(requeue_signal)
+        main = threading.current_thread() is threading.main_thread()
+        handler = signal.getsignal(requeue_signal) if requeue_signal is not None and main else None
         if callable(handler):
             self._signal, self._lightning_handler, self._received = requeue_signal, handler, False
             signal.signal(requeue_signal, self._note_signal)
@@ -160,12 +118,27 @@ class RequeueAtStepBoundary(Callback):
             self._received = False
             self._lightning_handler(self._signal, None)
 
-    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
-        """Give the signal back to Lightning's handler (Lightning restores the original at teardown)."""
-        self.restore()
-
-    def restore(self) -> None:
-        """Put Lightning's handler back if ours is still installed (no collective)."""
+    def on_train_end(self, trainer: Any = None, pl_module: Any = None) -> None:
+        """Give the signal back to Lightning's handler if ours is still installed (Lightning restores the original
+        at teardown). No collective."""
         if self._signal is not None and signal.getsignal(self._signal) == self._note_signal:
             signal.signal(self._signal, self._lightning_handler)
         self._signal = self._lightning_handler = None
+
+
+def add_fit_callbacks(trainer: Any, run: Any, rank: int, world_size: int) -> None:
+    """Add :class:`EpochBoundaryCheck` and :class:`RequeueAtStepBoundary` to ``trainer.callbacks`` (once each), on
+    ``run``'s barrier group (a :class:`~ddp_strategy.process.group.ProcessGroupRun`)."""
+    if not any(isinstance(cb, EpochBoundaryCheck) for cb in trainer.callbacks):
+        trainer.callbacks.append(EpochBoundaryCheck(run.barrier_group, run.barrier_timeout, rank, world_size))
+    if not any(isinstance(cb, RequeueAtStepBoundary) for cb in trainer.callbacks):
+        trainer.callbacks.append(RequeueAtStepBoundary(run.barrier_group, world_size))
+
+
+def remove_fit_callbacks(trainer: Any) -> None:
+    """Remove what :func:`add_fit_callbacks` added, giving the requeue signal back to Lightning's handler."""
+    for cb in trainer.callbacks:
+        if isinstance(cb, RequeueAtStepBoundary):
+            cb.on_train_end()
+    trainer.callbacks[:] = [cb for cb in trainer.callbacks
+                            if not isinstance(cb, (EpochBoundaryCheck, RequeueAtStepBoundary))]

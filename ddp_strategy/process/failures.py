@@ -1,252 +1,239 @@
-"""When a rank fails: say which rank and why, on every rank, and end the job promptly.
+"""When a rank fails: the failing rank and its error are named on every rank within seconds, and the run ends.
 
-A DDP job is only as alive as its slowest rank. When one rank raises, is killed or stalls, the others wait
-in their next collective until the process-group timeout, and the error they finally print ("Connection
-closed by peer", "Timed out") does not say which rank failed or why. This module keeps a little state in
-the rendezvous store that every rank already shares:
+A DDP job is only as alive as its slowest rank: when one rank raises, is killed or stalls, the others wait in
+their next collective and finally print "Connection closed by peer" or "Timed out", which names nobody. The
+protocol, on a few keys under this run's prefix of the world group's own store (``ddp_strategy/<torchrun
+attempt>/<world size>/run_<g>/``: the runs of one process, which reuse the group, and torchrun's attempts stay
+apart):
 
-* at start-up each rank writes its host and pid (``ddp_strategy/pid/<rank>``);
-* a rank whose own code raised writes a one-line summary of its exception (``ddp_strategy/failed/<rank>``)
-  before it exits, and logs ``[rank N] failed`` with its traceback;
-* a rank whose collective broke reads those keys, checks which peer processes on its host are gone, and
-  adds that to its error message.
+1. **Joining** (:func:`run_reports`), every rank writes ``pid/<rank>`` = ``host:pid``.
+2. **A rank whose own code raised** (:func:`on_exception`: anything but a broken collective, an interruption, a
+   stall or SIGTERM) logs ``[rank N] failed: Type: message (file:line in function)`` with its traceback and
+   publishes that line as ``failed/<rank>``.
+3. **A rank whose collective broke** (a ``DistError``, a gloo/NCCL ``RuntimeError``) reads every peer's
+   ``failed/<peer>`` and, for a same-host peer without one, whether its pid exited (polled for up to
+   :data:`PEER_EXIT_WAIT_S`); it appends ``Cause: rank 1 failed: ...`` or ``rank 1 (pid N) is no longer
+   running`` (nothing known: a timeout's likely causes) to its own exception, logs it, and writes
+   ``explained/<rank>``.
+4. **At teardown after a failure** (:func:`teardown`) the world group is destroyed, so the failing rank's
+   connections close and its peers' collectives break now (step 3), not at the timeout. A failing rank that did
+   not launch others and has no live ``multiprocessing`` children (DataLoader workers hold forked copies of the
+   connections, so the peers learn only at its exit) then waits up to :data:`EXPLAIN_WAIT_S` until every peer
+   explained, failed itself or exited: its exit is what Lightning's supervisors act on (popen's
+   ``_ChildProcessObserver`` SIGKILLs every rank, spawn's ``ProcessContext.join`` terminates them).
+5. **The launching rank of popen** (rank 0: Lightning's launcher holds the other ranks' ``Popen`` objects)
+   empties, first thing in :func:`on_exception`, the list the observer polls every 5 s, so the observer cannot
+   SIGKILL it before its own error reaches the user's ``except``/``finally`` and traceback; it stops those ranks
+   itself at teardown, after the group is gone (:func:`stop_processes`: 5 s to exit, 30 s after a SIGTERM save,
+   then SIGKILL), and reaps them.
 
-Everything here is best-effort and bounded by short store timeouts: it runs while the job is failing.
+Every store operation while failing has a :data:`STORE_TIMEOUT_S` timeout: rank 0, which serves the store, may
+be the rank that failed.
 """
 
 from __future__ import annotations
 
+import gc
 import logging
+import multiprocessing
 import os
 import signal
 import socket
 import time
 import traceback
+import weakref
+from collections.abc import Callable
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch.distributed as dist
 
-from ddp_strategy._compat import namespace as _namespace
-
-if TYPE_CHECKING:
-    from lightning.pytorch import Callback
-else:  # built for the user's Lightning namespace on construction (see ddp_strategy._compat.namespace)
-    Callback = _namespace.lightning_base("pytorch.callbacks:Callback")
+from ddp_strategy._compat import lightning_private as _pl
+from ddp_strategy._compat import torch_private as _torch
+from ddp_strategy._compat.namespace import SIGTERMException
 
 log = logging.getLogger(__name__)
 
-
-_PID_KEY = "ddp_strategy/pid/{rank}"
-_FAILED_KEY = "ddp_strategy/failed/{rank}"
-_EXPLAINED_KEY = "ddp_strategy/explained/{rank}"
-#: How long a rank whose own code failed waits, after leaving the group, for the others to say why (seconds):
-#: its exit is what Lightning's popen observer acts on by killing every rank, the explaining ones included.
+#: How long a failing rank waits, after leaving the group, for its peers to explain (seconds).
 EXPLAIN_WAIT_S = 10.0
-#: How long a store operation may take while handling a failure (seconds).
+#: How long one store operation may take while failing (seconds).
 STORE_TIMEOUT_S = 2.0
-#: How long to wait for a peer whose connection broke to show up as exited (seconds).
+#: How long a rank whose collective broke waits for a same-host peer to show up as exited (seconds): a killed
+#: peer's sockets close a moment before the kernel marks it exited.
 PEER_EXIT_WAIT_S = 2.0
 #: Substrings of collective errors that mean a peer is gone or did not answer (gloo, NCCL, c10d).
 _PEER_ERROR_MARKERS = ("connection closed by peer", "connection reset by peer", "broken pipe", "timed out",
                        "timeout", "nccl", "gloo", "distbackenderror", "monitoredbarrier", "socket")
-_TIMEOUT_MARKERS = ("timed out", "timeout")
 
 
-def register_rank(store: dist.Store | None, rank: int) -> None:
-    """Record this rank's host and pid in the store (every rank, once, after the rendezvous)."""
-    if store is not None:
-        store.set(_PID_KEY.format(rank=rank), f"{socket.gethostname()}:{os.getpid()}")
+class StalledRankError(RuntimeError):
+    """A rank did not reach a monitored barrier in time; the message names it."""
 
 
-def is_collective_error(exception: BaseException) -> bool:
-    """Whether ``exception`` looks like a broken or timed-out collective rather than this rank's own bug."""
-    if isinstance(exception, getattr(dist, "DistError", ())):
-        return True
-    text = f"{type(exception).__name__}: {exception}".lower()
-    return isinstance(exception, RuntimeError) and any(m in text for m in _PEER_ERROR_MARKERS)
+def run_reports(rank: int, world_size: int) -> dist.Store:
+    """This run's view of the world group's store, with this rank's ``pid/<rank>`` written (every rank, step 1).
 
-
-def is_timeout(exception: BaseException) -> bool:
-    """Whether ``exception`` is a collective that timed out."""
-    return any(m in str(exception).lower() for m in _TIMEOUT_MARKERS)
+    Run number ``g = (n - 1) // world_size``, where ``n`` is what this rank's ``add`` to a counter returned, is
+    the same on every rank: no rank can join run ``g + 1`` before every rank joined run ``g`` (a run's set-up
+    has collectives).
+    """
+    base = f"ddp_strategy/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{world_size}"
+    store = _torch.default_store()
+    reports = dist.PrefixStore(f"{base}/run_{(store.add(f'{base}/joins', 1) - 1) // world_size}", store)
+    reports.set(f"pid/{rank}", f"{socket.gethostname()}:{os.getpid()}")
+    return reports
 
 
 def summarize(exception: BaseException) -> str:
     """``Type: message (file:line in function)`` for the innermost frame of ``exception``."""
     frames = traceback.extract_tb(exception.__traceback__)
     where = f" ({frames[-1].filename}:{frames[-1].lineno} in {frames[-1].name})" if frames else ""
-    first_line = str(exception).splitlines()[0] if str(exception) else ""
-    return f"{type(exception).__name__}: {first_line}{where}"
+    return f"{type(exception).__name__}: {str(exception).splitlines()[0] if str(exception) else ''}{where}"
 
 
-def report_failure(store: dist.Store | None, rank: int, exception: BaseException) -> None:
-    """Publish that this rank's own code failed, and log it with the traceback (best-effort, bounded)."""
-    log.error("[rank %d] failed: %s", rank, summarize(exception),
-              exc_info=(type(exception), exception, exception.__traceback__))
-    if store is None:
+def on_exception(run: Any, exception: BaseException, rank: int, world_size: int, known_cause: str | None,
+                 sigterm_save: Callable[[], None] | None, launcher: Any) -> None:
+    """Steps 2, 3 and 5 of the protocol, where ``exception`` was raised; no collective. ``run`` is the rank's
+    :class:`~ddp_strategy.process.group.ProcessGroupRun`; ``known_cause`` a cause the strategy knows (uneven
+    evaluation batches); ``sigterm_save`` saves a checkpoint on a SIGTERM stop (a collective: every rank got it)."""
+    run.failed, store = True, run.reports
+    if isinstance(launcher, _pl.SubprocessScriptLauncher) and launcher.procs:
+        run.stopping, launcher.procs[:] = list(launcher.procs), []  # emptied in place: the observer's own list
+    run.grace_s = 5.0
+    if isinstance(exception, SIGTERMException) and sigterm_save is not None:
+        sigterm_save()
+        run.grace_s = 30.0  # the other ranks exit by themselves after the same save
+    elif isinstance(exception, (KeyboardInterrupt, SIGTERMException)) or store is None:
+        pass  # an interruption, or not a rank (the parent of spawned ranks), or one that never joined
+    elif isinstance(exception, StalledRankError):
+        log.error("%s", exception)  # it names the missing ranks already
+    elif isinstance(exception, getattr(dist, "DistError", ())) or isinstance(exception, RuntimeError) and any(
+            m in f"{type(exception).__name__}: {exception}".lower() for m in _PEER_ERROR_MARKERS):
+        peers = describe_peers(store, rank, world_size)
+        extra = explain(exception, rank, peers, run.timeout, known_cause)
+        if exception.args and isinstance(exception.args[0], str):
+            exception.args = (f"{exception.args[0]}\n{extra}", *exception.args[1:])
+        else:
+            exception.args = (*exception.args, extra)
+        log.error("[rank %d] %s", rank, exception)  # now: a launcher may stop this rank soon
+        _best_effort(store, rank, lambda: store.set(f"explained/{rank}", "1"))
+    else:
+        log.error("[rank %d] failed: %s", rank, summarize(exception),
+                  exc_info=(type(exception), exception, exception.__traceback__))
+        _best_effort(store, rank, lambda: store.set(f"failed/{rank}", summarize(exception)))
+        run.own_failure = True
+
+
+def teardown(run: Any, rank: int, world_size: int) -> None:
+    """Step 4 and the end of step 5 after a failed run; after a successful one the group stays (next stage, user)."""
+    store, run.reports = run.reports, None
+    if not run.failed:
         return
-    try:
-        store.set_timeout(timedelta(seconds=STORE_TIMEOUT_S))
-        store.set(_FAILED_KEY.format(rank=rank), summarize(exception))
-    except Exception as e:  # the store may live in a process that is already gone
-        log.debug("[rank %d] could not publish the failure: %s", rank, e)
+    run.node_group, run.node_ranks, run.barrier_group = None, [], None
+    closed = destroy_process_group() and not multiprocessing.active_children()
+    if run.own_failure and not run.stopping and closed and store is not None and world_size > 1:
+        wait_for_peers(store, rank, world_size)
+    stopping, run.stopping = run.stopping, []
+    stop_processes(stopping, grace_s=run.grace_s)
 
 
-def acknowledge(store: dist.Store | None, rank: int) -> None:
-    """Say (best-effort, bounded) that this rank has explained its collective error (see :func:`wait_for_peers`)."""
-    if store is None:
-        return
-    try:
-        store.set_timeout(timedelta(seconds=STORE_TIMEOUT_S))
-        store.set(_EXPLAINED_KEY.format(rank=rank), "1")
-    except Exception as e:  # the store may live in a process that is already gone
-        log.debug("[rank %d] could not acknowledge: %s", rank, e)
+def destroy_process_group() -> bool:
+    """Destroy the default process group if there is one; return whether it is gone (False: something still holds
+    it, so gloo's connections stay open until this process exits).
 
-
-def wait_for_peers(store: dist.Store | None, rank: int, world_size: int, timeout_s: float = EXPLAIN_WAIT_S) -> None:
-    """On the rank whose own code failed, after it left the group: wait until every other rank has either
-    explained its broken collective (:func:`acknowledge`), reported a failure of its own
-    (:func:`report_failure`: it has nothing to explain) or, on this host, exited; at most ``timeout_s`` seconds.
-
-    Its peers learn of the failure when their collective breaks, and say which rank failed and why; the failing
-    rank's exit must not come first, or a launcher that kills every rank when one exits (Lightning's popen
-    observer) would cut that explanation off. When every rank failed in its own code (the same bug on every
-    rank, bad input checked on every rank), nobody is left to explain and nothing is waited for. Returns early
-    when the store cannot be reached.
+    Garbage is collected around it: a reference cycle (a ``torch.compile``'d DDP wrapper, an exception's frames)
+    would otherwise hold the group, and with it rank 0's store and ``MASTER_PORT``, after this returns.
     """
-    if store is None or world_size < 2:
-        return
-    host = socket.gethostname()
-    waiting = [peer for peer in range(world_size) if peer != rank]
-    deadline = time.monotonic() + timeout_s
+    if not (dist.is_available() and dist.is_initialized()):
+        return True
+    gc.collect()
+    world = weakref.ref(dist.group.WORLD)
+    dist.destroy_process_group()
+    gc.collect()
+    return world() is None
+
+
+def _best_effort(store: dist.Store, rank: int, operation: Callable[[], Any]) -> Any:
+    """``operation()`` on ``store`` with :data:`STORE_TIMEOUT_S`; None if the store is gone."""
     try:
         store.set_timeout(timedelta(seconds=STORE_TIMEOUT_S))
-        while waiting and time.monotonic() < deadline:
-            waiting = [peer for peer in waiting if not _peer_is_done(store, peer, host)]
-            if waiting:
-                time.sleep(0.05)
-    except Exception as e:  # the store's server (rank 0) may be gone
-        log.debug("[rank %d] stopped waiting for the other ranks: %s", rank, e)
+        return operation()
+    except Exception as e:  # the store lives in rank 0, which may be gone
+        log.debug("[rank %d] store unreachable while failing: %s", rank, e)
+        return None
 
 
-def _peer_is_done(store: dist.Store, peer: int, host: str) -> bool:
-    """Whether ``peer`` has explained, reported its own failure, or (on this host) exited."""
-    if store.check([_EXPLAINED_KEY.format(rank=peer)]) or store.check([_FAILED_KEY.format(rank=peer)]):
-        return True
-    pid_key = _PID_KEY.format(rank=peer)
-    if not store.check([pid_key]):
-        return False
-    peer_host, pid = store.get(pid_key).decode().rsplit(":", 1)
-    return peer_host == host and _process_gone(int(pid))
+def _peer(store: dist.Store, peer: int) -> tuple[str | None, str | None, int | None]:
+    """What ``peer`` published: its failure summary, whether it explained, and its pid on this host (or None)."""
+    failed = store.get(f"failed/{peer}").decode() if store.check([f"failed/{peer}"]) else None
+    explained = "1" if store.check([f"explained/{peer}"]) else None
+    pid = None
+    if store.check([f"pid/{peer}"]):
+        host, text = store.get(f"pid/{peer}").decode().rsplit(":", 1)
+        pid = int(text) if host == socket.gethostname() else None
+    return failed, explained, pid
 
 
-def has_child_processes() -> bool:
-    """Whether this process has a live child (``/proc``; ``True`` where it cannot tell).
-
-    Forked children (DataLoader workers) hold copies of this process's sockets, gloo's connections to the other
-    ranks among them: until they exit, destroying the process group does not close those connections.
-    """
-    me = os.getpid()
+def _gone(pid: int) -> bool:
+    """Whether process ``pid`` has exited: a child of ours (popen's ranks) left unreaped for its ``Popen``
+    (``WNOWAIT``), or any other process that no longer exists."""
     try:
-        entries = [e for e in os.listdir("/proc") if e.isdigit()]
-    except OSError:
+        return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+    except (ChildProcessError, AttributeError):  # not our child; no waitid (macOS)
+        pass
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
         return True
-    for entry in entries:
-        try:
-            fields = proc_stat(int(entry))
-        except OSError:
-            continue
-        if int(fields[1]) == me and fields[0] not in "ZX":
-            return True
+    except PermissionError:
+        pass
     return False
 
 
-def proc_stat(pid: int) -> list[str]:
-    """The fields of ``/proc/<pid>/stat`` after the command name: ``[state, ppid, pgrp, ...]`` (Linux, proc(5)).
+def wait_for_peers(store: dist.Store, rank: int, world_size: int, timeout_s: float | None = None) -> None:
+    """Wait until every other rank explained, failed itself or (on this host) exited; at most ``timeout_s``
+    (default :data:`EXPLAIN_WAIT_S`) seconds, less if the store is gone. When every rank failed in its own code
+    (the same bug everywhere), nobody is left to explain and this returns at once."""
+    deadline = time.monotonic() + (EXPLAIN_WAIT_S if timeout_s is None else timeout_s)
+    waiting = [peer for peer in range(world_size) if peer != rank]
 
-    Raises:
-        OSError: no such process, or no ``/proc`` (FileNotFoundError among them).
-    """
-    with open(f"/proc/{pid}/stat") as f:
-        stat = f.read()
-    return stat[stat.rindex(")") + 2:].split()
+    def done(peer: int) -> bool:
+        failed, explained, pid = _peer(store, peer)
+        return bool(failed or explained) or (pid is not None and _gone(pid))
 
-
-def _process_gone(pid: int) -> bool:
-    """True when ``pid`` does not exist or is a zombie (exited, not yet reaped)."""
-    try:
-        return proc_stat(pid)[0] in "ZX"
-    except (FileNotFoundError, ProcessLookupError):
-        return True
-    except OSError:
-        try:
-            os.kill(pid, 0)
-            return False
-        except ProcessLookupError:
-            return True
-        except PermissionError:
-            return False
+    while waiting and time.monotonic() < deadline:
+        left = _best_effort(store, rank, lambda w=waiting: [peer for peer in w if not done(peer)])
+        if left is None:
+            return
+        waiting = left
+        time.sleep(0.05 if waiting else 0)
 
 
-def _process_gone_within(pid: int, seconds: float) -> bool:
-    """Poll :func:`_process_gone` for up to ``seconds``: a killed peer closes its sockets (which is how we
-    noticed) a moment before the kernel marks it exited."""
-    deadline = time.monotonic() + seconds
-    while not _process_gone(pid):
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(0.05)
-    return True
-
-
-def describe_peers(store: dist.Store | None, rank: int, world_size: int) -> str:
-    """Explain which other ranks failed or disappeared, from the store and this host's process table.
-
-    Args:
-        store: the rendezvous store (``None`` gives an empty answer).
-        rank: this rank, left out of the answer.
-        world_size: number of ranks.
-
-    Returns:
-        One sentence per rank that reported a failure or whose process on this host is gone, e.g.
-        ``"rank 1 failed: ZeroDivisionError: division by zero (train.py:12 in training_step)"`` or
-        ``"rank 1 (pid 4242) is no longer running: it was killed or crashed without a Python exception"``;
-        ``""`` when nothing is known.
-    """
-    if store is None:
-        return ""
-    host = socket.gethostname()
+def describe_peers(store: dist.Store, rank: int, world_size: int) -> str:
+    """``"rank 1 failed: Type: message (file:line in function)"`` or ``"rank 1 (pid 4242) is no longer running:
+    ..."`` for each peer that reported a failure or whose process on this host is gone, ``"; "``-joined."""
     found: list[str] = []
     deadline = time.monotonic() + PEER_EXIT_WAIT_S  # shared by all peers
-    try:
-        store.set_timeout(timedelta(seconds=STORE_TIMEOUT_S))
+
+    def read() -> None:
         for peer in range(world_size):
-            if peer == rank:
-                continue
-            failed_key = _FAILED_KEY.format(rank=peer)
-            if store.check([failed_key]):
-                found.append(f"rank {peer} failed: {store.get(failed_key).decode()}")
-                continue
-            pid_key = _PID_KEY.format(rank=peer)
-            if store.check([pid_key]):
-                peer_host, pid = store.get(pid_key).decode().rsplit(":", 1)
-                if peer_host == host and _process_gone_within(int(pid), max(0.0, deadline - time.monotonic())):
+            failed, _, pid = _peer(store, peer) if peer != rank else (None, None, None)
+            if failed:
+                found.append(f"rank {peer} failed: {failed}")
+            elif pid is not None:
+                while not (gone := _gone(pid)) and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                if gone:
                     found.append(f"rank {peer} (pid {pid}) is no longer running: it was killed or crashed without"
                                  " a Python exception")
-    except Exception as e:  # the store's server (rank 0) may be gone too
-        log.debug("[rank %d] could not read peer status: %s", rank, e)
-        if rank != 0:
-            found.append("rank 0, which holds the rendezvous store, is not answering: it probably failed first")
+
+    if _best_effort(store, rank, lambda: read() or True) is None and rank != 0:
+        found.append("rank 0, which holds the rendezvous store, is not answering: it probably failed first")
     return "; ".join(found)
 
 
 def explain(exception: BaseException, rank: int, peers: str, timeout: timedelta, known_cause: str | None = None) -> str:
-    """The sentence added to a collective error: which peers failed, or the likely causes of a timeout.
-
-    ``known_cause`` is a cause the strategy knows for sure (uneven evaluation batch counts); it comes first
-    and replaces the generic list of timeout causes.
-    """
+    """The sentence added to a collective error: which peers failed, or the likely causes of a timeout."""
     parts = [f"[rank {rank}] a collective failed because another rank did not take part."]
     if known_cause:
         parts.append(known_cause)
@@ -254,51 +241,31 @@ def explain(exception: BaseException, rank: int, peers: str, timeout: timedelta,
         parts.append(f"Cause: {peers}.")
         if " failed: " in peers:
             parts.append("The failing rank's own traceback is printed above this one.")
-    elif is_timeout(exception) and not known_cause:
+    elif any(m in str(exception).lower() for m in ("timed out", "timeout")) and not known_cause:
         parts.append(
-            f"No rank reported an error, and the collective timed out after {timeout.total_seconds():.0f} s: a"
-            " rank is stalled (an endless loop, a deadlocked DataLoader worker, slow storage), or ranks called"
-            " collectives in a different order or number (self.log(..., sync_dist=True) on some ranks only, an"
-            " all_gather in a branch, uneven data with use_distributed_sampler=False). Set"
-            " TORCH_DISTRIBUTED_DEBUG=DETAIL to have PyTorch check that collectives match."
-        )
+            f"No rank reported an error, and the collective timed out after {timeout.total_seconds():.0f} s: a rank"
+            " is stalled (an endless loop, a deadlocked DataLoader worker, slow storage), or ranks called collectives"
+            " in a different order or number (self.log(..., sync_dist=True) on some ranks only, an all_gather in a"
+            " branch, uneven data with use_distributed_sampler=False). Set TORCH_DISTRIBUTED_DEBUG=DETAIL to have"
+            " PyTorch check that collectives match.")
     elif not known_cause:
         parts.append("No rank reported an error: a peer process probably exited or lost its connection.")
     return " ".join(parts)
 
 
-def augment_message(exception: BaseException, extra: str) -> None:
-    """Append ``extra`` to ``exception``'s message, in place (the same object keeps propagating)."""
-    if exception.args and isinstance(exception.args[0], str):
-        exception.args = (f"{exception.args[0]}\n{extra}", *exception.args[1:])
-    else:
-        exception.args = (*exception.args, extra)
-
-
 def stop_processes(procs: list[Any], grace_s: float = 5.0) -> None:
-    """Wait up to ``grace_s`` seconds for child processes to exit, then SIGKILL the rest and reap them.
-
-    Args:
-        procs: ``subprocess.Popen`` or ``multiprocessing.Process`` objects (the launcher's ranks).
-        grace_s: seconds to let them exit by themselves (they usually notice the failure at once).
-    """
+    """Wait up to ``grace_s`` seconds for ``procs`` (``Popen`` or ``multiprocessing.Process``) to exit, then SIGKILL
+    the rest, and reap them all."""
+    alive = [p for p in procs if (p.poll() if hasattr(p, "poll") else p.exitcode) is None]
     deadline = time.monotonic() + grace_s
+    while alive and time.monotonic() < deadline:
+        time.sleep(0.05)
+        alive = [p for p in alive if (p.poll() if hasattr(p, "poll") else p.exitcode) is None]
+    for proc in alive:
+        log.warning("stopping rank process %s, which did not exit after a failure", proc.pid)
+        os.kill(proc.pid, signal.SIGKILL)
     for proc in procs:
-        while _alive(proc) and time.monotonic() < deadline:
-            time.sleep(0.05)
-    for proc in procs:
-        if _alive(proc):
-            log.warning("stopping rank process %s, which did not exit after a failure", proc.pid)
-            os.kill(proc.pid, signal.SIGKILL)
-        _reap(proc)
-
-
-def _alive(proc: Any) -> bool:
-    return proc.poll() is None if hasattr(proc, "poll") else proc.is_alive()
-
-
-def _reap(proc: Any) -> None:
-    try:
-        proc.wait(timeout=10) if hasattr(proc, "poll") else proc.join(timeout=10)
-    except Exception as e:  # a process that will not die is reported, not waited on forever
-        log.warning("rank process %s could not be reaped: %s", proc.pid, e)
+        try:
+            proc.wait(timeout=10) if hasattr(proc, "poll") else proc.join(timeout=10)
+        except Exception as e:  # a process that will not die is reported, not waited on forever
+            log.warning("rank process %s could not be reaped: %s", proc.pid, e)

@@ -1,8 +1,8 @@
-"""Launch checks: how many processes fit, whether an external launcher agrees, and what spawn can pickle.
+"""Launching: Lightning's launchers, and the checks that refuse impossible set-ups before any process starts.
 
-Starting processes is Lightning's job (its launchers) and so is discovering the cluster (its
-``ClusterEnvironment`` classes: torchrun/torch elastic, SLURM, LSF, MPI, Kubeflow). This module only
-checks, before anything starts, that the request makes sense, and turns the usual failures into messages.
+Starting processes is Lightning's job (its launchers), and so is discovering the cluster (its
+``ClusterEnvironment`` classes: torchrun, SLURM, LSF, MPI, Kubeflow); this module picks the launcher and turns
+the usual mistakes into messages.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from ddp_strategy._compat import lightning_private as _pl
 from ddp_strategy._compat import namespace as _namespace
 from ddp_strategy._compat.namespace import rank_zero_warn
 from ddp_strategy.process import failures
-from ddp_strategy.process import group as process_group
+from ddp_strategy.process.group import resolve_backend
 
 if TYPE_CHECKING:
     from lightning.fabric.plugins import ClusterEnvironment
@@ -37,11 +37,8 @@ START_METHODS: tuple[str, ...] = ("popen", "spawn", "fork", "forkserver")
 
 
 def default_start_method() -> StartMethod:
-    """``"fork"`` in an interactive session (Jupyter, REPL), where a script cannot be re-run; else ``"popen"``.
-
-    ``popen`` re-runs the user's script once per extra device (Lightning's default for ``"ddp"``): nothing
-    has to be pickled and CUDA may be initialised in the parent.
-    """
+    """``"fork"`` in an interactive session (Jupyter, REPL), where a script cannot be re-run; else ``"popen"``
+    (Lightning's default for ``"ddp"``: nothing is pickled, and CUDA may be initialised in the parent)."""
     return "fork" if _pl.is_interactive() else "popen"
 
 
@@ -50,27 +47,13 @@ def _is_plain_lightning_environment(env: object) -> bool:
     return type(env).__name__ == "LightningEnvironment" and isinstance(env, LightningEnvironment)
 
 
-def available_cpus() -> int:
-    """CPU cores this process may run on (its affinity mask), at least 1."""
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:  # not on Linux
-        return max(1, os.cpu_count() or 1)
-
-
 def check_cpu_processes(num_processes: int, allow_oversubscription: bool = False) -> None:
-    """Warn (rank 0, once) when more CPU processes per node are started than there are cores.
+    """Warn (rank 0, once) when more CPU processes per node are asked for than this process has cores.
 
-    Each DDP process on CPU runs its own forward and backward; with fewer cores than processes they
-    time-share, so training is slower than with fewer processes, but correct. Lightning's ``ddp`` runs such
-    set-ups (``devices=4`` on a 2-core CI runner is a common way to test DDP code), so they are not refused.
-
-    Args:
-        num_processes: processes on this node (``Trainer(devices=...)``).
-        allow_oversubscription: the user asked for it (``MyDDPStrategy(allow_cpu_oversubscription=True)``):
-            no warning.
+    Time-shared cores make each step slower, not wrong; Lightning's ``ddp`` runs such set-ups (``devices=4`` on a
+    2-core CI runner), so they are not refused. ``allow_oversubscription=True`` silences the warning.
     """
-    cores = available_cpus()
+    cores = max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
     if num_processes > cores and not allow_oversubscription:
         rank_zero_warn(
             f"Trainer(devices={num_processes}) on CPU starts {num_processes} processes, but only {cores} CPU"
@@ -81,19 +64,11 @@ def check_cpu_processes(num_processes: int, allow_oversubscription: bool = False
 
 
 def check_external_world(env: ClusterEnvironment, num_nodes: int, num_processes: int) -> None:
-    """Check that an external launcher (torchrun, SLURM, ...) started the world the Trainer expects.
-
-    Called on every rank before joining the process group, so a mismatch fails fast on every rank instead
-    of waiting for ranks that will never come.
-
-    Args:
-        env: the cluster environment Lightning chose.
-        num_nodes: ``Trainer(num_nodes=...)``.
-        num_processes: ``Trainer(devices=...)``: processes per node.
+    """On every rank, before joining: an external launcher's (torchrun, SLURM) world must be the Trainer's.
 
     Raises:
-        ValueError: the environment's world size is not ``num_nodes * num_processes``, or its global rank
-            is outside ``[0, world size)``, or its local rank outside ``[0, num_processes)``.
+        ValueError: the world size is not ``num_nodes * num_processes``, the global rank is outside
+            ``[0, world size)`` or the local rank outside ``[0, num_processes)``.
     """
     if not env.creates_processes_externally:
         return
@@ -119,12 +94,10 @@ def check_launch_env(
     num_processes: int,
     environ: Mapping[str, str] | None = None,
 ) -> None:
-    """Check the launch variables ``env`` will read as integers, before anything uses them.
+    """Check the launch variables ``env`` will read as integers, before anything uses them (every rank).
 
-    Lightning's cluster environments read them with a bare ``int(os.environ[...])``, so a bad value fails
-    deep inside Lightning (``invalid literal for int()``) or, out of range, only at the rendezvous. Only
-    variables that ``env`` actually reads are checked, parsed exactly as it parses them (``int()``: spaces
-    and ``+`` are fine), so nothing Lightning accepts is refused:
+    Lightning reads them with a bare ``int(os.environ[...])`` (a bad value fails deep inside it, or only at the
+    rendezvous). Only what ``env`` reads is checked, parsed as it parses it, so nothing Lightning accepts is refused:
 
     - :class:`~lightning.fabric.plugins.environments.LightningEnvironment`: ``MASTER_PORT``, ``LOCAL_RANK``
       and ``NODE_RANK`` (else ``GROUP_RANK``), each only when set;
@@ -132,12 +105,8 @@ def check_launch_env(
       (when set), ``WORLD_SIZE``, ``RANK``, ``LOCAL_RANK`` and ``GROUP_RANK`` (when set);
     - other environments (SLURM, LSF, MPI, Kubeflow, your own) read their own variables: not checked.
 
-    Deterministic, so every rank that reads a bad value raises the same error, before any rendezvous.
-
     Args:
-        env: the cluster environment Lightning chose.
-        num_nodes: ``Trainer(num_nodes=...)``.
-        num_processes: ``Trainer(devices=...)``: processes per node.
+        env, num_nodes, num_processes: the cluster environment Lightning chose; ``Trainer(num_nodes, devices)``.
         environ: the variables; default ``os.environ``.
 
     Raises:
@@ -186,15 +155,8 @@ def check_launch_env(
 
 
 def check_fork_safe(start_method: str, device_type: str) -> None:
-    """Refuse to ``fork`` a parent that has initialised CUDA when the ranks will use CUDA.
-
-    A forked child inherits the parent's CUDA state and cannot re-initialise it ("Cannot re-initialize
-    CUDA in forked subprocess", PyTorch's multiprocessing notes). Lightning's own check only fires inside
-    an already-bad child, so this one runs in the parent, before forking.
-
-    Args:
-        start_method: the launcher's start method.
-        device_type: ``"cuda"``, ``"cpu"``, ...
+    """In the parent, before forking: refuse to ``fork`` CUDA ranks from a process that initialised CUDA (a forked
+    child cannot re-initialise it; Lightning's own check fires only inside the child).
 
     Raises:
         RuntimeError: ``start_method="fork"``, CUDA devices, and CUDA already initialised here.
@@ -208,111 +170,80 @@ def check_fork_safe(start_method: str, device_type: str) -> None:
         )
 
 
-_waited_for: set[int] = set()
+def make_launcher(strategy: Any, start_method: str, backend: str | None, allow_cpu_oversubscription: bool) -> Any:
+    """In ``Trainer(...)``, after refusing what cannot work: Lightning's ``_SubprocessScriptLauncher`` for ``"popen"``
+    (the script re-run per rank), else its ``_MultiProcessingLauncher`` (:class:`CheckedMultiProcessingLauncher`).
 
-
-def wait_for_ranks_at_exit(procs: list[Any], timeout_s: float = 60.0) -> None:
-    """Make the launching process wait, at interpreter exit, for the rank processes it started.
-
-    With ``start_method="popen"`` Lightning re-runs the script for ranks 1.. and does not wait for them, so
-    the launcher could exit first and leave them running on their own for a moment. Registered once per
-    process list (an ``atexit`` handler); ranks still alive after ``timeout_s`` seconds are killed.
-
-    Args:
-        procs: the launcher's ``subprocess.Popen`` objects.
-        timeout_s: seconds to wait for them to finish the script by themselves.
+    Raises:
+        ValueError: a backend the device cannot use (``"nccl"`` on CPU).
     """
-    if procs and id(procs) not in _waited_for:
-        _waited_for.add(id(procs))
-        atexit.register(failures.stop_processes, procs, timeout_s)
+    env, devices = strategy.cluster_environment, strategy.parallel_devices
+    resolve_backend(devices[0], backend)
+    if devices[0].type == "cpu" and not env.creates_processes_externally:
+        check_cpu_processes(strategy.num_processes, allow_cpu_oversubscription)
+    if start_method != "popen":
+        return CheckedMultiProcessingLauncher(strategy, start_method=start_method)
+    launcher = _pl.SubprocessScriptLauncher(env, strategy.num_processes, strategy.num_nodes)
+    if not env.creates_processes_externally:  # at exit, wait up to 60 s for the ranks it starts (Lightning does not)
+        atexit.register(lambda: failures.stop_processes(launcher.procs, grace_s=60.0))
+    return launcher
 
 
 class CheckedMultiProcessingLauncher(_pl.MultiProcessingLauncher):
-    """Lightning's ``spawn``/``fork``/``forkserver`` launcher, with a plain error when pickling fails.
-
-    ``spawn`` and ``forkserver`` send the model, data module and trainer to each new process by pickling
-    them; a class defined inside a function or a notebook cell, a lambda or an open file cannot be
-    pickled, and the error deep in ``multiprocessing`` does not say what to do.
-    """
+    """Lightning's ``spawn``/``fork``/``forkserver`` launcher, with plain errors, SIGTERM forwarding, and ranks that
+    report their failures (``torch.multiprocessing``'s ``ProcessContext.join`` supervises them)."""
 
     def launch(self, function: Any, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
-        """Check picklability (``spawn``, ``forkserver``), release a process group an earlier run in this process
-        kept (:func:`ddp_strategy.process.group.keep_process_group`), then launch as Lightning does.
+        """Check CUDA (``fork``) and picklability (``spawn``, ``forkserver``), then launch as Lightning does.
+
+        While the ranks run, a SIGTERM to this process is passed on to them (else they would train on as orphans;
+        they stop together at the next step and, with ``checkpoint_on_sigterm``, save first). Afterwards the
+        ``Process`` objects are closed and dropped: through the Trainer they form a cycle that would keep ~4
+        descriptors per fit open until a garbage collection.
 
         Raises:
             RuntimeError: the arguments cannot be pickled, or CUDA would be forked (:func:`check_fork_safe`).
         """
         check_fork_safe(self._start_method, self._strategy.root_device.type)
-        if self._start_method in ("spawn", "forkserver"):
-            for obj in (*args, *kwargs.values()):
-                try:
-                    pickle.dumps(obj)
-                except Exception as e:  # pickling raises many types: PicklingError, AttributeError, TypeError
-                    raise RuntimeError(
-                        f"start_method={self._start_method!r} must pickle {type(obj).__name__} to send it to each"
-                        f" process, but it cannot be pickled: {e}. Define your classes and functions at module"
-                        " level (not inside a function or notebook cell) and avoid lambdas, or use"
-                        " start_method='popen' (running a script) or 'fork' (Linux, notebooks)."
-                    ) from e
-        # A group an earlier run in this process kept for the user's code must not reach the new ranks: a forked
-        # child would inherit it without gloo's threads and hang destroying it.
-        process_group.release_kept_process_group()
-        restore = self._forward_sigterm_to_ranks()
-        try:
-            return super().launch(function, *args, trainer=trainer, **kwargs)
-        except BaseException:
-            # torch.multiprocessing leaves the other ranks running when the parent is interrupted
-            # (Ctrl-C) or a rank fails: stop them, so no orphan keeps training or waits in a collective.
-            failures.stop_processes(self.procs, grace_s=30.0 if restore.received else 3.0)
-            raise
-        finally:
-            restore()
-            self._release_processes()
-
-    def _release_processes(self) -> None:
-        """Close the finished rank processes and forget them, so one fit leaves no descriptor behind.
-
-        Lightning keeps the ``Process`` objects in ``self.procs``; they hold their sentinel pipes and, through
-        their arguments, the result queue's pipe and the Trainer, which holds this launcher: a reference cycle
-        that keeps ~4 descriptors per fit open until the garbage collector happens to run (a notebook fitting
-        hundreds of times runs out). Closing the processes and dropping the list frees them at once.
-        """
-        procs, self.procs = self.procs, []
-        for proc in procs:
-            if not proc.is_alive():
-                proc.close()
-
-    def _forward_sigterm_to_ranks(self) -> Any:
-        """While the ranks run, pass a SIGTERM sent to this (launching) process on to them.
-
-        Without it the launcher dies at once and its ranks train on as orphans. The ranks then stop together
-        at the next step (Lightning's SIGTERM handling) and, with ``checkpoint_on_sigterm``, save first.
-        Returns a callable that restores the previous handler; its ``received`` says whether SIGTERM came.
-        """
-        def restore() -> None:
-            if previous is not None:
-                signal.signal(signal.SIGTERM, previous)
+        for obj in (*args, *kwargs.values()) if self._start_method in ("spawn", "forkserver") else ():
+            try:
+                pickle.dumps(obj)
+            except Exception as e:  # pickling raises many types: PicklingError, AttributeError, TypeError
+                raise RuntimeError(
+                    f"start_method={self._start_method!r} must pickle {type(obj).__name__} to send it to each"
+                    f" process, but it cannot be pickled: {e}. Define your classes and functions at module"
+                    " level (not inside a function or notebook cell) and avoid lambdas, or use"
+                    " start_method='popen' (running a script) or 'fork' (Linux, notebooks)."
+                ) from e
+        if self._start_method == "fork":  # a forked rank would inherit this process's group, without gloo's threads
+            failures.destroy_process_group()
+        received: list[int] = []
 
         def forward(signum: int, frame: Any) -> None:
-            restore.received = True  # type: ignore[attr-defined]
+            received.append(signum)
             for proc in self.procs:
                 if proc.is_alive():
                     os.kill(proc.pid, signum)
 
-        restore.received = False  # type: ignore[attr-defined]
-        previous = None
-        if threading.current_thread() is threading.main_thread():
-            previous = signal.getsignal(signal.SIGTERM)
-            signal.signal(signal.SIGTERM, forward)
-        return restore
+        main = threading.current_thread() is threading.main_thread()
+        previous = signal.signal(signal.SIGTERM, forward) if main else None
+        try:
+            return super().launch(function, *args, trainer=trainer, **kwargs)
+        except BaseException:  # Ctrl-C here leaves the ranks running: stop them (join has stopped them on a failure)
+            failures.stop_processes(self.procs, grace_s=30.0 if received else 3.0)
+            raise
+        finally:
+            if main and previous is not None:
+                signal.signal(signal.SIGTERM, previous)
+            procs, self.procs = self.procs, []
+            for proc in procs:
+                if not proc.is_alive():
+                    proc.close()
 
     def _wrapping_function(self, process_idx: int, trainer: Any, function: Any, *rest: Any, **kw: Any) -> None:
-        """In each rank: run Lightning's worker with the strategy's ``on_exception`` on failure.
-
-        Lightning calls ``on_exception`` only around ``launch`` in the parent, so without this a failing rank
-        would neither report itself nor save on SIGTERM. A SIGTERM stop leaves the rank as an error (not the
-        ``SystemExit`` Lightning raises), so the parent does not wait for results that will not come.
-        """
+        """In each rank: Lightning's worker, with the strategy's ``on_exception`` on failure (Lightning calls it only
+        in the parent) and the group destroyed at the end; a SIGTERM stop is raised as an error, not Lightning's
+        ``SystemExit``, so the parent does not wait for results that will not come."""
         strategy = self._strategy
 
         def guarded(*args: Any, **kwargs: Any) -> Any:
@@ -326,5 +257,5 @@ class CheckedMultiProcessingLauncher(_pl.MultiProcessingLauncher):
 
         try:
             return super()._wrapping_function(process_idx, trainer, guarded, *rest, **kw)
-        finally:  # a spawned/forked rank ends with its work: no atexit hook runs there (os._exit)
-            process_group.destroy_process_group()
+        finally:
+            failures.destroy_process_group()

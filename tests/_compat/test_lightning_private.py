@@ -267,30 +267,34 @@ def test_multiprocessing_launcher_worker_signature(namespace):
 
 def test_the_popen_observer_watches_the_launchers_list_which_a_failing_launcher_empties(namespace):
     """Lightning's popen launcher starts a child-process observer on its own ``procs`` list; every 5 s it SIGKILLs
-    the launching process when a child exited non-zero. After a failure the launching rank stops its ranks itself
-    and empties that list first (ddp_strategy.process.run), so the observer finishes without killing it, and the
-    rank's own error reaches the user's code."""
+    the launching process when a child exited non-zero. After a failure the launching rank empties that list first
+    (failures.on_exception) and stops its ranks itself (failures.teardown), so the observer finishes without
+    killing it, and the rank's own error reaches the user's code."""
     import os
     import subprocess
     import sys
     from datetime import timedelta
 
-    from ddp_strategy.process import ProcessGroupRun
+    from ddp_strategy.process import ProcessGroupRun, failures
 
     launch_observer = namespace.get("pytorch.strategies.launchers.subprocess_script:_launch_process_observer")
     observer_cls = launch_observer.__globals__["_ChildProcessObserver"]
-    assert "self.procs" in inspect.getsource(_private(namespace, "SubprocessScriptLauncher").launch)
+    assert "_launch_process_observer(self.procs)" in inspect.getsource(
+        _private(namespace, "SubprocessScriptLauncher").launch)
+    launcher = _pl.SubprocessScriptLauncher(namespace.get("fabric.plugins.environments:LightningEnvironment")(), 2, 1)
     child = subprocess.Popen([sys.executable, "-c", "raise SystemExit(1)"])
-    procs = [child]
-    observer = observer_cls(main_pid=os.getpid(), child_processes=procs)  # not started: _run is one poll
+    launcher.procs = procs = [child]
+    observer = observer_cls(main_pid=os.getpid(), child_processes=launcher.procs)  # not started: _run is one poll
     assert observer._child_processes is procs
     run = ProcessGroupRun(timeout=timedelta(seconds=5), barrier_timeout=timedelta(seconds=5))
-    run.on_exception(ZeroDivisionError("rank 0's own bug"), rank=0, world_size=2, known_cause=None,
-                     sigterm_save=None, launched=procs)
-    assert procs == [] and child.returncode == 1  # stopped (it exited by itself) and reaped here
+    failures.on_exception(run, ZeroDivisionError("rank 0's own bug"), rank=0, world_size=2, known_cause=None,
+                          sigterm_save=None, launcher=launcher)
+    assert procs == [] and run.stopping == [child]
     killed = []
     observer._terminate_all = lambda: killed.append(True)  # what it would do: SIGKILL this process
     assert observer._run() is True and killed == []
+    failures.teardown(run, rank=0, world_size=2)
+    assert child.returncode == 1 and run.stopping == []  # stopped (it exited by itself) and reaped here
     # without the emptying, the same poll kills: the guard is not vacuous
     stale = observer_cls(main_pid=os.getpid(), child_processes=[child])
     stale._terminate_all = lambda: killed.append(True)

@@ -78,3 +78,13 @@ def test_counting_process_group_sees_what_the_hooks_all_reduce(one_rank_group, h
     assert ddp.module.weight.grad[0].tolist() == [2.0] * 4
     dist.all_reduce(torch.ones(1), group=group)
     assert len(seen) == 2
+
+def test_default_store_is_the_world_groups_store(one_rank_group):
+    """failures.run_reports keeps its keys in the default group's store (_get_default_store): a key set there is
+    seen by a second handle on it, and it refuses without a group."""
+    _torch_private.default_store().set("ddp_strategy/guard", "1")
+    assert _torch_private.default_store().get("ddp_strategy/guard") == b"1"
+    dist.destroy_process_group()
+    with pytest.raises(ValueError):
+        _torch_private.default_store()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # for the fixture's teardown

@@ -82,6 +82,7 @@ def test_an_exception_on_one_rank_ends_every_rank_within_30_s(tmp_path, scenario
     assert code != 0
     assert seconds < 30, f"took {seconds:.1f} s after the failure"
     assert own in out and "Traceback" in out
+    assert (tmp_path / "finally_rank0").exists(), "the launching process was killed before its finally ran"
     if seen_by_peer:
         assert seen_by_peer in out
 
@@ -94,6 +95,7 @@ def test_a_killed_rank_is_named_and_the_others_exit_within_60_s(tmp_path, start_
     assert code != 0 and seconds < 60, f"exit {code} after {seconds:.1f} s"
     expected = "rank 1 (pid" if start_method == "popen" else "process 1 terminated with signal SIGKILL"
     assert expected in out and ("is no longer running" in out or start_method == "spawn")
+    assert (tmp_path / "finally_rank0").exists(), "the launching process was killed before its finally ran"
 
 
 @pytest.mark.timeout(300)
@@ -190,11 +192,10 @@ def test_resuming_after_a_crash_gives_the_uninterrupted_weights(tmp_path):
         torch.testing.assert_close(resumed.state_dict()[name], value, rtol=0, atol=1e-6)
 
 
-def _store_with_pids(world_size: int, pids: dict[int, int]) -> torch.distributed.Store:
-    from ddp_strategy.process import failures
+def _store_with_pids(pids: dict[int, int]) -> torch.distributed.Store:
     store = torch.distributed.HashStore()
     for rank, pid in pids.items():
-        store.set(failures._PID_KEY.format(rank=rank), f"{socket.gethostname()}:{pid}")
+        store.set(f"pid/{rank}", f"{socket.gethostname()}:{pid}")
     return store
 
 
@@ -202,19 +203,24 @@ def _store_with_pids(world_size: int, pids: dict[int, int]) -> torch.distributed
 def test_a_failing_rank_stops_waiting_once_every_peer_is_accounted_for(peer_state):
     """wait_for_peers returns as soon as each peer has explained, failed in its own code, or exited, not at
     the deadline (a bug raised on every rank must not cost EXPLAIN_WAIT_S per failing fit)."""
-    from ddp_strategy.process import failures
+    from datetime import timedelta
+
+    from ddp_strategy.process import ProcessGroupRun, failures
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()
-    store = _store_with_pids(3, {1: os.getpid(), 2: gone.pid})  # rank 1 alive here, rank 2's process has exited
+    store = _store_with_pids({1: os.getpid(), 2: gone.pid})  # rank 1 alive here, rank 2's process has exited
     if peer_state == "explained":
-        failures.acknowledge(store, 1)
-    elif peer_state == "failed_too":
+        store.set("explained/1", "1")
+    elif peer_state == "failed_too":  # rank 1's own on_exception publishes its failure
+        run = ProcessGroupRun(timedelta(seconds=5), timedelta(seconds=5))
+        run.reports = store
         try:
             raise ValueError("the same bug on rank 1")
         except ValueError as e:
-            failures.report_failure(store, 1, e)
+            failures.on_exception(run, e, 1, 3, None, None, launcher=None)
+        assert run.own_failure and store.get("failed/1").decode().startswith("ValueError: the same bug on rank 1 (")
     else:
-        store.set(failures._PID_KEY.format(rank=1), f"{socket.gethostname()}:{gone.pid}")
+        store.set("pid/1", f"{socket.gethostname()}:{gone.pid}")
     start = time.monotonic()
     failures.wait_for_peers(store, rank=0, world_size=3, timeout_s=60)
     assert time.monotonic() - start < 5
@@ -223,7 +229,7 @@ def test_a_failing_rank_stops_waiting_once_every_peer_is_accounted_for(peer_stat
 def test_a_failing_rank_waits_for_a_live_peer_that_has_not_explained():
     """A live peer that has said nothing yet is waited for, until the deadline."""
     from ddp_strategy.process import failures
-    store = _store_with_pids(2, {1: os.getpid()})
+    store = _store_with_pids({1: os.getpid()})
     start = time.monotonic()
     failures.wait_for_peers(store, rank=0, world_size=2, timeout_s=0.5)
     assert time.monotonic() - start >= 0.5

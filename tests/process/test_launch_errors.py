@@ -129,7 +129,7 @@ def test_port_in_use_error_suggestions_work(tmp_path, monkeypatch):
 
 def test_cpu_oversubscription_warning_suggestions_silence_it(monkeypatch):
     """More CPU processes than cores warns; devices=<cores> or allow_cpu_oversubscription=True does not."""
-    monkeypatch.setattr(launching, "available_cpus", lambda: 2)
+    monkeypatch.setattr(launching.os, "sched_getaffinity", lambda pid: {0, 1})
     with pytest.warns(UserWarning, match=r"Pass devices=2 or fewer .*MyDDPStrategy\(allow_cpu_oversubscription=True\)"):
         launching.check_cpu_processes(3)
     with warnings.catch_warnings():

@@ -18,6 +18,7 @@ from ddp_testing import finish, free_port, session_members
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from ddp_strategy import DigitsClassifier, DigitsDataModule, MyDDPStrategy
+from ddp_strategy.process import failures
 from ddp_strategy.process import group as process_group
 
 SCRIPTS = Path(__file__).parent.parent / "scripts"
@@ -37,7 +38,7 @@ def _init_methods_worker(rank: int, tmp: str, ports: list[int]) -> None:
         process_group.init_process_group("gloo", rank, 2, "127.0.0.1", timeout=timedelta(seconds=30), **kwargs)
         results[name] = (dist.get_rank(), dist.get_world_size(),
                          process_group.all_reduce(torch.tensor([rank + 1.0]), "sum").item())
-        process_group.destroy_process_group()
+        failures.destroy_process_group()
     torch.save(results, Path(tmp) / f"{rank}.pt")
 
 

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import os
-import threading
-import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -14,8 +12,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from ddp_testing import free_port, listening_sockets
 
+from ddp_strategy.process import failures
 from ddp_strategy.process import group as process_group
-from ddp_strategy.process import rendezvous
 
 
 def test_backend_follows_device():
@@ -23,6 +21,13 @@ def test_backend_follows_device():
     assert process_group.resolve_backend(torch.device("cuda", 1), None) == "nccl"
     assert process_group.resolve_backend(torch.device("cpu"), None) == "gloo"
     assert process_group.resolve_backend(torch.device("cuda", 0), "gloo") == "gloo"
+
+
+def test_a_backend_registered_with_torch_is_accepted(monkeypatch):
+    """A third-party backend registered with torch.distributed.Backend.register_backend is not refused."""
+    monkeypatch.setattr(dist.Backend, "backend_list", [*dist.Backend.backend_list, "mybackend"])
+    process_group.validate_backend_name("mybackend")
+    assert process_group.resolve_backend(torch.device("cpu"), "mybackend") == "mybackend"
 
 
 @pytest.mark.parametrize(("given", "seconds"), [(90, 90.0), (0.5, 0.5), (timedelta(minutes=2), 120.0)])
@@ -42,14 +47,13 @@ def test_cuda_device_is_passed_for_eager_nccl_init(monkeypatch):
     """On CUDA the device reaches init_process_group as device_id (checked without a GPU), with our own store."""
     calls, stores = {}, []
     monkeypatch.setattr(dist, "is_initialized", lambda: False)
-    monkeypatch.setattr(process_group, "rendezvous_store", lambda *a, **k: stores.append(a) or "store")
+    monkeypatch.setattr(process_group, "_tcp_store", lambda *a, **k: stores.append(a) or dist.HashStore())
     monkeypatch.setattr(dist, "init_process_group", lambda *a, **k: calls.update(args=a, kwargs=k))
-    returned = process_group.init_process_group("nccl", 1, 2, "127.0.0.1", 29512, timedelta(seconds=9),
-                                                torch.device("cuda", 1))
-    assert returned == "store"
+    process_group.init_process_group("nccl", 1, 2, "127.0.0.1", 29512, timedelta(seconds=9), torch.device("cuda", 1))
     assert stores == [("127.0.0.1", 29512, 1, timedelta(seconds=9), 1)]
     assert calls["args"] == ("nccl",)
-    assert calls["kwargs"] == {"store": "store", "rank": 1, "world_size": 2, "timeout": timedelta(seconds=9),
+    assert isinstance(calls["kwargs"].pop("store"), dist.PrefixStore)  # our store, under the group's prefix
+    assert calls["kwargs"] == {"init_method": None, "rank": 1, "world_size": 2, "timeout": timedelta(seconds=9),
                                "device_id": torch.device("cuda", 1)}
     process_group.init_process_group("gloo", 0, 2, "127.0.0.1", 29512, timedelta(seconds=9), torch.device("cpu"))
     assert "device_id" not in calls["kwargs"] and stores[-1][2] == 0
@@ -72,7 +76,7 @@ def _reduce_worker(rank: int, store_path: str, out_dir: str) -> None:
     results["enum_sum"] = process_group.all_reduce(t, dist.ReduceOp.SUM)
     results["input_after"] = t
     torch.save(results, Path(out_dir) / f"{rank}.pt")
-    process_group.destroy_process_group()
+    failures.destroy_process_group()
 
 
 @pytest.mark.multiprocess
@@ -90,7 +94,7 @@ def test_all_reduce_values_on_two_gloo_ranks(tmp_path):
 
 def test_destroy_without_group_is_a_no_op():
     """Teardown may call destroy on a rank that never joined."""
-    process_group.destroy_process_group()
+    assert failures.destroy_process_group()
     assert not dist.is_initialized()
 
 
@@ -103,104 +107,69 @@ def test_nccl_group_on_a_real_gpu(tmp_path):
     assert dist.get_backend() == "nccl"
     out = process_group.all_reduce(torch.ones(3, device="cuda"), "sum")
     assert out.device.type == "cuda" and out.tolist() == [1.0, 1.0, 1.0]
-    process_group.destroy_process_group()
+    failures.destroy_process_group()
 
 
-def test_shared_store_gives_each_rendezvous_and_attempt_its_own_prefix():
-    """A store that outlives rendezvous: 2 ranks x 2 stages get prefixes 0, 0, 1, 1; a torchrun attempt starts anew."""
+def test_each_run_reports_under_its_own_prefix_of_the_groups_store(monkeypatch):
+    """Runs that reuse one group (2 ranks x 2 stages) get prefixes 0, 0, 1, 1; a torchrun attempt starts anew."""
     base = dist.HashStore()
-    views = [rendezvous.generation_store(base, world_size=2) for _ in range(4)]
-    for i, view in enumerate(views):
-        view.set(f"key{i}", "x")
-    assert [base.check([f"ddp_strategy/rendezvous_{g}/key{i}"]) for i, g in enumerate([0, 0, 1, 1])] == [True] * 4
-    rendezvous.generation_store(base, world_size=2, attempt="1").set("k", "y")
-    rendezvous.generation_store(base, world_size=2, attempt="1").set("k", "y")
-    rendezvous.generation_store(base, world_size=1, attempt="1").set("k", "z")  # re-formed with 1 worker
-    assert base.check([f"ddp_strategy/attempt_1/world_{w}/rendezvous_0/k" for w in (1, 2)])
+    monkeypatch.setattr(failures._torch, "default_store", lambda: base)
+    for rank in (0, 1, 0, 1):
+        failures.run_reports(rank, world_size=2).set("k", "x")
+    assert base.check([f"ddp_strategy/0/2/run_{g}/{key}" for g in (0, 1) for key in ("k", "pid/0", "pid/1")])
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    failures.run_reports(0, world_size=1).set("k", "y")
+    assert base.get("ddp_strategy/1/1/run_0/k") == b"y"
 
 
 def test_store_listens_on_loopback_on_one_node_and_on_master_addr_otherwise(caplog):
     """One node: 127.0.0.1 whatever MASTER_ADDR is; several: MASTER_ADDR's address, or all interfaces and a warning."""
-    assert rendezvous.listen_address("192.0.2.7", num_nodes=1) == "127.0.0.1"
-    assert rendezvous.listen_address("192.0.2.7", num_nodes=2) == "192.0.2.7"
-    assert rendezvous.listen_address("localhost", num_nodes=2) == ""
+    assert process_group.listen_address("192.0.2.7", num_nodes=1) == "127.0.0.1"
+    assert process_group.listen_address("192.0.2.7", num_nodes=2) == "192.0.2.7"
+    assert process_group.listen_address("localhost", num_nodes=2) == ""
     assert "resolves to the loopback address" in caplog.text
-
-
-def test_a_rank_that_reaches_the_previous_stores_server_waits_for_the_new_one(caplog):
-    """Rank 1 rejoins while rank 0's old store still answers: it recognises it, and ends up on the new store."""
-    port, timeout = free_port(), timedelta(seconds=30)
-    old = rendezvous.rendezvous_store("127.0.0.1", port, 0, timeout)
-    rendezvous.rendezvous_store("127.0.0.1", port, 1, timeout)  # rank 1's first rendezvous on this port
-    result = []
-    caplog.set_level("DEBUG", logger="ddp_strategy.process.rendezvous")
-    rejoin = threading.Thread(target=lambda: result.append(rendezvous.rendezvous_store("127.0.0.1", port, 1,
-                                                                                            timeout)))
-    rejoin.start()
-    deadline = time.monotonic() + 30
-    while "reached the previous rendezvous's store" not in caplog.text and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert "reached the previous rendezvous's store" in caplog.text
-    del old  # rank 0 finishes tearing down: its store closes, and it serves the next rendezvous on the same port
-    new = rendezvous.rendezvous_store("127.0.0.1", port, 0, timeout)
-    rejoin.join(60)
-    result[0].set("written_by_rank_1", "yes")
-    assert new.get("written_by_rank_1") == b"yes"
 
 
 def test_on_several_nodes_a_loopback_master_addr_makes_the_store_listen_everywhere(caplog):
     """num_nodes=2, MASTER_ADDR=127.0.0.1 (no other node could reach it): all interfaces, a warning; ranks join."""
     port = free_port()
-    server = rendezvous.rendezvous_store("127.0.0.1", port, 0, timedelta(seconds=30), num_nodes=2)
-    client = rendezvous.rendezvous_store("127.0.0.1", port, 1, timedelta(seconds=30), num_nodes=2)
+    server = process_group._tcp_store("127.0.0.1", port, 0, timedelta(seconds=30), num_nodes=2)
+    client = process_group._tcp_store("127.0.0.1", port, 1, timedelta(seconds=30), num_nodes=2)
     client.set("k", "v")
     assert server.get("k") == b"v"
     assert "listens on every interface" in caplog.text
     assert [a for a, p in listening_sockets(os.getpid()) if p == port] in (["::"], ["0.0.0.0"])
 
 
-def test_destroying_the_group_closes_rank_0s_store_and_gloo_sockets():
-    """Rank 0's store listens on 127.0.0.1 only, at MASTER_PORT, while the group lives; nothing after destroy."""
+def test_the_group_is_reused_and_destroying_it_closes_rank_0s_store_and_gloo_sockets():
+    """Rank 0's store listens on 127.0.0.1 only, at MASTER_PORT, while the group lives; a second join reuses the
+    group (a run in the same process); one with another world size is refused; nothing listens after destroy."""
     port = free_port()
-    store = process_group.init_process_group("gloo", 0, 1, "127.0.0.1", port, timedelta(seconds=30))
-    listening = listening_sockets(os.getpid())
-    assert [address for address, p in listening if p == port] == ["127.0.0.1"]
-    del store  # as the strategy's teardown drops its handle
-    process_group.destroy_process_group()
+    process_group.init_process_group("gloo", 0, 1, "127.0.0.1", port, timedelta(seconds=30))
+    world = dist.group.WORLD
+    process_group.init_process_group("gloo", 0, 1, "127.0.0.1", free_port(), timedelta(seconds=30))
+    assert dist.group.WORLD is world
+    with pytest.raises(RuntimeError, match="already exists with rank 0 of 1, but this run needs rank 0 of 2"):
+        process_group.init_process_group("gloo", 0, 2, "127.0.0.1", port, timedelta(seconds=30))
+    assert [address for address, p in listening_sockets(os.getpid()) if p == port] == ["127.0.0.1"]
+    del world
+    assert failures.destroy_process_group()
     assert listening_sockets(os.getpid()) == []
 
 
 def test_under_torchrun_env_rendezvous_uses_the_agents_store(monkeypatch):
-    """TORCHELASTIC_USE_AGENT_STORE=True: init_method None or 'env://' joins the agent's store as a client, prefixed."""
+    """TORCHELASTIC_USE_AGENT_STORE=True: init_method None or 'env://' joins the agent's store as a client, prefixed
+    per attempt and per group."""
     agent = dist.TCPStore("127.0.0.1", 0, None, is_master=True, timeout=timedelta(seconds=30), wait_for_workers=False)
     monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
     served = []
-    monkeypatch.setattr(process_group, "rendezvous_store", lambda *a, **k: served.append(a))
+    monkeypatch.setattr(process_group, "_tcp_store", lambda *a, **k: served.append(a))
     for init_method in (None, "env://"):
-        store = process_group.init_process_group("gloo", 0, 1, "127.0.0.1", agent.port, timedelta(seconds=30),
-                                                 init_method=init_method)
-        store.set("mine", "1")
-        process_group.destroy_process_group()
+        process_group.init_process_group("gloo", 0, 1, "127.0.0.1", agent.port, timedelta(seconds=30),
+                                         init_method=init_method)
+        failures.run_reports(0, 1).set("mine", "1")
+        failures.destroy_process_group()
     assert served == []  # no store of our own next to the agent's
-    assert agent.check([f"ddp_strategy/attempt_2/world_1/rendezvous_{g}/mine" for g in (0, 1)])
-
-
-def test_each_run_prefixes_tracebacks_with_the_rank_once(monkeypatch, capsys):
-    """torch wraps sys.excepthook at every init_process_group; three runs in one process still print
-    ``[rank0]: `` once per traceback line, as one run does."""
-    import sys
-
-    monkeypatch.setattr(sys, "excepthook", sys.__excepthook__)
-    monkeypatch.setattr(process_group, "_torch_excepthooks", [])
-    for _ in range(3):
-        process_group.init_process_group("gloo", rank=0, world_size=1, main_address="127.0.0.1", main_port=0,
-                                         timeout=timedelta(seconds=10), store=dist.HashStore())
-        process_group.destroy_process_group()
-    try:
-        raise ValueError("shown once")
-    except ValueError:
-        sys.excepthook(*sys.exc_info())
-    lines = [line for line in capsys.readouterr().err.splitlines() if line]
-    assert lines and all(line.startswith("[rank0]: ") and not line.startswith("[rank0]: [rank0]") for line in lines)
-    assert lines[-1] == "[rank0]: ValueError: shown once"
+    # each group under its own prefix in the attempt's (its gloo addresses are never read by a later group)
+    assert agent.check([f"ddp_strategy/2/1/group_{g}/0//ddp_strategy/2/1/run_0/mine" for g in (0, 1)])

@@ -24,7 +24,7 @@ from torch.utils.data import BatchSampler, DataLoader, Sampler, SequentialSample
 from torch.utils.data._utils.collate import default_collate
 
 from ddp_strategy import DDPCheckpointIO, MyDDPStrategy, UnsafeCheckpointError
-from ddp_strategy.process import group as process_group
+from ddp_strategy.process import destroy_process_group
 from ddp_strategy.sampling.loaders import ORDER_KEPT_WARNING
 
 N = 24  # samples the user splits by rank: 12 each
@@ -316,7 +316,7 @@ def scenario_models(out: Path) -> None:
     torch._dynamo.utils.counters.clear()
     trainer(2, out, max_epochs=1).fit(torch.compile(compiled, backend="eager"))
     kept = torch.distributed.is_initialized()  # for the user's code after fit, as under Lightning's ddp
-    process_group.release_kept_process_group()  # what the next fit's rendezvous does first
+    destroy_process_group()  # the group a successful fit leaves, with a compiled DDP wrapper in a reference cycle
     port_free = _can_bind(int(os.environ["MASTER_PORT"])) if rank() == 0 else True
     save(out, "compile", {"kept": kept, "port_free": port_free, "plain": weights(plain), "compiled": weights(compiled),
                           "initial": weights(Recorder(val=False)), "train": compiled.rec["train"],

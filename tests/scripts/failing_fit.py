@@ -4,7 +4,8 @@ Usage: python failing_fit.py OUT_DIR SCENARIO START_METHOD [CKPT_PATH]
 
 Each rank writes OUT_DIR/started_rank{r} when training starts and OUT_DIR/failing_at when it triggers the
 failure (a time.time() stamp), so the test can measure how long the job takes to end. In the sigterm and
-sigint scenarios each rank writes OUT_DIR/waiting_rank{r} at step 3 and waits there for the test's signal.
+sigint scenarios each rank writes OUT_DIR/waiting_rank{r} at step 3 and waits there for the test's signal. The
+launching process writes OUT_DIR/finally_rank0 in a ``finally`` around ``fit`` (popen: it must not be killed first).
 """
 
 import os
@@ -101,6 +102,10 @@ if __name__ == "__main__":
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         callbacks=[Events()], default_root_dir=str(OUT))
     data = UnevenData() if SCENARIO == "uneven" else DigitsDataModule()
-    trainer.fit(Model(), data, ckpt_path=CKPT)
+    try:
+        trainer.fit(Model(), data, ckpt_path=CKPT)
+    finally:
+        if trainer.global_rank == 0 or START_METHOD != "popen":
+            (OUT / "finally_rank0").write_text(str(os.getpid()))
     if trainer.global_rank == 0:
         (OUT / "finished").write_text(str(trainer.global_step))
