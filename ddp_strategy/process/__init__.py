@@ -12,7 +12,6 @@ from ddp_strategy.process.failures import destroy_process_group
 from ddp_strategy.process.group import (
     DEFAULT_TIMEOUT,
     ProcessGroupRun,
-    all_reduce,
     as_timedelta,
     device_ids,
     init_process_group,
@@ -26,7 +25,7 @@ free_port = _default.get("fabric.plugins.environments.lightning:find_free_networ
 
 __all__ = [
     "DEFAULT_TIMEOUT", "ProcessGroupRun", "START_METHODS", "StartMethod", "all_gather_padded", "all_gather_rows",
-    "all_reduce", "as_timedelta", "boundaries", "check_launch_env", "default_start_method", "destroy_process_group",
+    "as_timedelta", "boundaries", "check_launch_env", "default_start_method", "destroy_process_group",
     "device_ids", "failures", "free_port", "gather_shapes", "init_process_group", "launching", "on_global_zero",
     "validate_backend_name", "validate_init_method",
 ]

@@ -1,10 +1,8 @@
-"""The world process group: backend, rendezvous, one run's membership, and the few collectives the package uses.
+"""The world process group: backend, rendezvous and one run's membership.
 
-One default (world) group per process, as under Lightning's ``DDPStrategy`` (``_init_dist_connection`` returns
-early when ``torch.distributed`` is initialised): every stage and ``Trainer`` in the process reuses it, and it
-outlives a successful run for the user's code. It is destroyed after a failed run
+One default (world) group per process, as under Lightning's ``DDPStrategy``: every stage and ``Trainer`` in the
+process reuses it, and it outlives a successful run. It is destroyed after a failed run
 (:mod:`ddp_strategy.process.failures`) and when a spawned or forked rank's work ends.
-See https://pytorch.org/docs/stable/distributed.html#initialization.
 """
 
 from __future__ import annotations
@@ -29,16 +27,11 @@ log = logging.getLogger(__name__)
 #: for long (rank 0 writing a checkpoint of many GiB). A failed or killed rank does not wait for it: it is named
 #: within seconds (:mod:`ddp_strategy.process.failures`). Lower it (``MyDDPStrategy(timeout=...)``) to bound a stall.
 DEFAULT_TIMEOUT = timedelta(minutes=30)
-INIT_METHOD_SCHEMES: tuple[str, ...] = ("env://", "tcp://", "file://")
 
 
 def validate_backend_name(backend: str | None) -> None:
-    """Refuse, before any process starts, a backend not in ``torch.distributed.Backend.backend_list`` (which has
-    those registered with ``Backend.register_backend``) or not compiled in; ``None`` is chosen from the device.
-
-    Raises:
-        ValueError: the name is not in ``torch.distributed.Backend.backend_list``, or is not compiled in.
-    """
+    """Raise ``ValueError`` for a backend not in ``torch.distributed.Backend.backend_list`` or not compiled in
+    (``None``, chosen from the device, passes)."""
     known = [b for b in dist.Backend.backend_list if b not in ("undefined", "fake")]
     if backend is not None and backend.lower() not in known:
         raise ValueError(f"Unknown process_group_backend={backend!r}. Use one of {known}, or leave it as None to get"
@@ -49,13 +42,8 @@ def validate_backend_name(backend: str | None) -> None:
 
 
 def resolve_backend(device: torch.device, backend: str | None) -> str:
-    """The backend for ``device``: ``backend`` if given, else torch's default for the device type
-    (``torch.distributed.Backend.default_device_backend_map``: ``"nccl"`` for CUDA, ``"gloo"`` for CPU).
-
-    Raises:
-        ValueError: an unknown or unavailable name (:func:`validate_backend_name`), or ``"nccl"`` on a non-CUDA
-            device (NCCL only moves CUDA tensors).
-    """
+    """``backend``, else ``torch.distributed.Backend.default_device_backend_map``'s for ``device``; ``ValueError``
+    for an unknown or unavailable name, or ``"nccl"`` on a non-CUDA device."""
     if backend == "nccl" and device.type != "cuda":
         raise ValueError(f"process_group_backend='nccl' needs CUDA devices, but this rank runs on {device}. Use"
                          " process_group_backend='gloo' (or None) for CPU training, or Trainer(accelerator='cuda').")
@@ -80,7 +68,7 @@ def as_timedelta(timeout: float | timedelta) -> timedelta:
 def validate_init_method(init_method: str | None) -> None:
     """Refuse (``ValueError``) an ``init_method`` other than ``None``/``"env://"``, ``"tcp://host:port"`` or
     ``"file:///path"``, or a ``tcp://`` URL without a port."""
-    if init_method is not None and not init_method.startswith(INIT_METHOD_SCHEMES):
+    if init_method is not None and not init_method.startswith(("env://", "tcp://", "file://")):
         raise ValueError(f"init_method={init_method!r} is not supported; use 'env://' (default), 'tcp://host:port' or"
                          " 'file:///path/to/shared/file', or pass a torch.distributed Store as store=...")
     if init_method is not None and init_method.startswith("tcp://") and not init_method.rsplit(":", 1)[-1].isdigit():
@@ -136,21 +124,13 @@ def _tcp_store(host: str, port: int, rank: int, timeout: timedelta, num_nodes: i
 def init_process_group(backend: str, rank: int, world_size: int, main_address: str, main_port: int,
                        timeout: timedelta, device: torch.device | None = None, init_method: str | None = None,
                        store: dist.Store | None = None, num_nodes: int = 1) -> None:
-    """Join the default (world) process group, or reuse the one this process already has (Lightning does too).
+    """Join the default (world) process group, or reuse this process's (as Lightning does). Every rank; returns
+    once all ``world_size`` ranks joined.
 
-    The rendezvous, in order of precedence: a ready ``store``; ``init_method`` (``file://`` by torch's handler,
-    ``tcp://host:port`` as ``env://``); under torchrun (``TORCHELASTIC_USE_AGENT_STORE=True``) the elastic
-    agent's store, under a prefix per attempt; else ``env://`` at ``main_address:main_port`` (exported as
-    ``MASTER_ADDR``/``MASTER_PORT``), served by rank 0 on loopback when ``num_nodes == 1``. On one node gloo's
-    own connections are kept on loopback too (``GLOO_SOCKET_IFNAME``, unless the user set it). Every rank calls
-    it; it returns once all ``world_size`` ranks have joined, or raises after ``timeout``.
-
-    Args:
-        backend, rank, world_size, timeout: as for ``torch.distributed.init_process_group``.
-        main_address, main_port: rank 0's store (``env://``).
-        device: a CUDA device is passed as ``device_id`` (eager NCCL initialisation).
-        init_method, store: see :func:`validate_init_method`; a ``torch.distributed.Store`` shared by all ranks.
-        num_nodes: number of machines.
+    The rendezvous, first that applies: ``store``; ``init_method`` (``file://`` by torch, ``tcp://host:port`` as
+    ``env://``); torchrun's agent store (``TORCHELASTIC_USE_AGENT_STORE=True``); ``env://`` at
+    ``main_address:main_port``, served by rank 0 (on loopback, with gloo's ``GLOO_SOCKET_IFNAME=lo`` unless set,
+    when ``num_nodes == 1``). A CUDA ``device`` is passed as ``device_id`` (eager NCCL initialisation).
 
     Raises:
         RuntimeError: a group exists with another rank or world size; or the rendezvous failed (unreachable
@@ -205,11 +185,8 @@ def init_process_group(backend: str, rank: int, world_size: int, main_address: s
 
 
 class ProcessGroupRun:
-    """One rank's part in the runs (stages, fits) of one strategy: the rendezvous, side groups, failure state.
-
-    ``timeout`` is the collectives', ``barrier_timeout`` the epoch-start ``monitored_barrier``'s; ``init_method``
-    and ``store`` are the rendezvous (:func:`init_process_group`).
-    """
+    """One rank's part in the runs (stages, fits) of one strategy: the rendezvous (:func:`init_process_group`),
+    side groups, failure state; ``barrier_timeout`` is the epoch-start ``monitored_barrier``'s."""
 
     def __init__(self, timeout: timedelta, barrier_timeout: timedelta, init_method: str | None = None,
                  store: dist.Store | None = None) -> None:
@@ -246,22 +223,3 @@ def device_ids(device: torch.device) -> list[int] | None:
     """``device_ids`` for DDP and NCCL's barrier: ``[index]`` for a CUDA device, ``None`` for CPU."""
     return [device.index if device.index is not None else 0] if device.type == "cuda" else None
 
-
-def all_reduce(tensor: torch.Tensor, op: Any = "mean") -> torch.Tensor:
-    """``tensor`` (any shape, the same on every rank) reduced over all ranks, as a new tensor: the same on every rank,
-    a copy without a process group. A collective. ``op``: ``"mean"``/``"avg"`` (an integer mean is float32),
-    ``"sum"``, ``"max"``, ``"min"`` or a ``ReduceOp``; another raises ``ValueError``."""
-    ops = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM,
-           "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
-    name = (op.name if hasattr(op, "name") else str(op)).lower()
-    if name not in ops:
-        raise ValueError(f"Unsupported reduce op {op!r}; use one of {sorted(ops)}.")
-    result = tensor.clone()
-    if name in ("mean", "avg") and not result.is_floating_point():
-        result = result.float()
-    if not (dist.is_available() and dist.is_initialized()):
-        return result
-    dist.all_reduce(result, op=ops[name])
-    if name in ("mean", "avg"):
-        result /= dist.get_world_size()
-    return result

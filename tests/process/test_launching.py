@@ -36,8 +36,9 @@ def _init_methods_worker(rank: int, tmp: str, ports: list[int]) -> None:
     for name, kwargs in methods.items():
         kwargs.setdefault("main_port", 0)
         process_group.init_process_group("gloo", rank, 2, "127.0.0.1", timeout=timedelta(seconds=30), **kwargs)
-        results[name] = (dist.get_rank(), dist.get_world_size(),
-                         process_group.all_reduce(torch.tensor([rank + 1.0]), "sum").item())
+        total = torch.tensor([rank + 1.0])
+        dist.all_reduce(total)
+        results[name] = (dist.get_rank(), dist.get_world_size(), total.item())
         failures.destroy_process_group()
     torch.save(results, Path(tmp) / f"{rank}.pt")
 
