@@ -1,9 +1,6 @@
 """Checks at epoch and step boundaries while fitting: every rank arrives, and a SLURM requeue stops all at one step.
 
-:class:`EpochBoundaryCheck` meets every rank at a gloo ``monitored_barrier`` at each training epoch's start (naming
-a rank that did not arrive: :class:`~ddp_strategy.process.failures.StalledRankError`) and compares the ranks' batch
-counts; :class:`RequeueAtStepBoundary` makes a pre-emption signal stop every rank after the same optimizer step.
-:func:`add_fit_callbacks` and :func:`remove_fit_callbacks` put them in and out of ``trainer.callbacks``.
+:func:`add_fit_callbacks` and :func:`remove_fit_callbacks` put the two callbacks in and out of ``trainer.callbacks``.
 """
 
 from __future__ import annotations
@@ -29,17 +26,9 @@ log = logging.getLogger(__name__)
 
 
 class EpochBoundaryCheck(Callback):
-    """At each training epoch's start, on every rank: a monitored barrier, then agree on the number of batches.
-
-    Two small collectives per epoch, in ``on_train_epoch_start`` (every rank at the same point, before the data
-    iterator exists; Lightning's loop broadcasts a SIGTERM flag before every batch, so a check at the first batch
-    would come too late to name a rank that stalled between epochs). Ranks with different batch counts would pair
-    DDP's all-reduces wrongly and hang mid-epoch, so they fail here, on every rank, with the counts.
-
-    Args:
-        group: a gloo process group (``None``: the world group, gloo).
-        timeout: how long rank 0 waits at the barrier before naming every missing rank.
-        rank, world_size: this rank and the number of ranks; with one rank nothing is done.
+    """At each training epoch's start, on every rank: a gloo ``monitored_barrier`` on ``group`` (``None``: the world),
+    then agree on the number of batches (different counts would pair DDP's all-reduces wrongly and hang). Before
+    the data iterator exists, so a rank that stalled between epochs is named; with one rank nothing is done.
 
     Raises:
         StalledRankError: a rank did not reach the barrier in ``timeout``.
@@ -76,15 +65,10 @@ class EpochBoundaryCheck(Callback):
 class RequeueAtStepBoundary(Callback):
     """Runs Lightning's SLURM auto-requeue (its ``SIGUSR1`` handler) at a step boundary, on every rank at once.
 
-    Under ``SLURMEnvironment(auto_requeue=True)`` Lightning saves ``hpc_ckpt_<n>.ckpt`` and runs ``scontrol
-    requeue`` inside the signal handler, wherever each rank is; but saving is a collective here (every rank's
-    sampler position goes in), and a mid-step checkpoint does not resume exactly. So while training the signal
-    only sets a flag; after every batch the ranks agree on it (a one-element all-reduce, only while auto-requeue is
-    on) and, if any rank got it, all run Lightning's handler there: a step-boundary checkpoint that resumes exactly.
-
-    Args:
-        group: a gloo process group for the flag (``None``: the world group, gloo).
-        world_size: number of ranks; with one rank no collective is made.
+    Lightning would save and requeue inside the handler, wherever each rank is; but saving is a collective here
+    and a mid-step checkpoint does not resume exactly. So the signal only sets a flag; after every batch the ranks
+    all-reduce it on the gloo ``group`` (only under ``auto_requeue``, and with more than one rank) and, if any rank
+    got it, all run Lightning's handler: a step-boundary checkpoint that resumes exactly.
     """
 
     def __init__(self, group: Any, world_size: int) -> None:
@@ -127,8 +111,7 @@ class RequeueAtStepBoundary(Callback):
 
 
 def add_fit_callbacks(trainer: Any, run: Any, rank: int, world_size: int) -> None:
-    """Add :class:`EpochBoundaryCheck` and :class:`RequeueAtStepBoundary` to ``trainer.callbacks`` (once each), on
-    ``run``'s barrier group (a :class:`~ddp_strategy.process.group.ProcessGroupRun`)."""
+    """Add both callbacks to ``trainer.callbacks`` (once each), on ``run``'s barrier group (a ``ProcessGroupRun``)."""
     if not any(isinstance(cb, EpochBoundaryCheck) for cb in trainer.callbacks):
         trainer.callbacks.append(EpochBoundaryCheck(run.barrier_group, run.barrier_timeout, rank, world_size))
     if not any(isinstance(cb, RequeueAtStepBoundary) for cb in trainer.callbacks):

@@ -1,23 +1,11 @@
 """``all_gather`` for tensors whose first dimension differs between the ranks, on Lightning's own gathers.
 
-Lightning's ``all_gather`` stacks one tensor per rank into shape ``(W, *shape)`` and requires the same shape
-everywhere (with gloo an uneven call kills a rank: "received data size doesn't match"). Exact evaluation shards
-(:mod:`ddp_strategy.sampling.evaluation`) make per-sample outputs uneven whenever the data set size N is not a
-multiple of W, and per-image outputs (detections, tokens) are uneven by nature. So, after :func:`gather_shapes`
-(Lightning's ``_gather_all_tensors`` on the shape vectors):
-
-* :func:`all_gather_padded` - the strategy's ``all_gather`` when shapes differ: ``(W, M, ...)``, M the largest
-  first dimension, whose missing rows are filled **as** :class:`~torch.utils.data.distributed.DistributedSampler`
-  **pads a data set**: real rows are read in the order the sampler deals them (row 0 of ranks 0..W-1, then row 1,
-  ...) and the missing slots, in that same order, get the first real rows. For the per-sample outputs of an exact
-  evaluation shard this is *exactly* the tensor Lightning's padded sampler gives. Example, 3 samples on 2 ranks:
-  rank 0 holds samples ``[0, 2]``, rank 1 ``[1]``; the result is ``[[0, 2], [1, 0]]``, and Lightning's
-  ``DistributedSampler`` gives rank 1 ``[1, 0]``;
-* :func:`all_gather_rows` - every real row exactly once, shape ``(n_0 + ... + n_{W-1}, ...)``, in that dealing
-  order (the data set's order for an evaluation loader with ``shuffle=False``).
-
-Both are collectives: every rank of the group calls them. Gradients flow back with ``sync_grads``, as in
-Lightning (``torch.distributed.nn.functional.all_gather``).
+Lightning's ``all_gather`` needs the same shape on every rank, but exact evaluation shards
+(:mod:`ddp_strategy.sampling.evaluation`) make per-sample outputs uneven when N is not a multiple of W. Rows are
+taken in the order a ``DistributedSampler`` deals them (row 0 of ranks 0..W-1, then row 1, ...):
+:func:`all_gather_padded` gives ``(W, M, ...)`` with the missing rows filled as the sampler pads a data set (3
+samples on 2 ranks: ``[[0, 2], [1, 0]]``, exactly Lightning's); :func:`all_gather_rows` every real row once.
+Both are collectives; gradients flow back with ``sync_grads``, as in Lightning.
 """
 
 from __future__ import annotations
@@ -38,9 +26,8 @@ def _initialized() -> bool:
 
 
 def gather_shapes(tensor: Tensor, group: Any | None = None) -> list[tuple[int, ...]]:
-    """Every rank's ``tensor.shape``, ``[shape on rank 0, ..., shape on rank W-1]``; ``[tensor.shape]`` without a
-    process group. A collective (Lightning's ``_gather_all_tensors`` on the shape vectors, which pads and trims
-    vectors of different lengths, so the ranks' tensors may even differ in dimensions)."""
+    """Every rank's ``tensor.shape``, in rank order (``[tensor.shape]`` without a group). A collective (Lightning's
+    ``_gather_all_tensors``, so the ranks' tensors may differ in dimensions)."""
     if not _initialized():
         return [tuple(tensor.shape)]
     local = torch.tensor(tensor.shape, dtype=torch.long, device=tensor.device)
@@ -48,11 +35,8 @@ def gather_shapes(tensor: Tensor, group: Any | None = None) -> list[tuple[int, .
 
 
 def check_gatherable(shapes: list[tuple[int, ...]], rank: int) -> None:
-    """Raise on every rank (they all hold the same ``shapes``) unless only the first dimension differs.
-
-    Raises:
-        ValueError: naming every rank's shape and what to do.
-    """
+    """Raise ``ValueError`` (on every rank: they hold the same ``shapes``) unless only the first dimension
+    differs."""
     first = shapes[0]
     if all(len(s) == len(first) and len(s) > 0 and s[1:] == first[1:] for s in shapes):
         return
@@ -78,23 +62,10 @@ def _gather_stacked(tensor: Tensor, sizes: list[int], group: Any | None, sync_gr
 
 def all_gather_padded(tensor: Tensor, shapes: list[tuple[int, ...]], group: Any | None = None,
                       sync_grads: bool = False, warn: bool = False) -> Tensor:
-    """Gather tensors whose first dimension differs between the ranks into ``(W, M, *rest)``, ``M = max n_r``.
-
-    A collective: every rank calls it with its own tensor and the same ``shapes`` (from :func:`gather_shapes`).
-    Rank ``r``'s rows ``0..n_r-1`` are its tensor; its rows ``n_r..M-1`` are filled as a ``DistributedSampler``
-    pads (module docstring), so ``result.flatten(0, 1)`` holds every real row once plus ``W * M - sum(n_r)``
-    repeats of the first dealt rows.
-
-    Args:
-        tensor: this rank's tensor, shape ``(n_r, *rest)``.
-        shapes: every rank's shape.
-        group: the process group; ``None`` = the world.
-        sync_grads: let gradients flow through the gather to every rank's original rows (Lightning's flag).
-        warn: warn (rank 0) that ``flatten(0, 1)`` counts the repeated rows twice.
-
-    Raises:
-        ValueError: the tensors differ in a dimension other than the first (on every rank).
-    """
+    """Gather each rank's ``(n_r, *rest)`` tensor into ``(W, M, *rest)``, ``M = max n_r``, rows ``n_r..M-1`` filled
+    as a ``DistributedSampler`` pads (module docstring). A collective; ``shapes`` from :func:`gather_shapes`;
+    ``warn``: warn (rank 0) that ``flatten(0, 1)`` counts the repeats twice. ``ValueError``: see
+    :func:`check_gatherable`."""
     check_gatherable(shapes, dist.get_rank())
     sizes = [shape[0] for shape in shapes]
     world, most, rest = len(sizes), max(sizes), shapes[0][1:]
@@ -118,21 +89,19 @@ def all_gather_padded(tensor: Tensor, shapes: list[tuple[int, ...]], group: Any 
 
 
 def all_gather_rows(tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
-    """Every rank's rows, each exactly once: shape ``(n_0 + ... + n_{W-1}, *rest)``.
+    """Every rank's rows, each exactly once: ``self.all_gather(x).flatten(0, 1)`` without padding or repeats.
 
-    The exact counterpart of ``self.all_gather(x).flatten(0, 1)`` for per-sample outputs: nothing is padded or
-    repeated. Rows come in the order a ``DistributedSampler`` deals them (row 0 of ranks 0..W-1, then row 1,
-    ...): for the outputs of a whole evaluation epoch on a loader with ``shuffle=False`` that is the data set's
-    order. A collective: call it on every rank (for example in ``on_validation_epoch_end``). Without a process
-    group it returns ``tensor``.
+    Rows come in the order a ``DistributedSampler`` deals them: for a whole evaluation epoch with
+    ``shuffle=False``, the data set's order. A collective: call it on every rank (e.g. in
+    ``on_validation_epoch_end``). Without a process group it returns ``tensor``.
 
     Args:
-        tensor: this rank's tensor, shape ``(n_r, *rest)``; ``rest`` must be equal on every rank.
+        tensor: this rank's tensor, shape ``(n_r, *rest)``; ``rest`` equal on every rank.
         group: the process group; ``None`` = the world.
         sync_grads: let gradients flow through the gather.
 
     Returns:
-        Shape ``(sum of n_r, *rest)``.
+        Shape ``(n_0 + ... + n_{W-1}, *rest)``.
 
     Raises:
         ValueError: the tensors differ in a dimension other than the first, or are 0-dimensional (on every rank).
@@ -150,13 +119,9 @@ def all_gather_rows(tensor: Tensor, group: Any | None = None, sync_grads: bool =
 
 
 def on_global_zero(rank: int, device: torch.device, what: str, work: Callable[..., Any], *args: Any) -> None:
-    """Run ``work(*args)`` on global rank 0, then agree on its outcome: one all-reduced flag (also a barrier), and
-    rank 0's message only after a failure. A collective, for rank-0 side effects (a checkpoint write) whose failure
-    every rank must see, so that none is left waiting in a later collective.
-
-    Raises:
-        Exception: ``work``'s error on rank 0; on the others a ``RuntimeError`` naming it.
-    """
+    """Run ``work(*args)`` on global rank 0, then agree on its outcome (an all-reduced flag, also a barrier; rank 0's
+    message only after a failure). A collective. Raises ``work``'s error on rank 0, a ``RuntimeError`` naming it on
+    the others."""
     error = None
     if rank == 0:
         try:
@@ -175,6 +140,3 @@ def on_global_zero(rank: int, device: torch.device, what: str, work: Callable[..
         raise error
     if message is not None:
         raise RuntimeError(f"[rank {rank}] global rank 0 failed {what}: {message}")
-
-
-__all__ = ["all_gather_padded", "all_gather_rows", "check_gatherable", "gather_shapes", "on_global_zero"]

@@ -71,12 +71,9 @@ class StalledRankError(RuntimeError):
 
 
 def run_reports(rank: int, world_size: int) -> dist.Store:
-    """This run's view of the world group's store, with this rank's ``pid/<rank>`` written (every rank, step 1).
-
-    Run number ``g = (n - 1) // world_size``, where ``n`` is what this rank's ``add`` to a counter returned, is
-    the same on every rank: no rank can join run ``g + 1`` before every rank joined run ``g`` (a run's set-up
-    has collectives).
-    """
+    """Step 1, every rank: this run's view of the group's store, ``pid/<rank>`` written. Run ``g = (n - 1) //
+    world_size`` (``n``: this rank's ``add`` to a counter) is the same on every rank, as a run's set-up has
+    collectives."""
     base = f"ddp_strategy/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{world_size}"
     store = _torch.default_store()
     reports = dist.PrefixStore(f"{base}/run_{(store.add(f'{base}/joins', 1) - 1) // world_size}", store)
@@ -93,9 +90,8 @@ def summarize(exception: BaseException) -> str:
 
 def on_exception(run: Any, exception: BaseException, rank: int, world_size: int, known_cause: str | None,
                  sigterm_save: Callable[[], None] | None, launcher: Any) -> None:
-    """Steps 2, 3 and 5 of the protocol, where ``exception`` was raised; no collective. ``run`` is the rank's
-    :class:`~ddp_strategy.process.group.ProcessGroupRun`; ``known_cause`` a cause the strategy knows (uneven
-    evaluation batches); ``sigterm_save`` saves a checkpoint on a SIGTERM stop (a collective: every rank got it)."""
+    """Steps 2, 3 and 5 where ``exception`` was raised (no collective); ``known_cause``: one the strategy knows
+    (uneven evaluation batches); ``sigterm_save``: the SIGTERM checkpoint (a collective: every rank got it)."""
     run.failed, store = True, run.reports
     if isinstance(launcher, _pl.SubprocessScriptLauncher) and launcher.procs:
         run.stopping, launcher.procs[:] = list(launcher.procs), []  # emptied in place: the observer's own list
@@ -138,12 +134,9 @@ def teardown(run: Any, rank: int, world_size: int) -> None:
 
 
 def destroy_process_group() -> bool:
-    """Destroy the default process group if there is one; return whether it is gone (False: something still holds
-    it, so gloo's connections stay open until this process exits).
-
-    Garbage is collected around it: a reference cycle (a ``torch.compile``'d DDP wrapper, an exception's frames)
-    would otherwise hold the group, and with it rank 0's store and ``MASTER_PORT``, after this returns.
-    """
+    """Destroy the default process group, if any; return whether it is gone (False: something still holds it).
+    Garbage is collected around it, else a reference cycle (a compiled DDP wrapper, an exception's frames) would
+    hold the group, rank 0's store and ``MASTER_PORT``."""
     if not (dist.is_available() and dist.is_initialized()):
         return True
     gc.collect()
@@ -175,8 +168,7 @@ def _peer(store: dist.Store, peer: int) -> tuple[str | None, str | None, int | N
 
 
 def _gone(pid: int) -> bool:
-    """Whether process ``pid`` has exited: a child of ours (popen's ranks) left unreaped for its ``Popen``
-    (``WNOWAIT``), or any other process that no longer exists."""
+    """Whether process ``pid`` has exited (a child of ours is left unreaped for its ``Popen``)."""
     try:
         return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
     except (ChildProcessError, AttributeError):  # not our child; no waitid (macOS)
@@ -192,8 +184,7 @@ def _gone(pid: int) -> bool:
 
 def wait_for_peers(store: dist.Store, rank: int, world_size: int, timeout_s: float | None = None) -> None:
     """Wait until every other rank explained, failed itself or (on this host) exited; at most ``timeout_s``
-    (default :data:`EXPLAIN_WAIT_S`) seconds, less if the store is gone. When every rank failed in its own code
-    (the same bug everywhere), nobody is left to explain and this returns at once."""
+    (default :data:`EXPLAIN_WAIT_S`) seconds, less if the store is gone."""
     deadline = time.monotonic() + (EXPLAIN_WAIT_S if timeout_s is None else timeout_s)
     waiting = [peer for peer in range(world_size) if peer != rank]
 
@@ -210,8 +201,7 @@ def wait_for_peers(store: dist.Store, rank: int, world_size: int, timeout_s: flo
 
 
 def describe_peers(store: dist.Store, rank: int, world_size: int) -> str:
-    """``"rank 1 failed: Type: message (file:line in function)"`` or ``"rank 1 (pid 4242) is no longer running:
-    ..."`` for each peer that reported a failure or whose process on this host is gone, ``"; "``-joined."""
+    """Step 3's causes, ``"; "``-joined: each peer that reported a failure or whose process on this host is gone."""
     found: list[str] = []
     deadline = time.monotonic() + PEER_EXIT_WAIT_S  # shared by all peers
 
@@ -254,8 +244,8 @@ def explain(exception: BaseException, rank: int, peers: str, timeout: timedelta,
 
 
 def stop_processes(procs: list[Any], grace_s: float = 5.0) -> None:
-    """Wait up to ``grace_s`` seconds for ``procs`` (``Popen`` or ``multiprocessing.Process``) to exit, then SIGKILL
-    the rest, and reap them all."""
+    """Wait up to ``grace_s`` s for ``procs`` (``Popen`` or ``multiprocessing.Process``) to exit, SIGKILL the rest,
+    reap all."""
     alive = [p for p in procs if (p.poll() if hasattr(p, "poll") else p.exitcode) is None]
     deadline = time.monotonic() + grace_s
     while alive and time.monotonic() < deadline:

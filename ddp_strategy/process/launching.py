@@ -1,8 +1,6 @@
-"""Launching: Lightning's launchers, and the checks that refuse impossible set-ups before any process starts.
+"""Launching: picks Lightning's launcher, and refuses impossible set-ups before any process starts.
 
-Starting processes is Lightning's job (its launchers), and so is discovering the cluster (its
-``ClusterEnvironment`` classes: torchrun, SLURM, LSF, MPI, Kubeflow); this module picks the launcher and turns
-the usual mistakes into messages.
+Starting processes and discovering the cluster stay Lightning's (its launchers and ``ClusterEnvironment``s).
 """
 
 from __future__ import annotations
@@ -42,17 +40,9 @@ def default_start_method() -> StartMethod:
     return "fork" if _pl.is_interactive() else "popen"
 
 
-def _is_plain_lightning_environment(env: object) -> bool:
-    """Whether ``env`` is Lightning's own ``LightningEnvironment`` (of either namespace), not a subclass."""
-    return type(env).__name__ == "LightningEnvironment" and isinstance(env, LightningEnvironment)
-
-
 def check_cpu_processes(num_processes: int, allow_oversubscription: bool = False) -> None:
-    """Warn (rank 0, once) when more CPU processes per node are asked for than this process has cores.
-
-    Time-shared cores make each step slower, not wrong; Lightning's ``ddp`` runs such set-ups (``devices=4`` on a
-    2-core CI runner), so they are not refused. ``allow_oversubscription=True`` silences the warning.
-    """
+    """Warn (rank 0) when more CPU processes per node are asked for than this process has cores: slower, not wrong
+    (Lightning runs them too), so not refused; ``allow_oversubscription=True`` silences it."""
     cores = max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
     if num_processes > cores and not allow_oversubscription:
         rank_zero_warn(
@@ -64,12 +54,8 @@ def check_cpu_processes(num_processes: int, allow_oversubscription: bool = False
 
 
 def check_external_world(env: ClusterEnvironment, num_nodes: int, num_processes: int) -> None:
-    """On every rank, before joining: an external launcher's (torchrun, SLURM) world must be the Trainer's.
-
-    Raises:
-        ValueError: the world size is not ``num_nodes * num_processes``, the global rank is outside
-            ``[0, world size)`` or the local rank outside ``[0, num_processes)``.
-    """
+    """Every rank, before joining: raise ``ValueError`` unless an external launcher's (torchrun, SLURM) world size is
+    ``num_nodes * num_processes``, its rank in ``[0, world size)`` and local rank in ``[0, num_processes)``."""
     if not env.creates_processes_externally:
         return
     name = type(env).__name__
@@ -94,20 +80,12 @@ def check_launch_env(
     num_processes: int,
     environ: Mapping[str, str] | None = None,
 ) -> None:
-    """Check the launch variables ``env`` will read as integers, before anything uses them (every rank).
+    """Check the launch variables ``env`` reads with a bare ``int(...)``, before Lightning does (every rank).
 
-    Lightning reads them with a bare ``int(os.environ[...])`` (a bad value fails deep inside it, or only at the
-    rendezvous). Only what ``env`` reads is checked, parsed as it parses it, so nothing Lightning accepts is refused:
-
-    - :class:`~lightning.fabric.plugins.environments.LightningEnvironment`: ``MASTER_PORT``, ``LOCAL_RANK``
-      and ``NODE_RANK`` (else ``GROUP_RANK``), each only when set;
-    - :class:`~lightning.fabric.plugins.environments.TorchElasticEnvironment` (torchrun): ``MASTER_PORT``
-      (when set), ``WORLD_SIZE``, ``RANK``, ``LOCAL_RANK`` and ``GROUP_RANK`` (when set);
-    - other environments (SLURM, LSF, MPI, Kubeflow, your own) read their own variables: not checked.
-
-    Args:
-        env, num_nodes, num_processes: the cluster environment Lightning chose; ``Trainer(num_nodes, devices)``.
-        environ: the variables; default ``os.environ``.
+    Only what ``env`` reads, parsed as it parses it: ``LightningEnvironment`` (exactly): ``MASTER_PORT``,
+    ``LOCAL_RANK``, ``NODE_RANK`` (else ``GROUP_RANK``) when set; ``TorchElasticEnvironment``: ``WORLD_SIZE``,
+    ``RANK``, ``LOCAL_RANK``, and ``MASTER_PORT``, ``GROUP_RANK`` when set; others (SLURM, ...): nothing.
+    ``environ`` defaults to ``os.environ``.
 
     Raises:
         ValueError: a variable is empty, not a whole number, or out of range (a port outside 1..65535, 0
@@ -115,9 +93,10 @@ def check_launch_env(
             message names the variable and its value.
     """
     environ = os.environ if environ is None else environ
+    plain = type(env).__name__ == "LightningEnvironment" and isinstance(env, LightningEnvironment)  # no subclass
     if isinstance(env, TorchElasticEnvironment):
         required, optional = ("WORLD_SIZE", "RANK", "LOCAL_RANK"), ("MASTER_PORT", "GROUP_RANK")
-    elif _is_plain_lightning_environment(env):
+    elif plain:
         node_rank = "NODE_RANK" if "NODE_RANK" in environ else "GROUP_RANK"
         required, optional = (), ("MASTER_PORT", "LOCAL_RANK", node_rank)
     else:
@@ -140,7 +119,7 @@ def check_launch_env(
     # Upper bounds against the Trainer (RANK < WORLD_SIZE, LOCAL_RANK < devices) are check_external_world's,
     # which runs before the rendezvous; NODE_RANK is bounded here since a Lightning-launched job skips that.
     world = values.get("WORLD_SIZE", num_nodes * num_processes)
-    node_limit = num_nodes - 1 if _is_plain_lightning_environment(env) else None
+    node_limit = num_nodes - 1 if plain else None
     node = f"a node index below Trainer(num_nodes={num_nodes})" if node_limit is not None else "a node index"
     limits = {"MASTER_PORT": (1 if world > 1 else 0, 65535, "a TCP port"),
               "WORLD_SIZE": (1, None, "the number of processes"),
@@ -155,12 +134,8 @@ def check_launch_env(
 
 
 def check_fork_safe(start_method: str, device_type: str) -> None:
-    """In the parent, before forking: refuse to ``fork`` CUDA ranks from a process that initialised CUDA (a forked
-    child cannot re-initialise it; Lightning's own check fires only inside the child).
-
-    Raises:
-        RuntimeError: ``start_method="fork"``, CUDA devices, and CUDA already initialised here.
-    """
+    """In the parent: ``RuntimeError`` for ``fork`` of CUDA ranks once CUDA is initialised here (Lightning's own check
+    fires only inside the child)."""
     if start_method == "fork" and device_type == "cuda" and torch.cuda.is_initialized():
         raise RuntimeError(
             "start_method='fork' cannot start CUDA ranks: CUDA is already initialised in this process (a"
@@ -171,12 +146,8 @@ def check_fork_safe(start_method: str, device_type: str) -> None:
 
 
 def make_launcher(strategy: Any, start_method: str, backend: str | None, allow_cpu_oversubscription: bool) -> Any:
-    """In ``Trainer(...)``, after refusing what cannot work: Lightning's ``_SubprocessScriptLauncher`` for ``"popen"``
-    (the script re-run per rank), else its ``_MultiProcessingLauncher`` (:class:`CheckedMultiProcessingLauncher`).
-
-    Raises:
-        ValueError: a backend the device cannot use (``"nccl"`` on CPU).
-    """
+    """Lightning's ``_SubprocessScriptLauncher`` for ``"popen"``, else :class:`CheckedMultiProcessingLauncher`;
+    ``ValueError`` for a backend the device cannot use (``"nccl"`` on CPU)."""
     env, devices = strategy.cluster_environment, strategy.parallel_devices
     resolve_backend(devices[0], backend)
     if devices[0].type == "cpu" and not env.creates_processes_externally:
@@ -194,16 +165,9 @@ class CheckedMultiProcessingLauncher(_pl.MultiProcessingLauncher):
     report their failures (``torch.multiprocessing``'s ``ProcessContext.join`` supervises them)."""
 
     def launch(self, function: Any, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
-        """Check CUDA (``fork``) and picklability (``spawn``, ``forkserver``), then launch as Lightning does.
-
-        While the ranks run, a SIGTERM to this process is passed on to them (else they would train on as orphans;
-        they stop together at the next step and, with ``checkpoint_on_sigterm``, save first). Afterwards the
-        ``Process`` objects are closed and dropped: through the Trainer they form a cycle that would keep ~4
-        descriptors per fit open until a garbage collection.
-
-        Raises:
-            RuntimeError: the arguments cannot be pickled, or CUDA would be forked (:func:`check_fork_safe`).
-        """
+        """Check CUDA (``fork``) and picklability (``spawn``, ``forkserver``: else ``RuntimeError``), then launch as
+        Lightning does, passing a SIGTERM on to the ranks (else orphans train on); then close the ``Process``
+        objects (through the Trainer they form a cycle holding ~4 descriptors per fit)."""
         check_fork_safe(self._start_method, self._strategy.root_device.type)
         for obj in (*args, *kwargs.values()) if self._start_method in ("spawn", "forkserver") else ():
             try:
