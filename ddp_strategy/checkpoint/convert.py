@@ -1,7 +1,5 @@
-"""Plain PyTorch checkpoints in, plain model weights out: :func:`load_plain_state_dict` (weights ready for the plain
-``nn.Module``), :func:`export_weights` (just the ``state_dict``, for PyTorch alone) and
-:func:`import_plain_checkpoint` (a hand-written DDP script's file, keys ``module.<name>``, into our model, and a
-Lightning checkpoint that ``Trainer.fit(model, ckpt_path=...)`` resumes from).
+"""Plain PyTorch checkpoints in (:func:`import_plain_checkpoint`), plain model weights out
+(:func:`load_plain_state_dict`, :func:`export_weights`).
 """
 
 from __future__ import annotations
@@ -33,12 +31,8 @@ OPTIMIZER_STATE_KEYS = ("optimizer_state_dict", "optimizer")
 
 
 def find_model_state_dict(checkpoint: Any, path: str | os.PathLike | None = None) -> Mapping[str, Any]:
-    """The model state dict inside a loaded checkpoint: a :data:`MODEL_STATE_KEYS` entry, or the dict itself.
-
-    Raises:
-        DamagedCheckpointError: no such entry and the dict is not a dict of tensors, the checkpoint is not a dict,
-            or a state-dict key is not a string.
-    """
+    """The model state dict inside a loaded checkpoint: a :data:`MODEL_STATE_KEYS` entry, or the dict itself if
+    it holds tensors only; else, or for a key that is not a string, ``DamagedCheckpointError``."""
     where = os.fspath(path) if path else "the checkpoint"
     state_dict: Mapping[str, Any] | None = None
     if isinstance(checkpoint, Mapping):
@@ -73,11 +67,8 @@ def plain_state_dict(checkpoint: Any, path: str | os.PathLike, submodule: str = 
 
 def load_plain_state_dict(path: str | os.PathLike, submodule: str = "model",
                           weights_only: bool = True) -> dict[str, torch.Tensor]:
-    """Load the weights of one sub-module from a checkpoint, ready for the plain ``nn.Module``.
-
-    Lightning checkpoints (``"state_dict"``), plain PyTorch files (``"model_state_dict"`` or ``"model"``) and bare
-    state dicts, with or without ``module.`` and ``_orig_mod.`` segments. With the model at hand,
-    :func:`import_plain_checkpoint` matches keys exactly and strictly.
+    """Load the weights of one sub-module from a checkpoint (Lightning's, a plain PyTorch file or a bare state dict,
+    with or without ``module.``/``_orig_mod.``), ready for the plain ``nn.Module``.
 
     Args:
         path: checkpoint file.
@@ -113,8 +104,8 @@ def _int_entry(checkpoint: Mapping[str, Any], keys: tuple[str, ...], source: str
 
 
 def _check_optimizer_lines_up(optimizer_state: Mapping[str, Any], params: list[torch.Tensor], source: str) -> None:
-    """Raise ``DamagedCheckpointError`` unless ``optimizer_state`` is laid out as ``Optimizer.state_dict()`` writes
-    it, ``ValueError`` unless each per-parameter tensor has the shape of the parameter at that position."""
+    """``DamagedCheckpointError`` unless laid out as ``Optimizer.state_dict()`` writes it, ``ValueError`` unless each
+    per-parameter tensor has the shape of the parameter at its position."""
     groups, state = optimizer_state["param_groups"], optimizer_state["state"]
     if not (isinstance(groups, (list, tuple)) and isinstance(state, Mapping)
             and all(isinstance(g, Mapping) and isinstance(g.get("params"), (list, tuple))
@@ -140,8 +131,7 @@ def _check_optimizer_lines_up(optimizer_state: Mapping[str, Any], params: list[t
 
 
 def _fit_loop_state(epochs_completed: int, global_step: int) -> dict[str, Any]:
-    """Lightning's ``fit_loop`` state after ``epochs_completed`` epochs and ``global_step`` optimizer steps: a fresh
-    Trainer's own ``fit_loop.state_dict()`` (so its layout is Lightning's), counters set."""
+    """A fresh Trainer's ``fit_loop.state_dict()`` (Lightning's layout), counters set to the epochs and steps."""
     trainer = _namespace.default.pytorch.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
                                                  enable_progress_bar=False, enable_model_summary=False)
     state = trainer.fit_loop.state_dict()
@@ -153,14 +143,6 @@ def _fit_loop_state(epochs_completed: int, global_step: int) -> dict[str, Any]:
             steps[scope][counter] = global_step if scope == "total" else 0
     state["epoch_loop.state_dict"]["_batches_that_stepped"] = global_step
     return state
-
-
-def _clean_paths(model: nn.Module) -> dict[str, nn.Module]:
-    """``"<path>."`` (clean: no wrapper segments) -> sub-module, for every sub-module, shortest path first."""
-    paths: dict[str, nn.Module] = {}
-    for name, module in model.named_modules():
-        paths.setdefault(unwrapped_name(model, name + ".x")[:-1] if name else "", module)
-    return dict(sorted(paths.items(), key=lambda item: (item[0].count("."), item[0])))
 
 
 def import_plain_checkpoint(
@@ -175,13 +157,11 @@ def import_plain_checkpoint(
     """Load a plain PyTorch (hand-written DDP) checkpoint into ``model``; optionally write a Lightning one.
 
     The file holds ``{"epoch", "model_state_dict" | "state_dict" | "model", "optimizer_state_dict" | "optimizer",
-    "global_step"?}`` (as PyTorch's DDP and ImageNet examples save) or is a bare state dict; its keys (with or
-    without ``module.``/``_orig_mod.``) are matched exactly against ``model``'s or one of its sub-modules' (for
-    :class:`~ddp_strategy.reference.model.DigitsClassifier` ``layers.0.weight`` becomes ``model.layers.0.weight``).
-    With ``output_path`` (a LightningModule only) a Lightning checkpoint is written atomically: weights, optimizer
-    state (checked to line up with the matched part's ``parameters()``, as ``configure_optimizers`` must build it),
-    hyper-parameters and loop counters, so ``Trainer.fit(model, ckpt_path=output_path)`` continues at epoch
-    ``epochs_completed``.
+    "global_step"?}`` (as PyTorch's examples save) or is a bare state dict; its keys are matched exactly against
+    ``model``'s or a sub-module's (``layers.0.weight`` -> ``model.layers.0.weight``). With ``output_path`` (a
+    LightningModule only) a Lightning checkpoint is written atomically (weights, optimizer state checked to line
+    up with the matched part's ``parameters()``, hyper-parameters, loop counters), so ``Trainer.fit(model,
+    ckpt_path=output_path)`` continues at epoch ``epochs_completed``.
 
     Args:
         source: the file, or the already loaded dict; model: a LightningModule or ``nn.Module``, loaded in place.
@@ -208,7 +188,10 @@ def import_plain_checkpoint(
     name = os.fspath(source) if isinstance(source, (str, os.PathLike)) else "the given checkpoint"
     checkpoint = (load_file(source, weights_only=weights_only, opt_out="import_plain_checkpoint(...,"
                             " weights_only=False)") if isinstance(source, (str, os.PathLike)) else source)
-    parts = _clean_paths(model)
+    parts: dict[str, nn.Module] = {}  # "<clean path>." -> sub-module, shortest path first
+    for sub, module in model.named_modules():
+        parts.setdefault(unwrapped_name(model, sub + ".x")[:-1] if sub else "", module)
+    parts = dict(sorted(parts.items(), key=lambda item: (item[0].count("."), item[0])))
     loadable = match_state_dict(find_model_state_dict(checkpoint, name), model, strict=strict, source=name,
                                 prefixes=list(parts))
     own = model.state_dict()
@@ -253,10 +236,8 @@ def export_weights(
     safetensors: bool | None = None,
     weights_only: bool = True,
 ) -> dict[str, torch.Tensor]:
-    """Write just the plain model weights (a ``state_dict``) for inference without Lightning, atomically.
-
-    Keys carry no ``module.``, ``_orig_mod.`` or ``<submodule>.``; tensors are detached, contiguous, on the CPU.
-    Read it back with ``torch.load(path, weights_only=True)`` or ``safetensors.torch.load_file(path)``.
+    """Write just the plain model weights (a ``state_dict``) for inference without Lightning, atomically: keys
+    without ``module.``, ``_orig_mod.`` or ``<submodule>.``, tensors detached, contiguous, on the CPU.
 
     Args:
         source: a checkpoint file (Lightning or plain) or a module; path: the output file.
@@ -268,9 +249,8 @@ def export_weights(
         The exported state dict.
 
     Raises:
-        FileNotFoundError, PermissionError, DamagedCheckpointError, UnsafeCheckpointError: ``source`` is a file
-            that cannot be loaded or holds no model state dict of tensors (see :func:`load_plain_state_dict`).
-        ImportError: safetensors requested but not installed. KeyError: no key under ``submodule``.
+        FileNotFoundError, PermissionError, DamagedCheckpointError, UnsafeCheckpointError, KeyError: as for
+            :func:`load_plain_state_dict`. ImportError: safetensors requested but not installed.
         TypeError: ``source`` is a module whose state dict holds a non-tensor (extra state) under ``submodule``.
     """
     if isinstance(source, nn.Module):

@@ -1,17 +1,11 @@
-"""Crash-safe checkpoint writes, safe and clearly failing loads, and ``DDPCheckpointIO``, Lightning's plugin for both.
-
-Writes (:func:`atomic_save`) go to a hidden temporary file in the target's folder (the system temp folder may be
-another file system, where ``os.replace`` is not atomic): flushed, fsynced, renamed over the target, folder
-fsynced. Loads (:func:`load_file`) use ``torch.load(weights_only=True)`` (an untrusted file cannot run code), check
-every zip member's CRC-32 and turn any file that is not a valid checkpoint into one of four errors naming the path
-(fuzzed: tests/checkpoint/test_checkpoint_fuzz.py, benchmarks/fuzz_inputs.py). Rank-agnostic: the strategy makes
-global rank 0 write.
+"""Crash-safe checkpoint writes (:func:`atomic_save`), safe loads that fail clearly (:func:`load_file`: any file
+that is not a valid checkpoint gives one of four errors naming the path; fuzzed in
+tests/checkpoint/test_checkpoint_fuzz.py), and ``DDPCheckpointIO``, Lightning's plugin for both. Rank-agnostic.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import os
 import pickle
@@ -60,10 +54,8 @@ def _pid_alive(pid: int) -> bool:
 
 
 def remove_stale_temp_files(folder: str | os.PathLike) -> list[Path]:
-    """Delete (and return) the :func:`atomic_save` temporary files in ``folder`` whose writer, on this host, died.
-
-    Files of live writers and of other hosts (shared file systems) are left alone; a missing folder is fine.
-    """
+    """Delete (and return) the :func:`atomic_save` temporary files in ``folder`` whose writer, on this host, died
+    (other hosts' are left alone; a missing folder is fine)."""
     folder = Path(folder)
     if not folder.is_dir():
         return []
@@ -82,11 +74,10 @@ def remove_stale_temp_files(folder: str | os.PathLike) -> list[Path]:
 def atomic_save(obj: Any, path: str | os.PathLike, save_fn: Callable[[Any, Any], None] = torch.save) -> None:
     """Write ``obj`` to the local file ``path`` so that a crash at any moment leaves the old or the new complete file.
 
-    ``save_fn(obj, file)`` (default :func:`torch.save`) writes into a hidden temporary file in ``path``'s folder
-    (never ``*.ckpt``), which is flushed, fsynced and renamed over ``path`` with :func:`os.replace`; the folder is
-    fsynced. The file gets the mode ``torch.save(obj, path)`` gives (0o666 less the umask, which the kernel
-    applies at creation). On any error the temporary file is removed and the error re-raised. Creates the folder;
-    removes dead writers' temporary files there first.
+    ``save_fn(obj, file)`` (default :func:`torch.save`) writes a hidden temporary file in ``path``'s folder (same
+    file system, so :func:`os.replace` is atomic; never ``*.ckpt``), fsynced, renamed over ``path``, folder
+    fsynced; mode 0o666 less the umask, as ``torch.save(obj, path)``. On error the temporary file is removed.
+    Creates the folder; removes dead writers' temporary files there first.
     """
     path = os.path.abspath(os.fspath(path))
     folder = os.path.dirname(path)
@@ -114,12 +105,8 @@ def atomic_save(obj: Any, path: str | os.PathLike, save_fn: Callable[[Any, Any],
 
 
 def unwritable_reason(folders: list[str | os.PathLike]) -> str | None:
-    """Why checkpoints cannot be written to the first of ``folders`` that fails, or None; leaves no trace.
-
-    Creates and removes an unnamed probe file (``tempfile.TemporaryFile``) in each folder or, for a missing one,
-    in its nearest existing parent (where ``ModelCheckpoint`` will create it). Remote (``scheme://``) paths are
-    skipped.
-    """
+    """Why checkpoints cannot be written to the first of ``folders`` that fails, or None; leaves no trace (a
+    ``tempfile.TemporaryFile`` probe in each folder or its nearest existing parent; remote paths skipped)."""
     for folder in [os.fspath(f) for f in folders if "://" not in os.fspath(f)]:
         existing = os.path.abspath(folder)
         while not os.path.exists(existing):
@@ -133,8 +120,8 @@ def unwritable_reason(folders: list[str | os.PathLike]) -> str | None:
 
 
 def file_stamp(path: Any) -> tuple[str, tuple[int, int]] | None:
-    """``(real path, (size in bytes, modification time in ns))`` of a local file, or None (remote or missing): how
-    a writer recognises, later, a file it wrote itself and that nobody changed since."""
+    """``(real path, (size in bytes, mtime in ns))`` of a local file, or None (remote or missing): how a writer
+    recognises, later, a file it wrote itself and nobody changed."""
     if not isinstance(path, (str, os.PathLike)) or "://" in os.fspath(path):
         return None
     try:
@@ -160,31 +147,19 @@ def load_file(
     verify_checksums: bool = True,
     opt_out: str = "load_file(..., weights_only=False)",
 ) -> Any:
-    """``torch.load`` a checkpoint file (https://pytorch.org/docs/stable/generated/torch.load.html), with errors that
-    name the file, whatever bytes it holds.
+    """``torch.load`` a checkpoint file; whatever bytes it holds, a failure is one of the errors below, naming it.
 
-    A file that is not a valid checkpoint raises one of the four errors below, never another type (``torch.load``
-    lets ``IndexError``, ``UnicodeDecodeError`` ... escape on corrupt input); warnings of a failing load are
-    dropped, those of a successful one passed on. ``torch.load`` does not check the CRC-32 its zip format stores,
-    so with ``verify_checksums`` each member is read once first (members stored with CRC-32 0, saved under
-    ``torch.serialization.set_crc32_options(False)``, are skipped; legacy non-zip files carry none).
-
-    Args:
-        path: the file; map_location: as for :func:`torch.load` (default ``"cpu"``).
-        weights_only: refuse to unpickle arbitrary objects (default True); False only for files you trust.
-        verify_checksums: check every zip member's CRC-32 before loading (default True).
-        opt_out: how the caller's caller turns ``weights_only`` off, quoted in the :class:`UnsafeCheckpointError`.
-
-    Returns:
-        What the file holds (any object; callers check its type).
+    Warnings of a failing load are dropped, a successful one's passed on. With ``verify_checksums`` every zip
+    member's CRC-32 is checked first (``torch.load`` does not; members saved with CRC-32 off are skipped).
+    ``weights_only=False`` only for files you trust; ``opt_out`` (how the caller turns it off) is quoted in the
+    :class:`UnsafeCheckpointError`. Returns what the file holds (any object).
 
     Raises:
         FileNotFoundError: ``path`` does not exist or is a directory (the message lists checkpoint files in it).
         PermissionError: ``path`` cannot be read by this user.
         DamagedCheckpointError: the file is truncated, corrupt or not a PyTorch checkpoint.
         UnsafeCheckpointError: ``weights_only`` and the file holds an object outside PyTorch's allow-list.
-        RuntimeError: ``map_location`` names a device this machine lacks (PyTorch's own message); an exception
-            of a ``map_location`` callable is raised as it is.
+        RuntimeError: ``map_location`` names a device this machine lacks (PyTorch's); a callable's error as is.
     """
     path = os.fspath(path)
     try:
@@ -196,7 +171,16 @@ def load_file(
         raise _open_error(path, e) from e
     own_errors: list[Exception] = []  # raised by the caller's map_location callable: not the file's fault
     if callable(map_location):
-        map_location = functools.partial(_tagged, map_location, own_errors)
+        user_map = map_location
+
+        def tagged(storage: Any, location: str) -> Any:
+            try:
+                return user_map(storage, location)
+            except Exception as e:
+                own_errors.append(e)
+                raise
+
+        map_location = tagged
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
@@ -212,15 +196,6 @@ def load_file(
     for w in caught:
         warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)
     return loaded
-
-
-def _tagged(fn: Callable[..., Any], errors: list[Exception], storage: Any, location: str) -> Any:
-    """``fn(storage, location)``, its exception also kept in ``errors`` (a damaged file's are told apart)."""
-    try:
-        return fn(storage, location)
-    except Exception as e:
-        errors.append(e)
-        raise
 
 
 def _open_error(path: str, error: OSError) -> OSError:
@@ -280,11 +255,7 @@ def _well_formed_zip_pickle(path: str) -> bool:
 
 
 def _verify_zip_checksums(f: Any, path: str, size: int) -> None:
-    """Read every member of the zip ``f`` once (16 MiB at a time), so ``zipfile`` compares each CRC-32.
-
-    Raises:
-        DamagedCheckpointError: the zip cannot be read or a member's CRC-32 differs.
-    """
+    """Read every member of the zip ``f`` once, so ``zipfile`` compares each CRC-32; else ``DamagedCheckpointError``."""
     member = None
     try:
         with zipfile.ZipFile(f) as archive:
@@ -312,11 +283,8 @@ def _is_local(path: Any) -> bool:
 
 
 class DDPCheckpointIO(TorchCheckpointIO):
-    """Lightning's :class:`~lightning.fabric.plugins.io.torch_io.TorchCheckpointIO`, crash-safe and safe to load.
-
-    Local files: written by :func:`atomic_save` with keys without ``_orig_mod.``, loaded by :func:`load_file`
-    (``weights_only=True`` unless told otherwise). Remote paths (fsspec URLs) and ``remove_checkpoint`` are
-    Lightning's. Rank-agnostic: the strategy calls ``save_checkpoint`` on global rank 0 only.
+    """Lightning's ``TorchCheckpointIO``, crash-safe and safe to load: local files written by :func:`atomic_save`
+    (keys without ``_orig_mod.``), loaded by :func:`load_file`; remote paths and ``remove_checkpoint`` Lightning's.
 
     Args:
         weights_only: what ``load_checkpoint(weights_only=None)`` uses (default True); an explicit
@@ -337,11 +305,8 @@ class DDPCheckpointIO(TorchCheckpointIO):
         self.verify_checksums = verify_checksums
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
-        """Save ``checkpoint`` to ``path`` atomically (see :func:`atomic_save`), ``_orig_mod.`` gone from its keys.
-
-        Raises:
-            TypeError: ``storage_options`` is given (not supported by this plugin, as in Lightning's).
-        """
+        """Save ``checkpoint`` atomically, ``_orig_mod.`` gone from its keys; ``TypeError`` for ``storage_options``
+        (unsupported, as in Lightning's)."""
         if isinstance(checkpoint.get("state_dict"), Mapping):
             checkpoint = {**checkpoint, "state_dict": strip_compile_prefixes(checkpoint["state_dict"])}
         if not _is_local(path):
@@ -357,13 +322,8 @@ class DDPCheckpointIO(TorchCheckpointIO):
         map_location: Callable | Any = lambda storage, loc: storage,
         weights_only: bool | None = None,
     ) -> dict[str, Any]:
-        """Load a checkpoint (``weights_only=None``: this plugin's default); a local file gives a dict or:
-
-        Raises:
-            FileNotFoundError, PermissionError, DamagedCheckpointError, UnsafeCheckpointError: see
-                :func:`load_file`; ``DamagedCheckpointError`` also when the file holds something other than a
-                dict (a list, a tensor, ...), which no Lightning checkpoint is.
-        """
+        """Load a checkpoint (``weights_only=None``: this plugin's default); a local file gives a dict, else the
+        errors of :func:`load_file`, or ``DamagedCheckpointError`` when it holds something other than a dict."""
         weights_only = self.weights_only if weights_only is None else weights_only
         if not _is_local(path):
             return _pl.load_checkpoint_with_weights_only(super().load_checkpoint, path, map_location, weights_only)

@@ -1,9 +1,8 @@
 """Checkpoint keys without wrapper segments, and exact matching of a file's keys to a model's. Rank-agnostic.
 
-``DistributedDataParallel`` names every key ``module.<name>``; ``torch.compile``'s ``OptimizedModule`` inserts
-``_orig_mod.`` wherever it wraps a module. Checkpoints are written without them (:func:`unwrapped_state_dict`,
-walking the module tree, so a real sub-module called ``module`` keeps its name); loading renames a file's keys to
-the model's own (:func:`match_state_dict`), or raises one :class:`StateDictMismatchError` listing the rest.
+DDP adds ``module.`` to every key, ``torch.compile`` ``_orig_mod.`` wherever it wraps a module: checkpoints are
+written without them (:func:`unwrapped_state_dict`), and loading renames a file's keys to the model's own
+(:func:`match_state_dict`) or raises one :class:`StateDictMismatchError` listing the rest.
 """
 
 from __future__ import annotations
@@ -24,22 +23,10 @@ COMPILE_SEGMENT = "_orig_mod"
 MAX_LISTED_KEYS = 10
 
 
-def _wrapped_child(module: nn.Module) -> str | None:
-    """The attribute name of the module a DDP or ``torch.compile`` wrapper holds, or None for other modules."""
-    if isinstance(module, DistributedDataParallel):
-        return "module"
-    if type(module).__name__ == "OptimizedModule" and COMPILE_SEGMENT in module._modules:  # no dynamo import
-        return COMPILE_SEGMENT
-    return None
-
-
 def unwrapped_name(module: nn.Module, key: str) -> str:
-    """``key`` of ``module.state_dict()`` without the segments DDP and ``torch.compile`` wrappers add.
-
-    Exact: a segment is dropped only where the parent really is a ``DistributedDataParallel`` (``module``) or an
-    ``OptimizedModule`` (``_orig_mod``). For ``DDP(torch.compile(net))``: ``"module._orig_mod.fc.weight"`` ->
-    ``"fc.weight"``; for a model with a real child called ``module``, ``"module.weight"`` stays.
-    """
+    """``key`` of ``module.state_dict()`` without the segments DDP and ``torch.compile`` wrappers add, dropped only
+    where the parent really is one: for ``DDP(torch.compile(net))`` ``"module._orig_mod.fc.weight"`` ->
+    ``"fc.weight"``; a real child called ``module`` stays."""
     parts = key.split(".")
     kept: list[str] = []
     current: nn.Module | None = module
@@ -47,16 +34,16 @@ def unwrapped_name(module: nn.Module, key: str) -> str:
         if current is None:
             kept.extend(parts[i:-1])
             break
-        if part != _wrapped_child(current):
+        wrapped = "module" if isinstance(current, DistributedDataParallel) else COMPILE_SEGMENT if (
+            type(current).__name__ == "OptimizedModule" and COMPILE_SEGMENT in current._modules) else None
+        if part != wrapped:
             kept.append(part)
         current = current._modules.get(part)
     return ".".join([*kept, parts[-1]])
 
 
 def unwrapped_state_dict(module: nn.Module) -> dict[str, Any]:
-    """``module.state_dict()`` (same tensors, same order) with every DDP ``module.`` and ``torch.compile``
-    ``_orig_mod.`` segment removed: compiled sub-modules, a compiled whole model and DDP/compile stacks in either
-    order all give the plain module's keys (:func:`unwrapped_name`).
+    """``module.state_dict()`` (same tensors, same order) with every wrapper segment removed (:func:`unwrapped_name`).
 
     Raises:
         RuntimeError: two keys map to the same clean name (a sub-module literally called ``_orig_mod``).
@@ -83,10 +70,8 @@ def strip_compile_prefixes(state_dict: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def strip_ddp_prefix(state_dict: Mapping[str, Any]) -> dict[str, Any]:
-    """Remove a leading ``module.`` from every key when all keys carry it, as a DDP wrapper's do.
-
-    A heuristic for when the model is not at hand (a model whose only child is really called ``module`` would lose
-    it); with the model, use :func:`match_state_dict` (exact).
+    """Remove a leading ``module.`` from every key when all keys carry it, as a DDP wrapper's do: a heuristic for
+    when the model is not at hand; with the model, use :func:`match_state_dict` (exact).
 
     Example:
         >>> strip_ddp_prefix({"module.fc.weight": 1, "module.fc.bias": 2})
@@ -123,18 +108,10 @@ class StateDictMismatchError(RuntimeError):
         self.mismatched_shapes = mismatched_shapes
 
 
-def _listing(keys: list[str]) -> str:
-    shown = ", ".join(repr(k) for k in keys[:MAX_LISTED_KEYS])
-    return shown + (f", ... and {len(keys) - MAX_LISTED_KEYS} more" if len(keys) > MAX_LISTED_KEYS else "")
-
-
 def _best_key_mapping(keys: list[str], expected: set[str], prefixes: Iterable[str]) -> dict[str, str]:
-    """File key -> clean model key: the candidate renaming that matches most of ``expected``.
-
-    Candidates: every ``_orig_mod.`` segment removed, then a leading ``module.`` kept or (if every key has it)
-    removed, then each of ``prefixes`` put in front. Ties go to the earlier candidate (no stripping, the first
-    prefix), so a real child called ``module`` keeps its name.
-    """
+    """File key -> clean model key: of the renamings (``_orig_mod.`` removed, a leading ``module.`` kept or, if
+    every key has it, removed, each of ``prefixes`` in front) the one matching most of ``expected``; ties go to
+    the earlier (no stripping, the first prefix), so a real child called ``module`` keeps its name."""
     stripped = {key: _without_compile_segments(key) for key in keys}
     ddp = bool(stripped) and all(name.startswith(DDP_PREFIX) for name in stripped.values())
     best: dict[str, str] = {key: key for key in keys}
@@ -155,18 +132,14 @@ def match_state_dict(
     source: str | os.PathLike | None = None,
     prefixes: Iterable[str] = ("",),
 ) -> dict[str, Any]:
-    """Rename a checkpoint's model keys to ``model``'s own, ready for ``model.load_state_dict``.
-
-    Keys may carry DDP's ``module.`` and ``torch.compile``'s ``_orig_mod.``, ``model`` may be compiled or not: of
-    the candidate renamings (:func:`_best_key_mapping`) the one matching most of the model's keys wins.
+    """Rename a checkpoint's model keys (with or without ``module.``, ``_orig_mod.``) to ``model``'s own (compiled or
+    not), ready for ``model.load_state_dict`` (:func:`_best_key_mapping`).
 
     Args:
-        state_dict: name -> tensor, as found in a checkpoint.
-        model: the module to load into (e.g. the LightningModule).
-        strict: raise when keys are missing, unexpected or of another shape (default); with False the matching
-            keys are returned and the rest skipped (Lightning: ``model.strict_loading = False``).
-        source: the file, named in the error.
-        prefixes: attribute paths to try in front of the file's keys (e.g. ``("", "model.")``).
+        state_dict: name -> tensor, as found in a checkpoint; model: the module to load into.
+        strict: raise when keys are missing, unexpected or of another shape (default); False returns the matching
+            keys only (Lightning: ``model.strict_loading = False``).
+        source: the file, named in the error; prefixes: attribute paths to try in front of the file's keys.
 
     Returns:
         ``model``'s own key (with any ``_orig_mod.``) -> tensor; with ``strict=False`` only matching keys.
@@ -193,12 +166,17 @@ def match_state_dict(
     missing = [name for name in own if name not in found]
     if strict and (missing or unexpected or shapes):
         where = f"Checkpoint {os.fspath(source)}" if source is not None else "The checkpoint's state_dict"
+
+        def listing(keys: list[str]) -> str:
+            more = f", ... and {len(keys) - MAX_LISTED_KEYS} more" if len(keys) > MAX_LISTED_KEYS else ""
+            return ", ".join(repr(k) for k in keys[:MAX_LISTED_KEYS]) + more
+
         parts = []
         if missing:
-            parts.append(f"{len(missing)} missing key(s) (in the model, not in the file): {_listing(missing)}")
+            parts.append(f"{len(missing)} missing key(s) (in the model, not in the file): {listing(missing)}")
         if unexpected:
             parts.append(f"{len(unexpected)} unexpected key(s) (in the file, not in the model):"
-                         f" {_listing(unexpected)}")
+                         f" {listing(unexpected)}")
         if shapes:
             parts.append("shape mismatch(es) (file vs model): "
                          + ", ".join(f"{k!r}: {a} vs {b}" for k, (a, b) in list(shapes.items())[:MAX_LISTED_KEYS]))
