@@ -1,11 +1,7 @@
-"""Every use of Lightning's private (underscore) API, in one place, for either namespace.
+"""Every use of Lightning's private (underscore) API, for either namespace (Lightning 2.4, 2.5 and 2.6).
 
-Lightning does not promise these names across releases. ``tests/_compat/test_lightning_private.py`` checks each
-one against the installed Lightning, in each namespace installed (``lightning.pytorch`` and
-``pytorch_lightning``), so an upgrade that moves or changes one fails loudly there instead of deep inside a
-training run. Tested with Lightning 2.4, 2.5 and 2.6 (the names and signatures used here are the same in
-all three). Classes we derive from or construct are per namespace (see :mod:`ddp_strategy._compat.namespace`);
-the namespace-neutral helpers come from the default namespace.
+``tests/_compat/test_lightning_private.py`` checks each name in every installed namespace, so an upgrade that
+moves one fails there, not inside a run. Classes we derive from are per namespace; helpers come from the default.
 """
 
 from __future__ import annotations
@@ -45,10 +41,7 @@ _default = _namespace.default
 
 
 class SubprocessScriptLauncher(_namespace.lightning_base(PRIVATE_NAMES["SubprocessScriptLauncher"])):  # type: ignore[misc]
-    """Lightning's launcher that re-runs the user's script once per extra local rank (``start_method="popen"``).
-
-    Built for the namespace of the cluster environment it is given (the Trainer's).
-    """
+    """Lightning's launcher that re-runs the user's script per extra local rank (``start_method="popen"``)."""
 
 
 #: Lightning's launcher for ``spawn``, ``fork`` and ``forkserver`` (``torch.multiprocessing``): a base class
@@ -82,10 +75,8 @@ def call_with_weights_only(method: Any, *args: Any, weights_only: bool | None, *
 
 
 def load_checkpoint_with_weights_only(method: Any, path: Any, map_location: Any, weights_only: bool) -> Any:
-    """``TorchCheckpointIO.load_checkpoint`` (``method``) honouring ``weights_only`` in every version.
-
-    Lightning 2.6's takes ``weights_only``; 2.4's and 2.5's do not (they load remote files with
-    ``weights_only=False``), so there: the same existence check, then Fabric's ``cloud_io._load``, which does.
+    """``TorchCheckpointIO.load_checkpoint`` (``method``) honouring ``weights_only``: Lightning 2.6's takes it;
+    for 2.4 and 2.5 the same existence check, then Fabric's ``cloud_io._load``, which takes it.
 
     Raises:
         FileNotFoundError: no file at ``path``.
@@ -99,13 +90,9 @@ def load_checkpoint_with_weights_only(method: Any, path: Any, map_location: Any,
 
 
 class SavesPublicInitArgs:
-    """Mixed into LightningModule/LightningDataModule flavours: ``save_hyperparameters()`` collects the
-    ``__init__`` arguments of our public classes too.
-
-    Lightning collects them from the frames of ``HyperparametersMixin`` subclasses, and a method of our public
-    class runs with ``__class__`` the public class, which is not one; the rest is Lightning's own
-    ``save_hyperparameters`` (``given_hparams`` from ``collect_init_args``, as its mixin does).
-    """
+    """Mixed into LightningModule/LightningDataModule flavours: ``save_hyperparameters()`` also collects the
+    ``__init__`` arguments of our public classes, which are no ``HyperparametersMixin`` (whose frames Lightning
+    reads); the rest is Lightning's own ``save_hyperparameters``."""
 
     def save_hyperparameters(self, *args: Any, ignore: Any = None, frame: Any = None, logger: bool = True) -> None:
         """As Lightning's ``HyperparametersMixin.save_hyperparameters``."""
@@ -130,11 +117,8 @@ _USER_SAMPLER_FLAG = "_ddp_strategy_user_use_distributed_sampler"
 
 
 def is_interactive() -> bool:
-    """Whether Python runs interactively: a REPL, ``python -i``, or an IPython shell or Jupyter kernel.
-
-    Merely importing a notebook client (which imports ``ipykernel``) does not count: an IPython shell must
-    be running (``IPython.get_ipython()`` is not None).
-    """
+    """Whether Python runs interactively: a REPL, ``python -i``, or a running IPython shell or Jupyter kernel
+    (``IPython.get_ipython()`` is not None; merely importing ``ipykernel`` does not count)."""
     if _IS_INTERACTIVE:
         return True
     ipython = sys.modules.get("IPython")
@@ -142,26 +126,13 @@ def is_interactive() -> bool:
 
 
 def update_dataloader_batch_sampler(dataloader: DataLoader, batch_sampler: Any) -> DataLoader:
-    """Re-create ``dataloader`` (a ``DataLoader`` or any subclass) around ``batch_sampler``, keeping the rest.
+    """A new loader of ``dataloader``'s class (not modified) around ``batch_sampler``, the rest kept.
 
-    Lightning's re-instantiation (``_get_dataloader_init_args_and_kwargs``: the ``__init__`` arguments it
-    captured when a ``*_dataloader`` hook built the loader, else the loader's attributes) gives the other
-    arguments, subclass arguments included. Lightning itself would re-create the user's *batch sampler* with
-    a new sampler, which needs that batch sampler's constructor arguments; here the given batch sampler is
-    used as it is, so any batch sampler works. The loader's own batch sampler is hidden from Lightning's
-    resolution (on a shallow copy) so it is not re-created.
-
-    Args:
-        dataloader: the user's loader (not modified).
-        batch_sampler: yields lists of indices; replaces the loader's ``batch_sampler``.
-
-    Returns:
-        A new loader of the same class with ``batch_sampler`` (``batch_size=1``, ``shuffle=False``,
-        ``sampler=None`` and ``drop_last=False``, as ``DataLoader`` requires with a batch sampler).
+    Lightning's ``_get_dataloader_init_args_and_kwargs`` gives the other arguments (subclass ones included); the
+    loader's own batch sampler is hidden from it (on a shallow copy) so it is used as given, not re-created.
 
     Raises:
-        MisconfigurationException: Lightning cannot find the subclass's ``__init__`` arguments (its message
-            says which are missing).
+        MisconfigurationException: Lightning cannot find the subclass's ``__init__`` arguments.
     """
     placeholder = SequentialSampler(range(0))
     proxy = copy.copy(dataloader)
@@ -171,21 +142,12 @@ def update_dataloader_batch_sampler(dataloader: DataLoader, batch_sampler: Any) 
     return _reinstantiate_wrapped_cls(dataloader, *args, **kwargs)
 
 
-
 def allow_compiled_models(namespace: _namespace.Namespace, strategy_cls: type) -> None:
-    """Let ``Trainer.fit/validate/test/predict`` accept a ``torch.compile``'d LightningModule for ``strategy_cls``.
+    """Let the Trainer of ``namespace`` accept a ``torch.compile``'d LightningModule for ``strategy_cls``.
 
-    The Trainer unwraps a compiled model with ``from_compiled`` (the LightningModule's ``forward`` and
-    ``*_step`` methods stay compiled) and then refuses it unless the strategy is an instance of
-    ``SingleDeviceStrategy``, ``DDPStrategy`` or ``FSDPStrategy`` (a fixed tuple inside
-    ``lightning.pytorch.utilities.compile._verify_strategy_supports_compile``). ``strategy_cls`` wraps the
-    LightningModule in DDP exactly as ``DDPStrategy`` does, so the check is replaced, in the trainer
-    module's namespace only, by one that accepts ``strategy_cls`` and defers to Lightning's for every other
-    strategy. Idempotent.
-
-    Args:
-        namespace: the Lightning namespace whose trainer module is patched.
-        strategy_cls: the strategy class to accept (subclasses and every namespace's flavour too).
+    Lightning refuses one unless the strategy is in a fixed tuple (``_verify_strategy_supports_compile``);
+    ``strategy_cls`` wraps in DDP as ``DDPStrategy`` does, so the trainer module's check is replaced by one
+    that accepts it (and its subclasses) and defers to Lightning's otherwise. Idempotent.
     """
     module_path, _, check_name = PRIVATE_NAMES["verify_strategy_supports_compile"].partition(":")
     trainer_module = namespace.get(module_path)
@@ -207,19 +169,10 @@ def allow_compiled_models(namespace: _namespace.Namespace, strategy_cls: type) -
 
 
 def set_lightning_sampler_injection(trainer: pl.Trainer, enabled: bool) -> bool:
-    """Turn Lightning's own ``DistributedSampler`` injection on or off for ``trainer``.
+    """Restore (``enabled``) or turn off Lightning's own ``DistributedSampler`` injection for ``trainer``.
 
-    The strategy injects its sampler itself for fit, validate and test, so Lightning's must be off there or
-    the loader would be sharded twice. For predict it is left to Lightning (its
-    ``UnrepeatedDistributedSamplerWrapper`` keeps prediction batch indices). The user's
-    ``Trainer(use_distributed_sampler=...)`` value is remembered on first call.
-
-    Args:
-        trainer: the trainer.
-        enabled: True restores the user's setting, False disables Lightning's injection.
-
-    Returns:
-        The user's original ``use_distributed_sampler`` value.
+    Off where the strategy injects its own (fit, validate, test), so no loader is sharded twice. Returns the
+    user's ``Trainer(use_distributed_sampler=...)``, remembered on the first call.
     """
     connector: Any = trainer._accelerator_connector
     if not hasattr(connector, _USER_SAMPLER_FLAG):
@@ -229,38 +182,24 @@ def set_lightning_sampler_injection(trainer: pl.Trainer, enabled: bool) -> bool:
     return user_value
 
 
-#: The counters of ``_BatchProgress.current`` / ``.total`` that move together.
-_PROGRESS_FIELDS = ("ready", "started", "processed", "completed")
-
-
 def shift_epoch_batch_progress(trainer: pl.Trainer, delta: int) -> None:
-    """Add ``delta`` to every counter of the training epoch loop's batch progress (``current`` and ``total``).
+    """Add ``delta`` (batches, may be negative) to every counter of the epoch loop's batch progress.
 
-    Lightning restarts a mid-epoch checkpoint by counting the batches its loop believes are done
-    (``fit_loop.epoch_loop.batch_progress.current``) and stopping at ``num_training_batches``; it does not
-    fast-forward the loader. After an elastic resume the number of batches each new rank has left differs
-    from what the old ranks had, so the strategy moves the counters to ``num_training_batches - left``.
-    Shifting every field by the same amount keeps Lightning's restart-stage checks (which compare the
-    fields) unchanged. Must be called before the epoch loop's ``reset`` (the strategy's ``on_train_start``).
-
-    Args:
-        trainer: the trainer, fitting.
-        delta: batches to add (may be negative).
+    Lightning resumes mid-epoch by counting the batches its loop believes done; after an elastic resume the
+    strategy moves them to ``num_training_batches - left``. Shifting every field alike keeps Lightning's
+    restart-stage checks unchanged. Call before the epoch loop's ``reset`` (``on_train_start``).
     """
     progress: Any = trainer.fit_loop.epoch_loop.batch_progress
     for tracker in (progress.current, progress.total):
-        for field in _PROGRESS_FIELDS:
+        for field in ("ready", "started", "processed", "completed"):
             setattr(tracker, field, getattr(tracker, field) + delta)
 
 
 def resumed_batch_count(trainer: pl.Trainer) -> int:
-    """The number of batches of the current epoch that Lightning's training loop will count as done on restart.
+    """The batches of the current epoch Lightning's loop will count as done on restart (read at ``on_train_start``).
 
-    Every version resumes at ``completed`` (``reset_on_restart``). A checkpoint saved in
-    ``on_train_batch_end`` holds ``completed = processed - 1``; Lightning 2.5+ first count that batch as
-    completed (``RestartStage.RESTARTED_ON_TRAIN_BATCH_END``, same test on the ``total`` counters as
-    ``_TrainingEpochLoop.update_restart_stage``), 2.4 does not and resumes one batch earlier. Read at
-    ``on_train_start``, before the epoch loop's reset.
+    Every version resumes at ``completed``; for a checkpoint saved in ``on_train_batch_end`` (``completed =
+    processed - 1``) Lightning 2.5+ count that batch too (``update_restart_stage``'s test), 2.4 does not.
     """
     epoch_loop: Any = trainer.fit_loop.epoch_loop
     total = epoch_loop.batch_progress.total

@@ -1,24 +1,16 @@
 """Which Lightning the user runs: ``lightning`` (``lightning.pytorch``) or the standalone ``pytorch_lightning``.
 
-The two hold the same code under two names, with distinct classes (a ``pytorch_lightning.Trainer`` refuses a
-``lightning.pytorch`` strategy), and ``pip install lightning`` (2.4 to 2.6) installs both. This is the one
-module that imports either (by name; never one that is not installed):
+The two hold the same code under two names with distinct classes, and ``pip install lightning`` (2.4 to 2.6)
+installs both. This is the one module that imports either:
 
 - **Loading.** ``import ddp_strategy`` loads the namespaces imported already, else the one
-  ``DDP_STRATEGY_LIGHTNING`` names, else every one installed (``ddp_strategy`` comes first in an alphabetical
-  import order), and registers ``"my_ddp"`` in each (:func:`on_load`).
-- **Flavours.** Our classes name their Lightning base by path (``class MyDDPStrategy(lightning_base(
-  "pytorch.strategies:ParallelStrategy"))``) and are namespace-free; ``MyDDPStrategy(...)`` builds an instance
-  of its flavour ``type(name, (MyDDPStrategy, <that namespace's ParallelStrategy>))``, made once by
-  :meth:`Flavoured.for_namespace`, which pickles as (public class, namespace). Where the base is an ABC
-  (``Strategy``, ``CheckpointIO``) the public class is registered with it in each namespace, so that
-  ``LightningCLI`` takes ``--trainer.strategy=ddp_strategy.MyDDPStrategy`` and either Trainer takes
-  ``plugins=[DDPCheckpointIO()]``.
-- **Choice.** A new object is built for: its class's own namespace (``MyDDPStrategy.for_namespace(name)``),
-  else that of a Lightning object among its arguments, else :func:`resolve`'s. A strategy handed to the other
-  namespace's Trainer is refused, saying what to do.
-
-Namespace-neutral helpers (``rank_zero_info``, ``TrainerFn``, ...) come from :data:`default`.
+  ``DDP_STRATEGY_LIGHTNING`` names, else every one installed, and registers ``"my_ddp"`` in each (:func:`on_load`).
+- **Flavours.** Our classes name their Lightning base by path (``lightning_base("pytorch.strategies:Strategy")``);
+  ``MyDDPStrategy(...)`` builds an instance of the flavour ``type(name, (MyDDPStrategy, <that namespace's base>))``
+  (:meth:`Flavoured.for_namespace`), which pickles as (public class, namespace). Where the base is an ABC the
+  public class is registered with it in each namespace (for ``LightningCLI`` class paths and ``plugins=``).
+- **Choice.** The class's own namespace, else that of a Lightning object among the arguments, else
+  :func:`resolve`'s. A strategy handed to the other namespace's Trainer is refused, saying what to do.
 """
 
 from __future__ import annotations
@@ -85,8 +77,8 @@ def _namespace_of_module(module: Any) -> str | None:
 
 
 def _caller_namespace() -> str | None:
-    """The namespace of the nearest caller outside ``ddp_strategy`` that uses one: a frame of Lightning's own
-    code, or a module whose globals hold modules, classes or functions of exactly one namespace."""
+    """The namespace of the nearest caller outside ``ddp_strategy`` that uses one: Lightning's own code, or a
+    module whose globals hold modules, classes or functions of exactly one namespace."""
     frame = sys._getframe(1)
     while frame is not None:
         module = frame.f_globals.get("__name__", "")
@@ -106,9 +98,6 @@ def resolve() -> str:
     """The namespace for a new object: ``DDP_STRATEGY_LIGHTNING``; else the only one installed; else the one the
     nearest caller uses (the user's module that did ``import pytorch_lightning as pl``, or Lightning's own
     registry, ``LightningCLI`` or Trainer); else the only one imported; else :data:`default`'s.
-
-    Returns:
-        ``"lightning"`` or ``"pytorch_lightning"``.
 
     Raises:
         ValueError: ``DDP_STRATEGY_LIGHTNING`` names no namespace.
@@ -146,13 +135,8 @@ class Namespace:
         return str(sys.modules[self.pytorch_name.partition(".")[0]].__version__)
 
     def get(self, path: str) -> Any:
-        """The object at ``path`` in this namespace.
-
-        Args:
-            path: ``"<level>.<module>:<attribute>"`` with level ``pytorch`` or ``fabric``, e.g.
-                ``"pytorch.strategies:ParallelStrategy"`` is ``lightning.pytorch.strategies.ParallelStrategy``
-                or ``pytorch_lightning.strategies.ParallelStrategy``; no attribute gives the module.
-        """
+        """The object at ``path``: ``"<pytorch|fabric>.<module>:<attribute>"``, e.g.
+        ``"pytorch.strategies:ParallelStrategy"``; no attribute gives the module."""
         module_path, _, attribute = path.partition(":")
         level, _, rest = module_path.partition(".")
         root = {"pytorch": self.pytorch_name, "fabric": self.fabric_name}[level]
@@ -195,10 +179,8 @@ def namespace_of(obj: Any) -> str | None:
 
 # ----------------------------------------------------------------------------------- flavoured classes
 class Flavoured:
-    """A class of ours derived from a Lightning class named by path; instances are of a per-namespace flavour.
-
-    Use :func:`lightning_base` rather than this class directly.
-    """
+    """A class of ours derived from a Lightning class named by path (use :func:`lightning_base`); its instances
+    are of a per-namespace flavour."""
 
     _ddp_base: ClassVar[str]
     #: Set on flavours (and inherited by user subclasses of a flavour); None on public classes.
@@ -223,10 +205,8 @@ class Flavoured:
 
     @classmethod
     def for_namespace(cls, name: str) -> type:
-        """This class built on ``name``'s Lightning (``"lightning"`` or ``"pytorch_lightning"``), made once.
-
-        ``MyDDPStrategy.for_namespace("pytorch_lightning")(...)`` chooses explicitly; the result is a subclass
-        of both ``cls`` and that namespace's base class.
+        """This class built on ``name``'s Lightning, made once: a subclass of ``cls`` and that namespace's base
+        (``MyDDPStrategy.for_namespace("pytorch_lightning")(...)`` chooses explicitly).
 
         Raises:
             ValueError, ModuleNotFoundError: ``name`` is not an installed namespace.
@@ -268,14 +248,8 @@ def _load_from_checkpoint(cls: Any, *args: Any, **kwargs: Any) -> Any:
 
 
 def lightning_base(path: str) -> type:
-    """A base class standing for the Lightning class at ``path`` in whichever namespace the user runs.
-
-    Args:
-        path: see :meth:`Namespace.get`, e.g. ``"pytorch.strategies:ParallelStrategy"``.
-
-    Returns:
-        A :class:`Flavoured` subclass to derive from: ``class MyDDPStrategy(lightning_base(...))``.
-    """
+    """A :class:`Flavoured` base standing for the Lightning class at ``path`` (see :meth:`Namespace.get`) in
+    whichever namespace the user runs: ``class MyDDPStrategy(lightning_base(...))``."""
     body: dict[str, Any] = {"_ddp_base": path, "__module__": __name__}
     if hasattr(default.get(path), "load_from_checkpoint"):  # LightningModule, LightningDataModule
         body["load_from_checkpoint"] = classmethod(_load_from_checkpoint)
@@ -315,11 +289,8 @@ MIXINS: list[tuple[str, type]] = [("pytorch.strategies:Strategy", _OneNamespaceS
 
 
 def any_namespace(path: str) -> type:
-    """A class for ``isinstance`` checks: true for the class at ``path`` of any namespace imported.
-
-    Args:
-        path: see :meth:`Namespace.get`.
-    """
+    """A class for ``isinstance`` checks: true for the class at ``path`` (see :meth:`Namespace.get`) of any
+    namespace imported."""
     def hook(cls: type, sub: type) -> bool:
         return any(issubclass(sub, load(name).get(path)) for name in imported()) or NotImplemented
 
@@ -340,9 +311,8 @@ def _load_at_import() -> Namespace:
 #: The namespace of the namespace-neutral helpers.
 default: Namespace = _load_at_import()
 
-#: ``isinstance(e, SIGTERMException)`` holds for either namespace's exception.
+#: ``isinstance`` checks that hold for either namespace's class.
 SIGTERMException = any_namespace("pytorch.utilities.exceptions:SIGTERMException")
-#: ``isinstance(m, LightningModule)`` holds for either namespace's module.
 LightningModule = any_namespace("pytorch:LightningModule")
 
 # Namespace-neutral helpers, from the default namespace (the same functions and equal enums in both).

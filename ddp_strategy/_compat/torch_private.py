@@ -30,19 +30,11 @@ DDP_TIMING_KEYS: tuple[str, ...] = (
 
 
 def ddp_logging_data(model: nn.Module) -> dict[str, Any]:
-    """DDP's own logging data for a ``DistributedDataParallel`` wrapper, or ``{}``.
+    """A new dict of ``DistributedDataParallel._get_ddp_logging_data()`` for ``model``; ``{}`` if it is no DDP
+    wrapper or the call fails.
 
-    Wraps the private ``DistributedDataParallel._get_ddp_logging_data()``
-    (https://github.com/pytorch/pytorch/blob/main/torch/nn/parallel/distributed.py), which returns the
-    constructor options (``bucket_cap_bytes``, ``find_unused_parameters``, ...), the registered comm hook's
-    name (``comm_hook``, only once one is registered), ``unused_parameter_size`` (bytes) and the timings in
-    :data:`DDP_TIMING_KEYS` (nanoseconds; absent until DDP has timed one iteration).
-
-    Args:
-        model: a ``DistributedDataParallel`` wrapper, or any module (then ``{}`` is returned).
-
-    Returns:
-        A new dict; ``{}`` when ``model`` is not wrapped or the installed PyTorch has no such method.
+    It holds the constructor options (``bucket_cap_bytes``, ...), ``comm_hook`` (once one is registered),
+    ``unused_parameter_size`` (bytes) and the timings in :data:`DDP_TIMING_KEYS` (once DDP has timed one).
     """
     getter = getattr(model, "_get_ddp_logging_data", None)
     if getter is None:
@@ -55,13 +47,9 @@ def ddp_logging_data(model: nn.Module) -> dict[str, Any]:
 
 
 def release_ddp_process_group(model: Any) -> None:
-    """After a failed run: drop a DDP wrapper's references to its process group, so destroying the group closes it.
-
-    A wrapper holds its group in ``process_group`` and in its C++ ``reducer`` and ``logger`` (private
-    attributes). When the run failed, the propagating exception's frames keep the wrapper alive, so without
-    this the group (with gloo, its connections to the other ranks) would live until the process exits, and
-    the other ranks, blocked in a collective, could not learn of the failure before then. The wrapper is
-    unusable afterwards.
+    """After a failed run: drop a DDP wrapper's references to its group (``process_group``, its private C++
+    ``reducer`` and ``logger``), so destroying the group closes it while the exception's frames keep the wrapper
+    alive, and peers blocked in a collective learn of the failure now. The wrapper is unusable afterwards.
     """
     for name in ("logger", "reducer"):
         if hasattr(model, name):
@@ -104,11 +92,10 @@ class CountingProcessGroup:
         self.count(tensors)
         return self._target().allreduce(tensors, *args)
 
-def default_store() -> Any:
-    """The default (world) process group's store: ``torch.distributed.distributed_c10d._get_default_store()``.
 
-    The store the group was created with (as torch wraps it); the strategy keeps its failure reports there
-    (:mod:`ddp_strategy.process.failures`), under a prefix per run.
+def default_store() -> Any:
+    """The default process group's store (``distributed_c10d._get_default_store()``), where
+    :mod:`ddp_strategy.process.failures` keeps its reports.
 
     Raises:
         ValueError: no default process group.

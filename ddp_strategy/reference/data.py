@@ -39,15 +39,8 @@ def load_digits_tensors() -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def split_indices(n: int, val_fraction: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """A seeded random train/validation split of ``range(n)``.
-
-    Args:
-        n: number of samples.
-        val_fraction: share of samples for validation, ``0 < val_fraction < 1``.
-        seed: the split's seed; the same seed gives the same split on every rank and every run.
-
-    Returns:
-        ``(train_idx, val_idx)``, int64, disjoint, together ``range(n)``; ``len(val_idx) = round(n * val_fraction)``.
+    """A seeded random split of ``range(n)``: ``(train_idx, val_idx)``, int64, disjoint, ``len(val_idx) =
+    round(n * val_fraction)``; the same seed gives the same split on every rank and run.
 
     Raises:
         ValueError: ``val_fraction`` is outside (0, 1).

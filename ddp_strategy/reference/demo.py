@@ -1,16 +1,5 @@
-"""Small, real demonstrations of synchronous data parallelism, used by ``notebooks/ddp_reference.ipynb``.
-
-Each function shows one step of the story with the same code paths the strategy uses:
-
-- :func:`epoch_shards`: the sample indices each rank gets per epoch, from the strategy's own sampler;
-- :func:`forgotten_set_epoch`: a plain ``DistributedSampler`` without ``set_epoch`` repeats its order every
-  epoch, the strategy's sampler does not;
-- :func:`allreduce_demo`: 2 real processes on gloo run forward and backward on their own shards, average the
-  gradients with one all-reduce per tensor, check that this is what ``DistributedDataParallel`` computes, apply
-  the same SGD step, and time a few DDP steps with DDP's own timers.
-
-Everything runs on CPU. Nothing here is used by the strategy itself.
-"""
+"""Small, real CPU demonstrations of synchronous data parallelism for ``notebooks/ddp_reference.ipynb``, on the
+strategy's own code paths (its sampler, its process group); nothing here is used by the strategy itself."""
 
 from __future__ import annotations
 
@@ -40,9 +29,7 @@ __all__ = ["AllReduceDemo", "allreduce_demo", "epoch_shards", "forgotten_set_epo
 def epoch_shards(
     dataset_size: int, world_size: int = 2, epochs: int = 2, seed: int = 0, shuffle: bool = True
 ) -> list[list[list[int]]]:
-    """The training indices each rank draws in each epoch, exactly as ``MyDDPStrategy`` shards them.
-
-    Uses :class:`~ddp_strategy.sampling.sampler.EpochSeededDistributedSampler` with padding (the training setting).
+    """The training indices each rank draws in each epoch, exactly as ``MyDDPStrategy`` shards them (its sampler).
 
     Args:
         dataset_size: N samples.
@@ -173,16 +160,6 @@ def _demo_steps(rank: int, world_size: int, batch_size: int, lr: float, timed_st
     return record
 
 
-def default_demo_start_method() -> str:
-    """``"spawn"``: fresh interpreters, safe from any process, a Jupyter kernel included.
-
-    ``fork`` was faster but, from a Jupyter kernel (whose I/O threads may hold locks at the moment of the
-    fork), a forked rank was seen to hang now and then in the test suite; the worker is a module-level
-    function, so ``spawn`` can import it.
-    """
-    return "spawn"
-
-
 def allreduce_demo(world_size: int = 2, batch_size: int = 16, lr: float = 0.1, timed_steps: int = 11,
                    start_method: str | None = None) -> AllReduceDemo:
     """Run forward, backward, gradient all-reduce and one SGD step on ``world_size`` real CPU processes.
@@ -198,7 +175,8 @@ def allreduce_demo(world_size: int = 2, batch_size: int = 16, lr: float = 0.1, t
         batch_size: B, samples per rank.
         lr: SGD learning rate.
         timed_steps: DDP steps to time after the demonstration step (DDP times iterations 1-10).
-        start_method: ``"fork"``, ``"spawn"`` or ``"forkserver"``; default :func:`default_demo_start_method`.
+        start_method: ``"fork"``, ``"spawn"`` (the default: safe from a Jupyter kernel, whose I/O threads may
+            hold a lock when it forks) or ``"forkserver"``.
 
     Returns:
         What every rank recorded.
@@ -208,7 +186,7 @@ def allreduce_demo(world_size: int = 2, batch_size: int = 16, lr: float = 0.1, t
     """
     with tempfile.TemporaryDirectory(prefix="ddp_demo_") as out_dir:
         mp.start_processes(_demo_worker, args=(world_size, process.free_port(), batch_size, lr, timed_steps, out_dir),
-                           nprocs=world_size, start_method=start_method or default_demo_start_method())
+                           nprocs=world_size, start_method=start_method or "spawn")
         records = [torch.load(Path(out_dir) / f"rank{r}.pt", weights_only=True) for r in range(world_size)]
     timed = [r["comm_stats"] for r in records if r["comm_stats"] is not None]
     return AllReduceDemo(

@@ -71,17 +71,14 @@ def _differences(a: Any, b: Any, where: str, atol: float, rtol: float) -> list[s
 
 def assert_same_on_every_rank(per_rank: Sequence[Any], what: str = "value", atol: float = 0.0,
                               rtol: float = 0.0) -> None:
-    """Every rank's value equals rank 0's: tensors and NumPy arrays (exactly, or within ``atol``/``rtol``),
-    modules (their state dicts), dicts, lists and plain values, compared entry by entry.
-
-    NaN equals NaN at the same position (as ``torch.allclose(..., equal_nan=True)``): a value that is NaN on
-    every rank is the same on every rank. Floats are compared as float64.
+    """Every rank's value equals rank 0's, entry by entry: tensors and NumPy arrays (exactly, or within
+    ``atol``/``rtol``; NaN equals NaN at the same position; floats as float64), modules (their state dicts),
+    dicts, lists and plain values.
 
     Args:
         per_rank: ``[value of rank 0, ..., value of rank W-1]``, e.g. ``run_on_ranks``' result.
         what: what the values are, for the message (``"parameters"``).
-        atol, rtol: tolerances for tensors; 0 = bitwise equal, dtypes included (default: DDP keeps replicas
-            bitwise equal).
+        atol, rtol: tolerances for tensors; 0 (the default, as DDP keeps replicas) = bitwise, dtypes included.
 
     Raises:
         ValueError: ``per_rank`` is empty.
@@ -101,9 +98,8 @@ def assert_each_sample_once(per_rank_indices: Sequence[Any], num_samples: int) -
     """Across the ranks, the sample indices ``0 .. num_samples - 1`` were each read exactly once.
 
     Args:
-        per_rank_indices: the indices each rank read in one epoch, one entry per rank: a flat list of ints, or
-            what its batches gave as collected (a list of index tensors or NumPy arrays, nested lists), which
-            is flattened. ``[[tensor([0, 1]), tensor([2, 3])], [tensor([4, 5])]]``: rank 0 read 0..3.
+        per_rank_indices: per rank, the indices it read in one epoch: ints, or its batches as collected (index
+            tensors, NumPy arrays, nested lists), flattened: ``[[tensor([0, 1]), tensor([2, 3])], [tensor([4])]]``.
         num_samples: N, the data set's length.
 
     Raises:
@@ -151,7 +147,7 @@ def assert_matches_single_process(distributed: Any, single_process: Any, what: s
     """A value computed with W ranks (a gathered metric, the weights after a step) equals the one-process value.
 
     Args:
-        distributed: the value from the ranks (one rank's, after a gather or a synchronised step).
+        distributed: one rank's value, after a gather or a synchronised step.
         single_process: the same quantity computed in one process on all the data.
         what: what it is, for the message.
         atol, rtol: tensor tolerances (default 1e-6, 1e-5: the order of floating-point sums differs).

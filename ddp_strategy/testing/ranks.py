@@ -1,21 +1,12 @@
 """Run a function on N CPU ranks (gloo) from a test, and get every rank's return value back.
 
-:func:`run_on_ranks` starts one process per rank from a *prepared parent*: multiprocessing's ``forkserver``,
-which imports torch, Lightning and ``ddp_strategy`` once and then forks each rank from that state
-(https://docs.python.org/3/library/multiprocessing.html#contexts-and-start-methods). Forking from the
-forkserver is safe where forking the test process is not: the forkserver never starts torch's thread pools or
-a process group, so no lock or thread is copied half-way. After the first call a 2-rank run starts in well
-under a second. Each rank gets the environment torchrun would give it (``MASTER_ADDR``, ``MASTER_PORT``,
-``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``NODE_RANK``), so a ``Trainer(devices=N, strategy=...)`` built inside
-the function joins the other ranks instead of launching new processes (Lightning's ``LightningEnvironment``).
-Each rank runs with the caller's environment as it is at the call; modules the forkserver preloaded read it
-once, when the forkserver started (the first call of the session).
-
-Each rank is an ordinary (not daemonic) process, so it may start its own: ``DataLoader(num_workers=...)``
-workers, ``subprocess.Popen``. Its multiprocessing start method is the caller's (on Linux before Python 3.14,
-``fork``, unless the test set another), so DataLoader workers fork from the rank as under Lightning's ``ddp``. It
-leads a process group of its own, and when the call ends (returned, failed or past its deadline) each rank's
-group is killed (SIGKILL): no rank and no descendant outlives the call, except one that left the group itself
+Ranks fork from multiprocessing's ``forkserver``, which imports torch, Lightning and ``ddp_strategy`` once and
+never starts torch's threads or a process group, so forking it copies no half-held lock (a 2-rank run starts in
+well under a second after the first). Each rank gets the caller's environment as it is at the call plus what
+torchrun would set (``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``NODE_RANK``), so
+a ``Trainer(devices=N, strategy=...)`` built inside joins the ranks (Lightning's ``LightningEnvironment``). A rank
+is not daemonic (it may start DataLoader workers, with the caller's start method) and leads its own process
+group, which is SIGKILLed when the call ends: nothing outlives the call but a process that left the group
 (``start_new_session=True``, ``os.setsid()``).
 """
 
@@ -38,7 +29,6 @@ from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
-
 
 #: Imported once by the forkserver, so that ranks start from a warm parent.
 PRELOAD = ("torch", "torch.distributed", "ddp_strategy")
@@ -66,26 +56,6 @@ class RankError(AssertionError):
     def __init__(self, message: str, reports: dict[int, str]) -> None:
         super().__init__(message)
         self.reports = reports
-
-
-def _context(start_method: str | None) -> multiprocessing.context.BaseContext:
-    """The multiprocessing context for ``start_method`` (see :func:`run_on_ranks`); a bad one is refused here."""
-    global _configured_forkserver
-    available = [m for m in START_METHODS if m in multiprocessing.get_all_start_methods()]
-    if start_method == "fork":
-        raise ValueError("run_on_ranks does not offer start_method='fork': forking the test process, which may have"
-                         " used torch's thread pools or a process group, can copy a lock another thread holds and"
-                         " hang a rank. Pass start_method=None (the default: forkserver, which forks each rank"
-                         " from a parent that never ran torch's threads) or 'spawn'.")
-    if start_method is not None and start_method not in available:
-        raise ValueError(f"run_on_ranks got start_method={start_method!r}; pass None (the default: the first of"
-                         f" {available} this platform has), " + " or ".join(map(repr, available)) + ".")
-    method = start_method or available[0]
-    ctx = multiprocessing.get_context(method)
-    if method == "forkserver" and not _configured_forkserver:
-        ctx.set_forkserver_preload(list(PRELOAD))
-        _configured_forkserver = True
-    return ctx
 
 
 def _rank_main(rank: int, world_size: int, port: int, folder: str, fn: Callable[..., Any], args: tuple[Any, ...],
@@ -147,35 +117,50 @@ def run_on_ranks(
     """Call ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` CPU processes; return every rank's value.
 
     Args:
-        fn: a function defined at module level (it is pickled to the ranks). It runs with the launch environment
-            set and, by default, inside a ``gloo`` process group; for a ``Trainer`` built inside ``fn`` pass
+        fn: a module-level function (it is pickled to the ranks), run with the launch environment set and, by
+            default, inside a process group; for a ``Trainer`` built inside ``fn`` pass
             ``init_process_group=False`` and ``Trainer(devices=world_size, ...)``: the strategy joins the ranks.
         world_size: number of ranks, W (default 2).
         args, kwargs: extra arguments for ``fn`` (pickled).
-        timeout_s: deadline for the whole run, in seconds (default 60). Past it every live rank's stack is dumped
-            and the ranks are stopped: a hang fails the test, with the stacks, instead of blocking CI.
+        timeout_s: deadline for the whole run, seconds (default 60); past it every live rank's stack is dumped
+            and the ranks are stopped, so a hang fails the test instead of blocking CI.
         init_process_group: create the default process group before ``fn`` (default True), destroyed after it.
         backend: the process group's backend (default ``"gloo"``).
         collective_timeout_s: the process group's timeout, seconds (default 30).
-        start_method: ``"forkserver"`` (``None``, the default, means it where available: ranks fork from a
-            parent that imported torch, Lightning and ``ddp_strategy`` once) or ``"spawn"``. ``"fork"`` of the
-            test process itself is not offered: a test process that has used torch's thread pools cannot be
-            forked safely.
+        start_method: ``"forkserver"`` (``None``, the default, where available) or ``"spawn"``; ``"fork"`` of
+            the test process is not offered (one that has used torch's thread pools cannot be forked safely).
 
     Returns:
-        ``[value of rank 0, ..., value of rank W-1]``; values must be picklable (tensors, numbers, dicts, ...).
+        ``[value of rank 0, ..., value of rank W-1]``; values must be picklable.
 
     Raises:
-        TypeError: ``fn`` cannot be pickled (a lambda, a local function); define it at module level. ``args`` not
-            a tuple or list, ``kwargs`` not a dict.
-        ValueError: ``world_size`` not an int >= 1; ``timeout_s`` or ``collective_timeout_s`` not a finite number
-            > 0; a ``backend`` this torch does not have; or a ``start_method`` not
-            offered (``"fork"``: the message says why; another name: the message lists the accepted ones).
+        TypeError: ``fn`` or its arguments cannot be pickled (a lambda, a local function); ``args`` not a tuple
+            or list, ``kwargs`` not a dict.
+        ValueError: ``world_size`` not an int >= 1; ``timeout_s`` or ``collective_timeout_s`` not a finite
+            number > 0; a ``backend`` this torch does not have; a ``start_method`` not offered (the message
+            says why, or lists the accepted ones).
         RankError: a rank raised (its traceback is in the message), exited without a result, or the deadline
-            passed (each live rank's stack is in the message). No rank process is left running, nor any process
-            a rank started (see above).
+            passed (each live rank's stack is in the message). No rank, nor any process it started, is left.
     """
-    _check_arguments(world_size, timeout_s, collective_timeout_s, backend, args, kwargs)
+    global _configured_forkserver
+    # Refused before any rank starts: each would otherwise fail inside every rank or never end.
+    if not isinstance(world_size, numbers.Integral) or isinstance(world_size, bool) or world_size < 1:
+        raise ValueError(f"run_on_ranks needs an int world_size >= 1 (the number of ranks), got {world_size!r}.")
+    for name, value in (("timeout_s", timeout_s), ("collective_timeout_s", collective_timeout_s)):
+        if not (isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+                and value > 0):
+            raise ValueError(f"run_on_ranks needs {name} as a finite number of seconds > 0, got {value!r}: the"
+                             " deadline is what turns a hang into a failed test with each rank's stack.")
+    import torch.distributed as dist
+
+    if not isinstance(backend, str) or not dist.is_backend_available(backend):
+        raise ValueError(f"run_on_ranks got backend={backend!r}, which this torch does not have; pass 'gloo' (CPU,"
+                         " the default) or, with one GPU per rank, 'nccl'.")
+    if isinstance(args, (str, bytes)) or not isinstance(args, Sequence):
+        raise TypeError(f"run_on_ranks needs args as a tuple or list of fn's extra positional arguments, got"
+                        f" {args!r}: for one argument x pass args=(x,).")
+    if kwargs is not None and not isinstance(kwargs, Mapping):
+        raise TypeError(f"run_on_ranks needs kwargs as a dict of fn's keyword arguments, got {kwargs!r}.")
     world_size, kwargs = int(world_size), dict(kwargs or {})
     try:
         pickle.dumps((fn, tuple(args), kwargs))
@@ -183,7 +168,20 @@ def run_on_ranks(
         raise TypeError(f"run_on_ranks pickles {fn!r} and its arguments to the rank processes, which failed ({e});"
                         " define the function at module level of an importable file (not a lambda or a nested"
                         " function), and pass picklable arguments.") from e
-    ctx = _context(start_method)
+    available = [m for m in START_METHODS if m in multiprocessing.get_all_start_methods()]
+    if start_method == "fork":
+        raise ValueError("run_on_ranks does not offer start_method='fork': forking the test process, which may have"
+                         " used torch's thread pools or a process group, can copy a lock another thread holds and"
+                         " hang a rank. Pass start_method=None (the default: forkserver, which forks each rank"
+                         " from a parent that never ran torch's threads) or 'spawn'.")
+    if start_method is not None and start_method not in available:
+        raise ValueError(f"run_on_ranks got start_method={start_method!r}; pass None (the default: the first of"
+                         f" {available} this platform has), " + " or ".join(map(repr, available)) + ".")
+    method = start_method or available[0]
+    ctx = multiprocessing.get_context(method)
+    if method == "forkserver" and not _configured_forkserver:
+        ctx.set_forkserver_preload(list(PRELOAD))
+        _configured_forkserver = True
     folder = tempfile.mkdtemp(prefix="ddp_ranks_")
     with socket.socket() as probe:  # a port free a moment ago, for the ranks' rendezvous on 127.0.0.1
         probe.bind(("127.0.0.1", 0))
@@ -203,38 +201,9 @@ def run_on_ranks(
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def _is_seconds(value: Any) -> bool:
-    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value) and value > 0
-
-
-def _check_arguments(world_size: Any, timeout_s: Any, collective_timeout_s: Any, backend: Any, args: Any,
-                     kwargs: Any) -> None:
-    """Refuse, before any rank starts, what would otherwise fail inside every rank or never end (see
-    :func:`run_on_ranks` for the rules)."""
-    if not isinstance(world_size, numbers.Integral) or isinstance(world_size, bool) or world_size < 1:
-        raise ValueError(f"run_on_ranks needs an int world_size >= 1 (the number of ranks), got {world_size!r}.")
-    for name, value in (("timeout_s", timeout_s), ("collective_timeout_s", collective_timeout_s)):
-        if not _is_seconds(value):
-            raise ValueError(f"run_on_ranks needs {name} as a finite number of seconds > 0, got {value!r}: the"
-                             " deadline is what turns a hang into a failed test with each rank's stack.")
-    import torch.distributed as dist
-
-    if not isinstance(backend, str) or not dist.is_backend_available(backend):
-        raise ValueError(f"run_on_ranks got backend={backend!r}, which this torch does not have; pass 'gloo' (CPU,"
-                         " the default) or, with one GPU per rank, 'nccl'.")
-    if isinstance(args, (str, bytes)) or not isinstance(args, Sequence):
-        raise TypeError(f"run_on_ranks needs args as a tuple or list of fn's extra positional arguments, got"
-                        f" {args!r}: for one argument x pass args=(x,).")
-    if kwargs is not None and not isinstance(kwargs, Mapping):
-        raise TypeError(f"run_on_ranks needs kwargs as a dict of fn's keyword arguments, got {kwargs!r}.")
-
-
 def _end(procs: list[Any]) -> None:
-    """SIGKILL each rank's process group (the rank and every descendant still in it) and reap the ranks.
-
-    Returns once no process of those groups is alive (zombies aside: an orphan's are reaped by init), or after
-    :data:`END_WAIT_S`.
-    """
+    """SIGKILL each rank's process group and reap the ranks; return once none of those groups' processes is
+    alive (zombies aside), or after :data:`END_WAIT_S`."""
     groups = [proc.pid for proc in procs if proc.pid is not None]
     for pgid in groups:
         try:
@@ -246,25 +215,20 @@ def _end(procs: list[Any]) -> None:
             proc.kill()
         if proc.pid is not None:
             proc.join(END_WAIT_S)
+    # Not os.killpg(pgid, 0): it succeeds for a zombie, and an orphan's zombie may wait for its reaper (proc(5)).
     deadline = time.monotonic() + END_WAIT_S
-    while _alive_in_groups(groups) and time.monotonic() < deadline:
+    while time.monotonic() < deadline:
+        alive = False
+        for entry in Path("/proc").glob("[0-9]*"):
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            fields = stat[stat.rindex(")") + 2:].split()  # state, ppid, pgrp, ...
+            alive = alive or (fields[0] != "Z" and int(fields[2]) in groups)
+        if not alive:
+            return
         time.sleep(0.02)
-
-
-def _alive_in_groups(groups: list[int]) -> bool:
-    """Whether a process of one of these process groups is alive (not a zombie), from ``/proc`` (proc(5)).
-
-    Not ``os.killpg(pgid, 0)``: it succeeds for a zombie, and an orphan's zombie may wait for its reaper.
-    """
-    for entry in Path("/proc").glob("[0-9]*"):
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        fields = stat[stat.rindex(")") + 2:].split()  # state, ppid, pgrp, ...
-        if fields[0] != "Z" and int(fields[2]) in groups:
-            return True
-    return False
 
 
 def _wait(procs: list[Any], folder: Path, deadline: float) -> bool:
