@@ -123,9 +123,9 @@ def on_exception(run: Any, exception: BaseException, rank: int, world_size: int,
 def teardown(run: Any, rank: int, world_size: int) -> None:
     """Step 4 and the end of step 5 after a failed run; after a successful one the group stays (next stage, user)."""
     store, run.reports = run.reports, None
+    run.node_group, run.node_ranks, run.barrier_group = None, [], None  # no reference to the group outlives the run
     if not run.failed:
         return
-    run.node_group, run.node_ranks, run.barrier_group = None, [], None
     closed = destroy_process_group() and not multiprocessing.active_children()
     if run.own_failure and not run.stopping and closed and store is not None and world_size > 1:
         wait_for_peers(store, rank, world_size)

@@ -207,12 +207,13 @@ class ProcessGroupRun:
         init_process_group(backend, rank, world_size, env.main_address, env.main_port, self.timeout, device,
                            self.init_method, self.store, num_nodes)
         backend = dist.get_backend()
-        if self.node_group is None:  # made once per strategy; later stages reuse them with the world group
-            lists = [list(range(n * num_processes, (n + 1) * num_processes)) for n in range(num_nodes)]
-            self.node_ranks = lists[rank // num_processes]
-            self.node_group = dist.group.WORLD if num_nodes == 1 else dist.new_subgroups_by_enumeration(lists)[0]
-            # monitored_barrier is gloo-only: other backends get a small gloo side group for it.
-            self.barrier_group = None if backend == "gloo" else dist.new_group(backend="gloo")
+        # Made for each run and dropped at its teardown: a group kept here would keep the world group's store (and
+        # MASTER_PORT) alive after the user destroys the group.
+        lists = [list(range(n * num_processes, (n + 1) * num_processes)) for n in range(num_nodes)]
+        self.node_ranks = lists[rank // num_processes]
+        self.node_group = dist.group.WORLD if num_nodes == 1 else dist.new_subgroups_by_enumeration(lists)[0]
+        # monitored_barrier is gloo-only: other backends get a small gloo side group for it.
+        self.barrier_group = None if backend == "gloo" else dist.new_group(backend="gloo")
         self.failed = self.own_failure = False
         self.reports = failures.run_reports(rank, world_size)
         rank_zero_info(f"MyDDPStrategy: {world_size} processes, backend={backend}")

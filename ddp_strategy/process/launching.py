@@ -6,6 +6,7 @@ Starting processes and discovering the cluster stay Lightning's (its launchers a
 from __future__ import annotations
 
 import atexit
+import gc
 import os
 import pickle
 import signal
@@ -179,8 +180,9 @@ class CheckedMultiProcessingLauncher(_pl.MultiProcessingLauncher):
                     " level (not inside a function or notebook cell) and avoid lambdas, or use"
                     " start_method='popen' (running a script) or 'fork' (Linux, notebooks)."
                 ) from e
-        if self._start_method == "fork":  # a forked rank would inherit this process's group, without gloo's threads
-            failures.destroy_process_group()
+        if self._start_method == "fork":  # a forked rank would inherit this process's group, without gloo's threads,
+            failures.destroy_process_group()  # and this process's garbage, whose finalizers may wait on locks
+            gc.collect()  # that threads fork does not copy still hold (seen: ranks hung in gc.collect at exit)
         received: list[int] = []
 
         def forward(signum: int, frame: Any) -> None:
