@@ -1,17 +1,11 @@
-"""``MyDDPStrategy``: synchronous data parallelism for Lightning, in Lightning's hook order.
-
-The strategy only orchestrates: each step has one entry point in its sub-package, 1. process group
-(:mod:`ddp_strategy.process`), 2. sampler (:mod:`ddp_strategy.sampling`), 3. DDP wrapping (:mod:`ddp_strategy.sync`),
-4. checkpoints (:mod:`ddp_strategy.checkpoint`). Launching is Lightning's (its launchers and cluster environments).
-"""
+"""``MyDDPStrategy``: Lightning's hooks in order, each calling one step (process, sampling, sync, checkpoint)."""
 
 from __future__ import annotations
 
 import contextlib
 import functools
 import os
-from collections.abc import Generator, Mapping
-from contextlib import contextmanager, nullcontext
+from collections.abc import Mapping
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -25,21 +19,12 @@ from typing_extensions import override
 from ddp_strategy import checkpoint, diagnostics, options, process, sampling, sync
 from ddp_strategy._compat import lightning_private as _pl
 from ddp_strategy._compat import namespace as _namespace
-from ddp_strategy._compat.namespace import (
-    SIGTERMException,
-    TrainerFn,
-    rank_zero_info,
-    rank_zero_only,
-    rank_zero_warn,
-    reset_seed,
-)
+from ddp_strategy._compat.namespace import TrainerFn, rank_zero_info, rank_zero_warn
 from ddp_strategy.checkpoint import FIT_MISMATCH_HINT, StateDictMismatchError, file_stamp, match_state_dict
 
 if TYPE_CHECKING:
+    import lightning.pytorch as pl
     from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
-    from lightning.pytorch import Trainer
-    from lightning.pytorch.accelerators import Accelerator
-    from lightning.pytorch.plugins.precision import Precision
     from lightning.pytorch.strategies import ParallelStrategy
 else:  # the flavour for the user's Lightning namespace is built on construction (see ddp_strategy._compat.namespace)
     ParallelStrategy = _namespace.lightning_base("pytorch.strategies:ParallelStrategy")
@@ -48,113 +33,72 @@ else:  # the flavour for the user's Lightning namespace is built on construction
 class MyDDPStrategy(ParallelStrategy):
     """Distributed data parallel training: one process per device, gradients all-reduced during backward.
 
-    ``Trainer(accelerator="cpu", devices=2, strategy=MyDDPStrategy())`` starts 2 processes in a gloo process
-    group (NCCL on CUDA), shards every loader with a ``DistributedSampler`` re-seeded each epoch (unless
-    ``Trainer(use_distributed_sampler=False)``), wraps the LightningModule in ``DistributedDataParallel`` while
-    fitting, and writes checkpoints whose keys load into the plain module. The loader's ``batch_size`` is the
-    per-device batch size B; a step sees ``B * world_size``. Registered as ``"my_ddp"`` and ``"my_ddp_spawn"``.
+    ``Trainer(devices=2, strategy=MyDDPStrategy())``: 2 processes (gloo; NCCL on CUDA), a per-epoch sampler for every
+    loader, DDP while fitting, plain module keys in checkpoints. B = per-device ``batch_size``; a step sees ``B * W``.
 
     Args:
-        accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin: as for any
-            Lightning ``ParallelStrategy``; ``checkpoint_io`` defaults to :class:`~ddp_strategy.DDPCheckpointIO`.
+        accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin: as for any strategy.
         process_group_backend: ``"gloo"``, ``"nccl"``, ...; default ``None``: ``"nccl"`` on CUDA, else ``"gloo"``.
         timeout: how long a collective waits for the other ranks (seconds or ``timedelta``); default 30 min.
-        start_method: ``"popen"`` (re-run the script), ``"spawn"``, ``"fork"`` or ``"forkserver"``; default
-            ``None``: ``"fork"`` in Jupyter/REPL, else ``"popen"`` (Lightning's default for ``"ddp"``).
+        start_method: ``"popen"``, ``"spawn"``, ``"fork"``, ``"forkserver"``; default ``"fork"`` in a REPL, else popen.
         seed: shuffle seed of the injected samplers; default ``None``: ``seed_everything``'s seed, else 0.
-        init_method: ``None``/``"env://"`` (``MASTER_ADDR``/``MASTER_PORT``; a free port on one machine),
-            ``"tcp://host:port"`` or ``"file:///shared/file"``.
+        init_method: ``None``/``"env://"`` (``MASTER_ADDR``/``MASTER_PORT``), ``"tcp://host:port"``, ``"file:///path"``.
         store: a ready ``torch.distributed.Store`` (e.g. ``FileStore``); ``fork`` and ``popen`` only.
         allow_cpu_oversubscription: silence the warning for more CPU processes per node than cores.
-        monitored_barrier_timeout: each training epoch starts at a ``monitored_barrier`` naming any rank not
-            there within this time (seconds or ``timedelta``); default ``None`` = ``timeout``.
-        checkpoint_on_sigterm: on SIGTERM all ranks stop at the same step and save a checkpoint: ``True`` to
-            ``<default_root_dir>/sigterm.ckpt``, or to a given path; resume with ``fit(ckpt_path=...)``.
-        ddp_comm_hook, ddp_comm_state, ddp_comm_wrapper: a DDP communication hook ``hook(state, bucket) ->
-            Future`` or ``"allreduce"``, ``"fp16"``, ``"bf16"``, ``"powersgd"`` (every backend, gloo included),
-            its state (a ``PowerSGDState``, a process group) and a wrapper (``fp16_compress_wrapper``).
-        verify_sync_every_n_steps: every N optimizer steps compare parameter checksums across ranks and raise
-            on every rank naming those that differ; default ``None`` = off.
-        exact_evaluation: validation/test shards without padding, each sample once, equal batch counts on
-            every rank (default True); False shards them as Lightning's ddp does (padded).
-        find_unused_parameters, static_graph, gradient_as_bucket_view, bucket_cap_mb, broadcast_buffers: DDP's
-            options, named so ``LightningCLI``/YAML can set them; DDP's defaults; ``bucket_cap_mb`` in MiB.
-        **ddp_kwargs: any other ``DistributedDataParallel`` option (``process_group``: also a zero-argument
-            callable that builds the group after launch).
+        monitored_barrier_timeout: a training epoch's ``monitored_barrier`` names ranks this late; default ``timeout``.
+        checkpoint_on_sigterm: on SIGTERM all ranks stop at one step and save to a path (``True``: ``sigterm.ckpt``).
+        ddp_comm_hook, ddp_comm_state, ddp_comm_wrapper: a DDP comm hook (or ``"powersgd"``...), its state, a wrapper.
+        verify_sync_every_n_steps: every N optimizer steps compare parameters across ranks, naming any that differ.
+        exact_evaluation: unpadded validation/test shards, equal batch counts (default); False: padded, as Lightning's.
+        find_unused_parameters, static_graph, gradient_as_bucket_view, bucket_cap_mb (MiB), broadcast_buffers: DDP's.
+        **ddp_kwargs: any other DDP option (``process_group``: also a zero-argument callable run after launch).
 
     Raises:
-        ValueError, TypeError: a bad argument, named (:func:`ddp_strategy.options.strategy_options`); at
-            ``Trainer(...)``: ``"nccl"`` on CPU or a bad launch variable (``MASTER_PORT``, ``RANK``, ...).
+        ValueError, TypeError: a bad argument, named; at ``Trainer(...)``: ``"nccl"`` on CPU, a bad launch variable.
     """
 
     strategy_name = "my_ddp"
+    num_nodes: int = 1  #: machines, from ``Trainer(num_nodes=...)``
+    is_distributed = True  #: tells Lightning to synchronise ``self.log(..., sync_dist=True)`` values
 
     def __init__(
         self,
-        accelerator: Accelerator | None = None, parallel_devices: list[torch.device] | None = None,
+        accelerator: pl.accelerators.Accelerator | None = None, parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None, checkpoint_io: CheckpointIO | None = None,
-        precision_plugin: Precision | None = None,
-        process_group_backend: str | None = None,
-        timeout: float | timedelta = process.DEFAULT_TIMEOUT,
-        start_method: process.StartMethod | None = None,
-        seed: int | None = None,
-        init_method: str | None = None,
-        store: dist.Store | None = None,
-        allow_cpu_oversubscription: bool = False,
-        monitored_barrier_timeout: float | timedelta | None = None,
-        checkpoint_on_sigterm: bool | str | os.PathLike = False,
+        precision_plugin: pl.plugins.precision.Precision | None = None, process_group_backend: str | None = None,
+        timeout: float | timedelta = process.DEFAULT_TIMEOUT, start_method: process.StartMethod | None = None,
+        seed: int | None = None, init_method: str | None = None, store: dist.Store | None = None,
+        allow_cpu_oversubscription: bool = False, monitored_barrier_timeout: float | timedelta | None = None,
+        checkpoint_on_sigterm: bool | str | os.PathLike = False, verify_sync_every_n_steps: int | None = None,
         ddp_comm_hook: sync.CommHook | str | None = None, ddp_comm_state: Any = None, ddp_comm_wrapper: Any = None,
-        verify_sync_every_n_steps: int | None = None,
-        exact_evaluation: bool = True,
-        find_unused_parameters: bool = False, static_graph: bool = False, gradient_as_bucket_view: bool = False,
-        bucket_cap_mb: float | None = None, broadcast_buffers: bool = True,
-        **ddp_kwargs: Any,
-    ) -> None:
+        exact_evaluation: bool = True, find_unused_parameters: bool = False, static_graph: bool = False,
+        gradient_as_bucket_view: bool = False, bucket_cap_mb: float | None = None, broadcast_buffers: bool = True,
+        **ddp_kwargs: Any) -> None:
         super().__init__(accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin)
         named = {k: v for k, v in locals().items() if k in options.STRATEGY_ARGUMENTS}
         self._options = options.strategy_options(**named, ddp_kwargs=ddp_kwargs)
         self._process_group_backend = process_group_backend
-        self._trainer: Trainer | None = None
+        self._trainer: pl.Trainer | None = None
         self._forward_redirection = sync.DDPForwardRedirection()
         self._run = process.ProcessGroupRun(self._options.timeout, self._options.barrier_timeout, init_method, store)
         self._sharding = sampling.LoaderSharding(exact_evaluation)
         self._warned_padded_gather = False
-        self._sampler_seed = sampling.shared_seed(seed)
         self._gradients_unchecked = False  # the first backward's unused-parameter check is still to come
         self._gradients_steps = 0  # optimizer steps in this fit, for verify_sync_every_n_steps
         self._verify_sync_every_n_steps = verify_sync_every_n_steps
         self._written: dict[str, tuple[int, int]] = {}  # checkpoints saved here: real path -> (bytes, mtime ns)
         self._diagnostics: diagnostics.FitRecord | None = None
 
-    # ---------------------------------------------------------------------------------------- topology
-    # World size W = num_nodes * num_processes; global rank = node_rank * num_processes + local_rank (node-major).
     @property
     @override
     def root_device(self) -> torch.device:
         """This rank's device: ``parallel_devices[local_rank]``."""
-        assert self.parallel_devices is not None, "the Trainer sets parallel_devices before use"
         return self.parallel_devices[self.local_rank]
-
-    _num_nodes = 1
-
-    @property
-    def num_nodes(self) -> int:
-        """Number of machines (Lightning's ``Trainer(num_nodes=...)``)."""
-        return self._num_nodes
-
-    @num_nodes.setter
-    def num_nodes(self, num_nodes: int) -> None:
-        self._num_nodes = num_nodes
 
     @property
     def num_processes(self) -> int:
         """Processes (devices) per node."""
         return len(self.parallel_devices) if self.parallel_devices is not None else 0
-
-    @property
-    def is_distributed(self) -> bool:
-        """Always True: tells Lightning to synchronise ``self.log(..., sync_dist=True)`` values."""
-        return True
 
     @property
     @override
@@ -186,48 +130,43 @@ class MyDDPStrategy(ParallelStrategy):
     @override
     def checkpoint_io(self) -> CheckpointIO:
         """The checkpoint plugin: :class:`~ddp_strategy.DDPCheckpointIO` unless the user passed another."""
-        if self._checkpoint_io is None:
-            self._checkpoint_io = checkpoint.DDPCheckpointIO()
+        self._checkpoint_io = self._checkpoint_io or checkpoint.DDPCheckpointIO()
         return self._checkpoint_io
 
     @checkpoint_io.setter
     def checkpoint_io(self, io: CheckpointIO | None) -> None:
         self._checkpoint_io = io
 
-    # ------------------------------------------------------------------------- 1. launch + process group
     @override
     def _configure_launcher(self) -> None:
-        # Runs in Trainer(...), before any process starts: refuse impossible set-ups here, not in a child.
         self._launcher = process.launching.make_launcher(self, self.start_method, self._process_group_backend,
                                                          self._options.allow_cpu_oversubscription)
 
     def set_world_ranks(self) -> None:
-        """Check the launch variables (every rank, in ``Trainer(...)``; a ``ValueError`` names a bad one, see
-        :func:`ddp_strategy.process.check_launch_env`), then set this process's global rank and the world size."""
+        """Check the launch variables (:func:`ddp_strategy.process.check_launch_env`); set rank and world size."""
         if self.cluster_environment is not None:
             process.check_launch_env(self.cluster_environment, self.num_nodes, self.num_processes)
             self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
             self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+        _namespace.rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
 
     @override
     def setup_environment(self) -> None:
         """Set the device up, then join (or reuse) the world process group (every rank, before model code)."""
-        reset_seed()
+        _namespace.reset_seed()
         self.set_world_ranks()
         process.launching.check_external_world(self.cluster_environment, self.num_nodes, self.num_processes)
         super().setup_environment()
         self._process_group_backend = self._run.join(self.cluster_environment, self.root_device,
                                                      self._process_group_backend, self.num_nodes, self.num_processes)
 
-    # --------------------------------------------------------------------------------- 3. DDP wrapping
     @override
-    def setup(self, trainer: Trainer) -> None:
+    def setup(self, trainer: pl.Trainer) -> None:
         """Move the module to the device; when fitting, wrap it in DDP and create the optimizers."""
         self._trainer = trainer
         self._sharding.take_over(trainer)
         self._sampler_seed = self.broadcast(sampling.shared_seed(self._options.seed))
-        assert self.accelerator is not None and self.model is not None
+        kwargs = self._options.ddp_kwargs
         self.accelerator.setup(trainer)
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
@@ -240,22 +179,19 @@ class MyDDPStrategy(ParallelStrategy):
                 folders = [cb.dirpath for cb in trainer.checkpoint_callbacks if getattr(cb, "dirpath", None)]
                 for folder in folders:
                     checkpoint.remove_stale_temp_files(folder)
-                problem = checkpoint.unwritable_reason(folders)  # a warning: Lightning's ddp fails at the save
-                if problem:
+                if problem := checkpoint.unwritable_reason(folders):  # a warning: Lightning's ddp fails at the save
                     rank_zero_warn(f"{problem} The first checkpoint saved there will fail; fix the folder now.")
-            self.model = sync.wrap(self.model, self.root_device, self._options.ddp_kwargs, self._options.comm_hook)
-            # Without DDP's own unused-parameter handling, the first backward is checked (post_backward).
-            self._gradients_unchecked = not any(self._options.ddp_kwargs.get(k) for k in ("find_unused_parameters",
-                                                                                         "static_graph"))
+            self.model = sync.wrap(self.model, self.root_device, kwargs, self._options.comm_hook)
+            self._gradients_unchecked = not (kwargs.get("find_unused_parameters") or kwargs.get("static_graph"))
             self._gradients_steps = 0
             self.setup_optimizers(trainer)
         else:
-            sync.broadcast_states(self.model, buffers=self._options.ddp_kwargs.get("broadcast_buffers", True))
+            sync.broadcast_states(self.model, buffers=kwargs.get("broadcast_buffers", True))
         self.setup_precision_plugin()
 
     @override
     def model_to_device(self) -> None:
-        assert self.model is not None
+        """Move the module to :attr:`root_device`."""
         self.model.to(self.root_device)
 
     @override
@@ -278,61 +214,38 @@ class MyDDPStrategy(ParallelStrategy):
         if self._diagnostics is not None:
             self._diagnostics.tracker.prune()
         self._gradients_steps += 1
-        n = self._verify_sync_every_n_steps
-        if n is not None and self._gradients_steps % n == 0 and self.lightning_module is not None:
+        if (n := self._verify_sync_every_n_steps) is not None and self._gradients_steps % n == 0:
             sync.verify_parameters_in_sync(self.lightning_module, self._gradients_steps, self.root_device)
         return output
 
-    @contextmanager
-    @override
-    def block_backward_sync(self) -> Generator[None, None, None]:
-        """Skip the gradient all-reduce (DDP's ``no_sync``), e.g. for non-final accumulation micro-batches."""
-        with self.model.no_sync() if isinstance(self.model, DistributedDataParallel) else nullcontext():
-            yield
-
-    # ---------------------------------------------------------------------------------------- 2. sampler
     @override
     def process_dataloader(self, dataloader: object) -> object:
         """Shard ``dataloader`` for this rank (:meth:`ddp_strategy.sampling.LoaderSharding.prepare`)."""
-        if self._trainer is None:
-            return dataloader
-        return self._sharding.prepare(dataloader, self._trainer, self.world_size, self.global_rank,
-                                      self._sampler_seed)
+        return self._sharding.prepare(dataloader, self._trainer, self.world_size, self.global_rank, self._sampler_seed)
 
     @override
     def on_validation_start(self) -> None:
         """Give every rank rank 0's buffers once per validation run (Lightning's ddp does it in every step)."""
-        super().on_validation_start()
         if isinstance(self.model, DistributedDataParallel) and self._options.ddp_kwargs.get("broadcast_buffers", True):
             sync.broadcast_states(self.model.module, parameters=False)
 
     @override
     def on_validation_end(self) -> None:
-        super().on_validation_end()
+        """End of an evaluation stage (also ``on_test_end``, ``on_predict_end``): forget its uneven-shard state."""
         self._sharding.guard.end_stage()
 
-    @override
-    def on_test_end(self) -> None:
-        super().on_test_end()
-        self._sharding.guard.end_stage()
-
-    @override
-    def on_predict_end(self) -> None:
-        super().on_predict_end()
-        self._sharding.guard.end_stage()
+    on_test_end = on_predict_end = on_validation_end
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         """Call the LightningModule directly (not DDP's forward); collectives are refused on uneven loaders."""
-        assert self.lightning_module is not None
-        with self.precision_plugin.val_step_context(), self._sharding.guard.step(self._trainer, "validation_step",
-                                                                                 args, kwargs):
+        guard = self._sharding.guard.step(self._trainer, "validation_step", args, kwargs)
+        with self.precision_plugin.val_step_context(), guard:
             return self.lightning_module.validation_step(*args, **kwargs)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
         """As :meth:`validation_step`."""
-        assert self.lightning_module is not None
         with self.precision_plugin.test_step_context(), self._sharding.guard.step(self._trainer, "test_step", args,
                                                                                   kwargs):
             return self.lightning_module.test_step(*args, **kwargs)
@@ -343,16 +256,12 @@ class MyDDPStrategy(ParallelStrategy):
         with self._sharding.guard.step(self._trainer, "predict_step", args, kwargs):
             return super().predict_step(*args, **kwargs)
 
-    # ------------------------------------------------------------------------------------- collectives
-    # Lightning's DDPStrategy logic. Called on every rank (world size 1 included); refused inside an evaluation
-    # step whose ranks hold different batch counts (:class:`ddp_strategy.sampling.LoaderSharding`).
     @override
     def barrier(self, name: str | None = None) -> None:
         """Wait for every rank; NCCL gets this rank's device. A no-op without a process group."""
         self._sharding.guard.check("barrier", self.global_rank)
         if dist.is_available() and dist.is_initialized():
-            dist.barrier(**({"device_ids": process.device_ids(self.root_device)} if dist.get_backend() == "nccl"
-                            else {}))
+            dist.barrier(device_ids=process.device_ids(self.root_device) if dist.get_backend() == "nccl" else None)
 
     @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:
@@ -365,11 +274,7 @@ class MyDDPStrategy(ParallelStrategy):
 
     @override
     def reduce(self, tensor: Tensor | Any, group: Any | None = None, reduce_op: Any | None = "mean") -> Tensor | Any:
-        """A new tensor, ``tensor`` all-reduced over the world (Lightning's ``_sync_ddp``); non-tensors pass through.
-
-        ``reduce_op``: ``"mean"`` (default; an integer tensor's mean is float32), ``"avg"``, ``"sum"``, ``"max"``,
-        ``"min"`` or a ``torch.distributed.ReduceOp`` of these. Raises ``ValueError`` for another op or a ``group``.
-        """
+        """A new tensor, Lightning's ``_sync_ddp`` by mean (int: float32), avg, sum, max, min; else ``ValueError``."""
         self._sharding.guard.check("reduce (e.g. self.log(..., on_step=True, sync_dist=True))", self.global_rank)
         op = (getattr(reduce_op, "name", None) or str(reduce_op or "mean")).lower()
         if group is not None or op not in ("mean", "avg", "sum", "max", "min"):
@@ -383,24 +288,16 @@ class MyDDPStrategy(ParallelStrategy):
 
     @override
     def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
-        """``(W, *shape)``, Lightning's; first dimensions that differ give ``(W, max n_r, *rest)``, padded as
-        ``DistributedSampler`` pads, and a rank-0 warning once (:func:`ddp_strategy.process.all_gather_padded`).
-
-        Raises:
-            ValueError: the tensors differ in another dimension (on every rank).
-        """
+        """``(W, *shape)``; uneven first dims: ``(W, max n_r, *rest)`` padded, warned once; else ``ValueError``."""
         self._sharding.guard.check("all_gather", self.global_rank)
-        shapes = process.gather_shapes(tensor, group)
-        if len(set(shapes)) == 1:
+        if len(set(shapes := process.gather_shapes(tensor, group))) == 1:
             return super().all_gather(tensor, group=group, sync_grads=sync_grads)
         warn, self._warned_padded_gather = not self._warned_padded_gather, True
         return process.all_gather_padded(tensor, shapes, group, sync_grads, warn=warn)
 
-    # ------------------------------------------------------------------------------------ 4. checkpoints
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """The LightningModule's state dict without DDP ``module.`` or torch.compile ``_orig_mod.`` segments."""
-        assert self.lightning_module is not None
         return checkpoint.unwrapped_state_dict(self.lightning_module)
 
     @override
@@ -418,43 +315,35 @@ class MyDDPStrategy(ParallelStrategy):
         if (stamp := file_stamp(filepath)) is not None:
             self._written.pop(stamp[0], None)
         process.on_global_zero(self.global_rank, self.root_device, f"removing checkpoint {filepath}",
-                                   self.checkpoint_io.remove_checkpoint, filepath)
+                               self.checkpoint_io.remove_checkpoint, filepath)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        """Every rank reads the file and keeps its sampler positions for the training loaders built next. A file
-        saved here and unchanged since is trusted unless the caller chose (``lr_find``, ``ckpt_path="best"`` cannot)."""
+        """Every rank reads the file and keeps its sampler positions; a file saved here, unchanged, is trusted."""
         self._checkpoint_path = checkpoint_path
-        stamp = file_stamp(checkpoint_path)
-        if weights_only is None and stamp is not None and self._written.get(stamp[0]) == stamp[1]:
-            weights_only = False
+        if weights_only is None and (stamp := file_stamp(checkpoint_path)) and self._written.get(stamp[0]) == stamp[1]:
+            weights_only = False  # unless the caller chose (lr_find, ckpt_path="best" cannot)
         loaded = _pl.call_with_weights_only(super().load_checkpoint, checkpoint_path, weights_only=weights_only)
         self._sharding.positions = sampling.read_positions(loaded)
         return loaded
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        """Load weights with keys matched exactly to the module's (:func:`~ddp_strategy.match_state_dict`); with
-        ``strict`` (``LightningModule.strict_loading``) a ``StateDictMismatchError`` on every rank lists the rest."""
+        """Load weights by exact key (:func:`~ddp_strategy.match_state_dict`); strict: ``StateDictMismatchError``."""
         module = self.lightning_module
-        assert module is not None
-        fitting = False
-        with contextlib.suppress(RuntimeError):  # not attached to a trainer (self._trainer is set later, in setup)
-            fitting = module.trainer is not None and module.trainer.state.fn == TrainerFn.FITTING
         try:
             state_dict = match_state_dict(checkpoint["state_dict"], module, strict=strict,
                                           source=getattr(self, "_checkpoint_path", None))
         except StateDictMismatchError as e:
-            if fitting:  # fit(ckpt_path=...) restores the optimizer too, which needs exactly the file's parameters
-                e.args = (f"{e}\n{FIT_MISMATCH_HINT}",)
+            with contextlib.suppress(RuntimeError):  # not attached to a trainer (self._trainer is set later)
+                if module.trainer is not None and module.trainer.state.fn == TrainerFn.FITTING:
+                    e.args = (f"{e}\n{FIT_MISMATCH_HINT}",)  # fit(ckpt_path=...) restores the optimizer too
             raise
         module.load_state_dict(state_dict, strict=strict)
 
-    # ------------------------------------------------------------------------------------- diagnostics
     @override
     def on_train_start(self) -> None:
         """Restore a mid-epoch batch counter; rank 0: log the fit summary. No collective."""
-        super().on_train_start()
         sampling.restore_batch_counter(self._trainer, self.world_size, self._sharding.until_teardown)
         if self._trainer is not None and isinstance(self.model, DistributedDataParallel):
             self._diagnostics = diagnostics.on_fit_start(self._trainer, str(self._process_group_backend),
@@ -463,35 +352,29 @@ class MyDDPStrategy(ParallelStrategy):
     @override
     def on_train_end(self) -> None:
         """Log the communication summary and never-updated parameters (rank 0). A collective, on every rank."""
-        super().on_train_end()
         record, self._diagnostics = self._diagnostics, None
         if record is not None and isinstance(self.model, DistributedDataParallel):
             diagnostics.on_fit_end(record, self.model, self.root_device)
 
-    # ---------------------------------------------------------------------------------------- failures
     @override
     def on_exception(self, exception: BaseException) -> None:
         """Name the failed rank and why; save on SIGTERM if asked; stop local ranks (no collective)."""
-        super().on_exception(exception)
         if self._diagnostics is not None:  # remove the gradient hooks; no collective (other ranks may be gone)
             self._diagnostics.tracker.close()
             self._diagnostics = None
-        save = None
-        path = self._options.sigterm_checkpoint_path(self._trainer)
-        if isinstance(exception, SIGTERMException) and path is not None and self._trainer is not None:
+        save, path = None, self._options.sigterm_checkpoint_path(self._trainer)
+        if isinstance(exception, _namespace.SIGTERMException) and path is not None and self._trainer is not None:
             rank_zero_info(f"SIGTERM: saving a checkpoint to {path} before exiting; resume with fit(ckpt_path=...)")
             save = functools.partial(self._trainer.save_checkpoint, path)
         process.failures.on_exception(self._run, exception, self.global_rank, self.world_size,
-                              self._sharding.guard.describe_uneven(), save, self._launcher)
+                                      self._sharding.guard.describe_uneven(), save, self._launcher)
 
-    # --------------------------------------------------------------------------------------- teardown
     @override
     def teardown(self) -> None:
         """Unwrap, revert layer syncing, give Lightning its sampler back; after a failure, leave the process group."""
         trainer = self._trainer
-        fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
         self.model = sync.unwrap(self.model, failed=self._run.failed)
-        if fitting and self._layer_sync and self.model is not None:
+        if self._layer_sync and trainer is not None and trainer.state.fn == TrainerFn.FITTING:
             self.model = self._layer_sync.revert(self.model)
         self._sharding.hand_back(trainer)
         if trainer is not None:
