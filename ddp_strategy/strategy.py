@@ -69,9 +69,10 @@ class MyDDPStrategy(ParallelStrategy):
         timeout: float | timedelta = process.DEFAULT_TIMEOUT, start_method: process.StartMethod | None = None,
         seed: int | None = None, init_method: str | None = None, store: dist.Store | None = None,
         allow_cpu_oversubscription: bool = False, monitored_barrier_timeout: float | timedelta | None = None,
-        checkpoint_on_sigterm: bool | str | os.PathLike = False, verify_sync_every_n_steps: int | None = None,
+        checkpoint_on_sigterm: bool | str | os.PathLike = False,
         ddp_comm_hook: sync.CommHook | str | None = None, ddp_comm_state: Any = None, ddp_comm_wrapper: Any = None,
-        exact_evaluation: bool = True, find_unused_parameters: bool = False, static_graph: bool = False,
+        verify_sync_every_n_steps: int | None = None, exact_evaluation: bool = True,
+        find_unused_parameters: bool = False, static_graph: bool = False,
         gradient_as_bucket_view: bool = False, bucket_cap_mb: float | None = None, broadcast_buffers: bool = True,
         **ddp_kwargs: Any) -> None:
         super().__init__(accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin)
@@ -83,8 +84,7 @@ class MyDDPStrategy(ParallelStrategy):
         self._run = process.ProcessGroupRun(self._options.timeout, self._options.barrier_timeout, init_method, store)
         self._sharding = sampling.LoaderSharding(exact_evaluation)
         self._warned_padded_gather = False
-        self._gradients_unchecked = False  # the first backward's unused-parameter check is still to come
-        self._gradients_steps = 0  # optimizer steps in this fit, for verify_sync_every_n_steps
+        self._gradients_unchecked, self._gradients_steps = False, 0  # the first backward's check to come; steps
         self._verify_sync_every_n_steps = verify_sync_every_n_steps
         self._written: dict[str, tuple[int, int]] = {}  # checkpoints saved here: real path -> (bytes, mtime ns)
         self._diagnostics: diagnostics.FitRecord | None = None
@@ -168,7 +168,7 @@ class MyDDPStrategy(ParallelStrategy):
         self._sampler_seed = self.broadcast(sampling.shared_seed(self._options.seed))
         kwargs = self._options.ddp_kwargs
         self.accelerator.setup(trainer)
-        self.precision_plugin.convert_module(self.model)
+        self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         if trainer.state.fn == TrainerFn.FITTING:
             if self._layer_sync:  # Trainer(sync_batchnorm=True): Lightning's plugin, made CPU-capable
@@ -221,7 +221,8 @@ class MyDDPStrategy(ParallelStrategy):
     @override
     def process_dataloader(self, dataloader: object) -> object:
         """Shard ``dataloader`` for this rank (:meth:`ddp_strategy.sampling.LoaderSharding.prepare`)."""
-        return self._sharding.prepare(dataloader, self._trainer, self.world_size, self.global_rank, self._sampler_seed)
+        return dataloader if self._trainer is None else self._sharding.prepare(  # as is before setup
+            dataloader, self._trainer, self.world_size, self.global_rank, self._sampler_seed)
 
     @override
     def on_validation_start(self) -> None:
@@ -396,5 +397,3 @@ class MyDDPStrategy(ParallelStrategy):
 _namespace.on_load(lambda namespace: MyDDPStrategy.for_namespace(namespace.name).register_strategies(
     namespace.get("pytorch.strategies:StrategyRegistry")))
 _namespace.on_load(lambda namespace: _pl.allow_compiled_models(namespace, MyDDPStrategy))
-
-__all__ = ["MyDDPStrategy"]

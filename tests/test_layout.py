@@ -128,8 +128,6 @@ def test_modules_are_small():
     assert too_long == {}
 
 
-@pytest.mark.xfail(strict=False, reason="issue 25 shrinks the package from 8,870 lines; the lead removes this xfail "
-                                        "once the restructuring branches are merged")
 def test_the_package_is_small():
     """The whole package, docstrings included, is at most :data:`MAX_PACKAGE_LINES` lines."""
     total = sum(lines(path) for path in package_files())
