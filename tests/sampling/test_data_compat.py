@@ -10,7 +10,6 @@ import math
 import warnings
 from pathlib import Path
 
-import lightning.pytorch as pl
 import pytest
 import torch
 from data_workers import (
@@ -22,24 +21,16 @@ from data_workers import (
     Buckets,
     N,
     Reversed,
-    Seen,
     TaggedLoader,
     flat,
     scenario_data,
     scenario_models,
 )
 from ddp_testing import launch, load
-from lightning.pytorch.callbacks import ModelCheckpoint
 from sampling_workers import Indexed
-from torch import nn
 from torch.utils.data import BatchSampler, DataLoader, SequentialSampler, WeightedRandomSampler
 from torch.utils.data.distributed import DistributedSampler
 
-from ddp_strategy import (
-    MyDDPStrategy,
-    StateDictMismatchError,
-    import_plain_checkpoint,
-)
 from ddp_strategy.sampling.loaders import ORDER_KEPT_WARNING, inject_distributed_sampler, warn_if_order_kept
 from ddp_strategy.sampling.sampler import Shard
 
@@ -114,51 +105,6 @@ def test_a_training_order_lightning_would_shuffle_is_warned_about_once_with_what
         warnings.filterwarnings("ignore", message=ORDER_KEPT_WARNING)  # what the warning suggests
         warn_if_order_kept(DataLoader(data, batch_size=2), 2)
     assert not recwarn.list
-
-
-class Wider(Seen):
-    """Seen plus a layer the checkpoint does not have."""
-
-    def __init__(self, loaders: dict) -> None:
-        super().__init__(loaders)
-        self.extra = nn.Linear(2, 2)
-
-    def training_step(self, batch, batch_idx):
-        return super().training_step(batch, batch_idx) + self.extra(self.layer(batch[0])).square().mean()
-
-
-def test_state_dict_mismatch_suggestions_work_where_raised(tmp_path):
-    """A checkpoint into a model with an extra layer: validate(ckpt_path=...) raises StateDictMismatchError
-    suggesting model.strict_loading = False, which then loads the matching weights; fit(ckpt_path=...) raises with
-    the fit's own suggestion (import_plain_checkpoint(..., strict=False), then fit without ckpt_path), which fits."""
-    loaders = {"train": lambda: DataLoader(Indexed(8, 0), batch_size=4),
-               "val": lambda: DataLoader(Indexed(8, 1), batch_size=4)}
-
-    def trainer(max_steps: int = 1) -> pl.Trainer:
-        return pl.Trainer(accelerator="cpu", devices=1, strategy=MyDDPStrategy(timeout=30), max_steps=max_steps,
-                          logger=False, enable_progress_bar=False, enable_model_summary=False,
-                          default_root_dir=str(tmp_path), num_sanity_val_steps=0,
-                          callbacks=[ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), filename="last")])
-
-    source = Seen(loaders)
-    trainer().fit(source)
-    ckpt = str(tmp_path / "ckpt" / "last.ckpt")
-    wider = Wider(loaders)
-    with pytest.raises(StateDictMismatchError, match=r"model.strict_loading = False") as raised:
-        trainer().validate(wider, ckpt_path=ckpt)
-    assert "'extra.weight'" in str(raised.value) and "trainer.fit" not in str(raised.value)
-    wider.strict_loading = False
-    trainer().validate(wider, ckpt_path=ckpt)
-    assert torch.equal(wider.layer.weight, source.layer.weight)
-
-    wider = Wider(loaders)
-    with pytest.raises(StateDictMismatchError, match=r"import_plain_checkpoint\(ckpt_path, model, strict=False\)"):
-        trainer(2).fit(wider, ckpt_path=ckpt)
-    import_plain_checkpoint(ckpt, wider, strict=False)
-    assert torch.equal(wider.layer.weight, source.layer.weight)
-    fitted = trainer(2)
-    fitted.fit(wider)
-    assert fitted.global_step == 2 and not torch.equal(wider.layer.weight, source.layer.weight)
 
 
 # ------------------------------------------------------------------------------------------ processes
