@@ -8,8 +8,6 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "ddp_strategy"
 TESTS = ROOT / "tests"
@@ -141,7 +139,8 @@ def test_no_import_cycles_in_the_package():
 
 
 def test_the_tests_mirror_the_package():
-    """tests/ holds one folder per sub-package (and scripts/, and diagnostics/ for diagnostics.py and its workers), and at its top only the tests of the top-level modules
+    """tests/ holds one folder per sub-package (and scripts/, and diagnostics/ for diagnostics.py and its
+    workers), and at its top only the tests of the top-level modules
     (test_strategy.py for strategy.py, ...), of the docs and of this layout, conftest.py and the shared helpers.
     Module names are unique: tests/ has no __init__.py, so pytest and spawned ranks import them by name."""
     modules = {f"test_{path.stem}.py" for path in PACKAGE.glob("*.py") if not path.stem.startswith("_")}

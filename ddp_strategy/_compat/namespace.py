@@ -279,7 +279,8 @@ class _OneNamespaceStrategy:
             raise TypeError(
                 f"This {type(self).__qualname__} was built for {ours}, but a {theirs} Trainer received it (where it"
                 f" was built nothing named {theirs}: a module that imports both namespaces or neither, e.g. at"
-                f" import time, before {theirs} was imported). Build it with {type(self).__qualname__}.for_namespace({theirs!r})(...),"
+                f" import time, before {theirs} was imported). Build it with"
+                f" {type(self).__qualname__}.for_namespace({theirs!r})(...),"
                 f" pass strategy='my_ddp', or set {ENV_VAR}={theirs}.")
         super(_OneNamespaceStrategy, type(self)).accelerator.__set__(self, accelerator)  # type: ignore[misc]
 

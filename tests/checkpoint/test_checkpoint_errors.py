@@ -27,8 +27,8 @@ from ddp_strategy import (
     import_plain_checkpoint,
     load_plain_state_dict,
 )
-from ddp_strategy.checkpoint.io import unwritable_reason
 from ddp_strategy.checkpoint.convert import plain_state_dict
+from ddp_strategy.checkpoint.io import unwritable_reason
 
 pytestmark = pytest.mark.timeout(120)
 
