@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import sys
 from collections.abc import Mapping
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
@@ -19,7 +20,7 @@ from typing_extensions import override
 from ddp_strategy import checkpoint, diagnostics, options, process, sampling, sync
 from ddp_strategy._compat import lightning_private as _pl
 from ddp_strategy._compat import namespace as _namespace
-from ddp_strategy._compat.namespace import TrainerFn, rank_zero_info, rank_zero_warn
+from ddp_strategy._compat.namespace import TrainerFn, rank_zero_info
 from ddp_strategy.checkpoint import FIT_MISMATCH_HINT, StateDictMismatchError, file_stamp, match_state_dict
 
 if TYPE_CHECKING:
@@ -88,6 +89,7 @@ class MyDDPStrategy(ParallelStrategy):
         self._verify_sync_every_n_steps = verify_sync_every_n_steps
         self._written: dict[str, tuple[int, int]] = {}  # checkpoints saved here: real path -> (bytes, mtime ns)
         self._diagnostics: diagnostics.FitRecord | None = None
+        self._failed_save: tuple[str, Exception] | None = None  # rank 0's, for Trainer.save_checkpoint's barrier
 
     @property
     @override
@@ -129,9 +131,12 @@ class MyDDPStrategy(ParallelStrategy):
     @property
     @override
     def checkpoint_io(self) -> CheckpointIO:
-        """The checkpoint plugin: :class:`~ddp_strategy.DDPCheckpointIO` unless the user passed another."""
-        self._checkpoint_io = self._checkpoint_io or checkpoint.DDPCheckpointIO()
-        return self._checkpoint_io
+        """The checkpoint plugin: :class:`~ddp_strategy.DDPCheckpointIO` unless the user passed another (a wrapping
+        one without its own, e.g. ``AsyncCheckpointIO()``, wraps ours, as Lightning's base wraps its default)."""
+        io = self._checkpoint_io = self._checkpoint_io or checkpoint.DDPCheckpointIO()
+        if getattr(io, "checkpoint_io", io) is None:
+            io.checkpoint_io = checkpoint.DDPCheckpointIO()
+        return io
 
     @checkpoint_io.setter
     def checkpoint_io(self, io: CheckpointIO | None) -> None:
@@ -175,12 +180,8 @@ class MyDDPStrategy(ParallelStrategy):
                 self._layer_sync = sync.cpu_capable(self._layer_sync)
                 self.model = self._layer_sync.apply(self.model)
             process.boundaries.add_fit_callbacks(trainer, self._run, self.global_rank, self.world_size)
-            if self.is_global_zero:  # remove what killed checkpoint writers left; name an unwritable folder now
-                folders = [cb.dirpath for cb in trainer.checkpoint_callbacks if getattr(cb, "dirpath", None)]
-                for folder in folders:
-                    checkpoint.remove_stale_temp_files(folder)
-                if problem := checkpoint.unwritable_reason(folders):  # a warning: Lightning's ddp fails at the save
-                    rank_zero_warn(f"{problem} The first checkpoint saved there will fail; fix the folder now.")
+            if self.is_global_zero:
+                checkpoint.prepare_folders(trainer.checkpoint_callbacks)
             self.model = sync.wrap(self.model, self.root_device, kwargs, self._options.comm_hook)
             self._gradients_unchecked = not (kwargs.get("find_unused_parameters") or kwargs.get("static_graph"))
             self._gradients_steps = 0
@@ -247,8 +248,8 @@ class MyDDPStrategy(ParallelStrategy):
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
         """As :meth:`validation_step`."""
-        with self.precision_plugin.test_step_context(), self._sharding.guard.step(self._trainer, "test_step", args,
-                                                                                  kwargs):
+        guard = self._sharding.guard.step(self._trainer, "test_step", args, kwargs)
+        with self.precision_plugin.test_step_context(), guard:
             return self.lightning_module.test_step(*args, **kwargs)
 
     @override
@@ -259,9 +260,12 @@ class MyDDPStrategy(ParallelStrategy):
 
     @override
     def barrier(self, name: str | None = None) -> None:
-        """Wait for every rank; NCCL gets this rank's device. A no-op without a process group."""
+        """Wait for every rank (NCCL: on this rank's device); a no-op without a process group."""
         self._sharding.guard.check("barrier", self.global_rank)
-        if dist.is_available() and dist.is_initialized():
+        if name == _pl.SAVE_BARRIER:  # Trainer.save_checkpoint's: rank 0's failed write raises on every rank
+            failure, self._failed_save = self._failed_save, None
+            process.agree_on_rank_zero_failure(failure, self.global_rank, self.root_device)
+        elif dist.is_available() and dist.is_initialized():
             dist.barrier(device_ids=process.device_ids(self.root_device) if dist.get_backend() == "nccl" else None)
 
     @override
@@ -303,20 +307,26 @@ class MyDDPStrategy(ParallelStrategy):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
-        """With every rank's sampler position, global rank 0 writes; a failure raises on every rank. Collective."""
+        """Global rank 0 writes, with every rank's sampler position; no collective. Under ``Trainer.save_checkpoint``
+        a failed write is raised on every rank by the barrier that follows."""
         sampling.save_positions(self._trainer, checkpoint)
-        process.on_global_zero(self.global_rank, self.root_device, f"saving checkpoint {filepath}",
-                               self.checkpoint_io.save_checkpoint, checkpoint, filepath, storage_options)
+        if self.is_global_zero:
+            try:
+                self.checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+            except Exception as e:
+                if not _pl.saving_for_trainer(sys._getframe(1)):
+                    raise
+                self._failed_save = (f"saving checkpoint {filepath}", e)
         if (stamp := file_stamp(filepath)) is not None:  # trusted when loaded back unchanged
             self._written[stamp[0]] = stamp[1]
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:
-        """Global rank 0 removes the file; a collective, like :meth:`save_checkpoint`."""
+        """Global rank 0 removes the file (no collective, as Lightning's)."""
         if (stamp := file_stamp(filepath)) is not None:
             self._written.pop(stamp[0], None)
-        process.on_global_zero(self.global_rank, self.root_device, f"removing checkpoint {filepath}",
-                               self.checkpoint_io.remove_checkpoint, filepath)
+        if self.is_global_zero:
+            self.checkpoint_io.remove_checkpoint(filepath)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:

@@ -12,6 +12,7 @@ from ddp_strategy.checkpoint.io import (
     DDPCheckpointIO,
     UnsafeCheckpointError,
     file_stamp,
+    prepare_folders,
     remove_stale_temp_files,
     unwritable_reason,
 )
@@ -25,5 +26,5 @@ from ddp_strategy.checkpoint.keys import (
 
 __all__ = ["FIT_MISMATCH_HINT", "DDPCheckpointIO", "DamagedCheckpointError", "StateDictMismatchError",
            "UnsafeCheckpointError", "export_weights", "file_stamp", "import_plain_checkpoint", "load_plain_state_dict",
-           "match_state_dict", "remove_stale_temp_files", "strip_ddp_prefix", "unwritable_reason",
+           "match_state_dict", "prepare_folders", "remove_stale_temp_files", "strip_ddp_prefix", "unwritable_reason",
            "unwrapped_state_dict"]

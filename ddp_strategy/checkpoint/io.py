@@ -119,6 +119,17 @@ def unwritable_reason(folders: list[str | os.PathLike]) -> str | None:
     return None
 
 
+def prepare_folders(callbacks: list[Any]) -> None:
+    """At fit start (global rank 0), in the ``dirpath`` of each checkpoint callback: remove what killed writers left
+    (:func:`remove_stale_temp_files`) and warn now about an unwritable folder (:func:`unwritable_reason`), where
+    Lightning's ddp fails at the first save."""
+    folders = [cb.dirpath for cb in callbacks if getattr(cb, "dirpath", None)]
+    for folder in folders:
+        remove_stale_temp_files(folder)
+    if problem := unwritable_reason(folders):
+        _namespace.rank_zero_warn(f"{problem} The first checkpoint saved there will fail; fix the folder now.")
+
+
 def file_stamp(path: Any) -> tuple[str, tuple[int, int]] | None:
     """``(real path, (size in bytes, mtime in ns))`` of a local file, or None (remote or missing): how a writer
     recognises, later, a file it wrote itself and nobody changed."""

@@ -7,7 +7,12 @@ protocol (:mod:`~ddp_strategy.process.failures`), the epoch- and step-boundary c
 
 from ddp_strategy._compat.namespace import default as _default
 from ddp_strategy.process import boundaries, failures, launching
-from ddp_strategy.process.collectives import all_gather_padded, all_gather_rows, gather_shapes, on_global_zero
+from ddp_strategy.process.collectives import (
+    agree_on_rank_zero_failure,
+    all_gather_padded,
+    all_gather_rows,
+    gather_shapes,
+)
 from ddp_strategy.process.failures import destroy_process_group
 from ddp_strategy.process.group import (
     DEFAULT_TIMEOUT,
@@ -24,8 +29,9 @@ from ddp_strategy.process.launching import START_METHODS, StartMethod, check_lau
 free_port = _default.get("fabric.plugins.environments.lightning:find_free_network_port")
 
 __all__ = [
-    "DEFAULT_TIMEOUT", "ProcessGroupRun", "START_METHODS", "StartMethod", "all_gather_padded", "all_gather_rows",
+    "DEFAULT_TIMEOUT", "ProcessGroupRun", "START_METHODS", "StartMethod", "agree_on_rank_zero_failure",
+    "all_gather_padded", "all_gather_rows",
     "as_timedelta", "boundaries", "check_launch_env", "default_start_method", "destroy_process_group",
-    "device_ids", "failures", "free_port", "gather_shapes", "init_process_group", "launching", "on_global_zero",
+    "device_ids", "failures", "free_port", "gather_shapes", "init_process_group", "launching",
     "validate_backend_name", "validate_init_method",
 ]

@@ -115,7 +115,7 @@ class _EpochShards:
         self._resume: dict[str, Any] | None = None
         self._start_layers: list[dict[str, Any]] = []
         self._iter_epoch: int | None = None
-        self._iter_len = 0
+        self._iter_total = 0  # stream positions dealt to all ranks this epoch (padding included)
 
     def _stream(self, epoch: int) -> list[Any]:
         raise NotImplementedError
@@ -150,9 +150,8 @@ class _EpochShards:
         positions = remaining_positions(n, layers)
         if self.pad and (missing := -len(positions) % self.num_replicas):
             positions += (list(range(n)) * math.ceil(missing / n))[:missing]  # DistributedSampler's padding
-        mine = positions[self.rank::self.num_replicas]
-        self._iter_epoch, self._start_layers, self._iter_len = self.epoch, layers, len(mine)
-        return [stream[p] for p in mine]
+        self._iter_epoch, self._start_layers, self._iter_total = self.epoch, layers, len(positions)
+        return [stream[p] for p in positions[self.rank::self.num_replicas]]
 
     def __iter__(self) -> Iterator[Any]:
         return iter(self._shard_items())
@@ -193,13 +192,18 @@ class _EpochShards:
         return int(rounding(math.ceil(left / self.num_replicas) / self.items_per_batch))
 
     def position(self, batches_done: int) -> dict[str, Any]:
-        """This rank's place in its epoch, ``{"epoch", "seed", "length", "kind", "layers", "consumed"}``, after
-        ``batches_done`` (Lightning's ``epoch_loop.batch_progress.current.ready``, less :attr:`batch_offset`)."""
+        """Every rank's place in the epoch after ``batches_done`` batches (Lightning's
+        ``epoch_loop.batch_progress.current.ready``, less :attr:`batch_offset`), computed here without a collective:
+        ``{"epoch", "seed", "length", "kind", "layers"}``, the last layer ``{"world_size": W, "consumed": [c_0, ...,
+        c_{W-1}]}``. Every rank reads the same batches per epoch (the strategy checks it), so rank ``r`` consumed
+        ``min(batches * items_per_batch, its shard's length)``."""
         started = self._iter_epoch is not None
-        consumed = min(max(batches_done - self.batch_offset, 0) * self.items_per_batch, self._iter_len)
+        done = max(batches_done - self.batch_offset, 0) * self.items_per_batch if started else 0
+        consumed = [min(done, len(range(r, self._iter_total, self.num_replicas))) for r in range(self.num_replicas)]
         return {"epoch": self._iter_epoch if started else self.epoch, "seed": self.seed,
-                "length": self.stream_length(), "kind": self.kind, "layers": self._start_layers if started else [],
-                "consumed": int(consumed) if started else 0}
+                "length": self.stream_length(), "kind": self.kind,
+                "layers": [*(self._start_layers if started else []),
+                           {"world_size": self.num_replicas, "consumed": consumed}]}
 
 
 class EpochSeededDistributedSampler(_EpochShards, DistributedSampler):

@@ -1,6 +1,6 @@
 """Sampler positions in checkpoints, and the mid-epoch (also elastic) resume they give.
 
-Every checkpoint written while fitting stores one position per training loader, gathered from every rank::
+Every checkpoint written while fitting stores one position per training loader, for every rank::
 
     {"version": 1, "loaders": [{"epoch": 3, "seed": 42, "length": 1438, "kind": "index",
                                 "layers": [{"world_size": 2, "consumed": [96, 96]}]}]}
@@ -16,8 +16,6 @@ from __future__ import annotations
 import warnings
 from contextlib import ExitStack
 from typing import TYPE_CHECKING, Any
-
-import torch.distributed as dist
 
 from ddp_strategy._compat import lightning_private as _pl
 from ddp_strategy._compat.namespace import TrainerFn, rank_zero_info, rank_zero_warn
@@ -45,47 +43,17 @@ def _train_samplers(trainer: Trainer) -> list[_EpochShards]:
     return [s for s in map(injected_sampler, leaves(trainer.train_dataloader)) if s is not None]
 
 
-def merge_rank_positions(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
-    """Merge what each rank's :meth:`~ddp_strategy.sampling.sampler._EpochShards.position` reported for one loader
-    into one position whose last layer is ``{"world_size": W, "consumed": [c_0, ..., c_{W-1}]}``.
-
-    Raises:
-        RuntimeError: the ranks disagree on epoch, seed, length, kind or earlier layers (ranks given other data).
-    """
-    first = per_rank[0]
-    for rank, entry in enumerate(per_rank):
-        for key in ("epoch", "seed", "length", "kind", "layers"):
-            if entry[key] != first[key]:
-                raise RuntimeError(
-                    f"Sampler positions disagree between rank 0 and rank {rank} on {key!r}: {first[key]!r} vs"
-                    f" {entry[key]!r}. Every rank must build its training loader from the same data set."
-                )
-    layer = {"world_size": len(per_rank), "consumed": [int(e["consumed"]) for e in per_rank]}
-    return {**{key: first[key] for key in ("epoch", "seed", "length", "kind")}, "layers": [*first["layers"], layer]}
-
-
 def save_positions(trainer: Trainer | None, checkpoint: dict[str, Any]) -> None:
-    """Add every rank's training sampler positions to ``checkpoint`` under :data:`CHECKPOINT_KEY`.
+    """Add the training samplers' positions (every rank's, see
+    :meth:`~ddp_strategy.sampling.sampler._EpochShards.position`) to ``checkpoint`` under :data:`CHECKPOINT_KEY`.
 
-    A collective (``all_gather_object``) on every rank while fitting with injected samplers; otherwise a no-op.
-
-    Raises:
-        RuntimeError: ranks report different numbers of loaders, or disagree (see :func:`merge_rank_positions`).
+    While fitting with injected samplers; otherwise a no-op. No collective: each rank computes the same entry.
     """
     fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
     samplers = _train_samplers(trainer) if fitting else []  # type: ignore[arg-type]
-    if not samplers:
-        return
-    done = trainer.fit_loop.epoch_loop.batch_progress.current.ready  # type: ignore[union-attr]
-    gathered: list[Any] = [[s.position(done) for s in samplers]]
-    if dist.is_available() and dist.is_initialized():
-        gathered = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, [s.position(done) for s in samplers])
-    if len({len(g) for g in gathered}) != 1:
-        raise RuntimeError("Ranks have different numbers of training loaders with a sampler position:"
-                           f" {[len(g) for g in gathered]}.")
-    positions = [merge_rank_positions([g[i] for g in gathered]) for i in range(len(samplers))]
-    checkpoint[CHECKPOINT_KEY] = {"version": STATE_VERSION, "loaders": positions}
+    if samplers:
+        done = trainer.fit_loop.epoch_loop.batch_progress.current.ready  # type: ignore[union-attr]
+        checkpoint[CHECKPOINT_KEY] = {"version": STATE_VERSION, "loaders": [s.position(done) for s in samplers]}
 
 
 def read_positions(checkpoint: dict[str, Any]) -> list[dict[str, Any]]:

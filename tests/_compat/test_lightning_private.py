@@ -3,7 +3,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -310,3 +313,27 @@ def test_lightnings_collectives_keep_their_signatures_and_world_of_one_behaviour
     t = torch.ones(2)
     assert _private(namespace, "sync_ddp_if_available")(t, reduce_op="sum") is t
     assert _private(namespace, "all_gather_ddp_if_available")(t, sync_grads=True) is t
+
+
+def test_trainer_save_checkpoint_saves_then_calls_the_named_barrier(namespace):
+    """Trainer.save_checkpoint calls strategy.save_checkpoint, then strategy.barrier(SAVE_BARRIER), and its frame is
+    recognised: the barrier that carries rank 0's write outcome (MyDDPStrategy.save_checkpoint) is still there."""
+    trainer_cls = namespace.get("pytorch:Trainer")
+    source = inspect.getsource(trainer_cls.save_checkpoint)
+    save = source.index("self.strategy.save_checkpoint(")
+    assert source.index(f'self.strategy.barrier("{_pl.SAVE_BARRIER}")') > save
+
+    class Recorder:
+        def save_checkpoint(self, *args, **kwargs):
+            self.saw = _pl.saving_for_trainer(sys._getframe(1))
+
+        def barrier(self, name=None):
+            self.barrier_name = name
+
+    recorder = Recorder()
+    fake = SimpleNamespace(model=object(), strategy=recorder,
+                           profiler=SimpleNamespace(profile=lambda _: contextlib.nullcontext()),
+                           _checkpoint_connector=SimpleNamespace(dump_checkpoint=lambda weights_only=None: {}))
+    trainer_cls.save_checkpoint(fake, "x.ckpt")
+    assert recorder.saw is True and recorder.barrier_name == _pl.SAVE_BARRIER
+    assert _pl.saving_for_trainer(sys._getframe()) is False

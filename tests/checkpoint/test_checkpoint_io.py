@@ -320,3 +320,20 @@ def test_atomic_save_gives_the_permissions_a_plain_save_gives(tmp_path):
             os.umask(old)
         for name in (f"atomic_{umask:o}.ckpt", f"plain_{umask:o}.ckpt"):
             assert stat.S_IMODE(os.stat(tmp_path / name).st_mode) == mode, name
+
+
+def test_a_wrapping_checkpoint_plugin_without_its_own_io_wraps_ours(tmp_path):
+    """plugins=[AsyncCheckpointIO()] (no inner plugin), as under Lightning's ddp: it saves through DDPCheckpointIO,
+    and the file it wrote in the background loads with plain keys."""
+    from lightning.pytorch.demos.boring_classes import BoringModel
+    from lightning.pytorch.plugins.io import AsyncCheckpointIO
+
+    from ddp_strategy import DDPCheckpointIO, MyDDPStrategy
+
+    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=MyDDPStrategy(), plugins=[AsyncCheckpointIO()],
+                         max_steps=2, default_root_dir=tmp_path, logger=False, enable_progress_bar=False,
+                         enable_model_summary=False)
+    trainer.fit(BoringModel())
+    assert isinstance(trainer.strategy.checkpoint_io.checkpoint_io, DDPCheckpointIO)
+    (path,) = (tmp_path / "checkpoints").iterdir()
+    assert set(torch.load(path, weights_only=True)["state_dict"]) == {"layer.weight", "layer.bias"}

@@ -30,7 +30,6 @@ from ddp_strategy.sampling.sampler import (
     shard_iterable,
     shared_seed,
 )
-from ddp_strategy.sampling.state import merge_rank_positions
 
 DATA = TensorDataset(torch.arange(5))
 
@@ -247,8 +246,8 @@ def test_resume_position_same_and_other_world_sizes():
     for s in ranks:
         s.items_per_batch = 2
     full = [list(s) for s in ranks]
-    position = merge_rank_positions([s.position(2) for s in ranks])
-    assert position["layers"] == [{"world_size": 2, "consumed": [4, 4]}]
+    position = ranks[0].position(2)
+    assert position == ranks[1].position(2) and position["layers"] == [{"world_size": 2, "consumed": [4, 4]}]
     rest = full[0][4:] + full[1][4:]
     for world in (1, 2, 3):
         resumed = [EpochSeededDistributedSampler(data, world, r, seed=5) for r in range(world)]
@@ -271,7 +270,7 @@ def test_resume_position_same_and_other_world_sizes():
 
 def test_resume_from_a_position_of_another_length_raises():
     """A position written for 11 samples cannot resume a loader of 12."""
-    position = merge_rank_positions([EpochSeededDistributedSampler(TensorDataset(torch.arange(11)), 1, 0).position(0)])
+    position = EpochSeededDistributedSampler(TensorDataset(torch.arange(11)), 1, 0).position(0)
     with pytest.raises(ValueError, match="stream of 11 items, but the training loader now yields 12"):
         EpochSeededDistributedSampler(TensorDataset(torch.arange(12)), 2, 0).resume_from(position)
 
@@ -287,13 +286,13 @@ def test_chained_elastic_resumes_cover_the_epoch():
 
     first = [make(2, r) for r in range(2)]
     read = [i for s in first for i in list(s)[:2]]
-    position = merge_rank_positions([s.position(1) for s in first])
+    position = first[1].position(1)
     second = [make(3, r) for r in range(3)]
     for s in second:
         s.resume_from(position)
         s.batch_offset = 4  # what the strategy sets: Lightning's counter at the resumed epoch's start
     read += [i for s in second for i in list(s)[:2]]
-    position = merge_rank_positions([s.position(5) for s in second])
+    position = second[2].position(5)
     assert [layer["world_size"] for layer in position["layers"]] == [2, 3]
     last = make(1, 0)
     last.resume_from(position)

@@ -16,7 +16,6 @@ from ddp_strategy.sampling.sampler import EpochSeededDistributedSampler, Shard, 
 from ddp_strategy.sampling.state import (
     CHECKPOINT_KEY,
     LIGHTNING_NOT_RESUMABLE_WARNING,
-    merge_rank_positions,
     read_positions,
     restore_batch_counter,
     save_positions,
@@ -79,22 +78,27 @@ def test_save_and_read_positions_without_process_group_and_weights_only_roundtri
     assert read_positions({}) == []
 
 
-def test_merge_rank_positions_adds_one_layer():
-    """Per-rank reports merge into one new layer after the layers the epoch started from."""
-    report = {"epoch": 2, "seed": 1, "length": 9, "kind": "index", "layers": [{"world_size": 3, "consumed": [1] * 3}],
-              "consumed": 3}
-    merged = merge_rank_positions([report, {**report, "consumed": 2}])
-    assert merged["layers"] == [{"world_size": 3, "consumed": [1, 1, 1]}, {"world_size": 2, "consumed": [3, 2]}]
+def test_every_rank_computes_every_ranks_position_after_earlier_layers():
+    """Each rank computes the same entry without a collective: one new layer after the layers its epoch resumed
+    from, each rank's count capped at its shard (a resumed remainder of 5 padded to 6, 3 per rank)."""
+    start = {"epoch": 0, "seed": 1, "length": 9, "kind": "index", "layers": [{"world_size": 2, "consumed": [2, 2]}]}
+    ranks = [EpochSeededDistributedSampler(range(9), 2, r, seed=1) for r in range(2)]
+    for s in ranks:
+        s.items_per_batch = 2
+        s.resume_from(start)
+        assert len(list(s)) == 3
+    positions = [s.position(2) for s in ranks]
+    assert positions[0] == positions[1]
+    assert positions[0]["layers"] == [*start["layers"], {"world_size": 2, "consumed": [3, 3]}]
+    assert EpochSeededDistributedSampler(range(9), 3, 0).position(5)["layers"] == [
+        {"world_size": 3, "consumed": [0, 0, 0]}]  # no epoch started: nothing consumed
 
 
-def test_disagreeing_ranks_and_bad_entries_raise():
-    """Ranks reporting different epochs, an unknown entry version, another length or kind: clear errors."""
-    report = {"epoch": 2, "seed": 1, "length": 9, "kind": "index", "layers": [], "consumed": 3}
-    with pytest.raises(RuntimeError, match="rank 1 on 'epoch'"):
-        merge_rank_positions([report, {**report, "epoch": 3}])
+def test_bad_entries_warn_or_raise():
+    """An unknown entry version is ignored with a warning; another length or kind: clear errors."""
     with pytest.warns(UserWarning, match="not a version-1 sampler position.*It is ignored"):
         assert read_positions({CHECKPOINT_KEY: {"version": 99, "loaders": []}}) == []
-    position = merge_rank_positions([report])
+    position = {"epoch": 2, "seed": 1, "length": 9, "kind": "index", "layers": [{"world_size": 1, "consumed": [3]}]}
     with pytest.raises(ValueError, match="stream of 9 items, but the training loader now yields 10"):
         EpochSeededDistributedSampler(range(10), 1, 0).resume_from(position)
     with pytest.raises(ValueError, match="'index' sampler"):
