@@ -15,8 +15,8 @@ from torch import nn
 
 log = logging.getLogger(__name__)
 
-__all__ = ["DDP_TIMING_KEYS", "CountingProcessGroup", "broadcast_coalesced", "ddp_logging_data", "default_store",
-           "release_ddp_process_group"]
+__all__ = ["COMPILE_SEGMENT", "DDP_TIMING_KEYS", "CountingProcessGroup", "broadcast_coalesced", "compiled_original",
+           "ddp_logging_data", "default_store", "release_ddp_process_group"]
 
 #: Keys of ``DistributedDataParallel._get_ddp_logging_data()`` this package reads. Times are in nanoseconds,
 #: averaged by DDP's reducer over the iterations it samples (each of the first 10, then every 100th; the
@@ -103,3 +103,14 @@ def default_store() -> Any:
     from torch.distributed import distributed_c10d
 
     return distributed_c10d._get_default_store()
+
+
+#: The attribute (and the state-dict key segment) under which ``torch.compile``'s ``OptimizedModule`` keeps the
+#: module it compiled: ``torch.compile(net).state_dict()`` keys are ``"_orig_mod.<net's key>"``.
+COMPILE_SEGMENT = "_orig_mod"
+
+
+def compiled_original(module: Any) -> nn.Module | None:
+    """The module ``torch.compile`` wrapped, if ``module`` is its ``OptimizedModule`` (matched by class name, so
+    ``torch._dynamo`` is not imported); else None."""
+    return getattr(module, COMPILE_SEGMENT, None) if type(module).__name__ == "OptimizedModule" else None

@@ -15,10 +15,11 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from ddp_strategy._compat import torch_private as _torch
+from ddp_strategy._compat.torch_private import COMPILE_SEGMENT
+
 #: The key prefix ``DistributedDataParallel`` adds to its module's state dict.
 DDP_PREFIX = "module."
-#: The attribute under which ``torch.compile``'s ``OptimizedModule`` keeps the original module.
-COMPILE_SEGMENT = "_orig_mod"
 #: At most this many keys of each kind are listed in a :class:`StateDictMismatchError` message.
 MAX_LISTED_KEYS = 10
 
@@ -35,10 +36,10 @@ def unwrapped_name(module: nn.Module, key: str) -> str:
             kept.extend(parts[i:-1])
             break
         wrapped = "module" if isinstance(current, DistributedDataParallel) else COMPILE_SEGMENT if (
-            type(current).__name__ == "OptimizedModule" and COMPILE_SEGMENT in current._modules) else None
+            _torch.compiled_original(current) is not None) else None
         if part != wrapped:
             kept.append(part)
-        current = current._modules.get(part)
+        current = dict(current.named_children()).get(part)
     return ".".join([*kept, parts[-1]])
 
 

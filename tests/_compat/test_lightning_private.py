@@ -238,9 +238,9 @@ def test_base_class_attributes_the_strategy_sets_or_reads(namespace):
         assert name in vars(s), f"Lightning's Strategy no longer sets {name}"
     assert isinstance(s._forward_redirection, _ForwardRedirection)
     assert callable(getattr(ParallelStrategy, "_configure_launcher", None))
-    trainer = namespace.pytorch.Trainer(accelerator="cpu", devices=2, strategy=MyDDPStrategy.for_namespace(namespace.name)(
-                                            start_method="spawn"),
-                                        sync_batchnorm=True, logger=False)
+    strategy = MyDDPStrategy.for_namespace(namespace.name)(start_method="spawn")
+    trainer = namespace.pytorch.Trainer(accelerator="cpu", devices=2, strategy=strategy, sync_batchnorm=True,
+                                        logger=False)
     assert isinstance(trainer.strategy, ParallelStrategy)
     assert type(trainer.strategy._layer_sync).__name__ == "TorchSyncBatchNorm"
     assert trainer.strategy._launcher is trainer.strategy.launcher

@@ -88,3 +88,16 @@ def test_default_store_is_the_world_groups_store(one_rank_group):
     with pytest.raises(ValueError):
         _torch_private.default_store()
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # for the fixture's teardown
+
+
+def test_compiled_modules_keep_the_original_under_the_compile_segment():
+    """torch.compile gives an ``OptimizedModule`` holding the module under ``_orig_mod``, which prefixes its keys;
+    a plain module (even one with a child of that name) is not taken for one."""
+    net = nn.Linear(2, 1)
+    compiled = torch.compile(net, backend="eager")
+    assert type(compiled).__name__ == "OptimizedModule" and _torch_private.compiled_original(compiled) is net
+    segment = _torch_private.COMPILE_SEGMENT
+    assert list(compiled.state_dict()) == [f"{segment}.weight", f"{segment}.bias"]
+    impostor = nn.Module()
+    impostor._orig_mod = net
+    assert _torch_private.compiled_original(impostor) is None and _torch_private.compiled_original(net) is None
