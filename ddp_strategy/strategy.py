@@ -21,7 +21,7 @@ from ddp_strategy import checkpoint, diagnostics, options, process, sampling, sy
 from ddp_strategy._compat import lightning_private as _pl
 from ddp_strategy._compat import namespace as _namespace
 from ddp_strategy._compat.namespace import TrainerFn, rank_zero_info
-from ddp_strategy.checkpoint import FIT_MISMATCH_HINT, StateDictMismatchError, file_stamp, match_state_dict
+from ddp_strategy.checkpoint import FIT_MISMATCH_HINT, StateDictMismatchError, match_state_dict
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -87,9 +87,9 @@ class MyDDPStrategy(ParallelStrategy):
         self._warned_padded_gather = False
         self._gradients_unchecked, self._gradients_steps = False, 0  # the first backward's check to come; steps
         self._verify_sync_every_n_steps = verify_sync_every_n_steps
-        self._written: dict[str, tuple[int, int]] = {}  # checkpoints saved here: real path -> (bytes, mtime ns)
+        self._written = checkpoint.WrittenFiles()  # checkpoints saved by this run, trusted when loaded back unchanged
         self._diagnostics: diagnostics.FitRecord | None = None
-        self._failed_save: tuple[str, Exception] | None = None  # rank 0's, for Trainer.save_checkpoint's barrier
+        self._saving: tuple[Any, Exception | None] | None = None  # path, rank 0's error: for the save's barrier
 
     @property
     @override
@@ -262,9 +262,10 @@ class MyDDPStrategy(ParallelStrategy):
     def barrier(self, name: str | None = None) -> None:
         """Wait for every rank (NCCL: on this rank's device); a no-op without a process group."""
         self._sharding.guard.check("barrier", self.global_rank)
-        if name == _pl.SAVE_BARRIER:  # Trainer.save_checkpoint's: rank 0's failed write raises on every rank
-            failure, self._failed_save = self._failed_save, None
-            process.agree_on_rank_zero_failure(failure, self.global_rank, self.root_device)
+        if name == _pl.SAVE_BARRIER and self._saving is not None:  # Trainer.save_checkpoint's: rank 0's outcome
+            (path, error), self._saving = self._saving, None
+            process.agree_on_rank_zero_failure(error, f"saving checkpoint {path}", self.global_rank, self.root_device)
+            self._written.add(path)
         elif dist.is_available() and dist.is_initialized():
             dist.barrier(device_ids=process.device_ids(self.root_device) if dist.get_backend() == "nccl" else None)
 
@@ -310,21 +311,21 @@ class MyDDPStrategy(ParallelStrategy):
         """Global rank 0 writes, with every rank's sampler position; no collective. Under ``Trainer.save_checkpoint``
         a failed write is raised on every rank by the barrier that follows."""
         sampling.save_positions(self._trainer, checkpoint)
+        error = None
         if self.is_global_zero:
             try:
                 self.checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+                self._written.add(filepath)
             except Exception as e:
                 if not _pl.saving_for_trainer(sys._getframe(1)):
                     raise
-                self._failed_save = (f"saving checkpoint {filepath}", e)
-        if (stamp := file_stamp(filepath)) is not None:  # trusted when loaded back unchanged
-            self._written[stamp[0]] = stamp[1]
+                error = e
+        self._saving = (filepath, error)
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:
         """Global rank 0 removes the file (no collective, as Lightning's)."""
-        if (stamp := file_stamp(filepath)) is not None:
-            self._written.pop(stamp[0], None)
+        self._written.discard(filepath)
         if self.is_global_zero:
             self.checkpoint_io.remove_checkpoint(filepath)
 
@@ -332,7 +333,7 @@ class MyDDPStrategy(ParallelStrategy):
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """Every rank reads the file and keeps its sampler positions; a file saved here, unchanged, is trusted."""
         self._checkpoint_path = checkpoint_path
-        if weights_only is None and (stamp := file_stamp(checkpoint_path)) and self._written.get(stamp[0]) == stamp[1]:
+        if weights_only is None and checkpoint_path in self._written:
             weights_only = False  # unless the caller chose (lr_find, ckpt_path="best" cannot)
         loaded = _pl.call_with_weights_only(super().load_checkpoint, checkpoint_path, weights_only=weights_only)
         self._sharding.positions = sampling.read_positions(loaded)

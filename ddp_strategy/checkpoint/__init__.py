@@ -11,7 +11,7 @@ from ddp_strategy.checkpoint.io import (
     DamagedCheckpointError,
     DDPCheckpointIO,
     UnsafeCheckpointError,
-    file_stamp,
+    WrittenFiles,
     prepare_folders,
     remove_stale_temp_files,
     unwritable_reason,
@@ -25,6 +25,7 @@ from ddp_strategy.checkpoint.keys import (
 )
 
 __all__ = ["FIT_MISMATCH_HINT", "DDPCheckpointIO", "DamagedCheckpointError", "StateDictMismatchError",
-           "UnsafeCheckpointError", "export_weights", "file_stamp", "import_plain_checkpoint", "load_plain_state_dict",
+           "UnsafeCheckpointError", "WrittenFiles", "export_weights", "import_plain_checkpoint",
+           "load_plain_state_dict",
            "match_state_dict", "prepare_folders", "remove_stale_temp_files", "strip_ddp_prefix", "unwritable_reason",
            "unwrapped_state_dict"]

@@ -130,16 +130,36 @@ def prepare_folders(callbacks: list[Any]) -> None:
         _namespace.rank_zero_warn(f"{problem} The first checkpoint saved there will fail; fix the folder now.")
 
 
-def file_stamp(path: Any) -> tuple[str, tuple[int, int]] | None:
-    """``(real path, (size in bytes, mtime in ns))`` of a local file, or None (remote or missing): how a writer
-    recognises, later, a file it wrote itself and nobody changed."""
-    if not isinstance(path, (str, os.PathLike)) or "://" in os.fspath(path):
-        return None
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    return os.path.realpath(path), (st.st_size, st.st_mtime_ns)
+class WrittenFiles:
+    """Local checkpoint files this rank saw written in this process, each with its size (bytes) and mtime (ns): a
+    file loaded back unchanged was written by this run's rank 0, so it is trusted (``weights_only=False``)."""
+
+    def __init__(self) -> None:
+        self._stamps: dict[str, tuple[int, int]] = {}
+
+    @staticmethod
+    def _stamp(path: Any) -> tuple[str, tuple[int, int]] | None:
+        if not isinstance(path, (str, os.PathLike)) or "://" in os.fspath(path):
+            return None
+        try:
+            st = os.stat(path)
+        except OSError:
+            return None
+        return os.path.realpath(path), (st.st_size, st.st_mtime_ns)
+
+    def add(self, path: Any) -> None:
+        """Remember ``path`` as it is now (after its write completed); remote or missing paths are ignored."""
+        if (stamp := self._stamp(path)) is not None:
+            self._stamps[stamp[0]] = stamp[1]
+
+    def discard(self, path: Any) -> None:
+        """Forget ``path`` (before it is removed)."""
+        if (stamp := self._stamp(path)) is not None:
+            self._stamps.pop(stamp[0], None)
+
+    def __contains__(self, path: Any) -> bool:
+        stamp = self._stamp(path)
+        return stamp is not None and self._stamps.get(stamp[0]) == stamp[1]
 
 
 # ---------------------------------------------------------------------------------------------- loads

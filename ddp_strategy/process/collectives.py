@@ -117,20 +117,18 @@ def all_gather_rows(tensor: Tensor, group: Any | None = None, sync_grads: bool =
     return stacked.index_select(0, torch.tensor(index, dtype=torch.long, device=stacked.device))
 
 
-def agree_on_rank_zero_failure(failure: tuple[str, Exception] | None, rank: int, device: torch.device) -> None:
-    """Every rank learns whether global rank 0 failed: ``failure`` is ``(what, error)`` on rank 0 after it failed
-    ``what`` (e.g. ``"saving checkpoint x.ckpt"``), else None. An all-reduced flag (also a barrier: it stands in for
-    ``Trainer.save_checkpoint``'s), then rank 0's message only after a failure. A collective; without a process
-    group it raises rank 0's own error. Raises ``error`` on rank 0, a ``RuntimeError`` naming it on the others."""
-    error = failure[1] if failure is not None else None
+def agree_on_rank_zero_failure(error: Exception | None, what: str, rank: int, device: torch.device) -> None:
+    """Every rank learns whether global rank 0 failed ``what`` (e.g. ``"saving checkpoint x.ckpt"``): ``error`` is
+    rank 0's exception, else None. An all-reduced flag (also a barrier: it stands in for ``Trainer.save_checkpoint``'s),
+    then rank 0's message only after a failure. A collective; without a process group it raises rank 0's own error.
+    Raises ``error`` on rank 0, a ``RuntimeError`` naming it on the others."""
     if _initialized():
-        failed = torch.tensor([float(failure is not None)], device=device)
+        failed = torch.tensor([float(error is not None)], device=device)
         dist.all_reduce(failed, op=dist.ReduceOp.MAX)
-        if failed.item() and error is None:  # rank 0's message for this rank's error
-            box: list[Any] = [None]
-            dist.broadcast_object_list(box, 0)
-            raise RuntimeError(f"[rank {rank}] global rank 0 failed {box[0]}")
+        box = [f"{type(error).__name__}: {error}" if error is not None else None]
         if failed.item():
-            dist.broadcast_object_list([f"{failure[0]}: {type(error).__name__}: {error}"], 0)  # type: ignore[index]
+            dist.broadcast_object_list(box, 0)
+        if failed.item() and error is None:
+            raise RuntimeError(f"[rank {rank}] global rank 0 failed {what}: {box[0]}")
     if error is not None:
         raise error
