@@ -275,9 +275,11 @@ class MyDDPStrategy(ParallelStrategy):
 
     @override
     def reduce(self, tensor: Tensor | Any, group: Any | None = None, reduce_op: Any | None = "mean") -> Tensor | Any:
-        """Lightning's ``DDPStrategy.reduce``: ``tensor`` reduced in place over ``group`` (None: the world) by
-        ``_sync_ddp``; a collective on ``group``'s ranks. Non-tensors come back unchanged."""
+        """Lightning's ``DDPStrategy.reduce``: ``_sync_ddp`` in place over ``group`` (None: the world), a collective;
+        but an integer mean is a new, exact float32 tensor (Lightning's truncates). Non-tensors: unchanged."""
         self._sharding.guard.check("reduce (e.g. self.log(..., on_step=True, sync_dist=True))", self.global_rank)
+        if isinstance(tensor, Tensor) and reduce_op in ("mean", "avg") and not tensor.is_floating_point():
+            tensor = tensor.float()  # exact: epoch values over uneven shards divide by their mean batch size
         return _pl.sync_ddp_if_available(tensor, group, reduce_op=reduce_op) if isinstance(tensor, Tensor) else tensor
 
     @override

@@ -109,6 +109,7 @@ class GroupCollectives(pl.LightningModule):
             self.record[f"reduce_{name}"] = self.trainer.strategy.reduce(x, group=group, reduce_op="sum").tolist()
             self.record[f"reduced_in_place_{name}"] = x.tolist()
             self.record[f"gather_{name}"] = self.all_gather(value, group=group).tolist()
+        self.record["int_mean"] = self.trainer.strategy.reduce(torch.tensor(self.global_rank + 1)).item()
 
 
 def _group_collectives(out: Path) -> None:
@@ -126,9 +127,10 @@ def _group_collectives(out: Path) -> None:
 def test_collectives_over_a_group_give_lightnings_values(tmp_path):
     """self.log(sync_dist=True, sync_dist_group=g), strategy.reduce(x, group=g) and all_gather(x, group=g) for g =
     WORLD, a one-rank subgroup and None give Lightning's ddp values: the world's for WORLD and None, the rank's own for
-    its subgroup; reduce works in place, as Lightning's."""
+    its subgroup; reduce works in place, as Lightning's. The one difference: an integer mean is exact (1.5, not 1)."""
     launch(_group_collectives, 2, tmp_path)
     ours, lightning = load(tmp_path, "ours", 2), load(tmp_path, "lightning", 2)
+    assert [r.pop("int_mean") for r in ours] == [1.5, 1.5] and [r.pop("int_mean") for r in lightning] == [1, 1]
     assert ours == lightning
     for rank, got in enumerate(ours):
         assert got["world"] == got["none"] == 1.5 and got["own"] == rank + 1

@@ -206,8 +206,7 @@ def describe_peers(exception: BaseException, store: dist.Store, rank: int, world
     one raised in torch's autograd engine or DDP's module (DDP's gradient all-reduce fails the backward pass, its
     buffer broadcast the forward; gloo's errors are plain ``RuntimeError``) only if a cause is found, as those
     frames raise a rank's own errors too (an in-place modification)."""
-    frames = traceback.extract_tb(exception.__traceback__)
-    where = frames[-1].filename if frames else ""
+    where = "".join(frame.filename for frame in traceback.extract_tb(exception.__traceback__)[-1:])  # innermost
     certain = isinstance(exception, dist.DistError) or where.startswith(_IN_COLLECTIVE)
     if not certain and not where.startswith(tuple(_MAYBE)):
         return None
@@ -251,8 +250,7 @@ def explain(rank: int, peers: str, timeout: timedelta, known_cause: str | None =
 
 
 def stop_processes(procs: list[Any], grace_s: float = 5.0) -> None:
-    """Wait up to ``grace_s`` s for ``procs`` (``Popen`` or ``multiprocessing.Process``) to exit, SIGKILL the rest,
-    reap all."""
+    """Wait up to ``grace_s`` s for ``procs`` (``Popen`` or ``multiprocessing.Process``) to exit; SIGKILL, reap."""
     alive = [p for p in procs if (p.poll() if hasattr(p, "poll") else p.exitcode) is None]
     deadline = time.monotonic() + grace_s
     while alive and time.monotonic() < deadline:
