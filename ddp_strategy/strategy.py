@@ -280,17 +280,12 @@ class MyDDPStrategy(ParallelStrategy):
 
     @override
     def reduce(self, tensor: Tensor | Any, group: Any | None = None, reduce_op: Any | None = "mean") -> Tensor | Any:
-        """A new tensor, Lightning's ``_sync_ddp`` by mean (int: float32), avg, sum, max, min; else ``ValueError``."""
+        """Lightning's ``DDPStrategy.reduce``: ``_sync_ddp`` in place over ``group`` (None: the world), a collective;
+        but an integer mean is a new, exact float32 tensor (Lightning's truncates). Non-tensors: unchanged."""
         self._sharding.guard.check("reduce (e.g. self.log(..., on_step=True, sync_dist=True))", self.global_rank)
-        op = (getattr(reduce_op, "name", None) or str(reduce_op or "mean")).lower()
-        if group is not None or op not in ("mean", "avg", "sum", "max", "min"):
-            raise ValueError("MyDDPStrategy.reduce only reduces over the world process group; pass group=None."
-                             if group is not None else f"Unsupported reduce op {reduce_op!r}; use one of"
-                             " ['avg', 'max', 'mean', 'min', 'sum'].")
-        if not isinstance(tensor, Tensor):
-            return tensor
-        result = tensor.float() if op in ("mean", "avg") and not tensor.is_floating_point() else tensor.clone()
-        return _pl.sync_ddp_if_available(result, reduce_op=op)
+        if isinstance(tensor, Tensor) and reduce_op in ("mean", "avg") and not tensor.is_floating_point():
+            tensor = tensor.float()  # exact: epoch values over uneven shards divide by their mean batch size
+        return _pl.sync_ddp_if_available(tensor, group, reduce_op=reduce_op) if isinstance(tensor, Tensor) else tensor
 
     @override
     def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:

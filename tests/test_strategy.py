@@ -11,9 +11,10 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from ddp_testing import IndexedDigits, RecordingClassifier
+from ddp_testing import IndexedDigits, RecordingClassifier, launch, load, save
 from lightning.pytorch import Trainer
 from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
+from torch.utils.data import DataLoader, TensorDataset
 
 from ddp_strategy import DDPCheckpointIO, DigitsNet, MyDDPStrategy
 from ddp_strategy import strategy as strategy_module
@@ -76,14 +77,67 @@ def test_nccl_barrier_passes_device_ids(monkeypatch):
     assert calls == [{"device_ids": [1]}]
 
 
-def test_reduce_refuses_subgroups_and_passes_non_tensors():
-    """reduce() only reduces over the world: a group is refused, and the suggested group=None reduces (here one
-    process: the mean); non-tensors come back unchanged."""
-    s = MyDDPStrategy()
-    assert s.reduce(3.5) == 3.5
-    with pytest.raises(ValueError, match="world process group.*pass group=None"):
-        s.reduce(torch.tensor([1.0, 3.0]), group=object())
-    assert s.reduce(torch.tensor([1.0, 3.0]), group=None).tolist() == [1.0, 3.0]
+def test_reduce_without_a_process_group_returns_its_input():
+    """Without a process group reduce() gives back what it got, a tensor (whatever the group) or not, as Lightning's."""
+    s, t = MyDDPStrategy(), torch.tensor([1.0, 3.0])
+    assert s.reduce(3.5) == 3.5 and s.reduce(t, group=object()) is t and s.reduce(t, reduce_op="sum") is t
+
+
+# ------------------------------------------------ collectives over a group, under strategy="ddp" and MyDDPStrategy()
+class GroupCollectives(pl.LightningModule):
+    """Validates 2 steps per rank, logging ``rank + 1`` with ``sync_dist`` over the world, the rank's own one-rank
+    group and no group; at the epoch's end reduces and gathers over those groups directly."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(1, 1)
+        self.record: dict[str, object] = {}
+
+    def setup(self, stage: str) -> None:
+        self.groups = {"world": dist.group.WORLD, "own": dist.new_subgroups_by_enumeration([[0], [1]])[0], "none": None}
+
+    def validation_step(self, batch, batch_idx):
+        for name, group in self.groups.items():
+            self.log(name, float(self.global_rank + 1), sync_dist=True, sync_dist_group=group)
+            self.log(f"{name}_sum", float(self.global_rank + 1), sync_dist=True, sync_dist_group=group, reduce_fx="sum")
+            self.log(f"{name}_step", float(self.global_rank + 1), on_step=True, on_epoch=False, sync_dist=True,
+                     sync_dist_group=group, reduce_fx="max")
+
+    def on_validation_epoch_end(self) -> None:
+        for name, group in self.groups.items():
+            x, value = torch.tensor([self.global_rank + 1.0]), torch.tensor([self.global_rank + 1.0])
+            self.record[f"reduce_{name}"] = self.trainer.strategy.reduce(x, group=group, reduce_op="sum").tolist()
+            self.record[f"reduced_in_place_{name}"] = x.tolist()
+            self.record[f"gather_{name}"] = self.all_gather(value, group=group).tolist()
+        self.record["int_mean"] = self.trainer.strategy.reduce(torch.tensor(self.global_rank + 1)).item()
+
+
+def _group_collectives(out: Path) -> None:
+    """The same validation under MyDDPStrategy and then Lightning's ddp; each rank records what it got."""
+    for name, strategy in (("ours", MyDDPStrategy(timeout=60)), ("lightning", "ddp")):
+        model = GroupCollectives()
+        trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, logger=False, enable_progress_bar=False,
+                             enable_model_summary=False)
+        trainer.validate(model, DataLoader(TensorDataset(torch.zeros(8, 1)), batch_size=2))
+        save(out, name, {**model.record, **{k: v.item() for k, v in trainer.callback_metrics.items()}})
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_collectives_over_a_group_give_lightnings_values(tmp_path):
+    """self.log(sync_dist=True, sync_dist_group=g), strategy.reduce(x, group=g) and all_gather(x, group=g) for g =
+    WORLD, a one-rank subgroup and None give Lightning's ddp values: the world's for WORLD and None, the rank's own for
+    its subgroup; reduce works in place, as Lightning's. The one difference: an integer mean is exact (1.5, not 1)."""
+    launch(_group_collectives, 2, tmp_path)
+    ours, lightning = load(tmp_path, "ours", 2), load(tmp_path, "lightning", 2)
+    assert [r.pop("int_mean") for r in ours] == [1.5, 1.5] and [r.pop("int_mean") for r in lightning] == [1, 1]
+    assert ours == lightning
+    for rank, got in enumerate(ours):
+        assert got["world"] == got["none"] == 1.5 and got["own"] == rank + 1
+        assert got["world_sum"] == got["none_sum"] == 6 and got["own_sum"] == 2 * (rank + 1)
+        assert got["reduce_world"] == got["reduced_in_place_world"] == got["reduce_none"] == [3.0]
+        assert got["reduce_own"] == got["reduced_in_place_own"] == [rank + 1.0]
+        assert got["gather_world"] == got["gather_none"] == [[1.0], [2.0]] and got["gather_own"] == [[rank + 1.0]]
 
 
 # ------------------------------------------------------------------------------- two-process fits

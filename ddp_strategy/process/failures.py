@@ -10,10 +10,10 @@ apart):
 2. **A rank whose own code raised** (:func:`on_exception`: anything but a broken collective, an interruption, a
    stall or SIGTERM) logs ``[rank N] failed: Type: message (file:line in function)`` with its traceback and
    publishes that line as ``failed/<rank>``.
-3. **A rank whose collective broke** (a ``DistError``, a gloo/NCCL ``RuntimeError``) reads every peer's
-   ``failed/<peer>`` and, for a same-host peer without one, whether its pid exited (polled for up to
-   :data:`PEER_EXIT_WAIT_S`); it appends ``Cause: rank 1 failed: ...`` or ``rank 1 (pid N) is no longer
-   running`` (nothing known: a timeout's likely causes) to its own exception, logs it, and writes
+3. **A rank whose collective broke**, told by the exception's type and where it was raised, never by its words
+   (:func:`describe_peers`), reads every peer's ``failed/<peer>`` and, for a same-host peer without one, whether its
+   pid exited (polled for up to :data:`PEER_EXIT_WAIT_S`); it appends ``Cause: rank 1 failed: ...`` or ``rank 1
+   (pid N) is no longer running`` (nothing known: the likely causes) to its own exception, logs it, and writes
    ``explained/<rank>``.
 4. **At teardown after a failure** (:func:`teardown`) the world group is destroyed, so the failing rank's
    connections close and its peers' collectives break now (step 3), not at the timeout. A failing rank that did
@@ -22,10 +22,11 @@ apart):
    explained, failed itself or exited: its exit is what Lightning's supervisors act on (popen's
    ``_ChildProcessObserver`` SIGKILLs every rank, spawn's ``ProcessContext.join`` terminates them).
 5. **The launching rank of popen** (rank 0: Lightning's launcher holds the other ranks' ``Popen`` objects)
-   empties, first thing in :func:`on_exception`, the list the observer polls every 5 s, so the observer cannot
-   SIGKILL it before its own error reaches the user's ``except``/``finally`` and traceback; it stops those ranks
-   itself at teardown, after the group is gone (:func:`stop_processes`: 5 s to exit, 30 s after a SIGTERM save,
-   then SIGKILL), and reaps them.
+   empties, first thing in :func:`on_exception`, the list the observer polls every 5 s: that observer SIGKILLs
+   the launching process 0-5 s after a child exits non-zero, before its own error reaches the user's
+   ``except``/``finally``, and a SIGKILLed child (the OOM killer) cannot wait for it to finish; Lightning has no
+   hook to stop it. It stops those ranks itself at teardown, after the group is gone (:func:`stop_processes`:
+   5 s to exit, 30 s after a SIGTERM save, then SIGKILL), and reaps them.
 
 Every store operation while failing has a :data:`STORE_TIMEOUT_S` timeout: rank 0, which serves the store, may
 be the rank that failed.
@@ -61,9 +62,9 @@ STORE_TIMEOUT_S = 2.0
 #: How long a rank whose collective broke waits for a same-host peer to show up as exited (seconds): a killed
 #: peer's sockets close a moment before the kernel marks it exited.
 PEER_EXIT_WAIT_S = 2.0
-#: Substrings of collective errors that mean a peer is gone or did not answer (gloo, NCCL, c10d).
-_PEER_ERROR_MARKERS = ("connection closed by peer", "connection reset by peer", "broken pipe", "timed out",
-                       "timeout", "nccl", "gloo", "distbackenderror", "monitoredbarrier", "socket")
+#: An error whose innermost frame is in these torch folders was raised in a collective, or maybe (describe_peers).
+_IN_COLLECTIVE, *_MAYBE = (os.path.join(os.path.dirname(os.path.dirname(dist.__file__)), *folder, "")
+                           for folder in (["distributed"], ["autograd"], ["nn", "parallel"]))
 
 
 class StalledRankError(RuntimeError):
@@ -103,10 +104,8 @@ def on_exception(run: Any, exception: BaseException, rank: int, world_size: int,
         pass  # an interruption, or not a rank (the parent of spawned ranks), or one that never joined
     elif isinstance(exception, StalledRankError):
         log.error("%s", exception)  # it names the missing ranks already
-    elif isinstance(exception, getattr(dist, "DistError", ())) or isinstance(exception, RuntimeError) and any(
-            m in f"{type(exception).__name__}: {exception}".lower() for m in _PEER_ERROR_MARKERS):
-        peers = describe_peers(store, rank, world_size)
-        extra = explain(exception, rank, peers, run.timeout, known_cause)
+    elif (peers := describe_peers(exception, store, rank, world_size)) is not None:
+        extra = explain(rank, peers, run.timeout, known_cause)
         if exception.args and isinstance(exception.args[0], str):
             exception.args = (f"{exception.args[0]}\n{extra}", *exception.args[1:])
         else:
@@ -200,8 +199,17 @@ def wait_for_peers(store: dist.Store, rank: int, world_size: int, timeout_s: flo
         time.sleep(0.05 if waiting else 0)
 
 
-def describe_peers(store: dist.Store, rank: int, world_size: int) -> str:
-    """Step 3's causes, ``"; "``-joined: each peer that reported a failure or whose process on this host is gone."""
+def describe_peers(exception: BaseException, store: dist.Store, rank: int, world_size: int) -> str | None:
+    """Step 3's causes, ``"; "``-joined (each peer that reported a failure or whose process on this host is gone), if
+    ``exception`` broke in a collective; None if it is this rank's own failure. In a collective: a ``DistError``
+    (``DistBackendError``, ``DistNetworkError``, ``DistStoreError``) or an error raised in ``torch.distributed``;
+    one raised in torch's autograd engine or DDP's module (DDP's gradient all-reduce fails the backward pass, its
+    buffer broadcast the forward; gloo's errors are plain ``RuntimeError``) only if a cause is found, as those
+    frames raise a rank's own errors too (an in-place modification)."""
+    where = "".join(frame.filename for frame in traceback.extract_tb(exception.__traceback__)[-1:])  # innermost
+    certain = isinstance(exception, dist.DistError) or where.startswith(_IN_COLLECTIVE)
+    if not certain and not where.startswith(tuple(_MAYBE)):
+        return None
     found: list[str] = []
     deadline = time.monotonic() + PEER_EXIT_WAIT_S  # shared by all peers
 
@@ -219,11 +227,11 @@ def describe_peers(store: dist.Store, rank: int, world_size: int) -> str:
 
     if _best_effort(store, rank, lambda: read() or True) is None and rank != 0:
         found.append("rank 0, which holds the rendezvous store, is not answering: it probably failed first")
-    return "; ".join(found)
+    return "; ".join(found) if found or certain else None
 
 
-def explain(exception: BaseException, rank: int, peers: str, timeout: timedelta, known_cause: str | None = None) -> str:
-    """The sentence added to a collective error: which peers failed, or the likely causes of a timeout."""
+def explain(rank: int, peers: str, timeout: timedelta, known_cause: str | None = None) -> str:
+    """The sentence added to a collective error: which peers failed, or the likely causes."""
     parts = [f"[rank {rank}] a collective failed because another rank did not take part."]
     if known_cause:
         parts.append(known_cause)
@@ -231,21 +239,18 @@ def explain(exception: BaseException, rank: int, peers: str, timeout: timedelta,
         parts.append(f"Cause: {peers}.")
         if " failed: " in peers:
             parts.append("The failing rank's own traceback is printed above this one.")
-    elif any(m in str(exception).lower() for m in ("timed out", "timeout")) and not known_cause:
-        parts.append(
-            f"No rank reported an error, and the collective timed out after {timeout.total_seconds():.0f} s: a rank"
-            " is stalled (an endless loop, a deadlocked DataLoader worker, slow storage), or ranks called collectives"
-            " in a different order or number (self.log(..., sync_dist=True) on some ranks only, an all_gather in a"
-            " branch, uneven data with use_distributed_sampler=False). Set TORCH_DISTRIBUTED_DEBUG=DETAIL to have"
-            " PyTorch check that collectives match.")
     elif not known_cause:
-        parts.append("No rank reported an error: a peer process probably exited or lost its connection.")
+        parts.append(
+            "No rank reported an error: a peer exited or lost its connection, or is stalled (an endless loop, a"
+            f" deadlocked DataLoader worker, slow storage; a collective waits {timeout.total_seconds():.0f} s), or"
+            " the ranks called collectives in a different order or number (self.log(..., sync_dist=True) on some"
+            " ranks only, an all_gather in a branch, uneven data with use_distributed_sampler=False). Set"
+            " TORCH_DISTRIBUTED_DEBUG=DETAIL to have PyTorch check that collectives match.")
     return " ".join(parts)
 
 
 def stop_processes(procs: list[Any], grace_s: float = 5.0) -> None:
-    """Wait up to ``grace_s`` s for ``procs`` (``Popen`` or ``multiprocessing.Process``) to exit, SIGKILL the rest,
-    reap all."""
+    """Wait up to ``grace_s`` s for ``procs`` (``Popen`` or ``multiprocessing.Process``) to exit; SIGKILL, reap."""
     alive = [p for p in procs if (p.poll() if hasattr(p, "poll") else p.exitcode) is None]
     deadline = time.monotonic() + grace_s
     while alive and time.monotonic() < deadline:

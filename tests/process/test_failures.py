@@ -17,6 +17,7 @@ from pathlib import Path
 import lightning.pytorch as pl
 import pytest
 import torch
+import torch.distributed as dist
 from ddp_testing import session_members
 from lightning.pytorch.callbacks import ModelCheckpoint
 
@@ -236,22 +237,23 @@ def test_a_failing_rank_waits_for_a_live_peer_that_has_not_explained():
 
 
 class RaisesOnRank1(pl.LightningModule):
-    """A linear model whose training_step raises on rank 1 at its third batch."""
+    """A linear model whose training_step raises ``error`` on rank 1 at its third batch."""
 
-    def __init__(self) -> None:
+    def __init__(self, error: Exception) -> None:
         super().__init__()
         self.net = torch.nn.Linear(4, 1)
+        self.error = error
 
     def training_step(self, batch, batch_idx):
         if batch_idx == 2 and self.global_rank == 1:
-            raise ZeroDivisionError("rank 1 divided by zero on purpose")
+            raise self.error
         return self.net(batch[0]).pow(2).mean()
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
-def _fit_failing_on_rank_1(rank: int, world_size: int, num_workers: int) -> None:
+def _fit_failing_on_rank_1(rank: int, world_size: int, num_workers: int, error: Exception) -> None:
     import gc
     import weakref
 
@@ -265,29 +267,54 @@ def _fit_failing_on_rank_1(rank: int, world_size: int, num_workers: int) -> None
 
     failures.EXPLAIN_WAIT_S = 600.0  # longer than the kit's deadline: a rank 0 that never explains hangs the call
     spy = GroupSpy()
+    data = DataLoader(TensorDataset(torch.randn(32, 4)), batch_size=4, num_workers=num_workers)
     try:
         pl.Trainer(accelerator="cpu", devices=world_size, strategy=MyDDPStrategy(timeout=60), max_epochs=1,
                    logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                   callbacks=[spy]).fit(RaisesOnRank1(), DataLoader(TensorDataset(torch.randn(32, 4)), batch_size=4,
-                                                                    num_workers=num_workers))
-    except ZeroDivisionError as e:  # rank 1; its traceback still holds the DDP wrapper here
-        gc.collect()
+                   callbacks=[spy]).fit(RaisesOnRank1(error), data)
+    except type(error) as e:
+        if rank == 0:
+            raise
+        gc.collect()  # rank 1; its traceback still holds the DDP wrapper here
         raise RuntimeError(f"process group released while the error propagates: {spy.group() is None}") from e
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("num_workers", [0, 2])
-def test_the_peers_of_a_rank_that_raised_explain_before_it_exits(num_workers):
+@pytest.mark.parametrize(("num_workers", "error"), [
+    (0, ZeroDivisionError("rank 1 divided by zero on purpose")),
+    (2, RuntimeError("download timeout: the socket to the data server timed out (gloo, nccl)")),
+])
+def test_the_peers_of_a_rank_that_raised_explain_before_it_exits(num_workers, error):
     """Rank 1 raises inside a fit: its DDP wrapper lets go of the process group, so the group's connections close
     at teardown, rank 0's collective breaks at once and names rank 1's error, and rank 1, which waits for that
     explanation, gets it (before, the wrapper, kept alive by the exception, held gloo's connections open until
     rank 1's process exited, and rank 1 waited 10 s for an explanation that could not come). With DataLoader
-    workers, which hold forked copies of the connections, rank 1 does not wait: rank 0 learns when it exits."""
+    workers, which hold forked copies of the connections, rank 1 does not wait: rank 0 learns when it exits. A
+    user's RuntimeError whose text speaks of timeouts and sockets is rank 1's own failure, not a collective's."""
     from ddp_strategy.testing import RankError, run_on_ranks
 
     with pytest.raises(RankError) as raised:
-        run_on_ranks(_fit_failing_on_rank_1, 2, args=(num_workers,), init_process_group=False, timeout_s=60)
+        run_on_ranks(_fit_failing_on_rank_1, 2, args=(num_workers, error), init_process_group=False, timeout_s=60)
+    own = f"{type(error).__name__}: {error}"
     assert "2 of 2 ranks failed" in str(raised.value)  # not "did not finish": rank 1 did not wait out 600 s
-    assert "ZeroDivisionError: rank 1 divided by zero on purpose" in raised.value.reports[1]
+    assert own in raised.value.reports[1] and "did not take part" not in raised.value.reports[1]
     assert "process group released while the error propagates: True" in raised.value.reports[1]
-    assert "Cause: rank 1 failed: ZeroDivisionError: rank 1 divided by zero on purpose" in raised.value.reports[0]
+    assert f"Cause: rank 1 failed: {own}" in raised.value.reports[0]
+
+
+def test_errors_are_classified_by_type_and_where_they_were_raised_not_by_their_words():
+    """A user's RuntimeError("download timeout ...") is published as the rank's own failure; a DistBackendError
+    (whatever its text) is a broken collective, explained and not published."""
+    from datetime import timedelta
+
+    from ddp_strategy.process import ProcessGroupRun, failures
+    for error in (RuntimeError("download timeout: socket closed by the gloo server"), dist.DistBackendError("x")):
+        run = ProcessGroupRun(timedelta(seconds=5), timedelta(seconds=5))
+        run.reports = store = torch.distributed.HashStore()
+        try:
+            raise error
+        except RuntimeError as e:
+            failures.on_exception(run, e, 1, 2, None, None, launcher=None)
+        own = not isinstance(error, dist.DistBackendError)
+        assert run.own_failure is own and store.check(["failed/1"]) is own and store.check(["explained/1"]) is not own
+    assert store.check(["explained/1"]) and "No rank reported an error" in str(error)
