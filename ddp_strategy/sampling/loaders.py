@@ -95,10 +95,9 @@ def _original_sampler(dataloader: DataLoader) -> Any:
     """The sampler of indices behind ``dataloader``, also inside a batch sampler with ``batch_size`` and ``drop_last``
     (Lightning re-creates those around a distributed one; the loader's own if it has no ``sampler``), else ``None``."""
     batch_sampler = dataloader.batch_sampler
-    if batch_sampler is None:
-        return dataloader.sampler
-    has_size = hasattr(batch_sampler, "batch_size") and hasattr(batch_sampler, "drop_last")
-    return getattr(batch_sampler, "sampler", dataloader.sampler) if has_size else None
+    if batch_sampler is None or hasattr(batch_sampler, "batch_size") and hasattr(batch_sampler, "drop_last"):
+        return getattr(batch_sampler, "sampler", dataloader.sampler)
+    return None
 
 
 def _is_plain_permutation(sampler: Any) -> bool:
@@ -110,10 +109,8 @@ def _is_plain_permutation(sampler: Any) -> bool:
 def injected_sampler(dataloader: object) -> samplers._EpochShards | None:
     """The sampler :func:`inject_distributed_sampler` put into ``dataloader`` (or its batch sampler), else ``None``."""
     batch_sampler = getattr(dataloader, "batch_sampler", None)
-    for candidate in (batch_sampler, getattr(dataloader, "sampler", None), getattr(batch_sampler, "sampler", None)):
-        if isinstance(candidate, samplers._EpochShards):
-            return candidate
-    return None
+    candidates = (batch_sampler, getattr(dataloader, "sampler", None), getattr(batch_sampler, "sampler", None))
+    return next((c for c in candidates if isinstance(c, samplers._EpochShards)), None)
 
 
 def needs_distributed_sampler(dataloader: object) -> bool:
@@ -139,8 +136,7 @@ def _check_shard_sizes(dataloader: DataLoader, shard: Shard, training: bool) -> 
             f" DistributedSampler pads them), so some ranks read the same {what}. Use a data set with at least {w}"
             f" {what}, or fewer devices."
         )
-    batch_sampler = dataloader.batch_sampler
-    if source is None or batch_sampler is None:
+    if source is None or (batch_sampler := dataloader.batch_sampler) is None:
         return
     batch_size, drop_last = int(batch_sampler.batch_size), bool(batch_sampler.drop_last)  # type: ignore[attr-defined]
     smallest = math.ceil(n / w) if shard.pad else n // w
@@ -162,11 +158,10 @@ def inject_distributed_sampler(dataloader: object, shard: Shard, training: bool 
     """Return ``dataloader`` re-created around a distributed sampler for ``shard``, or unchanged if it needs none.
 
     ``shuffle=True/False`` loaders get an :class:`~ddp_strategy.sampling.sampler.EpochSeededDistributedSampler`,
-    other samplers a ``ShardedSampler``; unpadded, plain batches come from an ``EqualCountBatchSampler``. The user's
-    batch sampler class is re-created around it as Lightning's ddp does (its arguments and ``drop_last`` kept);
-    where Lightning cannot, and for batch samplers without ``batch_size``/``drop_last``, a ``ShardedBatchSampler``
-    shards its batches whole. The loader is re-created by Lightning's logic (subclass arguments kept);
-    ``batch_size`` stays the per-device B: the global batch is ``B * W``.
+    other samplers a ``ShardedSampler``; unpadded, plain batches come from an ``EqualCountBatchSampler``; the user's
+    batch sampler class is re-created around it, else (Lightning cannot) a ``ShardedBatchSampler`` shards its
+    batches whole. Re-created by Lightning's logic (subclass arguments kept); ``batch_size`` stays the per-device
+    B: the global batch is ``B * W``.
 
     Args:
         dataloader: the user's loader (see :func:`needs_distributed_sampler` for what is left alone).
@@ -233,9 +228,9 @@ def shard_for_evaluation(dataloader: object, shard: Shard, stage: str, exact: bo
     batch sampler class) padded as Lightning's ddp pads it, with a rank-0 warning where exactness is lost. Agrees
     on its batch counts (:func:`agree_batch_counts`, a collective: every rank calls it)."""
     sharded = exact and needs_distributed_sampler(dataloader)
-    drops = bool(getattr(getattr(dataloader, "batch_sampler", None), "drop_last", False))  # N % W == 0 here
     reason = needs_padding(dataloader, shard.num_replicas) if sharded else None  # type: ignore[arg-type]
-    if sharded and reason is None:
+    if sharded and reason is None:  # drop_last=True (N a multiple of W here): Lightning's batches
+        drops = bool(getattr(dataloader.batch_sampler, "drop_last", False))  # type: ignore[attr-defined]
         loader = inject_distributed_sampler(dataloader, dataclasses.replace(shard, pad=drops))
         if (counts := agree_batch_counts(loader)) is None or len(set(counts)) == 1:
             return loader
@@ -259,11 +254,11 @@ def agree_batch_counts(dataloader: object) -> tuple[int, ...] | None:
     in the same order); without a process group the local length alone.
     """
     try:
-        counts: list[Any] = [len(dataloader)]  # type: ignore[arg-type]
+        local = len(dataloader)  # type: ignore[arg-type]
     except TypeError:
-        counts = [-1]
-    if dist.is_available() and dist.is_initialized():
-        local, counts = counts[0], [None] * dist.get_world_size()
+        local = -1
+    counts: list[Any] = [local] * (dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1)
+    if len(counts) > 1:
         dist.all_gather_object(counts, local)
     result = None if min(counts) < 0 else tuple(counts)
     with contextlib.suppress(AttributeError):  # a loader that forbids attributes: the guard sees no counts
@@ -285,22 +280,23 @@ def warn_if_order_kept(dataloader: object, world_size: int, overfit_batches: int
         return
     shards = (f"rank r of {world_size} reads positions r, r + {world_size}, r + {2 * world_size}, ..." if world_size > 1
               else "the one process reads every position")
-    advice = "MyDDPStrategy has no setting that gives Lightning's batches here"
-    if isinstance(source, SequentialSampler):
+    advice, batch_sampler = "MyDDPStrategy has no setting that gives Lightning's batches here", dataloader.batch_sampler
+    if type(batch_sampler) not in (BatchSampler, type(None)):  # the user's batch sampler (whole batches, or indices)
+        what = (f"its batch sampler is a {type(batch_sampler).__name__}, read in its order ({shards} of each epoch's"
+                f" {'batches' if source is None else 'indices'})")
+        lightning = ("re-creates the batch sampler around a shuffling DistributedSampler of the data set (or raises"
+                     " TypeError where it cannot)")
+        advice = "For Lightning's batches build it on a RandomSampler" if source is not None else advice
+    elif isinstance(source, SequentialSampler):
         what = f"its sampler is a SequentialSampler (shuffle=False), so {shards} of the data set, every epoch"
         lightning = ("shuffles training data even with shuffle=False (its DistributedSampler for training always has"
                      " shuffle=True)")
         advice = "For Lightning's batches and weights pass shuffle=True to the training DataLoader"
-    elif source is not None:
+    else:
         what = (f"its sampler is a {type(source).__name__}, drawn once per epoch (the same draw on every rank), and"
                 f" {shards} of that draw, in its order")
         lightning = ("has each rank draw with its own global random state and shuffles the positions (its"
                      " DistributedSamplerWrapper for training always has shuffle=True)")
-    else:
-        what = (f"its batch sampler is a {type(dataloader.batch_sampler).__name__}, whose batches are read whole and"
-                f" in order ({shards} of each epoch's batches)")
-        lightning = ("re-creates the batch sampler around a shuffling DistributedSampler (or raises TypeError where"
-                     " it cannot)")
     rank_zero_warn(
         f"{ORDER_KEPT_WARNING}: {what}. Lightning's strategy='ddp' {lightning}, so the batches each rank reads, and"
         f" the trained weights, differ from a run with strategy='ddp'. {advice}; if the order is intended, silence"
@@ -356,10 +352,8 @@ class EvaluationStepGuard:
         counts = getattr(loaders[index] if 0 <= index < len(loaders) else None, BATCH_COUNTS_ATTR, None)
         previous = self._active
         if counts is not None:
-            if isinstance(limit, float) or limit < 0:
-                counts = tuple(int(c * limit) for c in counts) if 0 <= limit < 1.0 else counts
-            else:
-                counts = tuple(min(c, limit) for c in counts)
+            capped = isinstance(limit, int) and limit >= 0
+            counts = tuple(min(c, limit) if capped else int(c * limit) if 0 <= limit < 1.0 else c for c in counts)
             self._active = (stage, counts) if len(set(counts)) > 1 else None
             self.last_uneven = self._active or self.last_uneven
         try:
