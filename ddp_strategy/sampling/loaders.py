@@ -20,7 +20,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, SequentialSampler
-from torch.utils.data.distributed import DistributedSampler
 
 from ddp_strategy._compat import lightning_private as _pl
 from ddp_strategy._compat.namespace import RunningStage, TrainerFn, rank_zero_warn
@@ -79,10 +78,7 @@ class LoaderSharding:
         shard = Shard(world_size, rank, seed, epoch_fn=lambda: trainer.fit_loop.epoch_progress.current.processed)
         if not training:
             stage = "test" if trainer.state.stage == RunningStage.TESTING else "validation"
-            loader = (shard_for_evaluation(dataloader, shard, stage) if self.exact_evaluation
-                      else inject_distributed_sampler(dataloader, shard, training=False))
-            agree_batch_counts(loader)
-            return loader
+            return shard_for_evaluation(dataloader, shard, stage, self.exact_evaluation)
         warn_if_order_kept(dataloader, world_size, trainer.overfit_batches)
         loader = inject_distributed_sampler(dataloader, shard)
         if self.positions and (injected := injected_sampler(loader)) is not None:
@@ -96,11 +92,12 @@ class LoaderSharding:
 
 
 def _original_sampler(dataloader: DataLoader) -> Any:
-    """The sampler of indices behind ``dataloader`` (also inside a plain ``BatchSampler``), else ``None``."""
+    """The sampler of indices behind ``dataloader``, also inside a batch sampler with ``batch_size`` and ``drop_last``
+    (Lightning re-creates those around a distributed one; the loader's own if it has no ``sampler``), else ``None``."""
     batch_sampler = dataloader.batch_sampler
-    if batch_sampler is None:
-        return dataloader.sampler
-    return batch_sampler.sampler if type(batch_sampler) is BatchSampler else None
+    if batch_sampler is None or hasattr(batch_sampler, "batch_size") and hasattr(batch_sampler, "drop_last"):
+        return getattr(batch_sampler, "sampler", dataloader.sampler)
+    return None
 
 
 def _is_plain_permutation(sampler: Any) -> bool:
@@ -112,10 +109,8 @@ def _is_plain_permutation(sampler: Any) -> bool:
 def injected_sampler(dataloader: object) -> samplers._EpochShards | None:
     """The sampler :func:`inject_distributed_sampler` put into ``dataloader`` (or its batch sampler), else ``None``."""
     batch_sampler = getattr(dataloader, "batch_sampler", None)
-    for candidate in (batch_sampler, getattr(dataloader, "sampler", None), getattr(batch_sampler, "sampler", None)):
-        if isinstance(candidate, samplers._EpochShards):
-            return candidate
-    return None
+    candidates = (batch_sampler, getattr(dataloader, "sampler", None), getattr(batch_sampler, "sampler", None))
+    return next((c for c in candidates if isinstance(c, samplers._EpochShards)), None)
 
 
 def needs_distributed_sampler(dataloader: object) -> bool:
@@ -123,11 +118,8 @@ def needs_distributed_sampler(dataloader: object) -> bool:
     (injection happens once) and loaders whose (batch) sampler is already distributed (the user's is respected)."""
     if not isinstance(dataloader, DataLoader) or isinstance(dataloader.dataset, IterableDataset):
         return False
-    batch_sampler = dataloader.batch_sampler
-    samplers = (dataloader.sampler, batch_sampler, getattr(batch_sampler, "sampler", None))
-    return injected_sampler(dataloader) is None and not any(
-        isinstance(s, DistributedSampler) or (hasattr(s, "num_replicas") and hasattr(s, "rank")) for s in samplers
-        if s is not None)
+    samplers = (dataloader.sampler, dataloader.batch_sampler, getattr(dataloader.batch_sampler, "sampler", None))
+    return not any(hasattr(s, "num_replicas") and hasattr(s, "rank") for s in samplers)  # ours and DistributedSampler
 
 
 def _check_shard_sizes(dataloader: DataLoader, shard: Shard, training: bool) -> None:
@@ -144,8 +136,7 @@ def _check_shard_sizes(dataloader: DataLoader, shard: Shard, training: bool) -> 
             f" DistributedSampler pads them), so some ranks read the same {what}. Use a data set with at least {w}"
             f" {what}, or fewer devices."
         )
-    batch_sampler = dataloader.batch_sampler
-    if source is None or batch_sampler is None:
+    if source is None or (batch_sampler := dataloader.batch_sampler) is None:
         return
     batch_size, drop_last = int(batch_sampler.batch_size), bool(batch_sampler.drop_last)  # type: ignore[attr-defined]
     smallest = math.ceil(n / w) if shard.pad else n // w
@@ -167,9 +158,10 @@ def inject_distributed_sampler(dataloader: object, shard: Shard, training: bool 
     """Return ``dataloader`` re-created around a distributed sampler for ``shard``, or unchanged if it needs none.
 
     ``shuffle=True/False`` loaders get an :class:`~ddp_strategy.sampling.sampler.EpochSeededDistributedSampler`,
-    other samplers a ``ShardedSampler``, custom batch samplers a ``ShardedBatchSampler``; unpadded, batches come from
-    an ``EqualCountBatchSampler``. Re-created by Lightning's logic (subclass arguments kept); ``batch_size`` stays
-    the per-device B: the global batch is ``B * W``.
+    other samplers a ``ShardedSampler``; unpadded, plain batches come from an ``EqualCountBatchSampler``; the user's
+    batch sampler class is re-created around it, else (Lightning cannot) a ``ShardedBatchSampler`` shards its
+    batches whole. Re-created by Lightning's logic (subclass arguments kept); ``batch_size`` stays the per-device
+    B: the global batch is ``B * W``.
 
     Args:
         dataloader: the user's loader (see :func:`needs_distributed_sampler` for what is left alone).
@@ -197,6 +189,10 @@ def inject_distributed_sampler(dataloader: object, shard: Shard, training: bool 
         return _pl.update_dataloader(dataloader, built)
     built.items_per_batch = int(batch_sampler.batch_size)  # type: ignore[attr-defined]
     built.drop_last_batch = bool(batch_sampler.drop_last)  # type: ignore[attr-defined]
+    if type(batch_sampler) is not BatchSampler:  # the user's class, re-created around ``built`` (Lightning's code)
+        with contextlib.suppress(TypeError):  # Lightning cannot (an argument it does not know): its batches, whole
+            return _pl.update_dataloader(dataloader, built)
+        return _pl.update_dataloader_batch_sampler(dataloader, samplers.ShardedBatchSampler(batch_sampler, shard))
     if shard.pad and dataloader.batch_size is not None:
         return _pl.update_dataloader(dataloader, built)
     # Unpadded: equal batch counts; DataLoader(batch_sampler=BatchSampler(s, B, drop_last)): keep B and drop_last.
@@ -208,8 +204,8 @@ def inject_distributed_sampler(dataloader: object, shard: Shard, training: bool 
 def needs_padding(dataloader: DataLoader, num_replicas: int) -> str | None:
     """Why ``dataloader`` has no exact layout with equal batch counts (a phrase for the warning), or ``None``.
 
-    One exists when N is a multiple of W, or when B >= 2, N >= W and the incomplete last batch is kept; custom batch
-    samplers always have one (``ShardedBatchSampler``).
+    One exists when N is a multiple of W, or when B >= 2, N >= W and the incomplete last batch is kept; whole custom
+    batches always have one (``ShardedBatchSampler``); for the user's batch sampler class, see the counts.
     """
     source = _original_sampler(dataloader)
     if source is None or len(source) % num_replicas == 0:
@@ -226,20 +222,29 @@ def needs_padding(dataloader: DataLoader, num_replicas: int) -> str | None:
     return None
 
 
-def shard_for_evaluation(dataloader: object, shard: Shard, stage: str) -> object:
-    """A validation (``stage="validation"``) or test loader with each sample once and equal batch counts, or padded
-    as Lightning's ddp pads it, with a rank-0 warning, where :func:`needs_padding` finds no such layout."""
-    reason = needs_padding(dataloader, shard.num_replicas) if needs_distributed_sampler(dataloader) else None
-    if reason is None:
-        return inject_distributed_sampler(dataloader, dataclasses.replace(shard, pad=False))
-    n, w = len(_original_sampler(dataloader)), shard.num_replicas  # type: ignore[arg-type]
-    rank_zero_warn(
-        f"The {stage} loader has {n} samples for {w} ranks and {reason}, so the ranks cannot hold the same number of"
-        f" batches with every sample exactly once. Like Lightning's ddp, its shards are padded: {-n % w} sample(s)"
-        f" are evaluated twice, and {stage} metrics count them twice. For exact metrics use batch_size >= 2 and"
-        f" drop_last=False with at least {w} samples, or a data set whose size is a multiple of {w}."
-    )
-    return inject_distributed_sampler(dataloader, dataclasses.replace(shard, pad=True), training=False)
+def shard_for_evaluation(dataloader: object, shard: Shard, stage: str, exact: bool = True) -> object:
+    """A validation (``stage="validation"``) or test loader with each sample once and equal batch counts, else
+    (``exact=False``, ``drop_last=True``, or no such layout: :func:`needs_padding`, or uneven counts from the user's
+    batch sampler class) padded as Lightning's ddp pads it, with a rank-0 warning where exactness is lost. Agrees
+    on its batch counts (:func:`agree_batch_counts`, a collective: every rank calls it)."""
+    sharded = exact and needs_distributed_sampler(dataloader)
+    reason = needs_padding(dataloader, shard.num_replicas) if sharded else None  # type: ignore[arg-type]
+    if sharded and reason is None:  # drop_last=True (N a multiple of W here): Lightning's batches
+        drops = bool(getattr(dataloader.batch_sampler, "drop_last", False))  # type: ignore[attr-defined]
+        loader = inject_distributed_sampler(dataloader, dataclasses.replace(shard, pad=drops))
+        if (counts := agree_batch_counts(loader)) is None or len(set(counts)) == 1:
+            return loader
+        reason = f"its {type(loader.batch_sampler).__name__} makes {list(counts)} batches of the exact shards"
+    if reason is not None:
+        n, w = len(_original_sampler(dataloader)), shard.num_replicas  # type: ignore[arg-type]
+        rank_zero_warn(f"The {stage} loader has {n} samples for {w} ranks and {reason}, so the ranks cannot hold the"
+                       f" same number of batches with every sample exactly once. Like Lightning's ddp, its shards are"
+                       f" padded: {-n % w} sample(s) are evaluated twice, and {stage} metrics count them twice. For"
+                       f" exact metrics use batch_size >= 2 and drop_last=False with at least {w} samples, or a data"
+                       f" set whose size is a multiple of {w}.")
+    loader = inject_distributed_sampler(dataloader, dataclasses.replace(shard, pad=True), training=False)
+    agree_batch_counts(loader)
+    return loader
 
 
 def agree_batch_counts(dataloader: object) -> tuple[int, ...] | None:
@@ -249,11 +254,11 @@ def agree_batch_counts(dataloader: object) -> tuple[int, ...] | None:
     in the same order); without a process group the local length alone.
     """
     try:
-        counts: list[Any] = [len(dataloader)]  # type: ignore[arg-type]
+        local = len(dataloader)  # type: ignore[arg-type]
     except TypeError:
-        counts = [-1]
-    if dist.is_available() and dist.is_initialized():
-        local, counts = counts[0], [None] * dist.get_world_size()
+        local = -1
+    counts: list[Any] = [local] * (dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1)
+    if len(counts) > 1:
         dist.all_gather_object(counts, local)
     result = None if min(counts) < 0 else tuple(counts)
     with contextlib.suppress(AttributeError):  # a loader that forbids attributes: the guard sees no counts
@@ -275,22 +280,23 @@ def warn_if_order_kept(dataloader: object, world_size: int, overfit_batches: int
         return
     shards = (f"rank r of {world_size} reads positions r, r + {world_size}, r + {2 * world_size}, ..." if world_size > 1
               else "the one process reads every position")
-    advice = "MyDDPStrategy has no setting that gives Lightning's batches here"
-    if isinstance(source, SequentialSampler):
+    advice, batch_sampler = "MyDDPStrategy has no setting that gives Lightning's batches here", dataloader.batch_sampler
+    if type(batch_sampler) not in (BatchSampler, type(None)):  # the user's batch sampler (whole batches, or indices)
+        what = (f"its batch sampler is a {type(batch_sampler).__name__}, read in its order ({shards} of each epoch's"
+                f" {'batches' if source is None else 'indices'})")
+        lightning = ("re-creates the batch sampler around a shuffling DistributedSampler of the data set (or raises"
+                     " TypeError where it cannot)")
+        advice = "For Lightning's batches build it on a RandomSampler" if source is not None else advice
+    elif isinstance(source, SequentialSampler):
         what = f"its sampler is a SequentialSampler (shuffle=False), so {shards} of the data set, every epoch"
         lightning = ("shuffles training data even with shuffle=False (its DistributedSampler for training always has"
                      " shuffle=True)")
         advice = "For Lightning's batches and weights pass shuffle=True to the training DataLoader"
-    elif source is not None:
+    else:
         what = (f"its sampler is a {type(source).__name__}, drawn once per epoch (the same draw on every rank), and"
                 f" {shards} of that draw, in its order")
         lightning = ("has each rank draw with its own global random state and shuffles the positions (its"
                      " DistributedSamplerWrapper for training always has shuffle=True)")
-    else:
-        what = (f"its batch sampler is a {type(dataloader.batch_sampler).__name__}, whose batches are read whole and"
-                f" in order ({shards} of each epoch's batches)")
-        lightning = ("re-creates the batch sampler around a shuffling DistributedSampler (or raises TypeError where"
-                     " it cannot)")
     rank_zero_warn(
         f"{ORDER_KEPT_WARNING}: {what}. Lightning's strategy='ddp' {lightning}, so the batches each rank reads, and"
         f" the trained weights, differ from a run with strategy='ddp'. {advice}; if the order is intended, silence"
@@ -346,10 +352,8 @@ class EvaluationStepGuard:
         counts = getattr(loaders[index] if 0 <= index < len(loaders) else None, BATCH_COUNTS_ATTR, None)
         previous = self._active
         if counts is not None:
-            if isinstance(limit, float) or limit < 0:
-                counts = tuple(int(c * limit) for c in counts) if 0 <= limit < 1.0 else counts
-            else:
-                counts = tuple(min(c, limit) for c in counts)
+            capped = isinstance(limit, int) and limit >= 0
+            counts = tuple(min(c, limit) if capped else int(c * limit) if 0 <= limit < 1.0 else c for c in counts)
             self._active = (stage, counts) if len(set(counts)) > 1 else None
             self.last_uneven = self._active or self.last_uneven
         try:

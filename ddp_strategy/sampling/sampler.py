@@ -91,9 +91,6 @@ def remaining_positions(length: int, layers: list[dict[str, Any]]) -> list[int]:
     sequence = list(range(length))
     for layer in layers:
         world_size, consumed = int(layer["world_size"]), [int(c) for c in layer["consumed"]]
-        if len(set(consumed)) == 1:  # the usual case: every rank took the same number of steps
-            sequence = sequence[world_size * consumed[0]:]
-            continue
         done = {rank + world_size * j for rank, count in enumerate(consumed) for j in range(count)}
         sequence = [p for i, p in enumerate(sequence) if i not in done]
     return sequence
@@ -305,7 +302,6 @@ class EqualCountBatchSampler(BatchSampler):
     shard one sample short gets a first batch of ``B - 1`` (as if Lightning's padding sample stood at its front).
     17 samples, B = 4, 2 ranks: rank 0 ``[0, 2, 4, 6], [8, 10, 12, 14], [16]``; rank 1 ``[1, 3, 5],
     [7, 9, 11, 13], [15]``. Needs ``B >= 2`` and ``N >= W`` whenever N is not a multiple of W.
-
     """
 
     def __init__(self, sampler: _EpochShards, batch_size: int) -> None:  # this rank's unpadded sampler, B

@@ -66,7 +66,8 @@ def test_dataloader_subclasses_with_custom_batch_samplers_are_sharded_by_whole_b
 
 
 def test_a_lightning_captured_batch_sampler_subclass_in_a_loader_subclass():
-    """Loaders built inside a hook carry Lightning's captured arguments; re-creating one keeps them too."""
+    """Built inside a hook (Lightning captures the arguments), the loader subclass and the user's BatchSampler
+    subclass are re-created with them, the batch sampler around this rank's shard (as Lightning's ddp does)."""
     from lightning.fabric.utilities.data import _replace_dunder_methods  # what Lightning wraps hooks in
 
     with _replace_dunder_methods(DataLoader, "dataset"), _replace_dunder_methods(BatchSampler):
@@ -75,7 +76,8 @@ def test_a_lightning_captured_batch_sampler_subclass_in_a_loader_subclass():
     assert hasattr(loader, "__pl_saved_args")
     new = inject_distributed_sampler(loader, Shard(2, 1, pad=False))
     assert type(new) is TaggedLoader and new.tag == "hooked"
-    assert batches_of(new) == [[4, 5], [6, 7], [12, 13, 14, 15]]  # one batch short: its first halved
+    assert type(new.batch_sampler) is Reversed and new.batch_sampler.reverse is False
+    assert batches_of(new) == [[1, 3, 5, 7], [9, 11, 13, 15], [17]]
 
 
 def test_a_training_order_lightning_would_shuffle_is_warned_about_once_with_what_to_do(recwarn):
