@@ -5,11 +5,12 @@
 from __future__ import annotations
 
 import logging
+import sys
 
 
 def main(args: list[str] | None = None) -> None:
-    """Configure logging and run the CLI; ``args`` replaces ``sys.argv[1:]``. Returns None (exit status 0)."""
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    """Log to stdout (``> log`` gets the epoch lines) and run the CLI; ``args`` replaces ``sys.argv[1:]``."""
+    logging.basicConfig(stream=sys.stdout, level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("ddp_strategy").setLevel(logging.INFO)
     from ddp_strategy.cli import build_cli
 

@@ -1,8 +1,10 @@
-"""The reference notebook runs top to bottom on CPU with 2 processes, draws its figures and prints what it claims."""
+"""The reference notebook runs top to bottom on CPU with 2 processes, draws its figures and prints what it claims;
+its committed outputs are what it prints now (else the failure names the command that regenerates them)."""
 
 from __future__ import annotations
 
 import base64
+import importlib.util
 import os
 import re
 import signal
@@ -16,40 +18,38 @@ import pytest
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(600)]
 
-NOTEBOOK = Path(__file__).resolve().parents[2] / "notebooks" / "ddp_reference.ipynb"
+ROOT = Path(__file__).resolve().parents[2]
+NOTEBOOK = ROOT / "notebooks" / "ddp_reference.ipynb"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
-
-def test_notebook_is_saved_without_outputs():
-    """The committed notebook carries no outputs or execution counts (small diffs, no stale results)."""
-    nb = nbformat.read(NOTEBOOK, as_version=4)
-    nbformat.validate(nb)
-    code = [c for c in nb.cells if c.cell_type == "code"]
-    assert code and all(c.outputs == [] and c.execution_count is None for c in code)
-    assert nb.metadata.kernelspec.name == "python3"
+# The tool that writes the committed outputs; imported by path (notebooks/ is no package). Importing it loads
+# nbformat only: it imports nbclient (and jupyter_client, which would load ipykernel into pytest's process, where
+# MyDDPStrategy takes "ipykernel" in sys.modules as a sign of Jupyter) inside the function that executes.
+_spec = importlib.util.spec_from_file_location("regenerate", ROOT / "notebooks" / "regenerate.py")
+regenerate = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(regenerate)
 
 
-# Run in a separate interpreter: importing nbclient/jupyter_client here would load ipykernel into pytest's process,
-# and MyDDPStrategy takes "ipykernel" in sys.modules as a sign of Jupyter (start method fork) for later tests.
-_EXECUTE = """
-import sys, nbformat
-from nbclient import NotebookClient
-nb = nbformat.read(sys.argv[1], as_version=4)
-NotebookClient(nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": sys.argv[3]}}).execute()
-nbformat.write(nb, sys.argv[2])
-"""
+def _committed() -> nbformat.NotebookNode:
+    return nbformat.read(NOTEBOOK, as_version=4)
+
+
+def _assert_current(nb: nbformat.NotebookNode, fresh: nbformat.NotebookNode | None = None) -> None:
+    """Fail, naming the command that regenerates the outputs, if a code cell of ``nb`` was edited since its outputs
+    were written, or (given a fresh run) if the outputs differ from what the notebook prints now."""
+    stale = regenerate.stale_cells(nb)
+    problems = [f"code cell(s) {stale} edited since the outputs were written"] if stale else []
+    problems += regenerate.differences(nb, fresh) if fresh is not None else []
+    assert not problems, (f"{NOTEBOOK.name}'s committed outputs are stale: {'; '.join(problems)}. "
+                          f"Regenerate them with `{regenerate.COMMAND}` and commit the notebook.")
 
 
 @pytest.fixture(scope="module")
 def executed(tmp_path_factory) -> tuple[nbformat.NotebookNode, float]:
-    """The notebook executed by nbclient on the python3 kernel of this interpreter; and its wall time in s."""
-    base = tmp_path_factory.mktemp("notebook")
-    run_dir, result = base / "cwd", base / "executed.ipynb"
-    run_dir.mkdir()
-    # The python3 kernelspec runs "python": make that this interpreter (the venv's), whatever PATH says.
-    env = {**os.environ, "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")}
+    """The notebook executed as the committed one was (``notebooks/regenerate.py``), into tmp; its wall time in s."""
+    result = tmp_path_factory.mktemp("notebook") / "executed.ipynb"
     start = time.monotonic()
-    proc = subprocess.Popen([sys.executable, "-c", _EXECUTE, str(NOTEBOOK), str(result), str(run_dir)], env=env,
+    proc = subprocess.Popen([sys.executable, str(ROOT / "notebooks" / "regenerate.py"), "--output", str(result)],
                             text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         out, _ = proc.communicate(timeout=540)
@@ -58,9 +58,54 @@ def executed(tmp_path_factory) -> tuple[nbformat.NotebookNode, float]:
         out, _ = proc.communicate()
         raise AssertionError(f"the notebook did not finish in 540 s:\n{out[-4000:]}") from None
     seconds = time.monotonic() - start
-    assert proc.returncode == 0, out[-6000:]
-    assert os.listdir(run_dir) == [], "the notebook must clean up after itself"
+    assert proc.returncode == 0, out[-6000:]  # also fails if the notebook leaves files in its working directory
     return nbformat.read(result, as_version=4), seconds
+
+
+def test_committed_notebook_is_executed_with_its_cells_current():
+    """Committed with outputs and its 5 figures, each code cell's recorded source hash matching its source."""
+    nb = _committed()
+    nbformat.validate(nb)
+    assert nb.metadata.kernelspec.name == "python3"
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    assert all(c.execution_count == i for i, c in enumerate(code, start=1))
+    assert sum("image/png" in o.get("data", {}) for c in code for o in c.outputs) == 5
+    _assert_current(nb)
+
+
+def test_committed_outputs_hold_no_paths_or_timings():
+    """No machine-specific path (repo, venv, home, tmp), timestamp or measured timing in the saved outputs."""
+    nb = _committed()
+    outputs = "".join(str(o) for c in nb.cells if c.cell_type == "code" for o in c.outputs)
+    for word in (str(ROOT), sys.prefix, os.path.expanduser("~"), "/tmp/", "ddp_reference_"):
+        assert word not in outputs, word
+    assert "execution" not in str([c.metadata for c in nb.cells])
+    assert "DDP communication per step (ms, averaged over DDP's sampled steps and 2 ranks): left out" in outputs
+
+
+def test_committed_outputs_match_a_fresh_run(executed):
+    """Every code cell's stdout and stderr lines and image count match a fresh run (decimals within 2%)."""
+    _assert_current(_committed(), executed[0])
+
+
+def test_a_stale_notebook_is_caught(tmp_path, executed):
+    """Copies with an edited cell, a line or a value the notebook no longer prints fail with the command to run."""
+    edited, outdated, moved = _committed(), _committed(), _committed()
+    cell = next(c for c in edited.cells if c.cell_type == "code" and "samples per rank" in c.source)
+    cell.source = cell.source.replace("samples per rank", "samples on each rank")  # code changed, outputs not
+    stream = next(o for c in outdated.cells if c.cell_type == "code" for o in c.outputs if o.output_type == "stream")
+    stream.text = stream.text.replace("rank 0", "rank 1", 1)  # the package changed what an unchanged cell prints
+    fit = next(c for c in moved.cells if c.cell_type == "code" and "trainer.fit(" in c.source)
+    stdout = next(o for o in fit.outputs if o.output_type == "stream" and o.name == "stdout")
+    stdout.text = re.sub(r"final val_acc: [\d.]+", "final val_acc: 0.500", stdout.text)  # beyond the tolerance
+    for name, nb, words in (("edited", edited, f"code cell(s) [{edited.cells.index(cell)}] edited"),
+                            ("outdated", outdated, "cell 3 stdout: committed ['epoch 0, rank 1:"),
+                            ("moved", moved, "final val_acc: 0.500")):
+        nbformat.write(nb, tmp_path / f"{name}.ipynb")
+        with pytest.raises(AssertionError, match=re.escape(words)) as info:
+            _assert_current(nbformat.read(tmp_path / f"{name}.ipynb", as_version=4), executed[0])
+        assert f"Regenerate them with `{regenerate.COMMAND}`" in str(info.value)
+        assert regenerate.COMMAND == "python notebooks/regenerate.py"
 
 
 def _text(cell: nbformat.NotebookNode) -> str:
@@ -72,13 +117,14 @@ def _all_text(nb: nbformat.NotebookNode) -> str:
 
 
 def test_notebook_draws_its_five_figures(executed):
-    """Shard map, gradients, loss/accuracy curves, confusion matrix and prediction grid: 5 small PNGs."""
+    """Shard map, gradients, loss/accuracy curves, confusion matrix and prediction grid: 5 readable PNGs."""
     nb, _ = executed
     pngs = [base64.b64decode(o.data["image/png"]) for c in nb.cells if c.cell_type == "code" for o in c.outputs
             if "data" in o and "image/png" in o.data]
     assert len(pngs) == 5
     for png in pngs:
-        assert png.startswith(PNG_MAGIC) and 1_000 < len(png) < 100_000
+        width, height = int.from_bytes(png[16:20], "big"), int.from_bytes(png[20:24], "big")  # the IHDR chunk
+        assert png.startswith(PNG_MAGIC) and 1_000 < len(png) < 150_000 and width >= 400 and height >= 150
 
 
 def test_notebook_sharding_gradients_and_weights(executed):
