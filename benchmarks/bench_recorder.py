@@ -10,6 +10,7 @@ Environment read here (set by ``bench_ddp.py``):
     BENCH_LAUNCH_TIME: ``time.time()`` of the launch, in seconds since the epoch.
 """
 
+import inspect
 import json
 import os
 import resource
@@ -64,9 +65,12 @@ class CommCounter:
     Two sources:
       * gradient buckets, via :func:`counting_allreduce_hook` registered as the DDP
         comm hook (wraps PyTorch's default ``allreduce_hook``, so results are unchanged);
-      * every other collective called through ``torch.distributed.<name>`` (Lightning's
-        ``reduce_boolean_decision``, barriers, ...), via :meth:`install` which wraps
-        those functions. Calls made from inside the comm hook are not counted twice.
+      * every other collective on the world group called through ``torch.distributed.<name>``
+        (Lightning's ``reduce_boolean_decision``, barriers, ...), via :meth:`install` which wraps
+        those functions. Calls made from inside the comm hook are not counted twice; calls on
+        another group (MyDDPStrategy's gloo side group: its epoch-start barrier and its
+        asynchronous per-step signal flags) are listed in ``call_sites`` only, marked
+        ``[side group]``: they do not wait on or delay the world group's gradient buckets.
 
     Counts are cumulative; :class:`StepRecorder` snapshots them at the first step's
     start and the last step's end so set-up and teardown collectives are excluded.
@@ -90,13 +94,19 @@ class CommCounter:
             setattr(dist, name, self._wrap(name, fn))
 
     def _wrap(self, name: str, fn: Any) -> Any:
+        params = list(inspect.signature(fn).parameters)
+        group_at = params.index("group") if "group" in params else None
+
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             if not getattr(_tls, "in_hook", False):
-                nbytes = _tensor_bytes(args[0]) if args else _tensor_bytes(kwargs.get("tensor"))
-                self.other_calls[name] = self.other_calls.get(name, 0) + 1
-                self.other_bytes[name] = self.other_bytes.get(name, 0) + nbytes
-                site = f"{name} <- {_caller_outside_torch()}"
+                group = kwargs.get("group", args[group_at] if group_at is not None and group_at < len(args) else None)
+                world = group is None or group is dist.group.WORLD  # only the world group's count as "other"
+                site = f"{name}{'' if world else ' [side group]'} <- {_caller_outside_torch()}"
                 self.call_sites[site] = self.call_sites.get(site, 0) + 1
+                if world:
+                    nbytes = _tensor_bytes(args[0]) if args else _tensor_bytes(kwargs.get("tensor"))
+                    self.other_calls[name] = self.other_calls.get(name, 0) + 1
+                    self.other_bytes[name] = self.other_bytes.get(name, 0) + nbytes
             return fn(*args, **kwargs)
 
         wrapper._bench_wrapped = True  # type: ignore[attr-defined]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import signal
 import sys
 from typing import TYPE_CHECKING, Any
 
@@ -26,7 +27,7 @@ PRIVATE_NAMES: dict[str, str] = {
     "prepare_for_backward": "pytorch.overrides.distributed:prepare_for_backward",
     "MultiProcessingLauncher": "pytorch.strategies.launchers.multiprocessing:_MultiProcessingLauncher",
     "SubprocessScriptLauncher": "pytorch.strategies.launchers.subprocess_script:_SubprocessScriptLauncher",
-    "ForwardRedirection": "pytorch.strategies.strategy:_ForwardRedirection",
+    "DDPForwardRedirection": "pytorch.strategies.ddp:_DDPForwardRedirection",
     "update_dataloader": "pytorch.utilities.data:_update_dataloader",
     "given_hyperparameters": "pytorch.core.mixins.hparams_mixin:_given_hyperparameters",
     "collect_init_args": "pytorch.utilities.parsing:collect_init_args",
@@ -47,9 +48,9 @@ class SubprocessScriptLauncher(_namespace.lightning_base(PRIVATE_NAMES["Subproce
 #: Lightning's launcher for ``spawn``, ``fork`` and ``forkserver`` (``torch.multiprocessing``): a base class
 #: for the namespace of the strategy it is given.
 MultiProcessingLauncher: type = _namespace.lightning_base(PRIVATE_NAMES["MultiProcessingLauncher"])
-#: Base class that routes ``training_step`` and friends through the DDP wrapper's ``forward`` (plain Python,
-#: namespace-neutral).
-ForwardRedirection: type = _default.get(PRIVATE_NAMES["ForwardRedirection"])
+#: Base class that routes ``training_step`` and friends through the DDP wrapper's ``forward``, turning DDP's
+#: gradient sync off inside it under manual optimization (plain Python, namespace-neutral).
+DDPForwardRedirection: type = _default.get(PRIVATE_NAMES["DDPForwardRedirection"])
 prepare_for_backward = _default.get(PRIVATE_NAMES["prepare_for_backward"])
 _IS_INTERACTIVE: bool = _default.get(PRIVATE_NAMES["is_interactive"])
 #: ``update_dataloader(dataloader, sampler)``: re-create ``dataloader`` with ``sampler``, keeping its other arguments.
@@ -234,3 +235,26 @@ def saving_for_trainer(frame: Any) -> bool:
     (either namespace), so that ``barrier(SAVE_BARRIER)`` follows on every rank."""
     return frame is not None and frame.f_code.co_name == "save_checkpoint" and \
         frame.f_globals.get("__name__") in _TRAINER_MODULES
+
+# Lightning's SIGTERM handling; the strategy agrees on a SIGTERM at a step boundary itself (process/boundaries.py).
+PRIVATE_NAMES["sigterm_notifier"] = "pytorch.trainer.connectors.signal_connector:_SignalConnector._sigterm_notifier_fn"
+
+
+def take_over_sigterm(trainer: pl.Trainer, note: Any) -> bool:
+    """Put ``note(signum, frame)`` in place of Lightning's SIGTERM notifier (it stops the signalled rank alone and,
+    2.5+, broadcasts) in this run's SIGTERM handler, the user's earlier handler kept; turn off 2.5+'s broadcast
+    before every batch (``_broadcast_sigterm_tensor``, then ``.item()``: a host-device sync per step under NCCL).
+    False, nothing changed, where the SIGTERM handler is not Lightning's ``_HandlersCompose``. Main thread."""
+    handlers = getattr(signal.getsignal(signal.SIGTERM), "signal_handlers", None)
+    notifier = trainer._signal_connector._sigterm_notifier_fn
+    if not isinstance(handlers, list) or notifier not in handlers:
+        return False
+    handlers[handlers.index(notifier)] = note
+    if hasattr(trainer.fit_loop.epoch_loop, "_broadcast_sigterm_tensor"):  # Lightning 2.5+
+        trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = lambda: None
+    return True
+
+
+def set_received_sigterm(trainer: pl.Trainer, value: bool) -> None:
+    """Set ``trainer.received_sigterm``: Lightning raises ``SIGTERMException`` at the step's (epoch's) end if set."""
+    trainer._signal_connector.received_sigterm = value

@@ -1,4 +1,4 @@
-"""Checks at epoch and step boundaries while fitting: every rank arrives, and a SLURM requeue stops all at one step.
+"""Checks at epoch and step boundaries while fitting: every rank arrives; SIGTERM, SLURM requeue stop all at one step.
 
 :func:`add_fit_callbacks` and :func:`remove_fit_callbacks` put the two callbacks in and out of ``trainer.callbacks``.
 """
@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from ddp_strategy._compat import lightning_private as _pl
 from ddp_strategy._compat import namespace as _namespace
 from ddp_strategy.process.failures import StalledRankError
 
@@ -62,66 +63,94 @@ class EpochBoundaryCheck(Callback):
             )
 
 
-class RequeueAtStepBoundary(Callback):
-    """Runs Lightning's SLURM auto-requeue (its ``SIGUSR1`` handler) at a step boundary, on every rank at once.
+class SignalsAtStepBoundary(Callback):
+    """SIGTERM and Lightning's SLURM requeue signal, acted on at one step boundary on every rank, whichever got it.
 
-    Lightning would save and requeue inside the handler, wherever each rank is; but saving is a collective here
-    and a mid-step checkpoint does not resume exactly. So the signal only sets a flag; after every batch the ranks
-    all-reduce it on the gloo ``group`` (only under ``auto_requeue``, and with more than one rank) and, if any rank
-    got it, all run Lightning's handler: a step-boundary checkpoint that resumes exactly.
-    """
+    A signal sets a flag. At each step's end every rank starts an asynchronous all-reduce (MAX) of its flags (CPU,
+    on the gloo side ``group``: no world-group collective, no host-device sync) and waits for the one it started a
+    step before (at an epoch's end, this step's). So a signal during step ``s`` acts on every rank at the end of step
+    ``s + 1`` (or of the epoch, if sooner; a validation run in between ends first): SIGTERM sets
+    ``trainer.received_sigterm``, Lightning raises ``SIGTERMException`` there (``checkpoint_on_sigterm`` saves);
+    the requeue signal runs Lightning's handler (save, requeue)."""
 
     def __init__(self, group: Any, world_size: int) -> None:
-        self.group, self.world_size = group, world_size
+        self.group, self.world_size, self._stopping = group, world_size, False
         self._signal: int | None = None
-        self._lightning_handler: Any = None
-        self._received = False
+        self._lightning_handler = self._launcher = self._sent = None  # _sent: (the flags in flight, their work)
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
-        """Take over the requeue signal from Lightning's handler, if SLURM auto-requeue is on (every rank)."""
+        """Take over SIGTERM and (under SLURM auto-requeue) the requeue signal from Lightning (every rank)."""
+        self._flags, self._sent, self._stopping, self._rank = [0, 0], None, False, trainer.global_rank  # TERM, requeue
+        self._launcher = trainer.strategy.launcher
         env = trainer.strategy.cluster_environment
         requeue_signal = getattr(env, "requeue_signal", None) if getattr(env, "auto_requeue", False) else None
         main = threading.current_thread() is threading.main_thread()
         handler = signal.getsignal(requeue_signal) if requeue_signal is not None and main else None
         if callable(handler):
-            self._signal, self._lightning_handler, self._received = requeue_signal, handler, False
-            signal.signal(requeue_signal, self._note_signal)
+            self._signal, self._lightning_handler = requeue_signal, handler
+            signal.signal(requeue_signal, self._note)
+        _pl.take_over_sigterm(trainer, self._note)  # Lightning's, if it handles SIGTERM (in the main thread)
 
-    def _note_signal(self, signum: int, frame: Any) -> None:
-        log.info("received signal %d: saving and requeueing after the current training step", signum)
-        self._received = True
+    def _note(self, signum: int, frame: Any) -> None:
+        log.info("[rank %d] received signal %d: acted on after the next training step", self._rank, signum)
+        if signum == signal.SIGTERM and not self._flags[0] and self._launcher is not None:
+            self._launcher.kill(signum)  # as Lightning does: popen's rank 0 passes it on to the other ranks
+        self._flags[signum != signal.SIGTERM] = 1
+
+    def _agree(self, trainer: Any) -> None:
+        """Wait for the flags sent last (every rank has sent the same number), act on them. Collective."""
+        (flags, work), self._sent = self._sent or (torch.zeros(2), None), None
+        if work is not None:
+            work.wait()
+        stop, requeue = flags.tolist()
+        if requeue:
+            self._lightning_handler(self._signal, None)
+        if stop:
+            self._stopping = True
+            _pl.set_received_sigterm(trainer, True)
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-        """Agree on the flag (a collective, every rank); if set anywhere, run Lightning's handler on every rank."""
-        if self._lightning_handler is None:
-            return
-        flag = torch.tensor([int(self._received)])
-        if self.world_size > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
-        if flag.item():
-            self._received = False
-            self._lightning_handler(self._signal, None)
+        """Act on the flags sent a step ago; send this step's (a collective, every rank)."""
+        self._agree(trainer)
+        if not self._stopping:
+            pending, self._flags = self._flags, [self._flags[0], 0]  # a signal now lands in one or the other
+            flags = torch.tensor(pending, dtype=torch.uint8)
+            work = dist.all_reduce(flags, dist.ReduceOp.MAX, self.group, async_op=True) if self.world_size > 1 else None
+            self._sent = (flags, work)
+
+    def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
+        """Act on the last step's flags (Lightning stops at the epoch's end on SIGTERM). Collective."""
+        self._agree(trainer)
+
+    def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
+        if self._stopping:  # the validation loop would stop at its first batch: it ends first
+            _pl.set_received_sigterm(trainer, False)
+
+    def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
+        if self._stopping:
+            _pl.set_received_sigterm(trainer, True)
 
     def on_train_end(self, trainer: Any = None, pl_module: Any = None) -> None:
-        """Give the signal back to Lightning's handler if ours is still installed (Lightning restores the original
-        at teardown). No collective."""
-        if self._signal is not None and signal.getsignal(self._signal) == self._note_signal:
+        """Give the requeue signal back to Lightning's handler if ours is still installed (Lightning restores the
+        original at teardown); let go of flags in flight unread (after a failure a peer may be gone; destroying the
+        group ends the all-reduce). No collective."""
+        if self._signal is not None and signal.getsignal(self._signal) == self._note:
             signal.signal(self._signal, self._lightning_handler)
-        self._signal = self._lightning_handler = None
+        self._signal = self._lightning_handler = self._launcher = self._sent = None
 
 
 def add_fit_callbacks(trainer: Any, run: Any, rank: int, world_size: int) -> None:
     """Add both callbacks to ``trainer.callbacks`` (once each), on ``run``'s barrier group (a ``ProcessGroupRun``)."""
     if not any(isinstance(cb, EpochBoundaryCheck) for cb in trainer.callbacks):
         trainer.callbacks.append(EpochBoundaryCheck(run.barrier_group, run.barrier_timeout, rank, world_size))
-    if not any(isinstance(cb, RequeueAtStepBoundary) for cb in trainer.callbacks):
-        trainer.callbacks.append(RequeueAtStepBoundary(run.barrier_group, world_size))
+    if not any(isinstance(cb, SignalsAtStepBoundary) for cb in trainer.callbacks):
+        trainer.callbacks.append(SignalsAtStepBoundary(run.barrier_group, world_size))
 
 
 def remove_fit_callbacks(trainer: Any) -> None:
     """Remove what :func:`add_fit_callbacks` added, giving the requeue signal back to Lightning's handler."""
     for cb in trainer.callbacks:
-        if isinstance(cb, RequeueAtStepBoundary):
+        if isinstance(cb, SignalsAtStepBoundary):
             cb.on_train_end()
     trainer.callbacks[:] = [cb for cb in trainer.callbacks
-                            if not isinstance(cb, (EpochBoundaryCheck, RequeueAtStepBoundary))]
+                            if not isinstance(cb, (EpochBoundaryCheck, SignalsAtStepBoundary))]

@@ -14,6 +14,7 @@ import logging
 import os
 import socket
 import time
+import weakref
 from datetime import timedelta
 from typing import Any
 
@@ -204,6 +205,10 @@ def _join(backend: str, rank: int, world_size: int, main_address: str, main_port
     dist.init_process_group(backend, init_method=init_method if store is None else None, store=store, **kwargs)
 
 
+#: world group -> its gloo side group, made once (a collective, at join) and dropped with the world group
+_side_groups: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+
+
 class ProcessGroupRun:
     """One rank's part in the runs (stages, fits) of one strategy: the rendezvous (:func:`init_process_group`),
     side groups, failure state; ``barrier_timeout`` is the epoch-start ``monitored_barrier``'s."""
@@ -214,7 +219,7 @@ class ProcessGroupRun:
         self.reports: dist.Store | None = None  # this run's failure reports (failures.run_reports)
         self.node_group: Any = None  # this rank's intra-node group (the world on one node), and its ranks
         self.node_ranks: list[int] = []
-        self.barrier_group: Any = None  # gloo, for monitored_barrier on other backends (None: the world group)
+        self.barrier_group: Any = None  # the gloo side group, for monitored_barrier and the signal flags
         self.failed = self.own_failure = False  # set by failures.on_exception, cleared when the next run joins
         self.stopping: list[Any] = []  # popen's ranks, taken from Lightning's launcher after a failure
         self.grace_s = 5.0
@@ -232,8 +237,9 @@ class ProcessGroupRun:
         lists = [list(range(n * num_processes, (n + 1) * num_processes)) for n in range(num_nodes)]
         self.node_ranks = lists[rank // num_processes]
         self.node_group = dist.group.WORLD if num_nodes == 1 else dist.new_subgroups_by_enumeration(lists)[0]
-        # monitored_barrier is gloo-only: other backends get a small gloo side group for it.
-        self.barrier_group = None if backend == "gloo" else dist.new_group(backend="gloo")
+        if dist.group.WORLD not in _side_groups:  # gloo: monitored_barrier, boundaries.py's flags; off DDP's group
+            _side_groups[dist.group.WORLD] = dist.new_group(backend="gloo")
+        self.barrier_group = _side_groups[dist.group.WORLD]
         self.failed = self.own_failure = False
         self.reports = failures.run_reports(rank, world_size)
         rank_zero_info(f"MyDDPStrategy: {world_size} processes, backend={backend}")

@@ -117,8 +117,8 @@ def broadcast_states(module: nn.Module, parameters: bool = True, buffers: bool =
         _torch_private.broadcast_coalesced([t.detach() for t in tensors], src=0)
 
 
-class DDPForwardRedirection(_pl.ForwardRedirection):
-    """Routes ``training_step`` through DDP's ``forward``, with manual optimization handled (as Lightning's DDP).
+class DDPForwardRedirection(_pl.DDPForwardRedirection):
+    """Routes ``training_step`` through DDP's ``forward``, with manual optimization handled (Lightning DDP's).
 
     Under manual optimization ``training_step`` calls ``manual_backward`` inside the forward call, so DDP must
     not prepare its reducer after forward; the strategy's ``pre_backward`` does it instead. DDP's "Expected to
@@ -134,14 +134,6 @@ class DDPForwardRedirection(_pl.ForwardRedirection):
             if isinstance(wrapper_module, DistributedDataParallel) and "Expected to have finished reduction" in str(e):
                 raise RuntimeError(unused_parameters_message(_without_grad(original_module), dist.get_rank())) from e
             raise
-
-    def on_after_inner_forward(self, wrapper_module: nn.Module, original_module: Any) -> None:
-        if isinstance(wrapper_module, DistributedDataParallel) and not original_module.automatic_optimization:
-            wrapper_module.require_backward_grad_sync = False
-
-    def on_after_outer_forward(self, wrapper_module: nn.Module, original_module: Any) -> None:
-        if isinstance(wrapper_module, DistributedDataParallel) and not original_module.automatic_optimization:
-            wrapper_module.require_backward_grad_sync = True
 
 
 def _without_grad(module: nn.Module) -> list[str]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import signal
 import sys
 from types import SimpleNamespace
 
@@ -69,9 +70,12 @@ def test_our_launchers_are_built_for_the_namespace_of_their_arguments(namespace)
 
 
 def test_forward_redirection_hooks_exist(namespace):
-    """Our DDP forward redirection overrides these two hooks of Lightning's base class."""
-    for hook in ("on_after_inner_forward", "on_after_outer_forward", "__call__"):
-        assert callable(getattr(_private(namespace, "ForwardRedirection"), hook))
+    """Lightning DDP's forward redirection (our base) turns DDP's gradient sync off inside a manual-optimization
+    training_step and back on after it; we override __call__."""
+    redirection = _private(namespace, "DDPForwardRedirection")
+    assert "require_backward_grad_sync = False" in inspect.getsource(redirection.on_after_inner_forward)
+    assert "require_backward_grad_sync = True" in inspect.getsource(redirection.on_after_outer_forward)
+    assert callable(redirection.__call__)
     assert signature_of(_private(namespace, "prepare_for_backward")) == ["model", "output"]
 
 
@@ -232,7 +236,7 @@ def test_base_class_attributes_the_strategy_sets_or_reads(namespace):
     from ddp_strategy import MyDDPStrategy
 
     ParallelStrategy = namespace.get("pytorch.strategies:ParallelStrategy")
-    _ForwardRedirection = _private(_namespace.default, "ForwardRedirection")  # plain Python: the default's
+    _ForwardRedirection = _private(_namespace.default, "DDPForwardRedirection")  # plain Python: the default's
     s = MyDDPStrategy.for_namespace(namespace.name)()
     for name in ("_launcher", "_checkpoint_io", "_layer_sync", "_forward_redirection"):
         assert name in vars(s), f"Lightning's Strategy no longer sets {name}"
@@ -337,3 +341,40 @@ def test_trainer_save_checkpoint_saves_then_calls_the_named_barrier(namespace):
     trainer_cls.save_checkpoint(fake, "x.ckpt")
     assert recorder.saw is True and recorder.barrier_name == _pl.SAVE_BARRIER
     assert _pl.saving_for_trainer(sys._getframe()) is False
+def test_sigterm_notifier_is_taken_over_and_the_per_batch_broadcast_turned_off(namespace):
+    """Lightning's SIGTERM handler calls our note instead of its notifier (no flag set, no broadcast), 2.5+'s loop
+    broadcast is a no-op, and setting received_sigterm is what trainer.received_sigterm reads."""
+    trainer = namespace.pytorch.Trainer(accelerator="cpu", devices=1, logger=False)
+    connector, noted = trainer._signal_connector, []
+    previous = signal.getsignal(signal.SIGTERM)
+    connector.register_signal_handlers()
+    try:
+        assert _pl.take_over_sigterm(trainer, lambda signum, frame: noted.append(signum))
+        signal.getsignal(signal.SIGTERM)(signal.SIGTERM, None)
+        assert noted == [signal.SIGTERM] and not trainer.received_sigterm
+        if not namespace.version.startswith("2.4."):  # 2.4 has no per-batch broadcast
+            assert trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor() is None
+        _pl.set_received_sigterm(trainer, True)
+        assert trainer.received_sigterm
+    finally:
+        connector.teardown()
+        signal.signal(signal.SIGTERM, previous)
+    assert not _pl.take_over_sigterm(trainer, print)  # not Lightning's handler: nothing changed
+
+
+def test_the_per_batch_sigterm_broadcast_is_where_we_turn_it_off_and_lightning_stops_where_we_set_the_flag(namespace):
+    """2.5+: the loop's only collective is _broadcast_sigterm_tensor, called from advance (2.4: none); every version
+    raises SIGTERMException at a training step's and an epoch's end where received_sigterm is set."""
+    loop_cls = namespace.get("pytorch.loops.training_epoch_loop:_TrainingEpochLoop")
+    source = inspect.getsource(namespace.get("pytorch.loops.training_epoch_loop"))
+    has_broadcast = not namespace.version.startswith("2.4.")
+    assert hasattr(loop_cls, "_broadcast_sigterm_tensor") == has_broadcast
+    assert source.count("torch.distributed.broadcast(") == int(has_broadcast)
+    if has_broadcast:
+        assert "torch.distributed.broadcast(" in inspect.getsource(loop_cls._broadcast_sigterm_tensor)
+        assert "self._broadcast_sigterm_tensor()" in inspect.getsource(loop_cls.advance)
+    step_end = inspect.getsource(namespace.get("pytorch.loops.training_epoch_loop:_TrainingEpochLoop.on_advance_end"))
+    assert "self.trainer.received_sigterm:\n            raise SIGTERMException" in step_end
+    epoch_end = inspect.getsource(namespace.get("pytorch.loops.fit_loop:_FitLoop.on_advance_end"))
+    assert "if trainer.received_sigterm:\n            raise SIGTERMException" in epoch_end
+    assert "received_sigterm = True" in inspect.getsource(namespace.get(_pl.PRIVATE_NAMES["sigterm_notifier"]))

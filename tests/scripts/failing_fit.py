@@ -37,12 +37,22 @@ def wait_for_the_signal(trainer: L.Trainer, limit_s: float = 120.0) -> None:
     """Mid-training, tell the test (OUT/waiting_rank{r}) and wait until the signal it then sends has come.
 
     Explicit synchronisation with the test, so the signal always lands mid-training whatever the machine's
-    speed: SIGTERM sets ``trainer.received_sigterm`` (on every rank: it is forwarded); SIGINT raises
-    KeyboardInterrupt in the launching rank, and the launcher stops the others.
+    speed: SIGTERM (forwarded to every rank) is seen here by a handler in front of the strategy's, which acts on
+    it at a later step boundary; SIGINT raises KeyboardInterrupt in the launching rank, and the launcher stops
+    the others.
     """
+    came: list[int] = []
+    previous = signal.getsignal(signal.SIGTERM)
+
+    def note(signum, frame):
+        came.append(signum)
+        signal.signal(signal.SIGTERM, previous)
+        previous(signum, frame)
+
+    signal.signal(signal.SIGTERM, note)
     (OUT / f"waiting_rank{trainer.global_rank}").write_text(str(os.getpid()))
     deadline = time.monotonic() + limit_s
-    while not trainer.received_sigterm and time.monotonic() < deadline:
+    while not came and time.monotonic() < deadline:
         time.sleep(0.05)
 
 
