@@ -20,7 +20,7 @@ from typing_extensions import override
 from ddp_strategy import checkpoint, diagnostics, options, process, sampling, sync
 from ddp_strategy._compat import lightning_private as _pl
 from ddp_strategy._compat import namespace as _namespace
-from ddp_strategy._compat.namespace import TrainerFn, rank_zero_info
+from ddp_strategy._compat.namespace import TrainerFn
 from ddp_strategy.checkpoint import FIT_MISMATCH_HINT, StateDictMismatchError, match_state_dict
 
 if TYPE_CHECKING:
@@ -131,8 +131,7 @@ class MyDDPStrategy(ParallelStrategy):
     @property
     @override
     def checkpoint_io(self) -> CheckpointIO:
-        """The checkpoint plugin: :class:`~ddp_strategy.DDPCheckpointIO` unless the user passed another (a wrapping
-        one without its own, e.g. ``AsyncCheckpointIO()``, wraps ours, as Lightning's base wraps its default)."""
+        """The checkpoint plugin: ``DDPCheckpointIO`` unless the user's; ``AsyncCheckpointIO()`` alone wraps it."""
         io = self._checkpoint_io = self._checkpoint_io or checkpoint.DDPCheckpointIO()
         if getattr(io, "checkpoint_io", io) is None:
             io.checkpoint_io = checkpoint.DDPCheckpointIO()
@@ -280,8 +279,7 @@ class MyDDPStrategy(ParallelStrategy):
 
     @override
     def reduce(self, tensor: Tensor | Any, group: Any | None = None, reduce_op: Any | None = "mean") -> Tensor | Any:
-        """Lightning's ``DDPStrategy.reduce``: ``_sync_ddp`` in place over ``group`` (None: the world), a collective;
-        but an integer mean is a new, exact float32 tensor (Lightning's truncates). Non-tensors: unchanged."""
+        """Lightning's ``DDPStrategy.reduce`` over ``group`` (a collective), but an integer mean is exact float32."""
         self._sharding.guard.check("reduce (e.g. self.log(..., on_step=True, sync_dist=True))", self.global_rank)
         if isinstance(tensor, Tensor) and reduce_op in ("mean", "avg") and not tensor.is_floating_point():
             tensor = tensor.float()  # exact: epoch values over uneven shards divide by their mean batch size
@@ -303,8 +301,7 @@ class MyDDPStrategy(ParallelStrategy):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
-        """Global rank 0 writes, with every rank's sampler position; no collective. Under ``Trainer.save_checkpoint``
-        a failed write is raised on every rank by the barrier that follows."""
+        """Global rank 0 writes (no collective); under Trainer.save_checkpoint a failure raises on every rank."""
         sampling.save_positions(self._trainer, checkpoint)
         error = None
         if self.is_global_zero:
@@ -369,10 +366,8 @@ class MyDDPStrategy(ParallelStrategy):
         if self._diagnostics is not None:  # remove the gradient hooks; no collective (other ranks may be gone)
             self._diagnostics.tracker.close()
             self._diagnostics = None
-        save, path = None, self._options.sigterm_checkpoint_path(self._trainer)
-        if isinstance(exception, _namespace.SIGTERMException) and path is not None and self._trainer is not None:
-            rank_zero_info(f"SIGTERM: saving a checkpoint to {path} before exiting; resume with fit(ckpt_path=...)")
-            save = functools.partial(self._trainer.save_checkpoint, path)
+        path = self._options.sigterm_checkpoint_path(self._trainer)
+        save = None if path is None or self._trainer is None else functools.partial(self._trainer.save_checkpoint, path)
         process.failures.on_exception(self._run, exception, self.global_rank, self.world_size,
                                       self._sharding.guard.describe_uneven(), save, self._launcher)
 

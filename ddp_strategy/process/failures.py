@@ -51,7 +51,7 @@ import torch.distributed as dist
 
 from ddp_strategy._compat import lightning_private as _pl
 from ddp_strategy._compat import torch_private as _torch
-from ddp_strategy._compat.namespace import SIGTERMException
+from ddp_strategy._compat.namespace import SIGTERMException, rank_zero_info
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +98,8 @@ def on_exception(run: Any, exception: BaseException, rank: int, world_size: int,
         run.stopping, launcher.procs[:] = list(launcher.procs), []  # emptied in place: the observer's own list
     run.grace_s = 5.0
     if isinstance(exception, SIGTERMException) and sigterm_save is not None:
+        path = getattr(sigterm_save, "args", ("the checkpoint path",))[0]
+        rank_zero_info(f"SIGTERM: saving a checkpoint to {path} before exiting; resume with fit(ckpt_path=...)")
         sigterm_save()
         run.grace_s = 30.0  # the other ranks exit by themselves after the same save
     elif isinstance(exception, (KeyboardInterrupt, SIGTERMException)) or store is None:
