@@ -1,8 +1,8 @@
 """Step 1, the process group. Owns: launching and its checks (:mod:`~ddp_strategy.process.launching`), the world group,
 reused by every run in a process as under Lightning's ``ddp`` (:mod:`~ddp_strategy.process.group`), the failure
 protocol (:mod:`~ddp_strategy.process.failures`), the epoch- and step-boundary checks
-(:mod:`~ddp_strategy.process.boundaries`) and ``all_gather`` of uneven tensors and rank-0 work every rank agrees on
-(:mod:`~ddp_strategy.process.collectives`). Must not touch: loaders, the model or checkpoints.
+(:mod:`~ddp_strategy.process.boundaries`) and ``all_gather`` of uneven tensors and rank 0's failed save raised on
+every rank (:mod:`~ddp_strategy.process.collectives`). Must not touch: loaders, the model or checkpoints.
 """
 
 from ddp_strategy._compat.namespace import default as _default
