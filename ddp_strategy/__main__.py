@@ -11,7 +11,8 @@ import sys
 def main(args: list[str] | None = None) -> None:
     """Log to stdout (``> log`` gets the epoch lines) and run the CLI; ``args`` replaces ``sys.argv[1:]``."""
     logging.basicConfig(stream=sys.stdout, level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    logging.getLogger("ddp_strategy").setLevel(logging.INFO)
+    logging.getLogger("ddp_strategy").setLevel(logging.WARNING)  # per-rank details (joining the group) stay out
+    logging.getLogger("ddp_strategy.cli").setLevel(logging.INFO)
     from ddp_strategy.cli import build_cli
 
     build_cli(args)

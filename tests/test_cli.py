@@ -105,6 +105,8 @@ def test_main_job_in_a_pipe_logs_one_line_per_epoch_not_a_bar(cli_run):
     final = ast.literal_eval(re.search(r"^INFO ddp_strategy.cli: Final metrics: (\{.*\})$", out, re.M).group(1))
     assert lines[-1][2:4] == pytest.approx((final["val_acc"], final["val_loss"]), abs=1e-4)
     assert out.rindex("Epoch 19:") < out.index("Final metrics:")
+    assert [line for line in out.splitlines() if line.startswith("INFO ddp_strategy.")
+            and not line.startswith("INFO ddp_strategy.cli: ")] == []  # no per-rank details among the lines
 
 
 @pytest.mark.multiprocess
