@@ -165,11 +165,24 @@ def init_process_group(backend: str, rank: int, world_size: int, main_address: s
         os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     log.info("[rank %d] joining the process group: backend=%s world_size=%d rendezvous=%s timeout=%.0fs",
              rank, backend, world_size, where, timeout.total_seconds())
+
+    def attempt(rendezvous: dist.Store | None) -> None:
+        if rendezvous is None and init_method is None:  # env://: rank 0's own store, or torchrun's agent's
+            gc.collect()  # a failed run's store, held only by reference cycles (its traceback), closes now
+            rendezvous = dist.TCPStore(main_address, main_port, None, is_master=False, timeout=timeout) if agent \
+                else _tcp_store(main_address, main_port, rank, timeout, num_nodes)
+        if rendezvous is not None:  # a store may outlive this group: a prefix per group (torchrun's: per attempt
+            # too); g is the same on every rank (see failures.run_reports)
+            prefix = f"ddp_strategy/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{world_size}"
+            g = (rendezvous.add(f"{prefix}/groups", 1) - 1) // world_size
+            rendezvous = dist.PrefixStore(f"{prefix}/group_{g}", rendezvous)
+        dist.init_process_group(backend, init_method=init_method if rendezvous is None else None, store=rendezvous,
+                                **kwargs)
+
     deadline = time.monotonic() + timeout.total_seconds()
     while True:
         try:
-            return _join(backend, rank, world_size, main_address, main_port, timeout, num_nodes, agent, init_method,
-                         store, kwargs)
+            return attempt(store)
         except dist.DistNetworkError as e:  # rank 0's previous store accepted us, then closed: rank 0 is between
             if not (env and rank != 0) or time.monotonic() > deadline:  # two runs; its next store comes up there
                 error = e
@@ -189,20 +202,6 @@ def init_process_group(backend: str, rank: int, world_size: int, main_address: s
         f" {timeout.total_seconds():.0f} s: {text.splitlines()[0] if text else type(error).__name__}. Check that"
         " MASTER_ADDR is reachable from every node, that rank 0 started, and that all ranks use the same address"
         " and port.") from error
-
-
-def _join(backend: str, rank: int, world_size: int, main_address: str, main_port: int, timeout: timedelta,
-          num_nodes: int, agent: bool, init_method: str | None, store: dist.Store | None, kwargs: dict) -> None:
-    """One attempt of :func:`init_process_group`'s rendezvous."""
-    if store is None and init_method is None:  # env://: rank 0's own store, or torchrun's agent's
-        gc.collect()  # a failed run's store, held only by reference cycles (its traceback), closes now, not mid-join
-        store = dist.TCPStore(main_address, main_port, None, is_master=False, timeout=timeout) if agent \
-            else _tcp_store(main_address, main_port, rank, timeout, num_nodes)
-    if store is not None:  # a store may outlive this group: a prefix per group (torchrun's: per attempt too);
-        # g is the same on every rank (see failures.run_reports)
-        prefix = f"ddp_strategy/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{world_size}"
-        store = dist.PrefixStore(f"{prefix}/group_{(store.add(f'{prefix}/groups', 1) - 1) // world_size}", store)
-    dist.init_process_group(backend, init_method=init_method if store is None else None, store=store, **kwargs)
 
 
 #: world group -> its gloo side group, made once (a collective, at join) and dropped with the world group
