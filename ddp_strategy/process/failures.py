@@ -16,7 +16,8 @@ apart):
    (pid N) is no longer running`` (nothing known: the likely causes) to its own exception, logs it, and writes
    ``explained/<rank>``.
 4. **At teardown after a failure** (:func:`teardown`) the world group is destroyed, so the failing rank's
-   connections close and its peers' collectives break now (step 3), not at the timeout. A failing rank that did
+   connections close and its peers' collectives break now (step 3), not at the timeout; its store is kept
+   (:data:`KEPT_STORES`) for the process's next run. A failing rank that did
    not launch others and has no live ``multiprocessing`` children (DataLoader workers hold forked copies of the
    connections, so the peers learn only at its exit) then waits up to :data:`EXPLAIN_WAIT_S` until every peer
    explained, failed itself or exited: its exit is what Lightning's supervisors act on (popen's
@@ -59,6 +60,10 @@ log = logging.getLogger(__name__)
 EXPLAIN_WAIT_S = 10.0
 #: How long one store operation may take while failing (seconds).
 STORE_TIMEOUT_S = 2.0
+#: ``(pid, port) -> TCPStore``: the env:// rendezvous store of the group :func:`teardown` destroyed after a failure,
+#: kept for the next run of this process (``group.init_process_group`` takes it): every rank rejoins the one store
+#: rank 0 serves, under a new group prefix, instead of racing a new server against a closing one.
+KEPT_STORES: dict[tuple[int, int], Any] = {}
 #: How long a rank whose collective broke waits for a same-host peer to show up as exited (seconds): a killed
 #: peer's sockets close a moment before the kernel marks it exited.
 PEER_EXIT_WAIT_S = 2.0
@@ -127,6 +132,11 @@ def teardown(run: Any, rank: int, world_size: int) -> None:
     run.node_group, run.node_ranks, run.barrier_group = None, [], None  # no reference to the group outlives the run
     if not run.failed:
         return
+    base = _torch.default_store() if dist.is_initialized() else None
+    while isinstance(base, dist.PrefixStore):
+        base = base.underlying_store
+    if isinstance(base, dist.TCPStore):  # the next run of this process rejoins it: see KEPT_STORES
+        KEPT_STORES[os.getpid(), base.port] = base
     closed = destroy_process_group() and not multiprocessing.active_children()
     if run.own_failure and not run.stopping and closed and store is not None and world_size > 1:
         wait_for_peers(store, rank, world_size)
