@@ -32,11 +32,8 @@ def epoch_shards(
     """The training indices each rank draws in each epoch, exactly as ``MyDDPStrategy`` shards them (its sampler).
 
     Args:
-        dataset_size: N samples.
-        world_size: W ranks.
-        epochs: how many epochs (0, 1, ...).
-        seed: the shuffle seed shared by all ranks.
-        shuffle: as the training loader's ``shuffle``.
+        dataset_size: N samples; world_size: W ranks; epochs: how many epochs (0, 1, ...).
+        seed: the shuffle seed shared by all ranks; shuffle: as the training loader's ``shuffle``.
 
     Returns:
         ``shards[epoch][rank]``: the list of ``ceil(N / W)`` indices rank ``rank`` draws in ``epoch``.
@@ -45,24 +42,16 @@ def epoch_shards(
         >>> epoch_shards(5, 2, epochs=1, shuffle=False)
         [[[0, 2, 4], [1, 3, 0]]]
     """
-    shards = []
-    for epoch in range(epochs):
-        per_rank = []
-        for rank in range(world_size):
-            sampler = EpochSeededDistributedSampler(range(dataset_size), num_replicas=world_size, rank=rank,
-                                                    shuffle=shuffle, seed=seed, epoch_fn=lambda e=epoch: e)
-            per_rank.append(list(sampler))
-        shards.append(per_rank)
-    return shards
+    return [[list(EpochSeededDistributedSampler(range(dataset_size), num_replicas=world_size, rank=rank,
+                                                shuffle=shuffle, seed=seed, epoch_fn=lambda e=epoch: e))
+             for rank in range(world_size)] for epoch in range(epochs)]
 
 
 def forgotten_set_epoch(dataset_size: int, epochs: int = 3, seed: int = 0) -> dict[str, list[list[int]]]:
     """Rank 0's order per epoch: a plain ``DistributedSampler`` never told the epoch, versus the strategy's.
 
     Args:
-        dataset_size: N samples.
-        epochs: epochs to draw.
-        seed: shuffle seed.
+        dataset_size: N samples; epochs: epochs to draw; seed: shuffle seed.
 
     Returns:
         ``{"DistributedSampler without set_epoch": orders, "EpochSeededDistributedSampler": orders}``, where
@@ -152,8 +141,8 @@ def _demo_steps(rank: int, world_size: int, batch_size: int, lr: float, timed_st
         F.cross_entropy(ddp(x[idx]), y[idx]).backward()
         optimizer.step()
     stats = CommStats.from_ddp_logging_data(_torch_private.ddp_logging_data(ddp))
-    record: dict[str, Any] = {"batch": batch, "initial": initial, "local": local, "averaged": averaged,
-                              "after": after, "ddp": ddp_grads,
+    record: dict[str, Any] = {"batches": batch, "initial": initial, "local_grads": local, "averaged_grads": averaged,
+                              "weights_after_step": after, "ddp_grads": ddp_grads,
                               "comm_stats": stats.as_tensor() if stats is not None else None}
     if rank == 0:
         record["ddp_state_dict"] = {k: v.clone() for k, v in ddp.state_dict().items()}
@@ -189,13 +178,7 @@ def allreduce_demo(world_size: int = 2, batch_size: int = 16, lr: float = 0.1, t
                            nprocs=world_size, start_method=start_method or "spawn")
         records = [torch.load(Path(out_dir) / f"rank{r}.pt", weights_only=True) for r in range(world_size)]
     timed = [r["comm_stats"] for r in records if r["comm_stats"] is not None]
-    return AllReduceDemo(
-        batches=[r["batch"] for r in records],
-        initial=records[0]["initial"],
-        local_grads=[r["local"] for r in records],
-        averaged_grads=[r["averaged"] for r in records],
-        ddp_grads=[r["ddp"] for r in records],
-        weights_after_step=[r["after"] for r in records],
-        ddp_state_dict=records[0]["ddp_state_dict"],
-        comm_stats=CommStats(*torch.stack(timed).mean(dim=0).tolist()) if timed else None,
-    )
+    per_rank = ("batches", "local_grads", "averaged_grads", "ddp_grads", "weights_after_step")
+    return AllReduceDemo(**{key: [r[key] for r in records] for key in per_rank}, initial=records[0]["initial"],
+                         ddp_state_dict=records[0]["ddp_state_dict"],
+                         comm_stats=CommStats(*torch.stack(timed).mean(dim=0).tolist()) if timed else None)
