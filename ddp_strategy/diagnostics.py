@@ -97,23 +97,18 @@ def _plural(count: int, word: str) -> str:
 
 def batch_size_warnings(per_device_batch_size: int | None, world_size: int, dataset_size: int | None,
                         configured_batch_size: int | None = None) -> list[str]:
-    """Warnings for a global batch size that looks like a mistake; ``[]`` when none applies.
+    """Warnings for a global batch size that looks like a mistake (the rules: docs/diagnostics.md); ``[]`` if none.
 
-    The loader's ``batch_size`` B is per device, so one optimizer step sees ``B * W`` samples. Two rules:
-
-    1. **Global batch larger than the data set**: ``B * W > N``. Each rank holds only ``ceil(N / W)`` samples,
-       fewer than B, so every epoch is one partial step: almost always B was meant as the global batch size.
-    2. **Batch size multiplied by the device count** (a heuristic): W > 1 and B equals ``configured * W``, where
-       ``configured`` is the ``batch_size`` configured on the DataModule or LightningModule (attribute or
-       hyperparameter, found as Lightning's batch-size finder finds it): the pattern
-       ``DataLoader(batch_size=self.batch_size * self.trainer.world_size)``, written expecting DDP to split the
-       batch (as ``DataParallel`` does); DDP does not, so the global batch is W times larger than intended.
+    The loader's ``batch_size`` B is per device, so a step sees ``B * W`` samples. Rule 1: ``B * W > N``, so each
+    epoch is one partial step. Rule 2 (a heuristic): W > 1 and ``B == configured * W``, as
+    ``DataLoader(batch_size=self.batch_size * self.trainer.world_size)`` gives, written expecting DDP to split the
+    batch (as ``DataParallel`` does).
 
     Args:
         per_device_batch_size: B, the training loader's ``batch_size``; None skips both rules.
-        world_size: W.
-        dataset_size: N, training samples; None skips rule 1.
-        configured_batch_size: the user's ``batch_size`` setting, if any; None skips rule 2.
+        world_size: W. dataset_size: N, training samples; None skips rule 1.
+        configured_batch_size: the ``batch_size`` on the DataModule or LightningModule (attribute or
+            hyperparameter, as Lightning's batch-size finder finds it); None skips rule 2.
 
     Returns one message per rule that fires, saying what was found and what to do. Example:
         >>> batch_size_warnings(1024, 2, 1438)[0][:60]
