@@ -1,13 +1,9 @@
-"""Run a function on N CPU ranks (gloo) from a test, and get every rank's return value back.
+"""Run a function on N CPU ranks (gloo) from a test, and get every rank's return value back (docs/testing.md).
 
 Ranks fork from multiprocessing's ``forkserver``, which imports torch, Lightning and ``ddp_strategy`` once and
-never starts torch's threads or a process group, so forking it copies no half-held lock (a 2-rank run starts in
-well under a second after the first). Each rank gets the caller's environment as it is at the call plus what
-torchrun would set (``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``NODE_RANK``), so
-a ``Trainer(devices=N, strategy=...)`` built inside joins the ranks (Lightning's ``LightningEnvironment``). A rank
-is not daemonic (it may start DataLoader workers, with the caller's start method) and leads its own process
-group, which is SIGKILLed when the call ends: nothing outlives the call but a process that left the group
-(``start_new_session=True``, ``os.setsid()``).
+never starts torch's threads or a process group, so forking it copies no half-held lock. Each rank has the
+caller's environment plus what torchrun would set, is not daemonic (it may start DataLoader workers) and leads its
+own process group, SIGKILLed when the call ends.
 """
 
 from __future__ import annotations
