@@ -167,13 +167,8 @@ class UnsafeCheckpointError(pickle.UnpicklingError):
     """``weights_only=True`` refused an object in the file (it could run code when unpickled)."""
 
 
-def load_file(
-    path: str | os.PathLike,
-    map_location: Any = "cpu",
-    weights_only: bool = True,
-    verify_checksums: bool = True,
-    opt_out: str = "load_file(..., weights_only=False)",
-) -> Any:
+def load_file(path: str | os.PathLike, map_location: Any = "cpu", weights_only: bool = True,
+              verify_checksums: bool = True, opt_out: str = "load_file(..., weights_only=False)") -> Any:
     """``torch.load`` a checkpoint file; whatever bytes it holds, a failure is one of the errors below, naming it.
 
     Warnings of a failing load are dropped, a successful one's passed on. With ``verify_checksums`` every zip
@@ -343,12 +338,8 @@ class DDPCheckpointIO(TorchCheckpointIO):
             raise TypeError(f"{type(self).__name__} does not support storage_options; got {storage_options!r}.")
         atomic_save(checkpoint, path)
 
-    def load_checkpoint(
-        self,
-        path: Any,
-        map_location: Callable | Any = lambda storage, loc: storage,
-        weights_only: bool | None = None,
-    ) -> dict[str, Any]:
+    def load_checkpoint(self, path: Any, map_location: Callable | Any = lambda storage, loc: storage,
+                        weights_only: bool | None = None) -> dict[str, Any]:
         """Load a checkpoint (``weights_only=None``: this plugin's default); a local file gives a dict, else the
         errors of :func:`load_file`, or ``DamagedCheckpointError`` when it holds something other than a dict."""
         weights_only = self.weights_only if weights_only is None else weights_only

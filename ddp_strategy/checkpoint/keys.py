@@ -126,13 +126,8 @@ def _best_key_mapping(keys: list[str], expected: set[str], prefixes: Iterable[st
     return best
 
 
-def match_state_dict(
-    state_dict: Mapping[str, Any],
-    model: nn.Module,
-    strict: bool = True,
-    source: str | os.PathLike | None = None,
-    prefixes: Iterable[str] = ("",),
-) -> dict[str, Any]:
+def match_state_dict(state_dict: Mapping[str, Any], model: nn.Module, strict: bool = True,
+                     source: str | os.PathLike | None = None, prefixes: Iterable[str] = ("",)) -> dict[str, Any]:
     """Rename a checkpoint's model keys (with or without ``module.``, ``_orig_mod.``) to ``model``'s own (compiled or
     not), ready for ``model.load_state_dict`` (:func:`_best_key_mapping`).
 

@@ -26,9 +26,8 @@ from ddp_strategy.sampling import EpochSeededDistributedSampler
 __all__ = ["AllReduceDemo", "allreduce_demo", "epoch_shards", "forgotten_set_epoch"]
 
 
-def epoch_shards(
-    dataset_size: int, world_size: int = 2, epochs: int = 2, seed: int = 0, shuffle: bool = True
-) -> list[list[list[int]]]:
+def epoch_shards(dataset_size: int, world_size: int = 2, epochs: int = 2, seed: int = 0,
+                 shuffle: bool = True) -> list[list[list[int]]]:
     """The training indices each rank draws in each epoch, exactly as ``MyDDPStrategy`` shards them (its sampler).
 
     Args:

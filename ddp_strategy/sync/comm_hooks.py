@@ -32,9 +32,8 @@ CommHook = Callable[[Any, dist.GradBucket], torch.futures.Future]
 # rejects string annotations ("bucket annotation should be dist.GradBucket").
 
 
-def bf16_all_reduce_hook(
-    process_group: dist.ProcessGroup | None, bucket: dist.GradBucket
-) -> torch.futures.Future[torch.Tensor]:
+def bf16_all_reduce_hook(process_group: dist.ProcessGroup | None,
+                         bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """All-reduce a gradient bucket in bfloat16 on any backend that sums bfloat16 (gloo, NCCL): PyTorch's
     ``default_hooks.bf16_compress_hook`` without its CUDA/NCCL-only check.
 
