@@ -160,8 +160,7 @@ def allreduce_demo(world_size: int = 2, batch_size: int = 16, lr: float = 0.1, t
 
     Args:
         world_size: W processes (gloo, 127.0.0.1, a free port).
-        batch_size: B, samples per rank.
-        lr: SGD learning rate.
+        batch_size: B, samples per rank; lr: SGD learning rate.
         timed_steps: DDP steps to time after the demonstration step (DDP times iterations 1-10).
         start_method: ``"fork"``, ``"spawn"`` (the default: safe from a Jupyter kernel, whose I/O threads may
             hold a lock when it forks) or ``"forkserver"``.
