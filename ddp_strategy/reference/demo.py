@@ -153,10 +153,9 @@ def allreduce_demo(world_size: int = 2, batch_size: int = 16, lr: float = 0.1, t
     """Run forward, backward, gradient all-reduce and one SGD step on ``world_size`` real CPU processes.
 
     Every rank starts from rank 0's weights (a :class:`~ddp_strategy.reference.model.DigitsNet` with 32 hidden units),
-    takes the first ``batch_size`` indices of its epoch-0 shard of the digits, computes its local gradients,
-    averages them with ``torch.distributed.all_reduce`` and steps. It then repeats the backward through
-    ``DistributedDataParallel``, which must give the same averaged gradients, and times ``timed_steps`` more
-    DDP steps with DDP's own timers. Takes a few seconds.
+    takes the first ``batch_size`` indices of its epoch-0 shard of the digits, computes its local gradients, averages
+    them with ``torch.distributed.all_reduce`` and steps; then repeats the backward through ``DistributedDataParallel``
+    (the same averaged gradients) and times ``timed_steps`` more DDP steps with DDP's own timers. A few seconds.
 
     Args:
         world_size: W processes (gloo, 127.0.0.1, a free port).

@@ -119,8 +119,7 @@ def run_on_ranks(
         timeout_s: deadline for the whole run, seconds (default 60); past it every live rank's stack is dumped
             and the ranks are stopped, so a hang fails the test instead of blocking CI.
         init_process_group: create the default process group before ``fn`` (default True), destroyed after it.
-        backend: the process group's backend (default ``"gloo"``).
-        collective_timeout_s: the process group's timeout, seconds (default 30).
+        backend, collective_timeout_s: the process group's backend (default ``"gloo"``) and timeout (30 s).
         start_method: ``"forkserver"`` (``None``, the default, where available) or ``"spawn"``; ``"fork"`` of
             the test process is not offered (one that has used torch's thread pools cannot be forked safely).
 
@@ -128,11 +127,10 @@ def run_on_ranks(
         ``[value of rank 0, ..., value of rank W-1]``; values must be picklable.
 
     Raises:
-        TypeError: ``fn`` or its arguments cannot be pickled (a lambda, a local function); ``args`` not a tuple
-            or list, ``kwargs`` not a dict.
-        ValueError: ``world_size`` not an int >= 1; ``timeout_s`` or ``collective_timeout_s`` not a finite
-            number > 0; a ``backend`` this torch does not have; a ``start_method`` not offered (the message
-            says why, or lists the accepted ones).
+        TypeError: ``fn`` or its arguments cannot be pickled (a lambda, a local function); ``args`` not a tuple or
+            list, ``kwargs`` not a dict.
+        ValueError: ``world_size`` not an int >= 1; ``timeout_s`` or ``collective_timeout_s`` not a finite number
+            > 0; a ``backend`` this torch does not have; a ``start_method`` not offered (the message says why).
         RankError: a rank raised (its traceback is in the message), exited without a result, or the deadline
             passed (each live rank's stack is in the message). No rank, nor any process it started, is left.
     """
