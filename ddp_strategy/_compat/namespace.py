@@ -267,7 +267,7 @@ def lightning_base(path: str) -> type:
 class _FollowsTheTrainer:
     """Mixed into strategy flavours: the other namespace's Trainer (it sets ``strategy.accelerator`` first, in 2.4,
     2.5 and 2.6) makes the strategy, the same object, its own flavour. ``__init__`` is not re-run: what it made is
-    namespace-neutral, and Lightning objects the user passed are kept as given, as Lightning's DDPStrategy keeps them."""
+    namespace-neutral; Lightning objects the user passed are kept as given, as Lightning's DDPStrategy keeps them."""
 
     @property
     def accelerator(self) -> Any:

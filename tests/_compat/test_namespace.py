@@ -220,7 +220,8 @@ from uses_pl import Mine, mine
 by_name = lightning.Trainer(accelerator="cpu", devices=2, strategy="my_ddp", logger=False).strategy
 taken = lightning.Trainer(accelerator="cpu", devices=2, strategy=mine, logger=False).strategy
 result = {"strategy": namespace_of(MyDDPStrategy()), "model": namespace_of(DigitsClassifier()),
-          "my_ddp": namespace_of(by_name), "mine_in_trainer": [namespace_of(taken), taken is mine, isinstance(mine, Mine)]}
+          "my_ddp": namespace_of(by_name),
+          "mine_in_trainer": [namespace_of(taken), taken is mine, isinstance(mine, Mine)]}
 """,
     "uses_both": """
 import lightning, pytorch_lightning

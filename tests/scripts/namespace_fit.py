@@ -6,9 +6,9 @@ lightning.pytorch as pl``) or ``pytorch_lightning`` (``import pytorch_lightning 
 module would: ``MyDDPStrategy.for_namespace(STRATEGY_FOR)(...)``, or with STRATEGY_FOR ``unnamed``
 ``MyDDPStrategy(...)`` where no namespace is named yet (``lightning``'s where both are installed); only then it
 imports the user's namespace, whose Trainer gets that strategy. It trains DigitsClassifier for 2 epochs of 10
-batches under ``start_method="spawn"`` (which pickles the trainer), saving a checkpoint per epoch under OUT_DIR/ckpts. Each rank writes OUT_DIR/rank{global_rank}.pt:
-its final weights, epoch, step, validation accuracy, the namespace the strategy was built for, and the namespace
-of its strategy, model, data module and checkpoint IO.
+batches under ``start_method="spawn"`` (which pickles the trainer), saving a checkpoint per epoch under
+OUT_DIR/ckpts. Each rank writes OUT_DIR/rank{global_rank}.pt: its final weights, epoch, step, validation accuracy,
+the namespace the strategy was built for, and the namespace of its strategy, model, data module and checkpoint IO.
 """
 
 import importlib
@@ -20,7 +20,8 @@ import torch
 from ddp_strategy import DDPCheckpointIO, DigitsClassifier, DigitsDataModule, MyDDPStrategy
 from ddp_strategy._compat import namespace as _namespace
 
-STRATEGY = (MyDDPStrategy if sys.argv[2] == "unnamed" else MyDDPStrategy.for_namespace(sys.argv[2]))(timeout=60, start_method="spawn")
+STRATEGY_CLASS = MyDDPStrategy if sys.argv[2] == "unnamed" else MyDDPStrategy.for_namespace(sys.argv[2])
+STRATEGY = STRATEGY_CLASS(timeout=60, start_method="spawn")
 BUILT_FOR = _namespace.namespace_of(STRATEGY)
 
 # The user's namespace, at module level as a user imports it (spawned ranks re-import this module).
