@@ -61,11 +61,8 @@ class DigitsCLI(LightningCLI):
     """LightningCLI that reports the final metrics and checkpoint after ``fit`` (on rank 0)."""
 
     def instantiate_classes(self) -> None:
-        """Build the model, data and trainer; a bad value found only now ends as a usage error, like a bad flag.
-
-        jsonargparse checks types while parsing, the classes check values (``--data.batch_size=0``): their
-        ``ValueError``/``TypeError`` ends as the usage line, ``error: <message>`` and exit status 2, no traceback.
-        """
+        """Build the model, data and trainer; a ``ValueError``/``TypeError`` of the classes (``--data.batch_size=0``:
+        jsonargparse checks only types) ends as for a bad flag: the usage line, ``error: <message>``, exit status 2."""
         try:
             super().instantiate_classes()
         except (ValueError, TypeError) as e:

@@ -1,17 +1,17 @@
 """What global rank 0 tells the user about a fit, once, through Lightning's ``rank_zero_info``/``rank_zero_warn``.
 
-At fit start the :class:`FitSummary` (world, batch sizes, data per rank, DDP options) and the
-:func:`batch_size_warnings`; at fit end the :func:`communication_messages`: all-reduce versus compute time per
-step from DDP's own timers (:class:`CommStats`), a hint when communication dominates, and the parameters that
-never received a gradient on any rank. The message functions take plain numbers (the notebook calls them);
+At fit start the :class:`FitSummary` and the :func:`batch_size_warnings`; at fit end the
+:func:`communication_messages` from DDP's own timers (:class:`CommStats`) and the parameters no rank gave a
+gradient (docs/diagnostics.md shows each). The message functions take plain numbers (the notebook calls them);
 :func:`on_fit_start` and :func:`on_fit_end` read them off a running fit for the strategy. Only reads.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
-from dataclasses import dataclass, field
+from dataclasses import astuple, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -97,23 +97,18 @@ def _plural(count: int, word: str) -> str:
 
 def batch_size_warnings(per_device_batch_size: int | None, world_size: int, dataset_size: int | None,
                         configured_batch_size: int | None = None) -> list[str]:
-    """Warnings for a global batch size that looks like a mistake; ``[]`` when none applies.
+    """Warnings for a global batch size that looks like a mistake (the rules: docs/diagnostics.md); ``[]`` if none.
 
-    The loader's ``batch_size`` B is per device, so one optimizer step sees ``B * W`` samples. Two rules:
-
-    1. **Global batch larger than the data set**: ``B * W > N``. Each rank holds only ``ceil(N / W)`` samples,
-       fewer than B, so every epoch is one partial step: almost always B was meant as the global batch size.
-    2. **Batch size multiplied by the device count** (a heuristic): W > 1 and B equals ``configured * W``, where
-       ``configured`` is the ``batch_size`` configured on the DataModule or LightningModule (attribute or
-       hyperparameter, found as Lightning's batch-size finder finds it): the pattern
-       ``DataLoader(batch_size=self.batch_size * self.trainer.world_size)``, written expecting DDP to split the
-       batch (as ``DataParallel`` does); DDP does not, so the global batch is W times larger than intended.
+    The loader's ``batch_size`` B is per device, so a step sees ``B * W`` samples. Rule 1: ``B * W > N``, so each
+    epoch is one partial step. Rule 2 (a heuristic): W > 1 and ``B == configured * W``, as
+    ``DataLoader(batch_size=self.batch_size * self.trainer.world_size)`` gives, written expecting DDP to split the
+    batch (as ``DataParallel`` does).
 
     Args:
         per_device_batch_size: B, the training loader's ``batch_size``; None skips both rules.
-        world_size: W.
-        dataset_size: N, training samples; None skips rule 1.
-        configured_batch_size: the user's ``batch_size`` setting, if any; None skips rule 2.
+        world_size: W. dataset_size: N, training samples; None skips rule 1.
+        configured_batch_size: the ``batch_size`` on the DataModule or LightningModule (attribute or
+            hyperparameter, as Lightning's batch-size finder finds it); None skips rule 2.
 
     Returns one message per rule that fires, saying what was found and what to do. Example:
         >>> batch_size_warnings(1024, 2, 1438)[0][:60]
@@ -162,8 +157,7 @@ class CommStats:
 
     def as_tensor(self) -> torch.Tensor:
         """``[forward, backward compute, all-reduce, overlap]`` in ms, float64, shape (4,)."""
-        return torch.tensor([self.forward_ms, self.backward_compute_ms, self.allreduce_ms, self.overlap_ms],
-                            dtype=torch.float64)
+        return torch.tensor(astuple(self), dtype=torch.float64)
 
     @property
     def compute_ms(self) -> float:
@@ -194,8 +188,7 @@ def communication_messages(stats: CommStats | None, unused: list[str], world_siz
 
     Args:
         stats: rank-averaged timings, or None when DDP timed no step (then the info says so).
-        unused: names of parameters that never received a gradient on any rank.
-        world_size: W.
+        unused: names of parameters that never received a gradient on any rank; world_size: W.
         per_device_batch_size, bucket_cap_mb: B and DDP's bucket size (MiB), quoted in the hint if given.
 
     Returns:
@@ -236,27 +229,23 @@ class GradientTracker:
 
     The hooks only set a flag. :meth:`prune` (after each optimizer step) removes the hooks of parameters
     already seen, so after the first step only never-updated parameters still pay for one; :meth:`close`
-    removes the rest. Names are relative to ``module`` (no DDP ``module.`` prefix).
+    removes the rest. ``names`` are relative to ``module`` (no DDP ``module.`` prefix); ``seen[i]``: whether
+    ``names[i]`` received a gradient.
     """
 
     def __init__(self, module: nn.Module) -> None:
         params = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
         self.names: list[str] = [name for name, _ in params]
-        self._seen: list[bool] = [False] * len(params)
+        self.seen: list[bool] = [False] * len(params)
         self._handles: dict[int, Any] = {i: p.register_hook(functools.partial(self._mark, i))
                                          for i, (_, p) in enumerate(params)}
 
     def _mark(self, index: int, grad: torch.Tensor) -> None:
-        self._seen[index] = True
-
-    @property
-    def received(self) -> torch.Tensor:
-        """Bool tensor (tracked parameters,): True where a gradient arrived."""
-        return torch.tensor(self._seen, dtype=torch.bool)
+        self.seen[index] = True
 
     def prune(self) -> None:
         """Remove the hooks of parameters that have already received a gradient (not from inside a hook)."""
-        for index in [i for i in self._handles if self._seen[i]]:
+        for index in [i for i in self._handles if self.seen[i]]:
             self._handles.pop(index).remove()
 
     def close(self) -> None:
@@ -295,10 +284,8 @@ def on_fit_start(trainer: pl.Trainer, backend: str, start_method: str, ddp_optio
             n = len(sampler.dataset)  # type: ignore[arg-type]
             per_rank, padding = int(sampler.num_samples), int(sampler.total_size) - n
         else:
-            try:
+            with contextlib.suppress(TypeError):  # an iterable data set has no len
                 n = len(loader.dataset)  # type: ignore[arg-type]
-            except TypeError:  # an iterable data set
-                n = None
     summary = FitSummary(
         world_size=trainer.world_size, num_nodes=trainer.num_nodes, backend=backend, start_method=start_method,
         per_device_batch_size=batch_size, accumulate_grad_batches=trainer.accumulate_grad_batches,
@@ -330,8 +317,7 @@ def on_fit_end(record: FitRecord, ddp_model: nn.Module, device: torch.device) ->
     data = _torch_private.ddp_logging_data(ddp_model)
     local = CommStats.from_ddp_logging_data(data)
     timed = local.as_tensor() if local is not None else torch.zeros(4, dtype=torch.float64)
-    total = torch.cat([timed, torch.tensor([float(local is not None)], dtype=torch.float64),
-                       tracker.received.to(torch.float64)]).to(device)
+    total = torch.cat([timed, torch.tensor([local is not None, *tracker.seen], dtype=torch.float64)]).to(device)
     if dist.is_initialized():
         dist.all_reduce(total)
     world_size, total = dist.get_world_size() if dist.is_initialized() else 1, total.cpu()

@@ -69,11 +69,10 @@ def strategy_options(
 
     Raises:
         TypeError: a wrong type (``seed="1"``, ``init_method=5``), an unknown DDP option or comm hook.
-        ValueError: out of range (``verify_sync_every_n_steps=0``, ``checkpoint_on_sigterm=""``, a ``seed``
-            outside 0 .. 2**32 - 1001, a non-positive timeout), an unknown ``start_method``,
-            ``process_group_backend`` (any name in ``torch.distributed.Backend.backend_list`` is known) or
-            ``init_method`` scheme, and ``store`` with ``start_method="spawn"``/``"forkserver"`` (a store
-            cannot be pickled to the new processes).
+        ValueError: out of range (``verify_sync_every_n_steps=0``, ``checkpoint_on_sigterm=""``, a ``seed`` outside 0 ..
+            2**32 - 1001, a non-positive timeout), an unknown ``start_method``, ``process_group_backend`` (any name in
+            ``torch.distributed.Backend.backend_list`` is known) or ``init_method`` scheme, and ``store`` with
+            ``start_method="spawn"``/``"forkserver"`` (a store cannot be pickled to the new processes).
     """
     for name, value in (("process_group_backend", process_group_backend), ("start_method", start_method),
                         ("init_method", init_method)):

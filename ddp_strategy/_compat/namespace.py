@@ -10,7 +10,7 @@ installs both. This is the one module that imports either:
   (:meth:`Flavoured.for_namespace`), which pickles as (public class, namespace). Where the base is an ABC the
   public class is registered with it in each namespace (for ``LightningCLI`` class paths and ``plugins=``).
 - **Choice.** The class's own namespace, else that of a Lightning object among the arguments, else
-  :func:`resolve`'s. A strategy handed to the other namespace's Trainer is refused, saying what to do.
+  :func:`resolve`'s. A strategy handed to the other namespace's Trainer becomes that namespace's flavour.
 """
 
 from __future__ import annotations
@@ -264,9 +264,10 @@ def lightning_base(path: str) -> type:
     return base
 
 
-class _OneNamespaceStrategy:
-    """Mixed into strategy flavours: refuse the other namespace's Trainer (it sets ``strategy.accelerator``
-    first, in 2.4, 2.5 and 2.6), whose objects would meet this namespace's code."""
+class _FollowsTheTrainer:
+    """Mixed into strategy flavours: the other namespace's Trainer (it sets ``strategy.accelerator`` first, in 2.4,
+    2.5 and 2.6) makes the strategy, the same object, its own flavour. ``__init__`` is not re-run: what it made is
+    namespace-neutral; Lightning objects the user passed are kept as given, as Lightning's DDPStrategy keeps them."""
 
     @property
     def accelerator(self) -> Any:
@@ -274,20 +275,15 @@ class _OneNamespaceStrategy:
 
     @accelerator.setter
     def accelerator(self, accelerator: Any) -> None:
-        theirs, ours = namespace_of(accelerator), type(self)._ddp_namespace
-        if theirs is not None and theirs != ours:
-            raise TypeError(
-                f"This {type(self).__qualname__} was built for {ours}, but a {theirs} Trainer received it (where it"
-                f" was built nothing named {theirs}: a module that imports both namespaces or neither, e.g. at"
-                f" import time, before {theirs} was imported). Build it with"
-                f" {type(self).__qualname__}.for_namespace({theirs!r})(...),"
-                f" pass strategy='my_ddp', or set {ENV_VAR}={theirs}.")
-        super(_OneNamespaceStrategy, type(self)).accelerator.__set__(self, accelerator)  # type: ignore[misc]
+        theirs = namespace_of(accelerator)
+        if theirs is not None and theirs != type(self)._ddp_namespace:
+            self.__class__ = type(self).for_namespace(theirs)
+        super(_FollowsTheTrainer, type(self)).accelerator.__set__(self, accelerator)  # type: ignore[misc]
 
 
 #: (path of a Lightning class, mixin for flavours whose base derives from it), in MRO order;
 #: :mod:`~ddp_strategy._compat.lightning_private` adds its ``SavesPublicInitArgs`` when imported (with the package).
-MIXINS: list[tuple[str, type]] = [("pytorch.strategies:Strategy", _OneNamespaceStrategy)]
+MIXINS: list[tuple[str, type]] = [("pytorch.strategies:Strategy", _FollowsTheTrainer)]
 
 
 def any_namespace(path: str) -> type:

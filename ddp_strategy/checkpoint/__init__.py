@@ -14,7 +14,6 @@ from ddp_strategy.checkpoint.io import (
     WrittenFiles,
     prepare_folders,
     remove_stale_temp_files,
-    unwritable_reason,
 )
 from ddp_strategy.checkpoint.keys import (
     FIT_MISMATCH_HINT,
@@ -26,6 +25,5 @@ from ddp_strategy.checkpoint.keys import (
 
 __all__ = ["FIT_MISMATCH_HINT", "DDPCheckpointIO", "DamagedCheckpointError", "StateDictMismatchError",
            "UnsafeCheckpointError", "WrittenFiles", "export_weights", "import_plain_checkpoint",
-           "load_plain_state_dict",
-           "match_state_dict", "prepare_folders", "remove_stale_temp_files", "strip_ddp_prefix", "unwritable_reason",
-           "unwrapped_state_dict"]
+           "load_plain_state_dict", "match_state_dict", "prepare_folders", "remove_stale_temp_files",
+           "strip_ddp_prefix", "unwrapped_state_dict"]

@@ -145,15 +145,9 @@ def _fit_loop_state(epochs_completed: int, global_step: int) -> dict[str, Any]:
     return state
 
 
-def import_plain_checkpoint(
-    source: str | os.PathLike | Mapping[str, Any],
-    model: nn.Module,
-    output_path: str | os.PathLike | None = None,
-    *,
-    strict: bool = True,
-    weights_only: bool = True,
-    epochs_completed: int | None = None,
-) -> dict[str, Any]:
+def import_plain_checkpoint(source: str | os.PathLike | Mapping[str, Any], model: nn.Module,
+                            output_path: str | os.PathLike | None = None, *, strict: bool = True,
+                            weights_only: bool = True, epochs_completed: int | None = None) -> dict[str, Any]:
     """Load a plain PyTorch (hand-written DDP) checkpoint into ``model``; optionally write a Lightning one.
 
     The file holds ``{"epoch", "model_state_dict" | "state_dict" | "model", "optimizer_state_dict" | "optimizer",
@@ -229,13 +223,8 @@ def import_plain_checkpoint(
     return result
 
 
-def export_weights(
-    source: str | os.PathLike | nn.Module,
-    path: str | os.PathLike,
-    submodule: str = "model",
-    safetensors: bool | None = None,
-    weights_only: bool = True,
-) -> dict[str, torch.Tensor]:
+def export_weights(source: str | os.PathLike | nn.Module, path: str | os.PathLike, submodule: str = "model",
+                   safetensors: bool | None = None, weights_only: bool = True) -> dict[str, torch.Tensor]:
     """Write just the plain model weights (a ``state_dict``) for inference without Lightning, atomically: keys
     without ``module.``, ``_orig_mod.`` or ``<submodule>.``, tensors detached, contiguous, on the CPU.
 

@@ -104,30 +104,26 @@ def atomic_save(obj: Any, path: str | os.PathLike, save_fn: Callable[[Any, Any],
     log.debug("saved %s atomically", path)
 
 
-def unwritable_reason(folders: list[str | os.PathLike]) -> str | None:
-    """Why checkpoints cannot be written to the first of ``folders`` that fails, or None; leaves no trace (a
-    ``tempfile.TemporaryFile`` probe in each folder or its nearest existing parent; remote paths skipped)."""
-    for folder in [os.fspath(f) for f in folders if "://" not in os.fspath(f)]:
+def prepare_folders(callbacks: list[Any]) -> None:
+    """At fit start (global rank 0), in the ``dirpath`` of each checkpoint callback: remove what killed writers left
+    (:func:`remove_stale_temp_files`), then warn now about the first that is not writable, where Lightning's ddp fails
+    at the first save (a ``tempfile.TemporaryFile`` probe there or in its nearest existing parent leaves no trace;
+    remote paths are not probed)."""
+    folders = [os.fspath(cb.dirpath) for cb in callbacks if getattr(cb, "dirpath", None)]
+    for folder in folders:
+        remove_stale_temp_files(folder)
+    for folder in [f for f in folders if "://" not in f]:
         existing = os.path.abspath(folder)
         while not os.path.exists(existing):
             existing = os.path.dirname(existing)
         try:
             tempfile.TemporaryFile(dir=existing).close()
         except OSError as e:
-            return (f"Checkpoint folder {folder} is not writable ({type(e).__name__}: {e.strerror or e}). Choose a"
-                    " writable ModelCheckpoint(dirpath=...) or Trainer(default_root_dir=...) before training.")
-    return None
-
-
-def prepare_folders(callbacks: list[Any]) -> None:
-    """At fit start (global rank 0), in the ``dirpath`` of each checkpoint callback: remove what killed writers left
-    (:func:`remove_stale_temp_files`) and warn now about an unwritable folder (:func:`unwritable_reason`), where
-    Lightning's ddp fails at the first save."""
-    folders = [cb.dirpath for cb in callbacks if getattr(cb, "dirpath", None)]
-    for folder in folders:
-        remove_stale_temp_files(folder)
-    if problem := unwritable_reason(folders):
-        _namespace.rank_zero_warn(f"{problem} The first checkpoint saved there will fail; fix the folder now.")
+            _namespace.rank_zero_warn(
+                f"Checkpoint folder {folder} is not writable ({type(e).__name__}: {e.strerror or e}). Choose a writable"
+                " ModelCheckpoint(dirpath=...) or Trainer(default_root_dir=...) before training. The first checkpoint"
+                " saved there will fail; fix the folder now.")
+            return
 
 
 class WrittenFiles:
@@ -171,13 +167,8 @@ class UnsafeCheckpointError(pickle.UnpicklingError):
     """``weights_only=True`` refused an object in the file (it could run code when unpickled)."""
 
 
-def load_file(
-    path: str | os.PathLike,
-    map_location: Any = "cpu",
-    weights_only: bool = True,
-    verify_checksums: bool = True,
-    opt_out: str = "load_file(..., weights_only=False)",
-) -> Any:
+def load_file(path: str | os.PathLike, map_location: Any = "cpu", weights_only: bool = True,
+              verify_checksums: bool = True, opt_out: str = "load_file(..., weights_only=False)") -> Any:
     """``torch.load`` a checkpoint file; whatever bytes it holds, a failure is one of the errors below, naming it.
 
     Warnings of a failing load are dropped, a successful one's passed on. With ``verify_checksums`` every zip
@@ -347,12 +338,8 @@ class DDPCheckpointIO(TorchCheckpointIO):
             raise TypeError(f"{type(self).__name__} does not support storage_options; got {storage_options!r}.")
         atomic_save(checkpoint, path)
 
-    def load_checkpoint(
-        self,
-        path: Any,
-        map_location: Callable | Any = lambda storage, loc: storage,
-        weights_only: bool | None = None,
-    ) -> dict[str, Any]:
+    def load_checkpoint(self, path: Any, map_location: Callable | Any = lambda storage, loc: storage,
+                        weights_only: bool | None = None) -> dict[str, Any]:
         """Load a checkpoint (``weights_only=None``: this plugin's default); a local file gives a dict, else the
         errors of :func:`load_file`, or ``DamagedCheckpointError`` when it holds something other than a dict."""
         weights_only = self.weights_only if weights_only is None else weights_only

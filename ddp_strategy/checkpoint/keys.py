@@ -115,24 +115,13 @@ def _best_key_mapping(keys: list[str], expected: set[str], prefixes: Iterable[st
     the earlier (no stripping, the first prefix), so a real child called ``module`` keeps its name."""
     stripped = {key: _without_compile_segments(key) for key in keys}
     ddp = bool(stripped) and all(name.startswith(DDP_PREFIX) for name in stripped.values())
-    best: dict[str, str] = {key: key for key in keys}
-    best_score = -1
-    for prefix in prefixes:
-        for cut in (0, len(DDP_PREFIX)) if ddp else (0,):
-            variant = {key: prefix + name[cut:] for key, name in stripped.items()}
-            score = sum(name in expected for name in variant.values())
-            if score > best_score:
-                best, best_score = variant, score
-    return best
+    variants = ({key: prefix + name[cut:] for key, name in stripped.items()}
+                for prefix in prefixes for cut in ((0, len(DDP_PREFIX)) if ddp else (0,)))
+    return max(variants, key=lambda v: sum(name in expected for name in v.values()), default={key: key for key in keys})
 
 
-def match_state_dict(
-    state_dict: Mapping[str, Any],
-    model: nn.Module,
-    strict: bool = True,
-    source: str | os.PathLike | None = None,
-    prefixes: Iterable[str] = ("",),
-) -> dict[str, Any]:
+def match_state_dict(state_dict: Mapping[str, Any], model: nn.Module, strict: bool = True,
+                     source: str | os.PathLike | None = None, prefixes: Iterable[str] = ("",)) -> dict[str, Any]:
     """Rename a checkpoint's model keys (with or without ``module.``, ``_orig_mod.``) to ``model``'s own (compiled or
     not), ready for ``model.load_state_dict`` (:func:`_best_key_mapping`).
 
@@ -176,8 +165,7 @@ def match_state_dict(
         if missing:
             parts.append(f"{len(missing)} missing key(s) (in the model, not in the file): {listing(missing)}")
         if unexpected:
-            parts.append(f"{len(unexpected)} unexpected key(s) (in the file, not in the model):"
-                         f" {listing(unexpected)}")
+            parts.append(f"{len(unexpected)} unexpected key(s) (in the file, not in the model): {listing(unexpected)}")
         if shapes:
             parts.append("shape mismatch(es) (file vs model): "
                          + ", ".join(f"{k!r}: {a} vs {b}" for k, (a, b) in list(shapes.items())[:MAX_LISTED_KEYS]))

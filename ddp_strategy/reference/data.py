@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, TensorDataset, random_split
 
 from ddp_strategy._compat import namespace as _namespace
 from ddp_strategy._compat.namespace import rank_zero_info
@@ -36,20 +36,6 @@ def load_digits_tensors() -> tuple[torch.Tensor, torch.Tensor]:
     x = torch.tensor(data.data, dtype=torch.float32) / 16.0
     y = torch.tensor(data.target, dtype=torch.int64)
     return x, y
-
-
-def split_indices(n: int, val_fraction: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """A seeded random split of ``range(n)``: ``(train_idx, val_idx)``, int64, disjoint, ``len(val_idx) =
-    round(n * val_fraction)``; the same seed gives the same split on every rank and run.
-
-    Raises:
-        ValueError: ``val_fraction`` is outside (0, 1).
-    """
-    if not 0.0 < val_fraction < 1.0:
-        raise ValueError(f"val_fraction must be between 0 and 1 (exclusive), got {val_fraction}.")
-    perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
-    n_val = round(n * val_fraction)
-    return perm[n_val:], perm[:n_val]
 
 
 class DigitsDataModule(LightningDataModule):
@@ -82,19 +68,21 @@ class DigitsDataModule(LightningDataModule):
         self.val_set: TensorDataset | None = None
 
     def setup(self, stage: str | None = None) -> None:
-        """Load the digits and split them (same split on every rank)."""
+        """Load the digits and split off ``round(N * val_fraction)`` for validation with ``random_split``, seeded
+        by ``split_seed`` (the same split on every rank and run); ``ValueError`` unless 0 < val_fraction < 1."""
+        if not 0.0 < self.val_fraction < 1.0:
+            raise ValueError(f"val_fraction must be between 0 and 1 (exclusive), got {self.val_fraction}.")
         x, y = load_digits_tensors()
-        train_idx, val_idx = split_indices(len(y), self.val_fraction, self.split_seed)
-        self.train_set = TensorDataset(x[train_idx], y[train_idx])
-        self.val_set = TensorDataset(x[val_idx], y[val_idx])
-
-    def _world_size(self) -> int:
-        return self.trainer.world_size if self.trainer is not None else 1
+        n_val = round(len(y) * self.val_fraction)
+        generator = torch.Generator().manual_seed(self.split_seed)
+        val, train = random_split(range(len(y)), [n_val, len(y) - n_val], generator)
+        self.train_set = TensorDataset(x[train.indices], y[train.indices])
+        self.val_set = TensorDataset(x[val.indices], y[val.indices])
 
     def train_dataloader(self) -> DataLoader:
         """Shuffled training batches of the per-device batch size; the strategy shards them."""
         assert self.train_set is not None, "call setup() first"
-        world = self._world_size()
+        world = self.trainer.world_size if self.trainer is not None else 1
         rank_zero_info(f"Digits: per-device batch size {self.batch_size} x world size {world}"
                        f" = global batch size {self.batch_size * world}")
         return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=True, num_workers=self.num_workers)

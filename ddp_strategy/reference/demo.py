@@ -26,17 +26,13 @@ from ddp_strategy.sampling import EpochSeededDistributedSampler
 __all__ = ["AllReduceDemo", "allreduce_demo", "epoch_shards", "forgotten_set_epoch"]
 
 
-def epoch_shards(
-    dataset_size: int, world_size: int = 2, epochs: int = 2, seed: int = 0, shuffle: bool = True
-) -> list[list[list[int]]]:
+def epoch_shards(dataset_size: int, world_size: int = 2, epochs: int = 2, seed: int = 0,
+                 shuffle: bool = True) -> list[list[list[int]]]:
     """The training indices each rank draws in each epoch, exactly as ``MyDDPStrategy`` shards them (its sampler).
 
     Args:
-        dataset_size: N samples.
-        world_size: W ranks.
-        epochs: how many epochs (0, 1, ...).
-        seed: the shuffle seed shared by all ranks.
-        shuffle: as the training loader's ``shuffle``.
+        dataset_size: N samples; world_size: W ranks; epochs: how many epochs (0, 1, ...).
+        seed: the shuffle seed shared by all ranks; shuffle: as the training loader's ``shuffle``.
 
     Returns:
         ``shards[epoch][rank]``: the list of ``ceil(N / W)`` indices rank ``rank`` draws in ``epoch``.
@@ -45,24 +41,16 @@ def epoch_shards(
         >>> epoch_shards(5, 2, epochs=1, shuffle=False)
         [[[0, 2, 4], [1, 3, 0]]]
     """
-    shards = []
-    for epoch in range(epochs):
-        per_rank = []
-        for rank in range(world_size):
-            sampler = EpochSeededDistributedSampler(range(dataset_size), num_replicas=world_size, rank=rank,
-                                                    shuffle=shuffle, seed=seed, epoch_fn=lambda e=epoch: e)
-            per_rank.append(list(sampler))
-        shards.append(per_rank)
-    return shards
+    return [[list(EpochSeededDistributedSampler(range(dataset_size), num_replicas=world_size, rank=rank,
+                                                shuffle=shuffle, seed=seed, epoch_fn=lambda e=epoch: e))
+             for rank in range(world_size)] for epoch in range(epochs)]
 
 
 def forgotten_set_epoch(dataset_size: int, epochs: int = 3, seed: int = 0) -> dict[str, list[list[int]]]:
     """Rank 0's order per epoch: a plain ``DistributedSampler`` never told the epoch, versus the strategy's.
 
     Args:
-        dataset_size: N samples.
-        epochs: epochs to draw.
-        seed: shuffle seed.
+        dataset_size: N samples; epochs: epochs to draw; seed: shuffle seed.
 
     Returns:
         ``{"DistributedSampler without set_epoch": orders, "EpochSeededDistributedSampler": orders}``, where
@@ -152,8 +140,8 @@ def _demo_steps(rank: int, world_size: int, batch_size: int, lr: float, timed_st
         F.cross_entropy(ddp(x[idx]), y[idx]).backward()
         optimizer.step()
     stats = CommStats.from_ddp_logging_data(_torch_private.ddp_logging_data(ddp))
-    record: dict[str, Any] = {"batch": batch, "initial": initial, "local": local, "averaged": averaged,
-                              "after": after, "ddp": ddp_grads,
+    record: dict[str, Any] = {"batches": batch, "initial": initial, "local_grads": local, "averaged_grads": averaged,
+                              "weights_after_step": after, "ddp_grads": ddp_grads,
                               "comm_stats": stats.as_tensor() if stats is not None else None}
     if rank == 0:
         record["ddp_state_dict"] = {k: v.clone() for k, v in ddp.state_dict().items()}
@@ -165,15 +153,13 @@ def allreduce_demo(world_size: int = 2, batch_size: int = 16, lr: float = 0.1, t
     """Run forward, backward, gradient all-reduce and one SGD step on ``world_size`` real CPU processes.
 
     Every rank starts from rank 0's weights (a :class:`~ddp_strategy.reference.model.DigitsNet` with 32 hidden units),
-    takes the first ``batch_size`` indices of its epoch-0 shard of the digits, computes its local gradients,
-    averages them with ``torch.distributed.all_reduce`` and steps. It then repeats the backward through
-    ``DistributedDataParallel``, which must give the same averaged gradients, and times ``timed_steps`` more
-    DDP steps with DDP's own timers. Takes a few seconds.
+    takes the first ``batch_size`` indices of its epoch-0 shard of the digits, computes its local gradients, averages
+    them with ``torch.distributed.all_reduce`` and steps; then repeats the backward through ``DistributedDataParallel``
+    (the same averaged gradients) and times ``timed_steps`` more DDP steps with DDP's own timers. A few seconds.
 
     Args:
         world_size: W processes (gloo, 127.0.0.1, a free port).
-        batch_size: B, samples per rank.
-        lr: SGD learning rate.
+        batch_size: B, samples per rank; lr: SGD learning rate.
         timed_steps: DDP steps to time after the demonstration step (DDP times iterations 1-10).
         start_method: ``"fork"``, ``"spawn"`` (the default: safe from a Jupyter kernel, whose I/O threads may
             hold a lock when it forks) or ``"forkserver"``.
@@ -189,13 +175,7 @@ def allreduce_demo(world_size: int = 2, batch_size: int = 16, lr: float = 0.1, t
                            nprocs=world_size, start_method=start_method or "spawn")
         records = [torch.load(Path(out_dir) / f"rank{r}.pt", weights_only=True) for r in range(world_size)]
     timed = [r["comm_stats"] for r in records if r["comm_stats"] is not None]
-    return AllReduceDemo(
-        batches=[r["batch"] for r in records],
-        initial=records[0]["initial"],
-        local_grads=[r["local"] for r in records],
-        averaged_grads=[r["averaged"] for r in records],
-        ddp_grads=[r["ddp"] for r in records],
-        weights_after_step=[r["after"] for r in records],
-        ddp_state_dict=records[0]["ddp_state_dict"],
-        comm_stats=CommStats(*torch.stack(timed).mean(dim=0).tolist()) if timed else None,
-    )
+    per_rank = ("batches", "local_grads", "averaged_grads", "ddp_grads", "weights_after_step")
+    return AllReduceDemo(**{key: [r[key] for r in records] for key in per_rank}, initial=records[0]["initial"],
+                         ddp_state_dict=records[0]["ddp_state_dict"],
+                         comm_stats=CommStats(*torch.stack(timed).mean(dim=0).tolist()) if timed else None)

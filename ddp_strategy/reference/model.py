@@ -19,12 +19,11 @@ else:  # built for the user's Lightning namespace on construction (see ddp_strat
 
 
 class DigitsNet(nn.Module):
-    """The plain classifier: 64 -> hidden -> hidden -> 10 with ReLU. No Lightning, no DDP.
+    """The plain classifier: 64 -> hidden -> hidden -> 10 with ReLU; input (B, 64) float32 pixels in 0..1, output
+    (B, 10) logits. No Lightning, no DDP.
 
     Args:
         hidden_size: width of both hidden layers (default 128).
-
-    Shapes: input (B, 64) float32 pixels in 0..1; output (B, 10) logits.
     """
 
     def __init__(self, hidden_size: int = 128) -> None:
@@ -45,10 +44,9 @@ class DigitsNet(nn.Module):
 class DigitsClassifier(LightningModule):
     """The reference LightningModule: :class:`DigitsNet` under ``self.model``, cross-entropy, Adam.
 
-    Accuracy is a ``torchmetrics`` ``MulticlassAccuracy``; under DDP torchmetrics sums its counts over
-    ranks at epoch end, so ``val_acc`` is over the whole validation set. Checkpoint keys are
-    ``model.<name>``: :func:`ddp_strategy.checkpoint.convert.load_plain_state_dict` returns them ready for
-    ``DigitsNet.load_state_dict``.
+    Accuracy is a ``torchmetrics`` ``MulticlassAccuracy``; under DDP torchmetrics sums its counts over ranks at epoch
+    end, so ``val_acc`` is over the whole validation set. Checkpoint keys are ``model.<name>``:
+    :func:`ddp_strategy.checkpoint.convert.load_plain_state_dict` returns them ready for ``DigitsNet.load_state_dict``.
 
     Args:
         hidden_size: see :class:`DigitsNet` (default 128).

@@ -1,25 +1,15 @@
-"""DDP communication hooks: choose, adapt to the backend, register, and measure what goes over the wire.
+"""DDP communication hooks: choose, adapt to the backend, register, and count what goes over the wire.
 
 A communication hook replaces DDP's gradient all-reduce for each bucket
-(https://pytorch.org/docs/stable/ddp_comm_hooks.html). ``MyDDPStrategy(ddp_comm_hook=...)`` registers
-one on every backend, CPU/gloo included (Lightning's own DDP strategy registers hooks on CUDA only).
+(https://pytorch.org/docs/stable/ddp_comm_hooks.html). ``MyDDPStrategy(ddp_comm_hook=...)`` registers one on every
+backend, CPU/gloo included (Lightning's own DDP strategy registers hooks on CUDA only): a name in
+:data:`HOOKS_BY_NAME` (bytes sent per element per rank: ``"allreduce"``, DDP's own algorithm, 4; ``"fp16"`` and
+``"bf16"`` 2; ``"powersgd"`` (rows + cols) * rank per matrix) or any hook.
 
-Built-in choices, by name or as PyTorch's functions:
-
-============  =====================================================  ================================
-name          hook                                                   bytes sent per element per rank
-============  =====================================================  ================================
-allreduce     ``default_hooks.allreduce_hook`` (what DDP does anyway)  4 (float32)
-fp16          ``default_hooks.fp16_compress_hook``                   2 (float16)
-bf16          :func:`bf16_all_reduce_hook` (gloo-capable, see below) 2 (bfloat16)
-powersgd      ``powerSGD_hook.powerSGD_hook`` with a PowerSGDState   (rows + cols) * rank per matrix
-============  =====================================================  ================================
-
-PyTorch refuses its own ``bf16_compress_hook`` unless CUDA+NCCL>=2.10 is present, by the hook's ``__name__``
-(``DistributedDataParallel._check_comm_hook``). Gloo in torch 2.13 all-reduces ``torch.bfloat16``, so
-:func:`bf16_all_reduce_hook` does what PyTorch's does under another name: the float32 bucket is cast to bfloat16,
-divided by the world size, all-reduced (2 bytes per element on the wire) and copied back. PyTorch's
-``bf16_compress_hook`` / ``bf16_compress_wrapper`` are accepted too: off NCCL they become this module's.
+PyTorch refuses its ``bf16_compress_hook`` and ``bf16_compress_wrapper`` unless CUDA+NCCL>=2.10 is present, by
+the hook's ``__name__`` (``DistributedDataParallel._check_comm_hook``). Gloo in torch 2.13 all-reduces
+``torch.bfloat16``, so off NCCL they become :func:`bf16_all_reduce_hook` and :func:`bf16_compress_wrapper`, which
+do the same under other names.
 """
 
 import threading
@@ -42,12 +32,10 @@ CommHook = Callable[[Any, dist.GradBucket], torch.futures.Future]
 # rejects string annotations ("bucket annotation should be dist.GradBucket").
 
 
-def bf16_all_reduce_hook(
-    process_group: dist.ProcessGroup | None, bucket: dist.GradBucket
-) -> torch.futures.Future[torch.Tensor]:
-    """All-reduce a gradient bucket in bfloat16 on any backend that sums bfloat16 (gloo, NCCL).
-
-    Same semantics as PyTorch's ``default_hooks.bf16_compress_hook``, without its CUDA/NCCL-only check.
+def bf16_all_reduce_hook(process_group: dist.ProcessGroup | None,
+                         bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """All-reduce a gradient bucket in bfloat16 on any backend that sums bfloat16 (gloo, NCCL): PyTorch's
+    ``default_hooks.bf16_compress_hook`` without its CUDA/NCCL-only check.
 
     Args:
         process_group: the group to reduce over; ``None`` = the world (the hook's ``state``).
@@ -69,11 +57,8 @@ def bf16_all_reduce_hook(
 
 
 def bf16_compress_wrapper(hook: CommHook) -> CommHook:
-    """Run ``hook`` on a bfloat16 copy of the bucket and cast its result back (any backend).
-
-    Same semantics as PyTorch's ``default_hooks.bf16_compress_wrapper`` (e.g. around PowerSGD), without
-    its CUDA/NCCL-only check.
-    """
+    """Run ``hook`` on a bfloat16 copy of the bucket and cast its result back (any backend): PyTorch's
+    ``default_hooks.bf16_compress_wrapper`` (e.g. around PowerSGD) without its CUDA/NCCL-only check."""
 
     # Not named "bf16_compress_wrapper_hook": DDP refuses that name off NCCL.
     def bf16_wrapped_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -133,15 +118,8 @@ class CommHookConfig:
             raise TypeError("ddp_comm_state / ddp_comm_wrapper were given without ddp_comm_hook; pass the hook too.")
 
     def resolve(self, backend: str, process_group: dist.ProcessGroup | None = None) -> tuple[Any, CommHook] | None:
-        """The ``(state, hook)`` to register on ``backend``, with bf16 replaced where PyTorch refuses it.
-
-        Args:
-            backend: the process group's backend (``"gloo"``, ``"nccl"``, ...).
-            process_group: the group DDP reduces over (the user's ``process_group`` option), or ``None``.
-
-        Returns:
-            ``None`` when no hook is configured, else the state and the (possibly wrapped) hook.
-        """
+        """The ``(state, hook)`` to register on the group's ``backend`` (``"gloo"``, ...), bf16 replaced where
+        PyTorch refuses it; the state defaults to ``process_group``, the group DDP reduces over. None: no hook."""
         if self.hook is None:
             return None
         hook = HOOKS_BY_NAME[self.hook] if isinstance(self.hook, str) else self.hook

@@ -1,11 +1,9 @@
 """Synchronised batch normalisation on every device, CPU/gloo included.
 
-``Trainer(sync_batchnorm=True)`` gives the strategy Lightning's ``TorchSyncBatchNorm`` plugin, which converts
-each BatchNorm layer to :class:`torch.nn.SyncBatchNorm` while fitting and back at teardown. PyTorch's
-``SyncBatchNorm`` refuses CPU tensors in training, and DDP refuses it in CPU modules, so the strategy uses
-:class:`DDPSyncBatchNorm` instead: CUDA layers become PyTorch's ``SyncBatchNorm``, CPU layers
-:class:`CPUSyncBatchNorm`, whose outputs, running statistics and gradients equal one ``BatchNorm``'s over the
-global batch.
+``Trainer(sync_batchnorm=True)`` gives the strategy Lightning's ``TorchSyncBatchNorm`` plugin, which converts each
+BatchNorm layer to :class:`torch.nn.SyncBatchNorm` while fitting and back at teardown. PyTorch's ``SyncBatchNorm``
+refuses CPU tensors in training, and DDP refuses it in CPU modules, so the strategy uses :class:`DDPSyncBatchNorm`
+instead: CUDA layers become PyTorch's ``SyncBatchNorm``, CPU layers :class:`CPUSyncBatchNorm`.
 """
 
 from __future__ import annotations
@@ -89,12 +87,11 @@ _SYNCED = (nn.SyncBatchNorm, CPUSyncBatchNorm)
 _ORIGINAL_CLASS = "_ddp_strategy_original_class"
 
 
-def _move_state(source: _BatchNorm, target: _BatchNorm) -> _BatchNorm:
-    """Give ``target`` the parameters and buffers (the same tensors) and the train/eval mode of ``source``."""
+def _rebuilt(source: _BatchNorm, cls: type[_BatchNorm]) -> _BatchNorm:
+    """A ``cls`` layer with the settings, parameters and buffers (same tensors) and train/eval mode of ``source``."""
+    target = cls(source.num_features, source.eps, source.momentum, source.affine, source.track_running_stats)
     if source.affine:
-        with torch.no_grad():
-            target.weight = source.weight
-            target.bias = source.bias
+        target.weight, target.bias = source.weight, source.bias
     target.running_mean = source.running_mean
     target.running_var = source.running_var
     target.num_batches_tracked = source.num_batches_tracked
@@ -117,20 +114,13 @@ class DDPSyncBatchNorm(TorchSyncBatchNorm):
 
     @override
     def apply(self, model: nn.Module) -> nn.Module:
-        """Replace every BatchNorm layer by a synchronised one sharing its tensors (call once on the device).
-
-        Layers on CPU become :class:`CPUSyncBatchNorm`, others ``torch.nn.SyncBatchNorm`` (as PyTorch's
-        ``SyncBatchNorm.convert_sync_batchnorm``); the original class is remembered for :meth:`revert`.
-
-        Returns:
-            ``model`` with its children replaced (or the new layer, if ``model`` itself is a BatchNorm).
-        """
+        """Replace every BatchNorm layer by a synchronised one sharing its tensors (call once on the device): on CPU
+        :class:`CPUSyncBatchNorm`, else ``torch.nn.SyncBatchNorm`` (as ``SyncBatchNorm.convert_sync_batchnorm``),
+        remembering the original class for :meth:`revert`. Returns ``model`` (the new layer if it is a BatchNorm)."""
         converted = model
         if isinstance(model, _BatchNorm) and not isinstance(model, _SYNCED):
             on_cpu = all(t.device.type == "cpu" for t in [*model.parameters(), *model.buffers()])
-            cls = CPUSyncBatchNorm if on_cpu else nn.SyncBatchNorm
-            converted = _move_state(model, cls(model.num_features, model.eps, model.momentum, model.affine,
-                                               model.track_running_stats))
+            converted = _rebuilt(model, CPUSyncBatchNorm if on_cpu else nn.SyncBatchNorm)
             setattr(converted, _ORIGINAL_CLASS, type(model))
         for name, child in model.named_children():
             converted.add_module(name, self.apply(child))
@@ -143,9 +133,7 @@ class DDPSyncBatchNorm(TorchSyncBatchNorm):
         BatchNorm accepting any input rank, as Lightning's revert; the state_dict keys are the same)."""
         reverted = model
         if isinstance(model, _SYNCED):
-            cls = getattr(model, _ORIGINAL_CLASS, _AnyDimBatchNorm)
-            reverted = _move_state(model, cls(model.num_features, model.eps, model.momentum, model.affine,
-                                              model.track_running_stats))
+            reverted = _rebuilt(model, getattr(model, _ORIGINAL_CLASS, _AnyDimBatchNorm))
         for name, child in model.named_children():
             reverted.add_module(name, self.revert(child))
         return reverted

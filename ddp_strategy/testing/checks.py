@@ -1,9 +1,8 @@
 """Assertions DDP tests need, on the per-rank values :func:`~ddp_strategy.testing.run_on_ranks` returns.
 
-Each raises ``AssertionError`` naming the rank and the entry that differ, so a failing test says where the ranks
-went apart: parameters identical on every rank (what DDP guarantees after each optimizer step,
-https://pytorch.org/docs/stable/notes/ddp.html), each sample read exactly once per epoch across ranks (what a
-``DistributedSampler`` without padding guarantees), and a gathered value equal to the single-process one.
+Each raises ``AssertionError`` naming the rank and the entry that differ: parameters identical on every rank (DDP's
+guarantee after each optimizer step, https://pytorch.org/docs/stable/notes/ddp.html), each sample read exactly once
+per epoch across ranks (a ``DistributedSampler`` without padding), a gathered value equal to the one-process one.
 """
 
 from __future__ import annotations

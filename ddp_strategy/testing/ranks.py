@@ -1,17 +1,14 @@
-"""Run a function on N CPU ranks (gloo) from a test, and get every rank's return value back.
+"""Run a function on N CPU ranks (gloo) from a test, and get every rank's return value back (docs/testing.md).
 
 Ranks fork from multiprocessing's ``forkserver``, which imports torch, Lightning and ``ddp_strategy`` once and
-never starts torch's threads or a process group, so forking it copies no half-held lock (a 2-rank run starts in
-well under a second after the first). Each rank gets the caller's environment as it is at the call plus what
-torchrun would set (``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``NODE_RANK``), so
-a ``Trainer(devices=N, strategy=...)`` built inside joins the ranks (Lightning's ``LightningEnvironment``). A rank
-is not daemonic (it may start DataLoader workers, with the caller's start method) and leads its own process
-group, which is SIGKILLed when the call ends: nothing outlives the call but a process that left the group
-(``start_new_session=True``, ``os.setsid()``).
+never starts torch's threads or a process group, so forking it copies no half-held lock. Each rank has the
+caller's environment plus what torchrun would set, is not daemonic (it may start DataLoader workers) and leads its
+own process group, SIGKILLed when the call ends.
 """
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import math
 import multiprocessing
@@ -69,8 +66,6 @@ def _rank_main(rank: int, world_size: int, port: int, folder: str, fn: Callable[
     out = Path(folder)
     os.environ.clear()
     os.environ.update(environ)  # the caller's environment now, not the forkserver's from when it started
-    for name in [n for n in os.environ if n.startswith(_SCHEDULER_PREFIXES)]:
-        del os.environ[name]  # a Trainer in the rank must join the kit's ranks, not the job the test runs in
     stack_file = open(out / f"stack_{rank}.txt", "w")  # noqa: SIM115 - faulthandler writes to it until exit
     faulthandler.register(_STACK_SIGNAL, file=stack_file, all_threads=True)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
@@ -83,8 +78,7 @@ def _rank_main(rank: int, world_size: int, port: int, folder: str, fn: Callable[
             dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                     world_size=world_size, timeout=timedelta(seconds=collective_timeout_s))
         result = fn(rank, world_size, *args, **kwargs)
-        with open(out / f"result_{rank}.pkl.tmp", "wb") as f:
-            pickle.dump(result, f)
+        (out / f"result_{rank}.pkl.tmp").write_bytes(pickle.dumps(result))
         os.replace(out / f"result_{rank}.pkl.tmp", out / f"result_{rank}.pkl")
     except BaseException:  # noqa: BLE001 - everything a rank raises is reported to the test
         (out / f"error_{rank}.txt").write_text(traceback.format_exc())
@@ -125,8 +119,7 @@ def run_on_ranks(
         timeout_s: deadline for the whole run, seconds (default 60); past it every live rank's stack is dumped
             and the ranks are stopped, so a hang fails the test instead of blocking CI.
         init_process_group: create the default process group before ``fn`` (default True), destroyed after it.
-        backend: the process group's backend (default ``"gloo"``).
-        collective_timeout_s: the process group's timeout, seconds (default 30).
+        backend, collective_timeout_s: the process group's backend (default ``"gloo"``) and timeout (30 s).
         start_method: ``"forkserver"`` (``None``, the default, where available) or ``"spawn"``; ``"fork"`` of
             the test process is not offered (one that has used torch's thread pools cannot be forked safely).
 
@@ -134,11 +127,10 @@ def run_on_ranks(
         ``[value of rank 0, ..., value of rank W-1]``; values must be picklable.
 
     Raises:
-        TypeError: ``fn`` or its arguments cannot be pickled (a lambda, a local function); ``args`` not a tuple
-            or list, ``kwargs`` not a dict.
-        ValueError: ``world_size`` not an int >= 1; ``timeout_s`` or ``collective_timeout_s`` not a finite
-            number > 0; a ``backend`` this torch does not have; a ``start_method`` not offered (the message
-            says why, or lists the accepted ones).
+        TypeError: ``fn`` or its arguments cannot be pickled (a lambda, a local function); ``args`` not a tuple or
+            list, ``kwargs`` not a dict.
+        ValueError: ``world_size`` not an int >= 1; ``timeout_s`` or ``collective_timeout_s`` not a finite number
+            > 0; a ``backend`` this torch does not have; a ``start_method`` not offered (the message says why).
         RankError: a rank raised (its traceback is in the message), exited without a result, or the deadline
             passed (each live rank's stack is in the message). No rank, nor any process it started, is left.
     """
@@ -186,10 +178,11 @@ def run_on_ranks(
     with socket.socket() as probe:  # a port free a moment ago, for the ranks' rendezvous on 127.0.0.1
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
+    environ = {name: value for name, value in os.environ.items() if not name.startswith(_SCHEDULER_PREFIXES)}
     # Not daemonic: a daemonic process may not start children, and a rank may (DataLoader workers, a subprocess).
     procs = [ctx.Process(target=_rank_main, name=f"rank {rank}", daemon=False,
                          args=(rank, world_size, port, folder, fn, tuple(args), kwargs, init_process_group, backend,
-                               collective_timeout_s, dict(os.environ), multiprocessing.get_start_method(True)))
+                               collective_timeout_s, environ, multiprocessing.get_start_method(True)))
              for rank in range(world_size)]
     try:
         for proc in procs:
@@ -206,10 +199,8 @@ def _end(procs: list[Any]) -> None:
     alive (zombies aside), or after :data:`END_WAIT_S`."""
     groups = [proc.pid for proc in procs if proc.pid is not None]
     for pgid in groups:
-        try:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(pgid, signal.SIGKILL)  # a rank that had not yet made its group is killed by pid below
-        except (ProcessLookupError, PermissionError):
-            pass
     for proc in procs:
         if proc.is_alive():
             proc.kill()
@@ -255,8 +246,7 @@ def _collect(procs: list[Any], folder: Path, timed_out: bool, timeout_s: float) 
     for rank, proc in enumerate(procs):
         result, error, stack = folder / f"result_{rank}.pkl", folder / f"error_{rank}.txt", folder / f"stack_{rank}.txt"
         if result.exists() and proc.exitcode == 0:
-            with open(result, "rb") as f:
-                results.append(pickle.load(f))
+            results.append(pickle.loads(result.read_bytes()))
             continue
         if error.exists():
             reports[rank] = f"raised:\n{error.read_text()}"

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from ddp_testing import LIGHTNING_KEYS, finish, probe_input, run_cli
+from ddp_testing import LIGHTNING_KEYS, finish, probe_input
 
 from ddp_strategy import (
     DDPCheckpointIO,
@@ -84,22 +84,28 @@ def test_each_namespace_gets_classes_deriving_from_its_own_bases(namespace):
         assert public.for_namespace(namespace.name) is type(obj)  # made once
 
 
+class UsersStrategy(MyDDPStrategy):
+    """A user's subclass of the public strategy."""
+
+
 @both
 @pytest.mark.parametrize("made_for, trainer_of", list(itertools.permutations(INSTALLED, 2)))
-def test_a_strategy_built_for_one_namespace_is_refused_by_the_others_trainer(made_for, trainer_of):
-    """A strategy built for one namespace, given to the other's Trainer, is refused in Trainer(...) saying how to
-    build it for that Trainer (its objects would meet the other copy of Lightning's code)."""
-    strategy = MyDDPStrategy.for_namespace(made_for)(timeout=42, start_method="spawn")
+def test_a_strategy_built_for_one_namespace_becomes_the_others_in_its_trainer(made_for, trainer_of):
+    """A strategy (or a user's subclass) built for one namespace, given to the other's Trainer, becomes that
+    namespace's: the same object with its arguments, on that namespace's base, accelerator and launcher."""
     other = _namespace.load(trainer_of)
-    with pytest.raises(TypeError, match=rf"built for {made_for}, but a {trainer_of} Trainer.*for_namespace"):
-        other.pytorch.Trainer(accelerator="cpu", devices=2, strategy=strategy, logger=False)
-    own = MyDDPStrategy.for_namespace(trainer_of)(timeout=42, start_method="spawn")
-    trainer = other.pytorch.Trainer(accelerator="cpu", devices=2, strategy=own, logger=False)
-    assert trainer.strategy is own and _namespace.namespace_of(own) == trainer_of
-    assert own._options.timeout == timedelta(seconds=42) and own.start_method == "spawn"
-    assert isinstance(own.accelerator, other.get("pytorch.accelerators:CPUAccelerator"))
-    launcher = other.get("pytorch.strategies.launchers.multiprocessing:_MultiProcessingLauncher")
-    assert isinstance(own.launcher, launcher)
+    for cls in (MyDDPStrategy, UsersStrategy):
+        strategy = cls.for_namespace(made_for)(timeout=42, start_method="spawn")
+        trainer = other.pytorch.Trainer(accelerator="cpu", devices=2, strategy=strategy, logger=False)
+        assert trainer.strategy is strategy and isinstance(strategy, cls)
+        assert _namespace.namespace_of(strategy) == trainer_of and type(strategy) is cls.for_namespace(trainer_of)
+        bases = {k for k in type(strategy).__mro__ if k.__name__ == "ParallelStrategy"}
+        assert bases == {other.get("pytorch.strategies:ParallelStrategy")}
+        assert strategy._options.timeout == timedelta(seconds=42) and strategy.start_method == "spawn"
+        assert isinstance(strategy.accelerator, other.get("pytorch.accelerators:CPUAccelerator"))
+        launcher = other.get("pytorch.strategies.launchers.multiprocessing:_MultiProcessingLauncher")
+        assert isinstance(strategy.launcher, launcher)
+        assert type(pickle.loads(pickle.dumps(strategy))) is type(strategy)  # spawn pickles it
 
 
 def test_strategy_names_and_plugins_are_accepted_by_each_trainer(namespace):
@@ -174,41 +180,83 @@ print(json.dumps({"strategy": _namespace.namespace_of(MyDDPStrategy()),
                   "pytorch_lightning_imported": "pytorch_lightning" in sys.modules}))
 """
 
+#: A user's modules, imported in this order by one interpreter after ``import ddp_strategy`` (which loads both
+#: namespaces); each sets ``result``. The first names no namespace; the others' imports choose.
+_USER_MODULES = {
+    "unnamed": """
+from ddp_strategy import DigitsClassifier, MyDDPStrategy
+from ddp_strategy._compat.namespace import namespace_of
+strategy = MyDDPStrategy(timeout=5)  # at import time, nothing named: lightning
+result = {"strategy": namespace_of(strategy), "model": namespace_of(DigitsClassifier())}
+""",
+    "uses_pl": """
+import pickle
+import pytorch_lightning as pl
+from pytorch_lightning.cli import LightningCLI
+from ddp_strategy import DigitsClassifier, MyDDPStrategy
+from ddp_strategy._compat.namespace import namespace_of
+import unnamed
+
+class Mine(MyDDPStrategy):
+    pass
+
+by_name = pl.Trainer(accelerator="cpu", devices=2, strategy="my_ddp", logger=False).strategy  # nothing built before
+mine = pickle.loads(pickle.dumps(Mine(timeout=3)))
+cli = LightningCLI(DigitsClassifier.for_namespace("pytorch_lightning"), run=False, args=[
+    "--trainer.strategy=ddp_strategy.MyDDPStrategy", "--trainer.strategy.timeout=9", "--trainer.accelerator=cpu",
+    "--trainer.devices=2", "--trainer.logger=false"])
+taken = pl.Trainer(accelerator="cpu", devices=2, strategy=unnamed.strategy, logger=False).strategy
+result = {"strategy": namespace_of(MyDDPStrategy()), "model": namespace_of(DigitsClassifier()),
+          "my_ddp": namespace_of(by_name), "mine": [namespace_of(mine), isinstance(mine, Mine)],
+          "cli": [namespace_of(cli.trainer.strategy), cli.trainer.strategy._options.timeout.total_seconds()],
+          "unnamed_in_trainer": [namespace_of(taken), taken is unnamed.strategy]}
+""",
+    "uses_lightning": """
+import lightning
+from ddp_strategy import DigitsClassifier, MyDDPStrategy
+from ddp_strategy._compat.namespace import namespace_of
+from uses_pl import Mine, mine
+
+by_name = lightning.Trainer(accelerator="cpu", devices=2, strategy="my_ddp", logger=False).strategy
+taken = lightning.Trainer(accelerator="cpu", devices=2, strategy=mine, logger=False).strategy
+result = {"strategy": namespace_of(MyDDPStrategy()), "model": namespace_of(DigitsClassifier()),
+          "my_ddp": namespace_of(by_name),
+          "mine_in_trainer": [namespace_of(taken), taken is mine, isinstance(mine, Mine)]}
+""",
+    "uses_both": """
+import lightning, pytorch_lightning
+from ddp_strategy import DigitsClassifier, MyDDPStrategy
+from ddp_strategy._compat.namespace import namespace_of
+result = {"strategy": namespace_of(MyDDPStrategy()), "model": namespace_of(DigitsClassifier())}
+""",
+}
+
 
 @both
 @pytest.mark.multiprocess
-def test_the_users_imports_choose_the_namespace():
-    """Fresh interpreters: the namespace the user imported (before or after ddp_strategy) wins; nothing imported:
-    lightning; DDP_STRATEGY_LIGHTNING overrides. A process that imports pytorch_lightning before ddp_strategy
-    never imports lightning; ddp_strategy imported first loads both, so that "my_ddp" is in both registries."""
+def test_the_users_imports_choose_the_namespace(tmp_path):
+    """Fresh interpreters: the namespace the user's module imported (before or after ddp_strategy) wins; nothing
+    named: lightning, which the other namespace's Trainer then takes over; DDP_STRATEGY_LIGHTNING overrides. A
+    process that imports pytorch_lightning before ddp_strategy never imports lightning; ddp_strategy imported first
+    loads both, so that "my_ddp" is in both registries."""
     pl_first = _fresh("import pytorch_lightning\n" + _REPORT)
     assert pl_first == {"strategy": "pytorch_lightning", "model": "pytorch_lightning", "lightning_imported": False,
                         "pytorch_lightning_imported": True}
-    pl_after = _fresh(_REPORT.replace("print(", "import pytorch_lightning\nprint(", 1))
-    assert pl_after["strategy"] == pl_after["model"] == "pytorch_lightning"
-    by_name = _fresh("import json, ddp_strategy, pytorch_lightning as pl\n"  # nothing of ours built before
-                     "t = pl.Trainer(accelerator='cpu', devices=2, strategy='my_ddp', logger=False)\n"
-                     "print(json.dumps({'strategy': ddp_strategy._compat.namespace.namespace_of(t.strategy)}))")
-    assert by_name == {"strategy": "pytorch_lightning"}
-    cli_and_subclass = _fresh(
-        "import json, pickle, ddp_strategy, pytorch_lightning as pl\n"
-        "from pytorch_lightning.cli import LightningCLI\n"
-        "from ddp_strategy._compat.namespace import namespace_of\n"
-        "class Mine(ddp_strategy.MyDDPStrategy):\n    pass\n"
-        "cli = LightningCLI(ddp_strategy.DigitsClassifier.for_namespace('pytorch_lightning'), run=False,"
-        " args=['--trainer.strategy=ddp_strategy.MyDDPStrategy', '--trainer.strategy.timeout=9',"
-        " '--trainer.accelerator=cpu', '--trainer.devices=2', '--trainer.logger=false'])\n"
-        "mine = pickle.loads(pickle.dumps(Mine(timeout=3)))\n"
-        "print(json.dumps({'cli': namespace_of(cli.trainer.strategy), 'timeout': cli.trainer.strategy._options"
-        ".timeout.total_seconds(), 'mine': namespace_of(mine), 'is_mine': isinstance(mine, Mine)}))")
-    assert cli_and_subclass == {"cli": "pytorch_lightning", "timeout": 9.0, "mine": "pytorch_lightning",
-                                "is_mine": True}
-    lightning_after = _fresh(_REPORT.replace("print(", "import lightning\nprint(", 1))
-    assert lightning_after["strategy"] == lightning_after["model"] == "lightning"
-    both_used = _fresh("import lightning, pytorch_lightning\n" + _REPORT)  # the caller's module imports both
-    assert both_used["strategy"] == both_used["model"] == "lightning"
     by_env = _fresh(_REPORT, env={"DDP_STRATEGY_LIGHTNING": "pytorch_lightning"})
     assert by_env == pl_first
+    for name, source in _USER_MODULES.items():
+        (tmp_path / f"{name}.py").write_text(source)
+    results = _fresh(f"import importlib, json, sys\nsys.path.insert(0, {str(tmp_path)!r})\nimport ddp_strategy\n"
+                     f"print(json.dumps({{m: importlib.import_module(m).result for m in {list(_USER_MODULES)}}}))")
+    pl, lightning = ("pytorch_lightning", "lightning")
+    assert results == {
+        "unnamed": {"strategy": lightning, "model": lightning},
+        "uses_pl": {"strategy": pl, "model": pl, "my_ddp": pl, "mine": [pl, True], "cli": [pl, 9.0],
+                    "unnamed_in_trainer": [pl, True]},
+        "uses_lightning": {"strategy": lightning, "model": lightning, "my_ddp": lightning,
+                           "mine_in_trainer": [lightning, True, True]},
+        "uses_both": {"strategy": lightning, "model": lightning},
+    }
 
 
 def test_a_wrong_namespace_name_is_refused_with_the_choices(monkeypatch):
@@ -225,36 +273,47 @@ def test_a_wrong_namespace_name_is_refused_with_the_choices(monkeypatch):
             MyDDPStrategy()
 
 
-def _fit(namespace: str, out: Path, epochs: int, ckpt: Path | None = None, start_method: str = "popen") -> dict:
-    """tests/scripts/namespace_fit.py: a 2-process fit written against ``namespace``; returns each rank's record."""
-    out.mkdir(parents=True)
-    args = [sys.executable, str(SCRIPTS / "namespace_fit.py"), namespace, str(out), str(epochs), start_method]
-    proc = subprocess.Popen([*args, *([str(ckpt)] if ckpt else [])], cwd=out, text=True, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, start_new_session=True, env=_user_environ())
+def _launch(args: list[str], cwd: Path, env: dict[str, str] | None = None) -> str:
+    """Run ``python ARGS`` in ``cwd`` as a user's process (its own session); its output, asserted to succeed."""
+    proc = subprocess.Popen([sys.executable, *args], cwd=cwd, text=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, start_new_session=True, env={**_user_environ(), **(env or {})})
     code, log = finish(proc, 240)
     assert code == 0, log[-4000:]
-    return {"dir": out / "ckpts", **{r: torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(2)}}
+    return log
 
 
 @pytest.fixture(scope="module", params=INSTALLED)
-def namespace_runs(request, tmp_path_factory) -> tuple[str, dict, dict]:
-    """Per namespace: an uninterrupted 2-epoch fit (popen), and a fit resumed from its epoch-0 checkpoint (spawn)."""
-    base = tmp_path_factory.mktemp(f"runs_{request.param}")
-    full = _fit(request.param, base / "full", 2)
-    resumed = _fit(request.param, base / "resumed", 2, full["dir"] / "epoch=0.ckpt", start_method="spawn")
-    return request.param, full, resumed
+def namespace_runs(request, tmp_path_factory) -> tuple[str, dict, Path, str]:
+    """Per namespace: tests/scripts/namespace_fit.py, a user's 2-epoch fit (spawn) whose strategy was built for the
+    other namespace (or where none is named); then the main job, DDP_STRATEGY_LIGHTNING=<it> python -m ddp_strategy
+    fit, resuming the fit's epoch-0 checkpoint (popen). Returns the name, each rank's record (and the checkpoint
+    folder), the main job's folder and its output."""
+    name = request.param
+    strategy_for = "pytorch_lightning" if name == "lightning" and len(INSTALLED) == 2 else "unnamed"
+    base = tmp_path_factory.mktemp(f"runs_{name}")
+    (fit := base / "fit").mkdir()
+    _launch([str(SCRIPTS / "namespace_fit.py"), name, strategy_for, str(fit)], fit)
+    full = {"dir": fit / "ckpts", **{r: torch.load(fit / f"rank{r}.pt", weights_only=True) for r in range(2)}}
+    (main_job := base / "main_job").mkdir()
+    log = _launch(["-m", "ddp_strategy", "fit", f"--ckpt_path={full['dir'] / 'epoch=0.ckpt'}", "--seed_everything=321",
+                   "--trainer.strategy=ddp_strategy.MyDDPStrategy", "--trainer.strategy.verify_sync_every_n_steps=10",
+                   "--trainer.enable_progress_bar=false", "--trainer.max_epochs=2", "--trainer.limit_train_batches=10",
+                   "--trainer.limit_val_batches=2"],
+                  main_job, env={_namespace.ENV_VAR: name, "PYTHONUNBUFFERED": "1"})
+    return name, full, main_job, log
 
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(600)
 def test_fit_checkpoint_and_resume_under_each_namespace(namespace_runs):
-    """Under each namespace's Trainer: every object is that namespace's; ranks end with equal weights; checkpoint
-    keys are clean and load strictly into DigitsNet; resuming (under spawn) gives the uninterrupted run's weights."""
-    name, full, resumed = namespace_runs
-    for run in (full, resumed):
-        assert set(run[0]["namespaces"].values()) == {name}
-        for key, value in run[0]["weights"].items():
-            torch.testing.assert_close(run[1]["weights"][key], value, rtol=0, atol=0)
+    """Under each namespace's Trainer (spawn): every object is that namespace's, the strategy too though built for
+    the other (or for none); ranks end with equal weights; checkpoint keys are clean and load strictly into DigitsNet;
+    the main job resuming it (popen, ranks checked in sync) ends with the uninterrupted run's weights."""
+    name, full, main_job, _ = namespace_runs
+    assert full[0]["built_for"] == next((n for n in INSTALLED if n != name), name)
+    assert set(full[0]["namespaces"].values()) == {name}
+    for key, value in full[0]["weights"].items():
+        torch.testing.assert_close(full[1]["weights"][key], value, rtol=0, atol=0)
     assert sorted(p.name for p in full["dir"].iterdir()) == ["epoch=0.ckpt", "epoch=1.ckpt"]
     last = full["dir"] / "epoch=1.ckpt"
     checkpoint = load_file(last, weights_only=True)
@@ -268,22 +327,17 @@ def test_fit_checkpoint_and_resume_under_each_namespace(namespace_runs):
         torch.testing.assert_close(net(probe_input()), lightning_model(probe_input()), rtol=0, atol=0)
     assert full[0]["val_acc"] > 0.3  # 20 steps from a 10-class chance of 0.1
     for rank in range(2):
-        assert (resumed[rank]["epoch"], resumed[rank]["step"]) == (full[rank]["epoch"], full[rank]["step"]) == (2, 20)
-        for key, value in full[rank]["weights"].items():
-            torch.testing.assert_close(resumed[rank]["weights"][key], value, rtol=0, atol=0)
+        assert (full[rank]["epoch"], full[rank]["step"]) == (2, 20)
+    (resumed,) = main_job.glob("lightning_logs/version_0/checkpoints/*.ckpt")
+    assert resumed.name == "epoch=1-step=20.ckpt"
+    for key, value in load_file(resumed, weights_only=True)["state_dict"].items():
+        torch.testing.assert_close(value, full[0]["weights"][key], rtol=0, atol=0)
 
 
 @pytest.mark.multiprocess
-@pytest.mark.timeout(300)
-def test_main_job_runs_on_the_namespace_chosen_by_the_environment(monkeypatch, tmp_path):
-    """DDP_STRATEGY_LIGHTNING=<each namespace> python -m ddp_strategy fit: a short 2-process fit, clean checkpoint."""
-    for name in INSTALLED:
-        monkeypatch.setenv("DDP_STRATEGY_LIGHTNING", name)
-        cwd = tmp_path / name
-        cwd.mkdir()
-        result = run_cli(["fit", "--trainer.enable_progress_bar=false", "--trainer.max_epochs=1",
-                          "--trainer.limit_train_batches=3", "--trainer.limit_val_batches=2"], cwd=cwd)
-        assert result.returncode == 0, result.stdout[-4000:]
-        assert "2 processes, backend=gloo" in result.stdout and "Final metrics" in result.stdout
-        (ckpt,) = cwd.glob("lightning_logs/version_0/checkpoints/*.ckpt")
-        assert set(load_file(ckpt, weights_only=True)["state_dict"]) == LIGHTNING_KEYS
+def test_main_job_runs_on_the_namespace_chosen_by_the_environment(namespace_runs):
+    """DDP_STRATEGY_LIGHTNING=<each namespace> python -m ddp_strategy fit: a 2-process fit, clean checkpoint."""
+    _, _, main_job, log = namespace_runs
+    assert "2 processes, backend=gloo" in log and "Final metrics" in log
+    (ckpt,) = main_job.glob("lightning_logs/version_0/checkpoints/*.ckpt")
+    assert set(load_file(ckpt, weights_only=True)["state_dict"]) == LIGHTNING_KEYS

@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.metadata
 import sys
 import warnings
+from types import SimpleNamespace
 
 import lightning.pytorch as pl
 import pytest
@@ -28,7 +29,7 @@ from ddp_strategy import (
     load_plain_state_dict,
 )
 from ddp_strategy.checkpoint.convert import plain_state_dict
-from ddp_strategy.checkpoint.io import unwritable_reason
+from ddp_strategy.checkpoint.io import prepare_folders
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -38,13 +39,15 @@ def test_an_unwritable_checkpoint_folder_is_named(tmp_path):
     """A folder that cannot be created is reported with its path; a writable one is fine, and a missing one
     (with missing parents) is not left behind: the check leaves no trace."""
     (tmp_path / "ok").mkdir()
-    assert unwritable_reason([tmp_path / "ok"]) is None and list((tmp_path / "ok").iterdir()) == []
-    assert unwritable_reason([tmp_path / "new" / "checkpoints"]) is None
-    assert list(tmp_path.iterdir()) == [tmp_path / "ok"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no warning for a writable or a missing folder
+        prepare_folders([SimpleNamespace(dirpath=tmp_path / "ok"), SimpleNamespace(dirpath=tmp_path / "new" / "c")])
+    assert list(tmp_path.iterdir()) == [tmp_path / "ok"] and list((tmp_path / "ok").iterdir()) == []
     blocker = tmp_path / "file"
     blocker.write_text("not a folder")
-    reason = unwritable_reason([blocker / "ckpts"])
-    assert reason is not None and f"Checkpoint folder {blocker / 'ckpts'} is not writable" in reason
+    with pytest.warns(UserWarning, match=f"Checkpoint folder {blocker / 'ckpts'} is not writable") as caught:
+        prepare_folders([SimpleNamespace(dirpath=blocker / "ckpts"), SimpleNamespace(dirpath=blocker / "other")])
+    assert len(caught) == 1  # the first unwritable folder is named once
 
 
 def test_an_unwritable_checkpoint_folder_warns_and_a_fit_that_never_saves_there_succeeds(tmp_path):

@@ -170,14 +170,14 @@ def test_gradient_tracker_records_which_parameters_got_gradients():
     tracker = GradientTracker(net)
     assert tracker.names == ["used.weight", "used.bias", "unused.weight", "unused.bias"]
     net["used"](torch.ones(1, 3)).sum().backward()
-    assert tracker.received.tolist() == [True, True, False, False]
+    assert tracker.seen == [True, True, False, False]
     tracker.prune()  # the used parameters' hooks go; the unused ones keep theirs
     assert sorted(tracker._handles) == [2, 3]
     net["used"](torch.ones(1, 3)).sum().backward()
-    assert tracker.received.tolist() == [True, True, False, False]
+    assert tracker.seen == [True, True, False, False]
     tracker.close()
     net["unused"](torch.ones(1, 3)).sum().backward()
-    assert tracker.received.tolist() == [True, True, False, False]
+    assert tracker.seen == [True, True, False, False]
 
 
 # ------------------------------------------------------------------------------------------- real fits

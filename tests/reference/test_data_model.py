@@ -6,17 +6,19 @@ import pytest
 import torch
 
 from ddp_strategy import DigitsClassifier, DigitsDataModule, DigitsNet
-from ddp_strategy.reference.data import split_indices
+from ddp_strategy.reference.data import load_digits_tensors
 
 
 def test_digits_split_is_fixed_disjoint_and_complete():
     """1,797 real digits split into 1,438 train / 359 validation, the same on every call."""
-    dm = DigitsDataModule()
+    dm, again = DigitsDataModule(), DigitsDataModule()
     dm.setup("fit")
+    again.setup("fit")
     assert len(dm.train_set) == 1438 and len(dm.val_set) == 359
-    train, val = split_indices(1797, 0.2, 1234)
-    assert set(train.tolist()).isdisjoint(val.tolist()) and len(train) + len(val) == 1797
-    assert torch.equal(split_indices(1797, 0.2, 1234)[1], val)
+    assert all(torch.equal(a, b) for a, b in zip(dm.val_set.tensors + dm.train_set.tensors,
+                                                 again.val_set.tensors + again.train_set.tensors, strict=True))
+    rows = lambda *xs: sorted(map(tuple, torch.cat(xs).tolist()))  # noqa: E731
+    assert rows(dm.train_set.tensors[0], dm.val_set.tensors[0]) == rows(load_digits_tensors()[0])
     x, y = dm.train_set.tensors
     assert x.shape == (1438, 64) and 0.0 <= x.min() and x.max() <= 1.0 and set(y.tolist()) == set(range(10))
 
