@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import signal
 import threading
+import time
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -32,7 +33,8 @@ class EpochBoundaryCheck(Callback):
     the data iterator exists, so a rank that stalled between epochs is named; with one rank nothing is done.
 
     Raises:
-        StalledRankError: a rank did not reach the barrier in ``timeout``.
+        StalledRankError: a rank did not reach the barrier in ``timeout`` (a barrier broken sooner, by a peer that
+            failed and left the group, raises gloo's error for :mod:`ddp_strategy.process.failures` to explain).
         ValueError: ranks have different numbers of training batches this epoch.
     """
 
@@ -42,10 +44,12 @@ class EpochBoundaryCheck(Callback):
     def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
         if self.world_size == 1:
             return
-        epoch, rank = trainer.current_epoch, self.rank
+        epoch, rank, start = trainer.current_epoch, self.rank, time.monotonic()
         try:
             dist.monitored_barrier(group=self.group, timeout=self.timeout, wait_all_ranks=True)
         except RuntimeError as e:
+            if time.monotonic() - start < 0.9 * self.timeout.total_seconds():
+                raise  # a connection broke (a peer failed and left): failures.describe_peers names it
             raise StalledRankError(
                 f"[rank {rank}] not every rank reached the start of training epoch {epoch} within"
                 f" {self.timeout.total_seconds():.0f} s: {e}. That rank is stalled (an endless loop, a deadlocked"
