@@ -1,7 +1,10 @@
 """When a rank fails: every scenario ends promptly, names the rank, and leaves no process behind.
 
-Each test runs tests/scripts/failing_fit.py (a 2-process fit that fails on purpose) in its own session and
-measures from the moment the failure is triggered to the moment the launcher exits.
+Each job runs tests/scripts/failing_fit.py (a 2-process fit that fails on purpose) in its own session and
+measures from the moment the failure is triggered to the moment the launcher exits. The module's ``jobs`` fixture
+runs the jobs the selected tests name, two at a time: a job spends most of its time on one core (Python importing
+Lightning in the launcher, then in rank 1) or waiting (a timeout, a grace period). Fits that need no launcher of
+their own run in the testing kit's ranks (tests/process/failure_workers.py).
 """
 
 from __future__ import annotations
@@ -12,185 +15,223 @@ import socket
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
 import torch
 import torch.distributed as dist
-from ddp_testing import session_members
-from lightning.pytorch.callbacks import ModelCheckpoint
+from ddp_testing import launch, load, session_members
+from failure_workers import crash_and_resume, resume_after_sigterm
 
-from ddp_strategy import DigitsClassifier, DigitsDataModule, MyDDPStrategy
+from ddp_strategy import MyDDPStrategy
 
 SCRIPT = Path(__file__).parent.parent / "scripts" / "failing_fit.py"
 pytestmark = [pytest.mark.multiprocess]
 
+#: job name -> (failing_fit.py's scenario, start method, the signal the test sends once both ranks wait for it)
+JOBS: dict[str, tuple[str, str, int | None]] = {  # the long ones first; spawn (3 processes import) beside popen (1)
+    "skip_log/spawn": ("skip_log", "spawn", None),
+    "stall/popen": ("stall", "popen", None),
+    "sigterm/spawn": ("sigterm", "spawn", signal.SIGTERM),
+    "sigint/popen": ("sigint", "popen", signal.SIGINT),
+    "train_raise/spawn": ("train_raise", "spawn", None),
+    "sigterm/popen": ("sigterm", "popen", signal.SIGTERM),
+    "sigkill/spawn": ("sigkill", "spawn", None),
+    "val_raise/popen": ("val_raise", "popen", None),
+    "callback_raise/popen": ("callback_raise", "popen", None),
+    "uneven/popen": ("uneven", "popen", None),
+    "train_raise/popen": ("train_raise", "popen", None),
+    "sigkill/popen": ("sigkill", "popen", None),
+}
+#: How many jobs run at once (2 cores); how long one may take, and its processes may outlive its launcher (s).
+PARALLEL, JOB_TIMEOUT_S, OUTLIVE_S = 2, 240.0, 10.0
+
+
+@dataclass
+class Ended:
+    """What a job left: the launcher's exit code, output, seconds it ran and seconds from the failure to its exit, its
+    folder, and whether the test's signal was sent."""
+
+    code: int
+    out: str
+    seconds: float
+    since_failure: float
+    folder: Path
+    signalled: bool
+
 
 class Job:
-    """failing_fit.py running in its own session, with helpers to wait, signal and check for orphans."""
+    """failing_fit.py running in its own session; ``signum`` is sent to the launcher once both ranks wait for it."""
 
-    def __init__(self, out: Path, scenario: str, start_method: str = "popen", ckpt: str | None = None) -> None:
-        out.mkdir(parents=True, exist_ok=True)
-        self.out = out
-        args = [sys.executable, str(SCRIPT), str(out), scenario, start_method] + ([ckpt] if ckpt else [])
-        self.proc = subprocess.Popen(args, cwd=out, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     start_new_session=True)
+    def __init__(self, out: Path, scenario: str, start_method: str, signum: int | None) -> None:
+        out.mkdir(parents=True)
+        self.out, self.signum, self.signalled = out, signum, False
+        with (out / "output.txt").open("w") as log:
+            self.proc = subprocess.Popen([sys.executable, str(SCRIPT), str(out), scenario, start_method], cwd=out,
+                                         stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.started = time.time()
+        self.deadline = time.monotonic() + JOB_TIMEOUT_S
+        self.ended: float | None = None  # time.time() when the launcher exited
+        self.left: list[int] = []
+        self.error: str | None = None
 
-    def wait_for(self, name: str, timeout: float = 180) -> None:
-        deadline = time.monotonic() + timeout
-        while not (self.out / name).exists():
-            assert self.proc.poll() is None, f"job ended before {name}:\n{self.proc.communicate()[0][-4000:]}"
-            assert time.monotonic() < deadline, f"{name} did not appear in {timeout} s"
-            time.sleep(0.1)
+    def done(self) -> bool:
+        """One look at the job: send the signal when due; True once it and every process it started have ended."""
+        if self.ended is None and self.proc.poll() is not None:
+            self.ended, self.deadline = time.time(), time.monotonic() + OUTLIVE_S
+        if self.ended is None:
+            waiting = all((self.out / f"waiting_rank{r}").exists() for r in range(2))
+            if self.signum is not None and not self.signalled and waiting:
+                self.proc.send_signal(self.signum)
+                self.signalled = True
+            if time.monotonic() > self.deadline:
+                self.kill(f"job did not end in {JOB_TIMEOUT_S:.0f} s")
+                return True
+            return False
+        self.left = session_members(self.proc.pid)
+        if self.left and time.monotonic() > self.deadline:
+            self.kill(f"processes of the job outlived it by {OUTLIVE_S:.0f} s: {self.left}")
+        return not self.left or self.error is not None
 
-    def finish(self, timeout: float = 240) -> tuple[int, str, float]:
-        """Wait for the launcher; return its exit code, its output, and seconds since the failure was triggered."""
+    def kill(self, error: str) -> None:
+        self.error = error
         try:
-            out, _ = self.proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
             os.killpg(self.proc.pid, signal.SIGKILL)
-            out, _ = self.proc.communicate()
-            raise AssertionError(f"job did not end in {timeout} s:\n{out[-4000:]}") from None
-        ended = time.time()
+        except ProcessLookupError:  # every process of the job has just ended
+            pass
+        self.proc.wait()
+
+    def result(self) -> Ended:
+        """The outcome; AssertionError if the job timed out or left processes behind."""
+        out = (self.out / "output.txt").read_text()
+        assert self.error is None, f"{self.error}:\n{out[-4000:]}"
         failing = self.out / "failing_at"
-        since_failure = ended - float(failing.read_text()) if failing.exists() else float("nan")
-        deadline = time.monotonic() + 10
-        while (left := session_members(self.proc.pid)) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        if left:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        assert not left, f"processes of the job outlived it: {left}"
-        return self.proc.returncode, out, since_failure
+        since_failure = self.ended - float(failing.read_text()) if failing.exists() else float("nan")
+        return Ended(self.proc.returncode, out, self.ended - self.started, since_failure, self.out, self.signalled)
 
 
-@pytest.mark.timeout(300)
+@pytest.fixture(scope="module")
+def jobs(request, tmp_path_factory) -> dict[str, Job]:
+    """Every job a selected test of this module names (its ``job`` parameter), run to its end, PARALLEL at once."""
+    selected = [item for item in request.session.items if getattr(item, "module", None) is request.module]
+    names = {item.callspec.params.get("job") for item in selected if hasattr(item, "callspec")}
+    queue, running, finished = [name for name in JOBS if name in names], [], {}
+    root = tmp_path_factory.mktemp("jobs")
+    try:
+        while queue or running:
+            while queue and len(running) < PARALLEL:
+                name = queue.pop(0)
+                running.append(Job(root / name.replace("/", "-"), *JOBS[name]))
+                finished[name] = running[-1]
+            running = [job for job in running if not job.done()]
+            time.sleep(0.05)
+    finally:
+        for job in running:
+            job.kill("the test run was interrupted")
+    return finished
+
+
+@pytest.mark.timeout(600)
 @pytest.mark.parametrize(
-    ("scenario", "start_method", "own", "seen_by_peer"),
+    ("job", "own", "seen_by_peer"),
     [
-        ("train_raise", "popen", "[rank 1] failed: ZeroDivisionError: rank 1 divided by zero on purpose",
+        ("train_raise/popen", "[rank 1] failed: ZeroDivisionError: rank 1 divided by zero on purpose",
          "Cause: rank 1 failed: ZeroDivisionError: rank 1 divided by zero on purpose"),
-        ("train_raise", "spawn", "[rank 1] failed: ZeroDivisionError: rank 1 divided by zero on purpose",
+        ("train_raise/spawn", "[rank 1] failed: ZeroDivisionError: rank 1 divided by zero on purpose",
          "-- Process 1 terminated with the following error"),
-        ("val_raise", "popen", "[rank 0] failed: KeyError: 'rank 0 lost a key in validation on purpose'", None),
-        ("callback_raise", "popen", "[rank 1] failed: ValueError: a callback on rank 1 failed on purpose",
+        ("val_raise/popen", "[rank 0] failed: KeyError: 'rank 0 lost a key in validation on purpose'", None),
+        ("callback_raise/popen", "[rank 1] failed: ValueError: a callback on rank 1 failed on purpose",
          "Cause: rank 1 failed: ValueError: a callback on rank 1 failed on purpose"),
     ],
 )
-def test_an_exception_on_one_rank_ends_every_rank_within_30_s(tmp_path, scenario, start_method, own, seen_by_peer):
+def test_an_exception_on_one_rank_ends_every_rank_within_30_s(jobs, job, own, seen_by_peer):
     """A rank that raises (training_step, validation_step, a callback) ends the job quickly, non-zero, named."""
-    code, out, seconds = Job(tmp_path, scenario, start_method).finish()
-    assert code != 0
-    assert seconds < 30, f"took {seconds:.1f} s after the failure"
-    assert own in out and "Traceback" in out
-    assert (tmp_path / "finally_rank0").exists(), "the launching process was killed before its finally ran"
+    ended = jobs[job].result()
+    assert ended.code != 0
+    assert ended.since_failure < 30, f"took {ended.since_failure:.1f} s after the failure"
+    assert own in ended.out and "Traceback" in ended.out
+    assert (ended.folder / "finally_rank0").exists(), "the launching process was killed before its finally ran"
     if seen_by_peer:
-        assert seen_by_peer in out
+        assert seen_by_peer in ended.out
 
 
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("start_method", ["popen", "spawn"])
-def test_a_killed_rank_is_named_and_the_others_exit_within_60_s(tmp_path, start_method):
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("job", ["sigkill/popen", "sigkill/spawn"])
+def test_a_killed_rank_is_named_and_the_others_exit_within_60_s(jobs, job):
     """SIGKILL of rank 1 mid-epoch: the others notice at once and the error names the lost rank."""
-    code, out, seconds = Job(tmp_path, "sigkill", start_method).finish()
-    assert code != 0 and seconds < 60, f"exit {code} after {seconds:.1f} s"
-    expected = "rank 1 (pid" if start_method == "popen" else "process 1 terminated with signal SIGKILL"
-    assert expected in out and ("is no longer running" in out or start_method == "spawn")
-    assert (tmp_path / "finally_rank0").exists(), "the launching process was killed before its finally ran"
+    ended = jobs[job].result()
+    assert ended.code != 0 and ended.since_failure < 60, f"exit {ended.code} after {ended.since_failure:.1f} s"
+    popen = job.endswith("popen")
+    expected = "rank 1 (pid" if popen else "process 1 terminated with signal SIGKILL"
+    assert expected in ended.out and ("is no longer running" in ended.out or not popen)
+    assert (ended.folder / "finally_rank0").exists(), "the launching process was killed before its finally ran"
 
 
-@pytest.mark.timeout(300)
-def test_a_stalled_rank_is_named_by_the_epoch_barrier(tmp_path):
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("job", ["stall/popen"])
+def test_a_stalled_rank_is_named_by_the_epoch_barrier(jobs, job):
     """A rank that hangs before its next epoch is named by the monitored barrier after 5 s, not 30 minutes."""
-    code, out, seconds = Job(tmp_path, "stall").finish()
-    assert code != 0 and seconds < 60, f"exit {code} after {seconds:.1f} s"
-    assert "[rank 0] not every rank reached the start of training epoch 1 within 5 s" in out
-    assert "Rank 1 failed to pass monitoredBarrier" in out or "Ranks 1 failed to pass monitoredBarrier" in out
+    ended = jobs[job].result()
+    assert ended.code != 0 and ended.since_failure < 60, f"exit {ended.code} after {ended.since_failure:.1f} s"
+    assert "[rank 0] not every rank reached the start of training epoch 1 within 5 s" in ended.out
+    assert any(f"{who} 1 failed to pass monitoredBarrier" in ended.out for who in ("Rank", "Ranks"))
 
 
-@pytest.mark.timeout(300)
-def test_uneven_batch_counts_are_reported_instead_of_deadlocking(tmp_path):
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("job", ["uneven/popen"])
+def test_uneven_batch_counts_are_reported_instead_of_deadlocking(jobs, job):
     """Ranks whose own samplers give different batch counts fail on every rank with the counts, not a hang."""
-    code, out, seconds = Job(tmp_path, "uneven").finish()
-    assert code != 0 and seconds < 60
-    assert "ranks have different numbers of training batches in epoch 0: {0: 6, 1: 4}" in out
+    ended = jobs[job].result()
+    assert ended.code != 0 and ended.since_failure < 60
+    assert "ranks have different numbers of training batches in epoch 0: {0: 6, 1: 4}" in ended.out
 
 
-@pytest.mark.timeout(300)
-def test_collectives_out_of_step_fail_within_the_timeout_with_the_likely_cause(tmp_path):
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("job", ["skip_log/spawn"])
+def test_collectives_out_of_step_fail_within_the_timeout_with_the_likely_cause(jobs, job):
     """A rank that skips one self.log(sync_dist=True) desynchronises collectives: it fails with an explanation."""
-    start = time.monotonic()
-    code, out, _ = Job(tmp_path, "skip_log").finish()
-    assert code != 0 and time.monotonic() - start < 200, f"exit {code}"
-    # gloo itself detects the size mismatch and aborts rank 0 with its own explanation; the peer explains.
-    assert "collective mismatch" in out or "did not take part" in out
+    ended = jobs[job].result()
+    assert ended.code != 0 and ended.seconds < 200, f"exit {ended.code} after {ended.seconds:.1f} s"
+    # gloo waits out the timeout (or detects the size mismatch itself); rank 0, whose all-reduce broke, explains.
+    assert "collective mismatch" in ended.out or "did not take part" in ended.out
 
 
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("start_method", ["popen", "spawn"])
-def test_sigterm_saves_a_checkpoint_that_resumes_and_leaves_no_process(tmp_path, start_method):
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("job", ["sigterm/popen", "sigterm/spawn"])
+def test_sigterm_saves_a_checkpoint_that_resumes_and_leaves_no_process(jobs, job):
     """SIGTERM to the launcher (pre-emption): all ranks stop, a checkpoint is written, and fit resumes from it."""
-    job = Job(tmp_path / "run", "sigterm", start_method)
-    job.wait_for("waiting_rank0")  # both ranks wait at step 3 for the signal (no sleep: explicit sync)
-    job.wait_for("waiting_rank1")
-    job.proc.send_signal(signal.SIGTERM)
-    code, out, _ = job.finish()
+    ended = jobs[job].result()
+    assert ended.signalled, f"the job ended before both ranks waited at step 3 for the signal:\n{ended.out[-3000:]}"
     # popen: Lightning's SIGTERMException is a SystemExit (status 0); spawn: the stopped ranks are errors.
-    assert code == 0 if start_method == "popen" else code != 0
-    ckpt = tmp_path / "run" / "sigterm.ckpt"
-    assert ckpt.exists() and not (tmp_path / "run" / "finished").exists(), out[-3000:]
-    assert "did not exit after a failure" not in out  # every rank exited by itself
+    assert ended.code == 0 if job.endswith("popen") else ended.code != 0
+    ckpt = ended.folder / "sigterm.ckpt"
+    assert ckpt.exists() and not (ended.folder / "finished").exists(), ended.out[-3000:]
+    assert "did not exit after a failure" not in ended.out  # every rank exited by itself
     saved = torch.load(ckpt, weights_only=True)
     assert saved["global_step"] >= 3  # the ranks waited for the signal at step 3
-    resumed = Job(tmp_path / "resume", "none", ckpt=str(ckpt))
-    code, out, _ = resumed.finish()
-    assert code == 0, out[-3000:]
-    assert int((tmp_path / "resume" / "finished").read_text()) == 3 * 6  # 3 epochs of 6 steps, in total
+    launch(resume_after_sigterm, 2, ended.folder)
+    assert [r["global_step"] for r in load(ended.folder, "resumed", 2)] == [3 * 6] * 2  # 3 epochs of 6 steps
 
 
-@pytest.mark.timeout(300)
-def test_ctrl_c_to_the_launcher_stops_every_rank(tmp_path):
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("job", ["sigint/popen"])
+def test_ctrl_c_to_the_launcher_stops_every_rank(jobs, job):
     """SIGINT to the launching process: it exits non-zero and no rank survives it."""
-    job = Job(tmp_path, "sigint")
-    job.wait_for("waiting_rank0")
-    job.wait_for("waiting_rank1")
-    job.proc.send_signal(signal.SIGINT)
-    code, out, _ = job.finish()
-    assert code != 0 and "KeyboardInterrupt" in out
-
-
-class CrashOnce(pl.Callback):
-    """Raises at the start of epoch 1 when ``fail`` is set."""
-
-    def __init__(self, fail: bool) -> None:
-        self.fail = fail
-
-    def on_train_epoch_start(self, trainer, pl_module):
-        if self.fail and trainer.current_epoch == 1:
-            raise RuntimeError("crash at the start of epoch 1")
-
-
-def _fit(tmp_path: Path, max_epochs: int, ckpt_path: str | None = None, fail: bool = False) -> DigitsClassifier:
-    pl.seed_everything(11)
-    model = DigitsClassifier()
-    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=MyDDPStrategy(start_method="spawn", timeout=60),
-                         max_epochs=max_epochs, limit_train_batches=8, logger=False, enable_progress_bar=False,
-                         enable_model_summary=False,
-                         default_root_dir=str(tmp_path), deterministic=True,
-                         callbacks=[ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True), CrashOnce(fail)])
-    trainer.fit(model, DigitsDataModule(), ckpt_path=ckpt_path)
-    return model
+    ended = jobs[job].result()
+    assert ended.signalled, f"the job ended before both ranks waited at step 3 for the signal:\n{ended.out[-3000:]}"
+    assert ended.code != 0 and "KeyboardInterrupt" in ended.out
 
 
 @pytest.mark.timeout(300)
 def test_resuming_after_a_crash_gives_the_uninterrupted_weights(tmp_path):
     """Crash in epoch 1, resume from last.ckpt: the final weights equal an uninterrupted 2-epoch run."""
-    reference = _fit(tmp_path / "reference", max_epochs=2)
-    with pytest.raises(Exception, match="crash at the start of epoch 1"):
-        _fit(tmp_path / "crashed", max_epochs=2, fail=True)
-    resumed = _fit(tmp_path / "crashed", max_epochs=2, ckpt_path=str(tmp_path / "crashed" / "ckpt" / "last.ckpt"))
-    for name, value in reference.state_dict().items():
-        torch.testing.assert_close(resumed.state_dict()[name], value, rtol=0, atol=1e-6)
+    launch(crash_and_resume, 2, tmp_path)
+    for rank in load(tmp_path, "crash_and_resume", 2):
+        assert "crash at the start of epoch 1" in rank["crash"], rank["crash"]
+        for name, value in rank["reference"].items():
+            torch.testing.assert_close(rank["resumed"][name], value, rtol=0, atol=1e-6)
 
 
 def _store_with_pids(pids: dict[int, int]) -> torch.distributed.Store:

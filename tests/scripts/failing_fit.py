@@ -1,11 +1,12 @@
 """A short 2-process fit that goes wrong on purpose, for tests/process/test_failures.py.
 
-Usage: python failing_fit.py OUT_DIR SCENARIO START_METHOD [CKPT_PATH]
+Usage: python failing_fit.py OUT_DIR SCENARIO START_METHOD
 
 Each rank writes OUT_DIR/started_rank{r} when training starts and OUT_DIR/failing_at when it triggers the
 failure (a time.time() stamp), so the test can measure how long the job takes to end. In the sigterm and
 sigint scenarios each rank writes OUT_DIR/waiting_rank{r} at step 3 and waits there for the test's signal. The
-launching process writes OUT_DIR/finally_rank0 in a ``finally`` around ``fit`` (popen: it must not be killed first).
+launching process writes OUT_DIR/finally_rank0 in a ``finally`` around ``fit`` (popen: it must not be killed first),
+and rank 0 writes OUT_DIR/finished (the steps taken) if the fit ends normally.
 """
 
 import os
@@ -25,7 +26,6 @@ from ddp_strategy import DigitsClassifier, DigitsDataModule, MyDDPStrategy
 signal.signal(signal.SIGINT, signal.default_int_handler)
 
 OUT, SCENARIO, START_METHOD = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
-CKPT = sys.argv[4] if len(sys.argv) > 4 else None
 FAIL_STEP = 3
 
 
@@ -104,7 +104,7 @@ class UnevenData(DigitsDataModule):
 
 if __name__ == "__main__":
     L.seed_everything(3)
-    timeout = 10 if SCENARIO == "skip_log" else 60
+    timeout = 5 if SCENARIO == "skip_log" else 60  # skip_log waits for it: the ranks' collectives do not match
     strategy = MyDDPStrategy(start_method=START_METHOD, timeout=timeout, monitored_barrier_timeout=5,
                              checkpoint_on_sigterm=str(OUT / "sigterm.ckpt"))
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_epochs=3, limit_train_batches=6,
@@ -113,7 +113,7 @@ if __name__ == "__main__":
                         callbacks=[Events()], default_root_dir=str(OUT))
     data = UnevenData() if SCENARIO == "uneven" else DigitsDataModule()
     try:
-        trainer.fit(Model(), data, ckpt_path=CKPT)
+        trainer.fit(Model(), data)
     finally:
         if trainer.global_rank == 0 or START_METHOD != "popen":
             (OUT / "finally_rank0").write_text(str(os.getpid()))

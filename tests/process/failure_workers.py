@@ -1,0 +1,58 @@
+"""Scenarios of tests/process/test_failures.py that need no launcher of their own: several fits in one set of 2 ranks
+started by the testing kit (tests/ddp_testing.py ``launch``), each rank recording what it saw."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import lightning.pytorch as pl
+import torch
+from ddp_testing import save
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from ddp_strategy import DigitsClassifier, DigitsDataModule, MyDDPStrategy
+
+
+class CrashOnce(pl.Callback):
+    """Raises at the start of epoch 1 when ``fail`` is set."""
+
+    def __init__(self, fail: bool) -> None:
+        self.fail = fail
+
+    def on_train_epoch_start(self, trainer, pl_module):
+        if self.fail and trainer.current_epoch == 1:
+            raise RuntimeError("crash at the start of epoch 1")
+
+
+def _fit(root: Path, ckpt_path: str | None = None, fail: bool = False) -> dict[str, torch.Tensor]:
+    """2 epochs of 8 steps, saving last.ckpt after each; the final weights."""
+    pl.seed_everything(11)
+    model = DigitsClassifier()
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=MyDDPStrategy(timeout=60), max_epochs=2,
+                         limit_train_batches=8, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                         default_root_dir=str(root), deterministic=True,
+                         callbacks=[ModelCheckpoint(dirpath=root / "ckpt", save_last=True), CrashOnce(fail)])
+    trainer.fit(model, DigitsDataModule(), ckpt_path=ckpt_path)
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def crash_and_resume(out: Path) -> None:
+    """An uninterrupted fit; the same fit crashing at the start of epoch 1; that run resumed from its last.ckpt."""
+    reference = _fit(out / "reference")
+    try:
+        _fit(out / "crashed", fail=True)
+        crash = "no error"
+    except Exception as e:  # the traceback goes with the except block: the next fit holds nothing of this one
+        crash = f"{type(e).__name__}: {e}"
+    resumed = _fit(out / "crashed", ckpt_path=str(out / "crashed" / "ckpt" / "last.ckpt"))
+    save(out, "crash_and_resume", {"reference": reference, "crash": crash, "resumed": resumed})
+
+
+def resume_after_sigterm(out: Path) -> None:
+    """failing_fit.py's fit (3 epochs of 6 steps) resumed from the checkpoint its SIGTERM saved (out/sigterm.ckpt)."""
+    pl.seed_everything(3)
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=MyDDPStrategy(timeout=60), max_epochs=3,
+                         limit_train_batches=6, limit_val_batches=3, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(out))
+    trainer.fit(DigitsClassifier(), DigitsDataModule(), ckpt_path=str(out / "sigterm.ckpt"))
+    save(out, "resumed", {"global_step": trainer.global_step})
