@@ -56,3 +56,38 @@ def resume_after_sigterm(out: Path) -> None:
                          enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(out))
     trainer.fit(DigitsClassifier(), DigitsDataModule(), ckpt_path=str(out / "sigterm.ckpt"))
     save(out, "resumed", {"global_step": trainer.global_step})
+
+
+
+class FailsOnRank0AtEpochEnd(pl.LightningModule):
+    """A linear model with no collective of its own after training; rank 0 raises at the end of epoch 0, as a
+    ModelCheckpoint whose old file cannot be removed would, so rank 1 next waits in epoch 1's barrier."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Linear(4, 1)
+
+    def training_step(self, batch, batch_idx):
+        return self.net(batch[0]).pow(2).mean()
+
+    def on_train_epoch_end(self):
+        if self.global_rank == 0:
+            raise PermissionError("rank 0 cannot remove the previous checkpoint (on purpose)")
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def rank_0_fails_between_epochs(out: Path) -> None:
+    """Rank 0 fails at epoch 0's end while rank 1 goes on to epoch 1's barrier; each rank records its error."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=MyDDPStrategy(timeout=60), max_epochs=2,
+                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False)
+    try:
+        trainer.fit(FailsOnRank0AtEpochEnd(), DataLoader(TensorDataset(torch.randn(8, 4)), batch_size=2))
+        error = "no error"
+    except Exception as e:
+        error = f"{type(e).__name__}: {e}"
+    save(out, "between_epochs", {"error": error})

@@ -23,7 +23,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from ddp_testing import launch, load, session_members
-from failure_workers import crash_and_resume, resume_after_sigterm
+from failure_workers import crash_and_resume, rank_0_fails_between_epochs, resume_after_sigterm
 
 from ddp_strategy import MyDDPStrategy
 
@@ -232,6 +232,17 @@ def test_resuming_after_a_crash_gives_the_uninterrupted_weights(tmp_path):
         assert "crash at the start of epoch 1" in rank["crash"], rank["crash"]
         for name, value in rank["reference"].items():
             torch.testing.assert_close(rank["resumed"][name], value, rtol=0, atol=1e-6)
+
+
+@pytest.mark.timeout(300)
+def test_a_rank_that_fails_between_epochs_is_named_by_its_peers_epoch_barrier(tmp_path):
+    """Rank 0 raises at an epoch's end: rank 1's barrier at the next epoch's start breaks at once and names rank 0's
+    error (before: a stall 'within 60 s', rank 0's error unnamed)."""
+    launch(rank_0_fails_between_epochs, 2, tmp_path)
+    rank_0, rank_1 = (record["error"] for record in load(tmp_path, "between_epochs", 2))
+    assert rank_0.startswith("PermissionError: rank 0 cannot remove the previous checkpoint (on purpose)"), rank_0
+    assert "Cause: rank 0 failed: PermissionError: rank 0 cannot remove the previous checkpoint" in rank_1, rank_1
+    assert "not every rank reached" not in rank_1, rank_1
 
 
 def _store_with_pids(pids: dict[int, int]) -> torch.distributed.Store:
