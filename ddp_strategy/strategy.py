@@ -31,7 +31,7 @@ else:  # the flavour for the user's Lightning namespace is built on construction
     ParallelStrategy = _namespace.lightning_base("pytorch.strategies:ParallelStrategy")
 
 
-class MyDDPStrategy(ParallelStrategy):
+class MyDDPStrategy(sync.wrapping.LightningDDPAttributes, ParallelStrategy):
     """Distributed data parallel training: one process per device, gradients all-reduced during backward.
 
     ``Trainer(devices=2, strategy=MyDDPStrategy())``: 2 processes (gloo; NCCL on CUDA), a per-epoch sampler for every
@@ -62,6 +62,7 @@ class MyDDPStrategy(ParallelStrategy):
     num_nodes: int = 1  #: machines, from ``Trainer(num_nodes=...)``
     is_distributed = True  #: tells Lightning to synchronise ``self.log(..., sync_dist=True)`` values
 
+    @sync.wrapping.keeps_passed_ddp_options
     def __init__(
         self,
         accelerator: pl.accelerators.Accelerator | None = None, parallel_devices: list[torch.device] | None = None,
@@ -107,11 +108,6 @@ class MyDDPStrategy(ParallelStrategy):
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         """``num_replicas`` (world size) and ``rank`` (global rank) for a ``DistributedSampler``."""
         return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
-
-    @property
-    def process_group_backend(self) -> str | None:
-        """The backend in use once the process group exists, else the user's choice (or None)."""
-        return self._process_group_backend
 
     @property
     def node_group(self) -> Any:
