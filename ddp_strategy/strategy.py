@@ -85,7 +85,7 @@ class MyDDPStrategy(sync.wrapping.LightningDDPAttributes, ParallelStrategy):
         self._forward_redirection = sync.DDPForwardRedirection()
         self._run = process.ProcessGroupRun(self._options.timeout, self._options.barrier_timeout, init_method, store)
         self._sharding = sampling.LoaderSharding(exact_evaluation)
-        self._warned_padded_gather = False
+        self._warned_padded_gather = self._buffers_due = False  # rank 0's buffers: due at a validation step
         self._gradients_unchecked, self._gradients_steps = False, 0  # the first backward's check to come; steps
         self._verify_sync_every_n_steps = verify_sync_every_n_steps
         self._written = checkpoint.WrittenFiles()  # checkpoints saved by this run, trusted when loaded back unchanged
@@ -222,9 +222,9 @@ class MyDDPStrategy(sync.wrapping.LightningDDPAttributes, ParallelStrategy):
 
     @override
     def on_validation_start(self) -> None:
-        """Give every rank rank 0's buffers once per validation run (Lightning's ddp does it in every step)."""
-        if isinstance(self.model, DistributedDataParallel) and self._options.ddp_kwargs.get("broadcast_buffers", True):
-            sync.broadcast_states(self.model.module, parameters=False)
+        """Rank 0's buffers are due at the run's first step, after callbacks' epoch-start swaps (EMA), as under ddp."""
+        ddp = isinstance(self.model, DistributedDataParallel)
+        self._buffers_due = ddp and self._options.ddp_kwargs.get("broadcast_buffers", True)
 
     @override
     def on_validation_end(self) -> None:
@@ -236,6 +236,9 @@ class MyDDPStrategy(sync.wrapping.LightningDDPAttributes, ParallelStrategy):
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         """Call the LightningModule directly (not DDP's forward); collectives are refused on uneven loaders."""
+        if self._buffers_due:  # once per run; Lightning's ddp copies rank 0's buffers in every step's DDP forward
+            self._buffers_due = False
+            sync.broadcast_states(self.model.module, parameters=False)
         guard = self._sharding.guard.step(self._trainer, "validation_step", args, kwargs)
         with self.precision_plugin.val_step_context(), guard:
             return self.lightning_module.validation_step(*args, **kwargs)

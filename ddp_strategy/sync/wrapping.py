@@ -143,7 +143,7 @@ def broadcast_states(module: nn.Module, parameters: bool = True, buffers: bool =
     """Copy rank 0's parameters and/or buffers to every rank, in place, in 250 MiB buckets (DDP's own sync).
 
     Used for validate/test/predict (no DDP wrapper: rank 0's parameters, and buffers if ``broadcast_buffers``)
-    and before each validation run while fitting (buffers only: each rank's last training step updated its
+    and at the first step of each validation run while fitting (buffers only: each rank's last training step updated its
     own BatchNorm statistics). A collective: every rank must call it with the same module and flags. A no-op
     without a process group or with one rank.
     """
