@@ -216,21 +216,22 @@ class MyDDPStrategy(sync.wrapping.LightningDDPAttributes, ParallelStrategy):
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
-        """Shard ``dataloader`` for this rank (:meth:`ddp_strategy.sampling.LoaderSharding.prepare`)."""
+        """Shard ``dataloader`` for this rank (:meth:`ddp_strategy.sampling.LoaderSharding.prepare`); no collective."""
         return dataloader if self._trainer is None else self._sharding.prepare(  # as is before setup
             dataloader, self._trainer, self.world_size, self.global_rank, self._sampler_seed)
 
     @override
     def on_validation_start(self) -> None:
-        """Rank 0's buffers are due at the run's first step, after callbacks' epoch-start swaps (EMA), as under ddp."""
-        ddp = isinstance(self.model, DistributedDataParallel)
-        self._buffers_due = ddp and self._options.ddp_kwargs.get("broadcast_buffers", True)
+        """Agree the counts needing the peers; fitting, rank 0's buffers are due at the first step (after EMA swaps)."""
+        self._sharding.agree_counts()
+        self._buffers_due = isinstance(self.model, DistributedDataParallel) and self.model.will_sync_module_buffers()
 
     @override
     def on_validation_end(self) -> None:
         """End of an evaluation stage (also ``on_test_end``, ``on_predict_end``): forget its uneven-shard state."""
         self._sharding.guard.end_stage()
 
+    on_test_start = on_predict_start = on_validation_start
     on_test_end = on_predict_end = on_validation_end
 
     @override

@@ -58,37 +58,26 @@ def validate_ddp_kwargs(ddp_kwargs: dict[str, Any]) -> dict[str, Any]:
 
 def keeps_passed_ddp_options(init: Callable[..., None]) -> Callable[..., None]:
     """Decorate ``__init__`` to keep the DDP options passed (named ones too), as ``DDPStrategy._ddp_kwargs`` does."""
-    signature = inspect.signature(init)
-
     @functools.wraps(init)
     def wrapper(self: Any, *args: Any, **kwargs: Any) -> None:
         init(self, *args, **kwargs)
-        passed = signature.bind(self, *args, **kwargs).arguments
-        self._passed_ddp_options = {k: v for k, v in {**passed, **passed.get("ddp_kwargs", {})}.items()
-                                    if k in DDP_OPTIONS}
+        named = inspect.signature(init).bind(self, *args, **kwargs).arguments
+        passed = {**named, **named.get("ddp_kwargs", {})}
+        self._passed_ddp_options = {k: passed[k] for k in DDP_OPTIONS if k in passed}
     return wrapper
 
 
 class LightningDDPAttributes:
-    """What Lightning's ``DDPStrategy`` exposes and Lightning's tests and third-party callbacks read on
-    ``trainer.strategy``, read-only, with its types and values for the same arguments (no model averaging)."""
+    """``DDPStrategy``'s attributes that Lightning's tests and callbacks read: read-only, its values for our args."""
 
     def _get_process_group_backend(self: Any) -> str:
         """The backend, else torch's default for ``root_device`` (``"nccl"`` on CUDA, ``"gloo"`` on CPU)."""
         return self._process_group_backend or dist.Backend.default_device_backend_map.get(self.root_device.type, "gloo")
 
-    def determine_ddp_device_ids(self: Any) -> list[int] | None:
-        """DDP's ``device_ids``: ``[index]`` on CUDA, ``None`` on CPU."""
-        return [self.root_device.index or 0] if self.root_device.type == "cuda" else None
-
-    process_group_backend = property(lambda self: self._process_group_backend,
-                                     doc="The backend in use once the process group exists, else the user's choice.")
+    process_group_backend = property(lambda self: self._process_group_backend, doc="In use after setup, else passed.")
     _ddp_kwargs = property(lambda self: dict(self._passed_ddp_options), doc="The DDP options passed (a copy).")
     _timeout = property(lambda self: self._options.timeout, doc="``timeout`` as a ``timedelta``.")
     _start_method = property(lambda self: self._options.start_method, doc="``start_method`` as resolved.")
-    _ddp_comm_hook = property(lambda self: self._options.comm_hook.hook, doc="``ddp_comm_hook`` as passed.")
-    _ddp_comm_state = property(lambda self: self._options.comm_hook.state, doc="``ddp_comm_state`` as passed.")
-    _ddp_comm_wrapper = property(lambda self: self._options.comm_hook.wrapper, doc="``ddp_comm_wrapper`` as passed.")
 
 
 def check_trainable(module: nn.Module) -> None:
@@ -142,10 +131,9 @@ def unwrap(model: nn.Module | None, failed: bool = False) -> nn.Module | None:
 def broadcast_states(module: nn.Module, parameters: bool = True, buffers: bool = True) -> None:
     """Copy rank 0's parameters and/or buffers to every rank, in place, in 250 MiB buckets (DDP's own sync).
 
-    Used for validate/test/predict (no DDP wrapper: rank 0's parameters, and buffers if ``broadcast_buffers``)
-    and at the first step of each validation run while fitting (buffers only: each rank's last training step updated its
-    own BatchNorm statistics). A collective: every rank must call it with the same module and flags. A no-op
-    without a process group or with one rank.
+    Used for validate/test/predict (no DDP wrapper: rank 0's parameters, and buffers if ``broadcast_buffers``) and
+    at each validation run's first step while fitting (buffers only). A collective: every rank must call it with the
+    same module and flags. A no-op without a process group or with one rank.
     """
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return
