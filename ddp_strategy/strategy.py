@@ -31,7 +31,7 @@ else:  # the flavour for the user's Lightning namespace is built on construction
     ParallelStrategy = _namespace.lightning_base("pytorch.strategies:ParallelStrategy")
 
 
-class MyDDPStrategy(ParallelStrategy):
+class MyDDPStrategy(sync.wrapping.LightningDDPAttributes, ParallelStrategy):
     """Distributed data parallel training: one process per device, gradients all-reduced during backward.
 
     ``Trainer(devices=2, strategy=MyDDPStrategy())``: 2 processes (gloo; NCCL on CUDA), a per-epoch sampler for every
@@ -62,6 +62,7 @@ class MyDDPStrategy(ParallelStrategy):
     num_nodes: int = 1  #: machines, from ``Trainer(num_nodes=...)``
     is_distributed = True  #: tells Lightning to synchronise ``self.log(..., sync_dist=True)`` values
 
+    @sync.wrapping.keeps_passed_ddp_options
     def __init__(
         self,
         accelerator: pl.accelerators.Accelerator | None = None, parallel_devices: list[torch.device] | None = None,
@@ -84,7 +85,7 @@ class MyDDPStrategy(ParallelStrategy):
         self._forward_redirection = sync.DDPForwardRedirection()
         self._run = process.ProcessGroupRun(self._options.timeout, self._options.barrier_timeout, init_method, store)
         self._sharding = sampling.LoaderSharding(exact_evaluation)
-        self._warned_padded_gather = False
+        self._warned_padded_gather = self._buffers_due = False  # rank 0's buffers: due at a validation step
         self._gradients_unchecked, self._gradients_steps = False, 0  # the first backward's check to come; steps
         self._verify_sync_every_n_steps = verify_sync_every_n_steps
         self._written = checkpoint.WrittenFiles()  # checkpoints saved by this run, trusted when loaded back unchanged
@@ -107,11 +108,6 @@ class MyDDPStrategy(ParallelStrategy):
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         """``num_replicas`` (world size) and ``rank`` (global rank) for a ``DistributedSampler``."""
         return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
-
-    @property
-    def process_group_backend(self) -> str | None:
-        """The backend in use once the process group exists, else the user's choice (or None)."""
-        return self._process_group_backend
 
     @property
     def node_group(self) -> Any:
@@ -220,26 +216,30 @@ class MyDDPStrategy(ParallelStrategy):
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
-        """Shard ``dataloader`` for this rank (:meth:`ddp_strategy.sampling.LoaderSharding.prepare`)."""
+        """Shard ``dataloader`` for this rank (:meth:`ddp_strategy.sampling.LoaderSharding.prepare`); no collective."""
         return dataloader if self._trainer is None else self._sharding.prepare(  # as is before setup
             dataloader, self._trainer, self.world_size, self.global_rank, self._sampler_seed)
 
     @override
     def on_validation_start(self) -> None:
-        """Give every rank rank 0's buffers once per validation run (Lightning's ddp does it in every step)."""
-        if isinstance(self.model, DistributedDataParallel) and self._options.ddp_kwargs.get("broadcast_buffers", True):
-            sync.broadcast_states(self.model.module, parameters=False)
+        """Agree the counts needing the peers; fitting, rank 0's buffers are due at the first step (after EMA swaps)."""
+        self._sharding.agree_counts()
+        self._buffers_due = isinstance(self.model, DistributedDataParallel) and self.model.will_sync_module_buffers()
 
     @override
     def on_validation_end(self) -> None:
         """End of an evaluation stage (also ``on_test_end``, ``on_predict_end``): forget its uneven-shard state."""
         self._sharding.guard.end_stage()
 
+    on_test_start = on_predict_start = on_validation_start
     on_test_end = on_predict_end = on_validation_end
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         """Call the LightningModule directly (not DDP's forward); collectives are refused on uneven loaders."""
+        if self._buffers_due:  # once per run; Lightning's ddp copies rank 0's buffers in every step's DDP forward
+            self._buffers_due = False
+            sync.broadcast_states(self.model.module, parameters=False)
         guard = self._sharding.guard.step(self._trainer, "validation_step", args, kwargs)
         with self.precision_plugin.val_step_context(), guard:
             return self.lightning_module.validation_step(*args, **kwargs)

@@ -64,6 +64,30 @@ def test_trainer_wires_devices_and_sampler_arguments():
     assert s.is_distributed
 
 
+@pytest.mark.parametrize("kwargs", [
+    {}, {"find_unused_parameters": False}, {"broadcast_buffers": True, "bucket_cap_mb": 5},
+    {"static_graph": True, "gradient_as_bucket_view": True, "process_group_backend": "gloo",
+     "timeout": timedelta(seconds=7), "start_method": "spawn"},
+], ids=["defaults", "explicit-default", "buffers-buckets", "named"])
+def test_attributes_read_on_trainer_strategy_are_lightnings(kwargs):
+    """_ddp_kwargs (the DDP options passed, defaults named included), process_group_backend,
+    _get_process_group_backend(), _timeout and _start_method equal DDPStrategy's for the same arguments, and cannot
+    be assigned."""
+    from lightning.pytorch.strategies import DDPStrategy
+
+    names = ("_ddp_kwargs", "process_group_backend", "_timeout", "_start_method")
+    seen = []
+    for cls in (DDPStrategy, MyDDPStrategy):
+        s = Trainer(accelerator="cpu", devices=2, num_nodes=1, strategy=cls(**kwargs), logger=False).strategy
+        seen.append(({n: getattr(s, n) for n in names}, s._get_process_group_backend()))
+        assert type(s._ddp_kwargs) is dict and type(s._timeout) is timedelta
+    assert seen[0] == seen[1] and seen[1][1] == "gloo"
+    with pytest.raises(AttributeError):
+        s._ddp_kwargs = {}
+    s._ddp_kwargs["static_graph"] = "changed"  # a copy, as read-only as a dict can be
+    assert s._ddp_kwargs.get("static_graph") == kwargs.get("static_graph")
+
+
 def test_nccl_barrier_passes_device_ids(monkeypatch):
     """On an NCCL group the barrier gets this rank's device id (checked without a GPU)."""
 
@@ -110,6 +134,8 @@ class GroupCollectives(pl.LightningModule):
             self.record[f"reduced_in_place_{name}"] = x.tolist()
             self.record[f"gather_{name}"] = self.all_gather(value, group=group).tolist()
         self.record["int_mean"] = self.trainer.strategy.reduce(torch.tensor(self.global_rank + 1)).item()
+        strategy = self.trainer.strategy  # after setup: the backend in use, as Lightning's DDPStrategy reports it
+        self.record["backend"] = [strategy.process_group_backend, strategy._get_process_group_backend()]
 
 
 def _group_collectives(out: Path) -> None:
@@ -138,6 +164,7 @@ def test_collectives_over_a_group_give_lightnings_values(tmp_path):
         assert got["reduce_world"] == got["reduced_in_place_world"] == got["reduce_none"] == [3.0]
         assert got["reduce_own"] == got["reduced_in_place_own"] == [rank + 1.0]
         assert got["gather_world"] == got["gather_none"] == [[1.0], [2.0]] and got["gather_own"] == [[rank + 1.0]]
+        assert got["backend"] == ["gloo", "gloo"]
 
 
 # ------------------------------------------------------------------------------- two-process fits

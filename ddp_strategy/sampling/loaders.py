@@ -6,7 +6,7 @@ and test loaders hold each sample once, batched so every rank takes the ``ceil(c
 padded sampler gives, so per-step collectives meet (``self.log(..., on_step=True, sync_dist=True)``); where no
 such layout exists they are padded as under Lightning's ddp, with a warning. Where batch counts still differ (the
 user's own distributed sampler, an ``IterableDataset``, predict), :class:`EvaluationStepGuard` refuses a strategy
-collective inside a step before any rank enters it.
+collective inside a step before any rank enters it (counted at the stage's start: no collective in sharding).
 """
 
 from __future__ import annotations
@@ -48,6 +48,7 @@ class LoaderSharding:
         self.positions: list[dict[str, Any]] = []  #: from the checkpoint, for the training loaders built next
         self.until_teardown = ExitStack()  #: what lasts while a fit runs (see ``state.restore_batch_counter``)
         self._injecting = True
+        self._pending: list[object] = []  #: evaluation loaders whose batch counts need the peers'
 
     def take_over(self, trainer: Trainer) -> None:
         """Turn Lightning's sampler injection off (kept for predict); ``use_distributed_sampler=False`` is honoured."""
@@ -57,28 +58,28 @@ class LoaderSharding:
         """At teardown: give Lightning its sampler injection back, forget unused positions."""
         if trainer is not None:
             _pl.set_lightning_sampler_injection(trainer, enabled=True)
-        self.positions = []
+        self.positions, self._pending = [], []
         self.until_teardown.close()
 
     def prepare(self, dataloader: object, trainer: Trainer, world_size: int, rank: int, seed: int) -> object:
         """Return ``dataloader`` sharded for ``rank`` of ``world_size`` in the trainer's current stage.
 
         Predict loaders are Lightning's; what cannot be sharded (a list of batches, an ``IterableDataset``) is read
-        whole by every rank, as under Lightning's ``ddp``, with a warning. Evaluation and predict loaders then agree
-        on their batch counts (a collective, every rank). Raises ``ValueError`` as :func:`inject_distributed_sampler`
-        and where a saved position does not fit the loader.
+        whole by every rank, as under ``ddp``, with a warning. No collective (see :meth:`agree_counts`).
+        Raises ``ValueError`` as :func:`inject_distributed_sampler` and where a saved position does not fit the loader.
         """
         training = trainer.state.stage == RunningStage.TRAINING
         if self._injecting:
             warn_if_not_shardable(dataloader, world_size)
-        if not self._injecting or trainer.state.fn == TrainerFn.PREDICTING:
-            if not training:
-                agree_batch_counts(dataloader)
-            return dataloader
+        ours = self._injecting and trainer.state.fn != TrainerFn.PREDICTING
         shard = Shard(world_size, rank, seed, epoch_fn=lambda: trainer.fit_loop.epoch_progress.current.processed)
         if not training:
             stage = "test" if trainer.state.stage == RunningStage.TESTING else "validation"
-            return shard_for_evaluation(dataloader, shard, stage, self.exact_evaluation)
+            loader = shard_for_evaluation(dataloader, shard, stage, self.exact_evaluation) if ours else dataloader
+            self._pending += [loader] if injected_sampler(loader) is None else []  # not ours (or predict): agree_counts
+            return loader
+        if not ours:
+            return dataloader
         warn_if_order_kept(dataloader, world_size, trainer.overfit_batches)
         loader = inject_distributed_sampler(dataloader, shard)
         if self.positions and (injected := injected_sampler(loader)) is not None:
@@ -89,6 +90,24 @@ class LoaderSharding:
                            " injected by MyDDPStrategy (it is your own DistributedSampler): the rest of the"
                            " interrupted epoch is not restored exactly.")
         return loader
+
+    def agree_counts(self) -> None:
+        """At an evaluation stage's start, every rank: one ``all_gather_object`` of the counts :meth:`prepare` left
+        (the user's distributed sampler, an ``IterableDataset``, predict); none if none (every rank has the same)."""
+        pending, self._pending = self._pending, []
+        world = dist.get_world_size() if pending and dist.is_available() and dist.is_initialized() else 1
+        gathered = [[_length(loader) for loader in pending]] * world
+        if world > 1:
+            dist.all_gather_object(gathered, gathered[0])
+        for loader, counts in zip(pending, zip(*gathered, strict=True), strict=True):
+            with contextlib.suppress(AttributeError):  # a loader that forbids attributes: the guard sees no counts
+                setattr(loader, BATCH_COUNTS_ATTR, None if None in counts else counts)
+
+
+def _length(loader: object) -> int | None:
+    with contextlib.suppress(TypeError, NotImplementedError):  # an IterableDataset without __len__
+        return len(loader)  # type: ignore[arg-type]
+    return None
 
 
 def _original_sampler(dataloader: DataLoader) -> Any:
@@ -134,8 +153,7 @@ def _check_shard_sizes(dataloader: DataLoader, shard: Shard, training: bool) -> 
         rank_zero_warn(
             f"The loader has {n} {what} but there are {w} ranks: the shards are padded with repeats (as Lightning's"
             f" DistributedSampler pads them), so some ranks read the same {what}. Use a data set with at least {w}"
-            f" {what}, or fewer devices."
-        )
+            f" {what}, or fewer devices.")
     if source is None or (batch_sampler := dataloader.batch_sampler) is None:
         return
     batch_size, drop_last = int(batch_sampler.batch_size), bool(batch_sampler.drop_last)  # type: ignore[attr-defined]
@@ -144,14 +162,12 @@ def _check_shard_sizes(dataloader: DataLoader, shard: Shard, training: bool) -> 
         raise ValueError(
             f"drop_last=True with batch_size={batch_size}, but a rank's shard has only {smallest} samples ({n} samples"
             f" over {w} ranks): that rank would get no batch at all. Lower batch_size to at most {smallest}, set"
-            " drop_last=False, or use fewer devices."
-        )
+            " drop_last=False, or use fewer devices.")
     if training and smallest < batch_size:
         rank_zero_warn(
             f"batch_size={batch_size} is per device, but each rank's training shard has only {smallest} samples"
             f" ({n} samples over {w} ranks), so every step sees a short batch. Lower batch_size to at most {smallest}"
-            f" (the global batch is batch_size x {w}), or use fewer devices."
-        )
+            f" (the global batch is batch_size x {w}), or use fewer devices.")
 
 
 def inject_distributed_sampler(dataloader: object, shard: Shard, training: bool | None = None) -> object:
@@ -225,14 +241,14 @@ def needs_padding(dataloader: DataLoader, num_replicas: int) -> str | None:
 def shard_for_evaluation(dataloader: object, shard: Shard, stage: str, exact: bool = True) -> object:
     """A validation (``stage="validation"``) or test loader with each sample once and equal batch counts, else
     (``exact=False``, ``drop_last=True``, or no such layout: :func:`needs_padding`, or uneven counts from the user's
-    batch sampler class) padded as Lightning's ddp pads it, with a rank-0 warning where exactness is lost. Agrees
-    on its batch counts (:func:`agree_batch_counts`, a collective: every rank calls it)."""
+    batch sampler class) padded as Lightning's ddp pads it, with a rank-0 warning where exactness is lost. Keeps
+    every rank's batch counts on it where it is ours (:func:`local_batch_counts`; no collective)."""
     sharded = exact and needs_distributed_sampler(dataloader)
     reason = needs_padding(dataloader, shard.num_replicas) if sharded else None  # type: ignore[arg-type]
     if sharded and reason is None:  # drop_last=True (N a multiple of W here): Lightning's batches
         drops = bool(getattr(dataloader.batch_sampler, "drop_last", False))  # type: ignore[attr-defined]
-        loader = inject_distributed_sampler(dataloader, dataclasses.replace(shard, pad=drops))
-        if (counts := agree_batch_counts(loader)) is None or len(set(counts)) == 1:
+        loader = inject_distributed_sampler(dataloader, exact_shard := dataclasses.replace(shard, pad=drops))
+        if len(set(counts := count_batches(dataloader, loader, exact_shard))) == 1:
             return loader
         reason = f"its {type(loader.batch_sampler).__name__} makes {list(counts)} batches of the exact shards"
     if reason is not None:
@@ -242,28 +258,23 @@ def shard_for_evaluation(dataloader: object, shard: Shard, stage: str, exact: bo
                        f" padded: {-n % w} sample(s) are evaluated twice, and {stage} metrics count them twice. For"
                        f" exact metrics use batch_size >= 2 and drop_last=False with at least {w} samples, or a data"
                        f" set whose size is a multiple of {w}.")
-    loader = inject_distributed_sampler(dataloader, dataclasses.replace(shard, pad=True), training=False)
-    agree_batch_counts(loader)
+    if (loader := inject_distributed_sampler(dataloader, padded := dataclasses.replace(shard, pad=True),
+                                             training=False)) is not dataloader:
+        count_batches(dataloader, loader, padded)
     return loader
 
 
-def agree_batch_counts(dataloader: object) -> tuple[int, ...] | None:
-    """``(batches on rank 0, ..., rank W-1)`` (``None`` if some loader has no length), also kept on the loader.
-
-    A collective: every rank calls it for the same loader (Lightning processes each evaluation loader on every rank
-    in the same order); without a process group the local length alone.
-    """
-    try:
-        local = len(dataloader)  # type: ignore[arg-type]
-    except TypeError:
-        local = -1
-    counts: list[Any] = [local] * (dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1)
-    if len(counts) > 1:
-        dist.all_gather_object(counts, local)
-    result = None if min(counts) < 0 else tuple(counts)
-    with contextlib.suppress(AttributeError):  # a loader that forbids attributes: the guard sees no counts
-        setattr(dataloader, BATCH_COUNTS_ATTR, result)
-    return result
+def count_batches(dataloader: object, loader: DataLoader, shard: Shard) -> tuple[int, ...]:
+    """``(batches on rank 0, ..., rank W-1)`` of ``loader`` (``dataloader`` injected for ``shard``), also kept on it,
+    without a collective: our batch samplers make as many on every rank; the user's class is re-created per rank."""
+    if type(loader.batch_sampler) in (BatchSampler, samplers.EqualCountBatchSampler, samplers.ShardedBatchSampler,
+                                      type(None)):
+        counts = (len(loader),) * shard.num_replicas
+    else:
+        counts = tuple(len(inject_distributed_sampler(dataloader, dataclasses.replace(shard, rank=r), training=False))
+                       for r in range(shard.num_replicas))  # type: ignore[arg-type]
+    setattr(loader, BATCH_COUNTS_ATTR, counts)
+    return counts
 
 
 def warn_if_order_kept(dataloader: object, world_size: int, overfit_batches: int | float = 0) -> None:
@@ -300,8 +311,7 @@ def warn_if_order_kept(dataloader: object, world_size: int, overfit_batches: int
     rank_zero_warn(
         f"{ORDER_KEPT_WARNING}: {what}. Lightning's strategy='ddp' {lightning}, so the batches each rank reads, and"
         f" the trained weights, differ from a run with strategy='ddp'. {advice}; if the order is intended, silence"
-        f" this with warnings.filterwarnings('ignore', message=\"{ORDER_KEPT_WARNING}\")."
-    )
+        f" this with warnings.filterwarnings('ignore', message=\"{ORDER_KEPT_WARNING}\").")
 
 
 def warn_if_not_shardable(dataloader: object, world_size: int) -> None:
@@ -316,14 +326,12 @@ def warn_if_not_shardable(dataloader: object, world_size: int) -> None:
         rank_zero_warn(
             f"MyDDPStrategy got a {type(dataloader).__name__} as a loader, not a torch.utils.data.DataLoader: it"
             f" cannot be sharded, so each of the {world_size} ranks iterates all of it (as under Lightning's ddp) and"
-            " sees the same batches. To give every rank its own part, wrap the data in a Dataset and a DataLoader."
-        )
+            " sees the same batches. To give every rank its own part, wrap the data in a Dataset and a DataLoader.")
     elif isinstance(dataloader.dataset, IterableDataset):
         rank_zero_warn(
             f"{type(dataloader.dataset).__name__} is an IterableDataset: it has no indices, so MyDDPStrategy cannot"
             " shard it and every rank reads whatever its __iter__ yields. Shard it yourself in __iter__ with"
-            " ddp_strategy.shard_iterable (by rank and DataLoader worker), or every rank sees the same data."
-        )
+            " ddp_strategy.shard_iterable (by rank and DataLoader worker), or every rank sees the same data.")
 
 
 class EvaluationStepGuard:
@@ -375,8 +383,7 @@ class EvaluationStepGuard:
             f" {list(counts)} (ranks 0..{len(counts) - 1}), so a collective made in every step directly with"
             " torch.distributed (for example a torchmetrics metric with dist_sync_on_step=True) waits on the ranks"
             " with fewer batches: sync at epoch end instead (dist_sync_on_step=False), or give every rank the same"
-            " number of batches."
-        )
+            " number of batches.")
 
     def check(self, collective: str, rank: int) -> None:
         """Raise ``RuntimeError`` (stage, per-rank batch counts, what to do) inside a step on an uneven loader."""
@@ -389,5 +396,4 @@ class EvaluationStepGuard:
             " UnrepeatedDistributedSamplerWrapper), your own distributed sampler and IterableDatasets are not evened"
             " out. A per-step collective would pair with a different step on the other ranks and hang or return a"
             " wrong value. Log with on_step=False (the epoch-level sync_dist value is exact), move the collective"
-            " to the epoch-end hook (on_predict_epoch_end, ...), or give every rank the same number of batches."
-        )
+            " to the epoch-end hook (on_predict_epoch_end, ...), or give every rank the same number of batches.")

@@ -7,8 +7,10 @@ the same update (https://pytorch.org/docs/stable/notes/ddp.html).
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
+from collections.abc import Callable
 from contextlib import nullcontext
 from typing import Any
 
@@ -52,6 +54,30 @@ def validate_ddp_kwargs(ddp_kwargs: dict[str, Any]) -> dict[str, Any]:
             f" device_ids and output_device itself; valid options are {sorted(DDP_OPTIONS)}."
         )
     return dict(ddp_kwargs)
+
+
+def keeps_passed_ddp_options(init: Callable[..., None]) -> Callable[..., None]:
+    """Decorate ``__init__`` to keep the DDP options passed (named ones too), as ``DDPStrategy._ddp_kwargs`` does."""
+    @functools.wraps(init)
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        named = inspect.signature(init).bind(self, *args, **kwargs).arguments
+        passed = {**named, **named.get("ddp_kwargs", {})}
+        self._passed_ddp_options = {k: passed[k] for k in DDP_OPTIONS if k in passed}
+    return wrapper
+
+
+class LightningDDPAttributes:
+    """``DDPStrategy``'s attributes that Lightning's tests and callbacks read: read-only, its values for our args."""
+
+    def _get_process_group_backend(self: Any) -> str:
+        """The backend, else torch's default for ``root_device`` (``"nccl"`` on CUDA, ``"gloo"`` on CPU)."""
+        return self._process_group_backend or dist.Backend.default_device_backend_map.get(self.root_device.type, "gloo")
+
+    process_group_backend = property(lambda self: self._process_group_backend, doc="In use after setup, else passed.")
+    _ddp_kwargs = property(lambda self: dict(self._passed_ddp_options), doc="The DDP options passed (a copy).")
+    _timeout = property(lambda self: self._options.timeout, doc="``timeout`` as a ``timedelta``.")
+    _start_method = property(lambda self: self._options.start_method, doc="``start_method`` as resolved.")
 
 
 def check_trainable(module: nn.Module) -> None:
@@ -105,10 +131,9 @@ def unwrap(model: nn.Module | None, failed: bool = False) -> nn.Module | None:
 def broadcast_states(module: nn.Module, parameters: bool = True, buffers: bool = True) -> None:
     """Copy rank 0's parameters and/or buffers to every rank, in place, in 250 MiB buckets (DDP's own sync).
 
-    Used for validate/test/predict (no DDP wrapper: rank 0's parameters, and buffers if ``broadcast_buffers``)
-    and before each validation run while fitting (buffers only: each rank's last training step updated its
-    own BatchNorm statistics). A collective: every rank must call it with the same module and flags. A no-op
-    without a process group or with one rank.
+    Used for validate/test/predict (no DDP wrapper: rank 0's parameters, and buffers if ``broadcast_buffers``) and
+    at each validation run's first step while fitting (buffers only). A collective: every rank must call it with the
+    same module and flags. A no-op without a process group or with one rank.
     """
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return

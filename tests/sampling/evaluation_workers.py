@@ -18,9 +18,10 @@ import torch.distributed as dist
 import torchmetrics
 from ddp_testing import save
 from sampling_workers import trainer
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import BatchSampler, DataLoader, Dataset, DistributedSampler, SequentialSampler
 
 from ddp_strategy import MyDDPStrategy, all_gather_rows
+from ddp_strategy.sampling.loaders import BATCH_COUNTS_ATTR
 
 
 class Samples(Dataset):
@@ -107,9 +108,42 @@ def scenario_collectives(out: Path) -> None:
         _validate(f"mine_{n}_{b}", out, MyDDPStrategy(start_method="popen", timeout=60), n, b)
     _validate("mine_lightning_layout_17_4", out, MyDDPStrategy(start_method="popen", timeout=60,
                                                               exact_evaluation=False), 17, 4)
+    one_rank = OneRankProcessing()
+    trainer(2, out, strategy=MyDDPStrategy(start_method="popen", timeout=10), max_epochs=1).validate(one_rank)
+    save(out, "one_rank_process_dataloader", one_rank.rec)
     for n, b in ((17, 4), (5, 1)):
         _validate(f"lightning_{n}_{b}", out, "ddp", n, b)
         dist.destroy_process_group()  # Lightning's ddp leaves it for the next Trainer; ours makes a fresh one
+
+
+class Mine(BatchSampler):
+    """The user's own batch sampler class."""
+
+
+class OneRankProcessing(pl.LightningModule):
+    """At validation's end rank 1 alone hands three evaluation loaders of 11 samples, batch 4, to process_dataloader:
+    a plain one, one with the user's BatchSampler class and one with the user's own DistributedSampler."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(4, 1)
+        self.rec: dict[str, Any] = {}
+
+    def val_dataloader(self) -> Any:
+        return DataLoader(Samples(2), batch_size=1)
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        pass
+
+    def on_validation_epoch_end(self) -> None:
+        if self.global_rank == 1:  # a collective here would wait for rank 0, which never calls it
+            data = Samples(11)
+            loaders = (DataLoader(data, batch_size=4),
+                       DataLoader(data, batch_sampler=Mine(SequentialSampler(data), 4, drop_last=False)),
+                       DataLoader(data, batch_size=4, sampler=DistributedSampler(data, 2, 1, shuffle=False)))
+            got = [self.trainer.strategy.process_dataloader(loader) for loader in loaders]
+            self.rec = {"counts": [getattr(g, BATCH_COUNTS_ATTR, None) for g in got], "batches": [len(g) for g in got],
+                        "kept": [type(g.batch_sampler).__name__ for g in got], "own_unchanged": got[2] is loaders[2]}
 
 
 class PredictMetric(pl.LightningModule):

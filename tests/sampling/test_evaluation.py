@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from ddp_strategy.sampling.loaders import BATCH_COUNTS_ATTR, EvaluationStepGuard, agree_batch_counts, needs_padding
+from ddp_strategy.sampling.loaders import BATCH_COUNTS_ATTR, EvaluationStepGuard, LoaderSharding, needs_padding
 from ddp_strategy.sampling.sampler import (
     EpochSeededDistributedSampler,
     EqualCountBatchSampler,
@@ -17,11 +17,12 @@ from ddp_strategy.sampling.sampler import (
 )
 
 
-def test_agree_batch_counts_without_process_group_records_the_local_length():
-    """Without a process group the agreement is this rank's length, stored on the loader."""
-    loader = DataLoader(TensorDataset(torch.arange(9)), batch_size=4)
-    assert agree_batch_counts(loader) == (3,)
-    assert getattr(loader, BATCH_COUNTS_ATTR) == (3,)
+def test_counts_that_need_the_peers_are_agreed_at_the_stage_start_without_process_group_the_local_length():
+    """agree_counts (the strategy's on_*_start) keeps this rank's length on each loader prepare left pending."""
+    sharding, loader = LoaderSharding(), DataLoader(TensorDataset(torch.arange(9)), batch_size=4)
+    sharding._pending = [loader, [1, 2]]
+    sharding.agree_counts()
+    assert getattr(loader, BATCH_COUNTS_ATTR) == (3,) and sharding._pending == []
 
 
 def _trainer(val, limit=1.0, sanity=False, sanity_steps=2):

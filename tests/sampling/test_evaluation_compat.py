@@ -144,6 +144,16 @@ def test_timeout_on_uneven_predict_shards_names_the_batch_counts(tmp_path):
     assert error is not None and "[2, 1]" in error and "dist_sync_on_step" in error
 
 
+def test_process_dataloader_is_no_collective_as_lightnings(runs):
+    """Rank 1 alone calls process_dataloader in validation and it returns: our shards' batch counts are computed on
+    the rank (11 samples, batch 4: 2 and 2 for a plain loader and the user's BatchSampler class, kept); the user's
+    DistributedSampler loader comes back as it was, its counts left to the stage's start."""
+    rank0, rank1 = load(runs, "one_rank_process_dataloader", 2)
+    assert rank0 == {}
+    assert rank1 == {"counts": [(2, 2), (2, 2), None], "batches": [2, 2, 2],
+                     "kept": ["EqualCountBatchSampler", "Mine", "BatchSampler"], "own_unchanged": True}
+
+
 def test_exact_evaluation_false_gives_lightnings_batches_and_values(runs):
     """MyDDPStrategy(exact_evaluation=False): Lightning's padded batches, gathers and metrics, no padding warning."""
     mine, theirs = load(runs, "mine_lightning_layout_17_4", 2), load(runs, "lightning_17_4", 2)
