@@ -136,6 +136,7 @@ def run_example(code: str, folder: Path, timeout_s: float = BLOCK_TIMEOUT_S,
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 @pytest.mark.timeout(BLOCK_TIMEOUT_S + 60)
 @pytest.mark.parametrize("block", runnable_blocks(), ids=lambda b: b.id)
 def test_runnable_block_runs(block, tmp_path):

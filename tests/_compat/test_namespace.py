@@ -234,6 +234,7 @@ result = {"strategy": namespace_of(MyDDPStrategy()), "model": namespace_of(Digit
 
 @both
 @pytest.mark.multiprocess
+@pytest.mark.slow
 def test_the_users_imports_choose_the_namespace(tmp_path):
     """Fresh interpreters: the namespace the user's module imported (before or after ddp_strategy) wins; nothing
     named: lightning, which the other namespace's Trainer then takes over; DDP_STRATEGY_LIGHTNING overrides. A
@@ -304,6 +305,7 @@ def namespace_runs(request, tmp_path_factory) -> tuple[str, dict, Path, str]:
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_fit_checkpoint_and_resume_under_each_namespace(namespace_runs):
     """Under each namespace's Trainer (spawn): every object is that namespace's, the strategy too though built for
@@ -335,6 +337,7 @@ def test_fit_checkpoint_and_resume_under_each_namespace(namespace_runs):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 def test_main_job_runs_on_the_namespace_chosen_by_the_environment(namespace_runs):
     """DDP_STRATEGY_LIGHTNING=<each namespace> python -m ddp_strategy fit: a 2-process fit, clean checkpoint."""
     _, _, main_job, log = namespace_runs

@@ -83,11 +83,13 @@ def test_committed_outputs_hold_no_paths_or_timings():
     assert "DDP communication per step (ms, averaged over DDP's sampled steps and 2 ranks): left out" in outputs
 
 
+@pytest.mark.slow
 def test_committed_outputs_match_a_fresh_run(executed):
     """Every code cell's stdout and stderr lines and image count match a fresh run (decimals within 2%)."""
     _assert_current(_committed(), executed[0])
 
 
+@pytest.mark.slow
 def test_a_stale_notebook_is_caught(tmp_path, executed):
     """Copies with an edited cell, a line or a value the notebook no longer prints fail with the command to run."""
     edited, outdated, moved = _committed(), _committed(), _committed()
@@ -116,6 +118,7 @@ def _all_text(nb: nbformat.NotebookNode) -> str:
     return "\n".join(_text(c) for c in nb.cells if c.cell_type == "code")
 
 
+@pytest.mark.slow
 def test_notebook_draws_its_five_figures(executed):
     """Shard map, gradients, loss/accuracy curves, confusion matrix and prediction grid: 5 readable PNGs."""
     nb, _ = executed
@@ -127,6 +130,7 @@ def test_notebook_draws_its_five_figures(executed):
         assert png.startswith(PNG_MAGIC) and 1_000 < len(png) < 150_000 and width >= 400 and height >= 150
 
 
+@pytest.mark.slow
 def test_notebook_sharding_gradients_and_weights(executed):
     """Sections 1-3 print disjoint reshuffled shards, differing-then-equal gradients, and equal weights."""
     out = _all_text(executed[0])
@@ -143,6 +147,7 @@ def test_notebook_sharding_gradients_and_weights(executed):
     assert before > 0.001 and moved > 0.0001
 
 
+@pytest.mark.slow
 def test_notebook_trains_with_fork_and_shows_rank_zero_diagnostics_once(executed):
     """Section 4 fits in the kernel with start method fork; rank 0's summary and timings appear exactly once."""
     nb, _ = executed
@@ -156,6 +161,7 @@ def test_notebook_trains_with_fork_and_shows_rank_zero_diagnostics_once(executed
     assert float(re.search(r"final val_acc: ([\d.]+)", out).group(1)) >= 0.9
 
 
+@pytest.mark.slow
 def test_notebook_checkpoint_inference_and_pitfalls(executed):
     """Sections 5-6: the plain model predicts like the trained one; each pitfall prints its evidence."""
     out = _all_text(executed[0])
@@ -175,6 +181,7 @@ def test_notebook_checkpoint_inference_and_pitfalls(executed):
     assert "warning: 2 parameter(s) never received a gradient on any rank during fit: aux_head.weight" in out
 
 
+@pytest.mark.slow
 def test_notebook_runs_in_about_a_minute(executed):
     """The whole notebook stays laptop-sized (generous bound: CI machines are shared)."""
     assert executed[1] < 240
