@@ -135,6 +135,7 @@ def teardown(run: Any, rank: int, world_size: int) -> None:
     base = _torch.default_store() if dist.is_initialized() else None
     while isinstance(base, dist.PrefixStore):
         base = base.underlying_store
+    KEPT_STORES.clear()  # one at most: an older failed run's store (another port) is let go
     if isinstance(base, dist.TCPStore):  # the next run of this process rejoins it: see KEPT_STORES
         KEPT_STORES[os.getpid(), base.port] = base
     closed = destroy_process_group() and not multiprocessing.active_children()

@@ -242,7 +242,7 @@ def shard_for_evaluation(dataloader: object, shard: Shard, stage: str, exact: bo
     """A validation (``stage="validation"``) or test loader with each sample once and equal batch counts, else
     (``exact=False``, ``drop_last=True``, or no such layout: :func:`needs_padding`, or uneven counts from the user's
     batch sampler class) padded as Lightning's ddp pads it, with a rank-0 warning where exactness is lost. Keeps
-    every rank's batch counts on it where it is ours (:func:`local_batch_counts`; no collective)."""
+    every rank's batch counts on it where it is ours (:func:`count_batches`; no collective)."""
     sharded = exact and needs_distributed_sampler(dataloader)
     reason = needs_padding(dataloader, shard.num_replicas) if sharded else None  # type: ignore[arg-type]
     if sharded and reason is None:  # drop_last=True (N a multiple of W here): Lightning's batches
