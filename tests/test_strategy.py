@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from ddp_testing import IndexedDigits, RecordingClassifier, launch, load, save
 from lightning.pytorch import Trainer
 from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.utils.data import DataLoader, TensorDataset
 
 from ddp_strategy import DDPCheckpointIO, DigitsNet, MyDDPStrategy
@@ -67,19 +68,21 @@ def test_trainer_wires_devices_and_sampler_arguments():
 @pytest.mark.parametrize("kwargs", [
     {}, {"find_unused_parameters": False}, {"broadcast_buffers": True, "bucket_cap_mb": 5},
     {"static_graph": True, "gradient_as_bucket_view": True, "process_group_backend": "gloo",
-     "timeout": timedelta(seconds=7), "start_method": "spawn"},
+     "timeout": timedelta(seconds=7), "start_method": "spawn", "ddp_comm_hook": default_hooks.fp16_compress_hook,
+     "ddp_comm_state": None, "ddp_comm_wrapper": None},
 ], ids=["defaults", "explicit-default", "buffers-buckets", "named"])
 def test_attributes_read_on_trainer_strategy_are_lightnings(kwargs):
     """_ddp_kwargs (the DDP options passed, defaults named included), process_group_backend,
-    _get_process_group_backend(), _timeout and _start_method equal DDPStrategy's for the same arguments, and cannot
-    be assigned."""
+    _get_process_group_backend(), _timeout, _start_method, the _ddp_comm_* trio and determine_ddp_device_ids()
+    equal DDPStrategy's for the same arguments, and cannot be assigned."""
     from lightning.pytorch.strategies import DDPStrategy
 
-    names = ("_ddp_kwargs", "process_group_backend", "_timeout", "_start_method")
+    names = ("_ddp_kwargs", "process_group_backend", "_timeout", "_start_method", "_ddp_comm_hook", "_ddp_comm_state",
+             "_ddp_comm_wrapper")
     seen = []
     for cls in (DDPStrategy, MyDDPStrategy):
         s = Trainer(accelerator="cpu", devices=2, num_nodes=1, strategy=cls(**kwargs), logger=False).strategy
-        seen.append(({n: getattr(s, n) for n in names}, s._get_process_group_backend()))
+        seen.append(({n: getattr(s, n) for n in names}, s._get_process_group_backend(), s.determine_ddp_device_ids()))
         assert type(s._ddp_kwargs) is dict and type(s._timeout) is timedelta
     assert seen[0] == seen[1] and seen[1][1] == "gloo"
     with pytest.raises(AttributeError):

@@ -78,6 +78,13 @@ class LightningDDPAttributes:
     _ddp_kwargs = property(lambda self: dict(self._passed_ddp_options), doc="The DDP options passed (a copy).")
     _timeout = property(lambda self: self._options.timeout, doc="``timeout`` as a ``timedelta``.")
     _start_method = property(lambda self: self._options.start_method, doc="``start_method`` as resolved.")
+    _ddp_comm_hook = property(lambda self: self._options.comm_hook.hook, doc="``ddp_comm_hook`` as passed.")
+    _ddp_comm_state = property(lambda self: self._options.comm_hook.state, doc="``ddp_comm_state`` as passed.")
+    _ddp_comm_wrapper = property(lambda self: self._options.comm_hook.wrapper, doc="``ddp_comm_wrapper`` as passed.")
+
+    def determine_ddp_device_ids(self: Any) -> list[int] | None:
+        """DDP's ``device_ids``: ``None`` on CPU, else ``[root_device.index]``."""
+        return None if self.root_device.type == "cpu" else [self.root_device.index]
 
 
 def check_trainable(module: nn.Module) -> None:
