@@ -26,8 +26,10 @@ apart):
    empties, first thing in :func:`on_exception`, the list the observer polls every 5 s: that observer SIGKILLs
    the launching process 0-5 s after a child exits non-zero, before its own error reaches the user's
    ``except``/``finally``, and a SIGKILLed child (the OOM killer) cannot wait for it to finish; Lightning has no
-   hook to stop it. It stops those ranks itself at teardown, after the group is gone (:func:`stop_processes`:
-   5 s to exit, 30 s after a SIGTERM save, then SIGKILL), and reaps them.
+   hook to stop it. At teardown, after the group is gone, it reaps those that exit within 5 s (30 s after a
+   SIGTERM save); one still running (it caught the error, as a script that fits again does, or it is stalled) goes
+   back into the observer's list and is stopped at this process's exit (:func:`stop_processes`: the same wait,
+   then SIGKILL).
 
 Every store operation while failing has a :data:`STORE_TIMEOUT_S` timeout: rank 0, which serves the store, may
 be the rank that failed.
@@ -35,6 +37,7 @@ be the rank that failed.
 
 from __future__ import annotations
 
+import atexit
 import gc
 import logging
 import multiprocessing
@@ -100,7 +103,8 @@ def on_exception(run: Any, exception: BaseException, rank: int, world_size: int,
     (uneven evaluation batches); ``sigterm_save``: the SIGTERM checkpoint (a collective: every rank got it)."""
     run.failed, store = True, run.reports
     if isinstance(launcher, _pl.SubprocessScriptLauncher) and launcher.procs:
-        run.stopping, launcher.procs[:] = list(launcher.procs), []  # emptied in place: the observer's own list
+        run.stopping, run.observed = list(launcher.procs), launcher.procs
+        launcher.procs[:] = []  # emptied in place: the observer's own list
     run.grace_s = 5.0
     if isinstance(exception, SIGTERMException) and sigterm_save is not None:
         path = getattr(sigterm_save, "args", ("the checkpoint path",))[0]
@@ -142,7 +146,11 @@ def teardown(run: Any, rank: int, world_size: int) -> None:
     if run.own_failure and not run.stopping and closed and store is not None and world_size > 1:
         wait_for_peers(store, rank, world_size)
     stopping, run.stopping = run.stopping, []
-    stop_processes(stopping, grace_s=run.grace_s)
+    if stopping:  # popen's ranks that exit are reaped; one that caught the error lives on (the user's next fit, as
+        # under ddp), back under Lightning's observer, and is stopped at exit if still running (a stalled rank)
+        run.observed[:] = alive = stop_processes(stopping, grace_s=run.grace_s, kill=False)
+        if alive:
+            atexit.register(stop_processes, alive, run.grace_s)
 
 
 def destroy_process_group() -> bool:
@@ -262,18 +270,20 @@ def explain(rank: int, peers: str, timeout: timedelta, known_cause: str | None =
     return " ".join(parts)
 
 
-def stop_processes(procs: list[Any], grace_s: float = 5.0) -> None:
-    """Wait up to ``grace_s`` s for ``procs`` (``Popen`` or ``multiprocessing.Process``) to exit; SIGKILL, reap."""
+def stop_processes(procs: list[Any], grace_s: float = 5.0, kill: bool = True) -> list[Any]:
+    """Wait up to ``grace_s`` s for ``procs`` (``Popen`` or ``multiprocessing.Process``) to exit; SIGKILL the rest
+    (``kill``) and reap; return those still running (``kill=False``: left running)."""
     alive = [p for p in procs if (p.poll() if hasattr(p, "poll") else p.exitcode) is None]
     deadline = time.monotonic() + grace_s
     while alive and time.monotonic() < deadline:
         time.sleep(0.05)
         alive = [p for p in alive if (p.poll() if hasattr(p, "poll") else p.exitcode) is None]
-    for proc in alive:
+    for proc in alive if kill else ():
         log.warning("stopping rank process %s, which did not exit after a failure", proc.pid)
         os.kill(proc.pid, signal.SIGKILL)
-    for proc in procs:
+    for proc in procs if kill else [p for p in procs if p not in alive]:
         try:
             proc.wait(timeout=10) if hasattr(proc, "poll") else proc.join(timeout=10)
         except Exception as e:  # a process that will not die is reported, not waited on forever
             log.warning("rank process %s could not be reaped: %s", proc.pid, e)
+    return [] if kill else alive

@@ -44,6 +44,7 @@ JOBS: dict[str, tuple[str, str, int | None]] = {  # the long ones first; spawn (
     "uneven/popen": ("uneven", "popen", None),
     "train_raise/popen": ("train_raise", "popen", None),
     "sigkill/popen": ("sigkill", "popen", None),
+    "refit/popen": ("refit", "popen", None),
 }
 #: How many jobs run at once (2 cores); how long one may take, and its processes may outlive its launcher (s).
 PARALLEL, JOB_TIMEOUT_S, OUTLIVE_S = 2, 240.0, 10.0
@@ -213,6 +214,17 @@ def test_sigterm_saves_a_checkpoint_that_resumes_and_leaves_no_process(jobs, job
     assert saved["global_step"] >= 3  # the ranks waited for the signal at step 3
     launch(resume_after_sigterm, 2, ended.folder)
     assert [r["global_step"] for r in load(ended.folder, "resumed", 2)] == [3 * 6] * 2  # 3 epochs of 6 steps
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("job", ["refit/popen"])
+def test_a_failure_the_script_catches_leaves_every_rank_to_fit_again(jobs, job):
+    """popen, every rank raises and the script catches it and fits again (as it may under ddp): no rank is stopped,
+    the new fit trains on both ranks and the job exits 0 (before: the launching rank SIGKILLed rank 1 after 5 s)."""
+    ended = jobs[job].result()
+    assert ended.code == 0, ended.out[-3000:]
+    assert [(ended.folder / f"refit_rank{r}").read_text() for r in (0, 1)] == ["6", "6"]
+    assert "did not exit after a failure" not in ended.out
 
 
 @pytest.mark.timeout(600)

@@ -6,7 +6,8 @@ Each rank writes OUT_DIR/started_rank{r} when training starts and OUT_DIR/failin
 failure (a time.time() stamp), so the test can measure how long the job takes to end. In the sigterm and
 sigint scenarios each rank writes OUT_DIR/waiting_rank{r} at step 3 and waits there for the test's signal. The
 launching process writes OUT_DIR/finally_rank0 in a ``finally`` around ``fit`` (popen: it must not be killed first),
-and rank 0 writes OUT_DIR/finished (the steps taken) if the fit ends normally.
+and rank 0 writes OUT_DIR/finished (the steps taken) if the fit ends normally. In the refit scenario every rank
+fails at epoch 1, the script catches it and fits again; each rank writes OUT_DIR/refit_rank{r} (the steps taken).
 """
 
 import os
@@ -89,6 +90,9 @@ class Events(L.Callback):
             raise ValueError("a callback on rank 1 failed on purpose")
 
     def on_train_epoch_start(self, trainer, pl_module):
+        if SCENARIO == "refit" and trainer.current_epoch == 1:
+            mark_failing()
+            raise RuntimeError(f"rank {trainer.global_rank} fails on purpose; the script fits again")
         if SCENARIO == "stall" and trainer.global_rank == 1 and trainer.current_epoch == 1:
             mark_failing()
             time.sleep(3600)
@@ -113,7 +117,16 @@ if __name__ == "__main__":
                         callbacks=[Events()], default_root_dir=str(OUT))
     data = UnevenData() if SCENARIO == "uneven" else DigitsDataModule()
     try:
-        trainer.fit(Model(), data)
+        try:
+            trainer.fit(Model(), data)
+        except RuntimeError:  # refit: the user's script catches the failure and fits again in the same processes
+            if SCENARIO != "refit":
+                raise
+            again = L.Trainer(accelerator="cpu", devices=2, strategy=MyDDPStrategy(start_method=START_METHOD),
+                              max_epochs=1, limit_train_batches=6, limit_val_batches=0, logger=False,
+                              enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+            again.fit(Model(), DigitsDataModule())
+            (OUT / f"refit_rank{again.global_rank}").write_text(str(again.global_step))
     finally:
         if trainer.global_rank == 0 or START_METHOD != "popen":
             (OUT / "finally_rank0").write_text(str(os.getpid()))
