@@ -167,13 +167,14 @@ def init_process_group(backend: str, rank: int, world_size: int, main_address: s
              rank, backend, world_size, where, timeout.total_seconds())
 
     def attempt(rendezvous: dist.Store | None) -> None:
-        if rendezvous is None and init_method is None:  # env://: a failed run's store, kept for this run
+        if rendezvous is None and init_method is None:  # env://: a failed run's store, kept for this run, else
+            # rank 0's own new store or torchrun's agent's
             if (rendezvous := failures.KEPT_STORES.pop((os.getpid(), main_port), None)) is not None:
                 rendezvous.set_timeout(timeout)  # a failing rank shortened it (failures._best_effort)
-        if rendezvous is None and init_method is None:  # else rank 0's own new store, or torchrun's agent's
-            gc.collect()  # a user-destroyed group's store, held only by reference cycles (a traceback), closes now
-            rendezvous = dist.TCPStore(main_address, main_port, None, is_master=False, timeout=timeout) if agent \
-                else _tcp_store(main_address, main_port, rank, timeout, num_nodes)
+            else:
+                gc.collect()  # a user-destroyed group's store, held only by reference cycles (a traceback), closes
+                rendezvous = dist.TCPStore(main_address, main_port, None, is_master=False, timeout=timeout) \
+                    if agent else _tcp_store(main_address, main_port, rank, timeout, num_nodes)
         if rendezvous is not None:  # a store may outlive this group: a prefix per group (torchrun's: per attempt
             # too); g is the same on every rank (see failures.run_reports)
             prefix = f"ddp_strategy/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{world_size}"
