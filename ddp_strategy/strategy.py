@@ -8,7 +8,7 @@ import os
 import sys
 from collections.abc import Mapping
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -51,6 +51,9 @@ class MyDDPStrategy(sync.wrapping.LightningDDPAttributes, ParallelStrategy):
         ddp_comm_hook, ddp_comm_state, ddp_comm_wrapper: a DDP comm hook (or ``"powersgd"``...), its state, a wrapper.
         verify_sync_every_n_steps: every N optimizer steps compare parameters across ranks, naming any that differ.
         exact_evaluation: unpadded validation/test shards, equal batch counts (default); False: padded, as Lightning's.
+        uneven_inputs: ranks with different numbers of training batches: ``"join"`` (default: every rank trains all
+            its batches, the others' collectives shadowed), ``"stop"`` (all stop at the fewest) or ``"error"``.
+        divide_by_initial_world_size: under ``"join"``, divide a step's gradient sum by W (default) or by its ranks.
         find_unused_parameters, static_graph, gradient_as_bucket_view, bucket_cap_mb (MiB), broadcast_buffers: DDP's.
         **ddp_kwargs: any other DDP option (``process_group``: also a zero-argument callable run after launch).
 
@@ -74,6 +77,7 @@ class MyDDPStrategy(sync.wrapping.LightningDDPAttributes, ParallelStrategy):
         checkpoint_on_sigterm: bool | str | os.PathLike = False,
         ddp_comm_hook: sync.CommHook | str | None = None, ddp_comm_state: Any = None, ddp_comm_wrapper: Any = None,
         verify_sync_every_n_steps: int | None = None, exact_evaluation: bool = True,
+        uneven_inputs: Literal["join", "stop", "error"] = "join", divide_by_initial_world_size: bool = True,
         find_unused_parameters: bool = False, static_graph: bool = False,
         gradient_as_bucket_view: bool = False, bucket_cap_mb: float | None = None, broadcast_buffers: bool = True,
         **ddp_kwargs: Any) -> None:
@@ -85,6 +89,7 @@ class MyDDPStrategy(sync.wrapping.LightningDDPAttributes, ParallelStrategy):
         self._forward_redirection = sync.DDPForwardRedirection()
         self._run = process.ProcessGroupRun(self._options.timeout, self._options.barrier_timeout, init_method, store)
         self._sharding = sampling.LoaderSharding(exact_evaluation)
+        self._uneven = sampling.UnevenInputs(uneven_inputs, divide_by_initial_world_size)
         self._warned_padded_gather = self._buffers_due = False  # rank 0's buffers: due at a validation step
         self._gradients_unchecked, self._gradients_steps = False, 0  # the first backward's check to come; steps
         self._verify_sync_every_n_steps = verify_sync_every_n_steps
@@ -174,7 +179,7 @@ class MyDDPStrategy(sync.wrapping.LightningDDPAttributes, ParallelStrategy):
             if self._layer_sync:  # Trainer(sync_batchnorm=True): Lightning's plugin, made CPU-capable
                 self._layer_sync = sync.cpu_capable(self._layer_sync)
                 self.model = self._layer_sync.apply(self.model)
-            process.boundaries.add_fit_callbacks(trainer, self._run, self.global_rank, self.world_size)
+            process.boundaries.add_fit_callbacks(trainer, self._run, self.global_rank, self.world_size, self._uneven)
             if self.is_global_zero:
                 checkpoint.prepare_folders(trainer.checkpoint_callbacks)
             self.model = sync.wrap(self.model, self.root_device, kwargs, self._options.comm_hook)
@@ -191,15 +196,28 @@ class MyDDPStrategy(sync.wrapping.LightningDDPAttributes, ParallelStrategy):
         self.model.to(self.root_device)
 
     @override
+    def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
+        """Lightning's; at a training step's start on uneven inputs, one all-reduce first (``sampling.uneven``)."""
+        self._uneven.step_start()
+        return super().batch_to_device(batch, device, dataloader_idx)
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        """Lightning's, through DDP's forward; on uneven inputs, announced to the ranks that only shadow it."""
+        self._uneven.before_forward()
+        return super().training_step(*args, **kwargs)
+
+    @override
     def pre_backward(self, closure_loss: Tensor) -> None:
         """Under manual optimization, prepare DDP's reducer before ``manual_backward`` (as Lightning's DDP does)."""
+        self._uneven.before_backward(self.model)  # in a step some ranks only shadow: announce the all-reduce
         if isinstance(self.model, DistributedDataParallel) and not self.model.module.automatic_optimization:
             _pl.prepare_for_backward(self.model, closure_loss)
 
     @override
     def post_backward(self, closure_loss: Tensor) -> None:
         """After the first backward (find_unused_parameters off), name parameters that got no gradient."""
-        if self._gradients_unchecked:
+        if self._gradients_unchecked and not self._uneven.tail:
             self._gradients_unchecked = False
             sync.check_unused_parameters(self.model, self.root_device)
 
@@ -209,8 +227,8 @@ class MyDDPStrategy(sync.wrapping.LightningDDPAttributes, ParallelStrategy):
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
         if self._diagnostics is not None:
             self._diagnostics.tracker.prune()
-        self._gradients_steps += 1
-        if (n := self._verify_sync_every_n_steps) is not None and self._gradients_steps % n == 0:
+        self._gradients_steps += not self._uneven.tail  # steps some ranks only shadow are not checked
+        if (n := self._verify_sync_every_n_steps) and not self._uneven.tail and self._gradients_steps % n == 0:
             sync.verify_parameters_in_sync(self.lightning_module, self._gradients_steps, self.root_device)
         return output
 
@@ -261,6 +279,8 @@ class MyDDPStrategy(sync.wrapping.LightningDDPAttributes, ParallelStrategy):
     def barrier(self, name: str | None = None) -> None:
         """Wait for every rank (NCCL: on this rank's device); a no-op without a process group."""
         self._sharding.guard.check("barrier", self.global_rank)
+        if self._uneven.tail_step():
+            self._uneven.announce("save" if name == _pl.SAVE_BARRIER and self._saving is not None else "barrier")
         if name == _pl.SAVE_BARRIER and self._saving is not None:  # Trainer.save_checkpoint's: rank 0's outcome
             (path, error), self._saving = self._saving, None
             process.agree_on_rank_zero_failure(error, f"saving checkpoint {path}", self.global_rank, self.root_device)
@@ -272,6 +292,8 @@ class MyDDPStrategy(sync.wrapping.LightningDDPAttributes, ParallelStrategy):
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         """Rank ``src``'s ``obj`` on every rank (pickled); ``obj`` itself without a process group."""
         self._sharding.guard.check("broadcast", self.global_rank)
+        if self._uneven.tail_step():
+            self._uneven.announce("broadcast", src)
         box = [obj]
         if dist.is_available() and dist.is_initialized():
             dist.broadcast_object_list(box, src)
@@ -283,12 +305,24 @@ class MyDDPStrategy(sync.wrapping.LightningDDPAttributes, ParallelStrategy):
         self._sharding.guard.check("reduce (e.g. self.log(..., on_step=True, sync_dist=True))", self.global_rank)
         if isinstance(tensor, Tensor) and reduce_op in ("mean", "avg") and not tensor.is_floating_point():
             tensor = tensor.float()  # exact: epoch values over uneven shards divide by their mean batch size
+        if isinstance(tensor, Tensor) and self._uneven.tail_step():
+            return self._uneven.reduce(tensor, group, reduce_op)
         return _pl.sync_ddp_if_available(tensor, group, reduce_op=reduce_op) if isinstance(tensor, Tensor) else tensor
+
+    @override
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        """Lightning's (all ranks' decisions, or any); in a step some ranks only shadow, over the ranks taking it."""
+        if not self._uneven.tail_step():
+            return super().reduce_boolean_decision(decision, all)
+        flag = torch.tensor([int(decision)], device=self.root_device)
+        return bool(self._uneven.reduce(flag, None, "min" if all else "max"))
 
     @override
     def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
         """``(W, *shape)``; uneven first dims: ``(W, max n_r, *rest)`` padded, warned once; else ``ValueError``."""
         self._sharding.guard.check("all_gather", self.global_rank)
+        if self._uneven.tail_step():
+            self._uneven.refuse(0)
         if len(set(shapes := process.gather_shapes(tensor, group))) == 1:
             return super().all_gather(tensor, group=group, sync_grads=sync_grads)
         warn, self._warned_padded_gather = not self._warned_padded_gather, True
@@ -363,6 +397,7 @@ class MyDDPStrategy(sync.wrapping.LightningDDPAttributes, ParallelStrategy):
     @override
     def on_exception(self, exception: BaseException) -> None:
         """Name the failed rank and why; save on SIGTERM if asked; stop local ranks (no collective)."""
+        self._uneven.abandon()
         if self._diagnostics is not None:  # remove the gradient hooks; no collective (other ranks may be gone)
             self._diagnostics.tracker.close()
             self._diagnostics = None
@@ -379,8 +414,9 @@ class MyDDPStrategy(sync.wrapping.LightningDDPAttributes, ParallelStrategy):
         if self._layer_sync and trainer is not None and trainer.state.fn == TrainerFn.FITTING:
             self.model = self._layer_sync.revert(self.model)
         self._sharding.hand_back(trainer)
+        self._uneven.abandon()
         if trainer is not None:
-            process.boundaries.remove_fit_callbacks(trainer)
+            process.boundaries.remove_fit_callbacks(trainer, self._uneven)
         super().teardown()
         process.failures.teardown(self._run, self.global_rank, self.world_size)
 

@@ -258,3 +258,42 @@ def take_over_sigterm(trainer: pl.Trainer, note: Any) -> bool:
 def set_received_sigterm(trainer: pl.Trainer, value: bool) -> None:
     """Set ``trainer.received_sigterm``: Lightning raises ``SIGTERMException`` at the step's (epoch's) end if set."""
     trainer._signal_connector.received_sigterm = value
+
+
+def training_state(trainer: pl.Trainer) -> dict[str, Any]:
+    """What a fit's ranks must hold alike besides the module (read on the rank that trained longest, after uneven
+    inputs): optimizer and LR-scheduler states, the precision plugin's, the optimizer-step counters behind
+    ``trainer.global_step`` and the logging step, and each ``ModelCheckpoint``'s state with its (private) last
+    saved step, which decides its next save (and so its ``barrier``)."""
+    loop: Any = trainer.fit_loop.epoch_loop
+    return {"optimizers": [o.state_dict() for o in trainer.optimizers],
+            "schedulers": [c.scheduler.state_dict() for c in trainer.lr_scheduler_configs],
+            "precision": trainer.precision_plugin.state_dict(),
+            "steps": (loop.automatic_optimization.optim_progress.state_dict(),
+                      loop.manual_optimization.optim_step_progress.state_dict(), loop._batches_that_stepped),
+            "checkpoints": [(c.state_dict(), c._last_global_step_saved) for c in trainer.checkpoint_callbacks]}
+
+
+def load_training_state(trainer: pl.Trainer, state: dict[str, Any]) -> None:
+    """Load what :func:`training_state` read on another rank."""
+    loop: Any = trainer.fit_loop.epoch_loop
+    for optimizer, optimizer_state in zip(trainer.optimizers, state["optimizers"], strict=True):
+        optimizer.load_state_dict(optimizer_state)
+    for config, scheduler_state in zip(trainer.lr_scheduler_configs, state["schedulers"], strict=True):
+        config.scheduler.load_state_dict(scheduler_state)
+    trainer.precision_plugin.load_state_dict(state["precision"])
+    automatic, manual, loop._batches_that_stepped = state["steps"]
+    loop.automatic_optimization.optim_progress.load_state_dict(automatic)
+    loop.manual_optimization.optim_step_progress.load_state_dict(manual)
+    for callback, (callback_state, step) in zip(trainer.checkpoint_callbacks, state["checkpoints"], strict=True):
+        callback.load_state_dict(callback_state)
+        callback._last_global_step_saved = step
+
+
+def cut_epoch(trainer: pl.Trainer, batches: int) -> None:
+    """End the current training epoch after ``batches`` batches, as ``limit_train_batches=batches`` would: the
+    loop's count (``fit_loop.max_batches``) and a fractional ``val_check_interval``'s validation batch, computed
+    as ``_FitLoop.setup_data`` does. Call at the epoch's start."""
+    trainer.fit_loop.max_batches = batches
+    if isinstance(trainer.val_check_interval, float) and trainer.val_check_batch is not None:
+        trainer.val_check_batch = max(1, int(batches * trainer.val_check_interval))

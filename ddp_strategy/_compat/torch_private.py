@@ -16,7 +16,8 @@ from torch import nn
 log = logging.getLogger(__name__)
 
 __all__ = ["COMPILE_SEGMENT", "DDP_TIMING_KEYS", "CountingProcessGroup", "broadcast_coalesced", "compiled_original",
-           "ddp_logging_data", "default_store", "release_ddp_process_group"]
+           "ddp_logging_data", "ddp_syncs_buffers_in_forward", "default_store", "release_ddp_process_group",
+           "set_gradient_divisor", "shadow_ddp_backward", "shadow_ddp_forward"]
 
 #: Keys of ``DistributedDataParallel._get_ddp_logging_data()`` this package reads. Times are in nanoseconds,
 #: averaged by DDP's reducer over the iterations it samples (each of the first 10, then every 100th; the
@@ -114,3 +115,34 @@ def compiled_original(module: Any) -> nn.Module | None:
     """The module ``torch.compile`` wrapped, if ``module`` is its ``OptimizedModule`` (matched by class name, so
     ``torch._dynamo`` is not imported); else None."""
     return getattr(module, COMPILE_SEGMENT, None) if type(module).__name__ == "OptimizedModule" else None
+
+
+def shadow_ddp_forward(ddp: Any, sync_buffers: bool) -> None:
+    """On a rank that has joined (run out of inputs): take part in the collectives of DDP's forward on the others,
+    as DDP's own join hook (``_DDPJoinHook.main_hook``) does: the one-time bucket rebuild, then (``sync_buffers``:
+    the active ranks' ``_check_sync_bufs_pre_fwd()``) the buffer broadcast from rank 0."""
+    ddp.reducer._rebuild_buckets()
+    if sync_buffers:
+        ddp._sync_buffers()
+
+
+def shadow_ddp_backward(ddp: Any) -> None:
+    """On a joined rank: take part in the gradient all-reduce of the others' backward with zeros (one per bucket,
+    in the reducer's order, through its comm hook) and, with ``find_unused_parameters``, in the used-parameter
+    all-reduce; then record the bucket order as DDP's join hook does (``_push_all_rebuilt_params``)."""
+    ddp._match_all_reduce_for_bwd_pass()
+    if ddp.find_unused_parameters:
+        ddp._match_unused_params_allreduce()
+    ddp.reducer._push_all_rebuilt_params()
+
+
+def ddp_syncs_buffers_in_forward(ddp: Any) -> bool:
+    """Whether ``ddp``'s next forward broadcasts its buffers before computing (``_check_sync_bufs_pre_fwd``)."""
+    return bool(ddp._check_sync_bufs_pre_fwd())
+
+
+def set_gradient_divisor(ddp: Any, work: Any, static: bool) -> None:
+    """Have ``ddp``'s reducer divide the next backward's gradients by the sum ``work`` (an all-reduce of one
+    number per rank with inputs, torch's ``Join.notify_join_context``) computes, or (``static``) by the world size:
+    DDP's ``divide_by_initial_world_size`` (``Reducer._set_forward_pass_work_handle``)."""
+    ddp.reducer._set_forward_pass_work_handle(work, static)

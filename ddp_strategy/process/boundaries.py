@@ -29,17 +29,19 @@ log = logging.getLogger(__name__)
 
 class EpochBoundaryCheck(Callback):
     """At each training epoch's start, on every rank: a gloo ``monitored_barrier`` on ``group`` (``None``: the world),
-    then agree on the number of batches (different counts would pair DDP's all-reduces wrongly and hang). Before
-    the data iterator exists, so a rank that stalled between epochs is named; with one rank nothing is done.
+    then gather every rank's number of batches (-1: unknown) for ``on_counts(trainer, counts)`` (the strategy's
+    uneven-inputs policy). Before the data iterator exists, so a rank that stalled between epochs is named; with one
+    rank nothing is done.
 
     Raises:
         StalledRankError: a rank did not reach the barrier in ``timeout`` (a barrier broken sooner, by a peer that
             failed and left the group, raises gloo's error for :mod:`ddp_strategy.process.failures` to explain).
-        ValueError: ranks have different numbers of training batches this epoch.
+        ValueError: from ``on_counts``.
     """
 
-    def __init__(self, group: Any, timeout: timedelta, rank: int, world_size: int) -> None:
+    def __init__(self, group: Any, timeout: timedelta, rank: int, world_size: int, on_counts: Any) -> None:
         self.group, self.timeout, self.rank, self.world_size = group, timeout, rank, world_size
+        self.on_counts = on_counts
 
     def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
         if self.world_size == 1:
@@ -57,14 +59,7 @@ class EpochBoundaryCheck(Callback):
         batches = trainer.num_training_batches
         counts: list[Any] = [None] * self.world_size
         dist.all_gather_object(counts, int(batches) if batches != float("inf") else -1, group=self.group)
-        if len(set(counts)) > 1:
-            raise ValueError(
-                f"[rank {rank}] ranks have different numbers of training batches in epoch {epoch}:"
-                f" {dict(enumerate(counts))}. DDP needs every rank to take the same number of steps. Let"
-                " MyDDPStrategy shard the data (a map-style data set in a DataLoader, with"
-                " Trainer(use_distributed_sampler=True), the default), or make the shards you give each rank (your"
-                " own sampler, or your split under use_distributed_sampler=False) hold the same number of batches."
-            )
+        self.on_counts(trainer, counts)
 
 
 class SignalsAtStepBoundary(Callback):
@@ -73,12 +68,13 @@ class SignalsAtStepBoundary(Callback):
     A signal sets a flag. At each step's end every rank starts an asynchronous all-reduce (MAX) of its flags (CPU,
     on the gloo side ``group``: no world-group collective, no host-device sync) and waits for the one it started a
     step before (at an epoch's end, this step's). So a signal during step ``s`` acts on every rank at the end of step
-    ``s + 1`` (or of the epoch, if sooner; a validation run in between ends first): SIGTERM sets
+    ``s + 1`` (or of the epoch, if sooner; a validation run in between ends first; steps that only some ranks take,
+    ``paused()``, send nothing: their flags go with the next step all take): SIGTERM sets
     ``trainer.received_sigterm``, Lightning raises ``SIGTERMException`` there (``checkpoint_on_sigterm`` saves);
     the requeue signal runs Lightning's handler (save, requeue)."""
 
-    def __init__(self, group: Any, world_size: int) -> None:
-        self.group, self.world_size, self._stopping = group, world_size, False
+    def __init__(self, group: Any, world_size: int, paused: Any) -> None:
+        self.group, self.world_size, self.paused, self._stopping = group, world_size, paused, False
         self._signal: int | None = None
         self._lightning_handler = self._launcher = self._sent = None  # _sent: (the flags in flight, their work)
 
@@ -116,7 +112,7 @@ class SignalsAtStepBoundary(Callback):
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         """Act on the flags sent a step ago; send this step's (a collective, every rank)."""
         self._agree(trainer)
-        if not self._stopping:
+        if not self._stopping and not self.paused():
             pending, self._flags = self._flags, [self._flags[0], 0]  # a signal now lands in one or the other
             flags = torch.tensor(pending, dtype=torch.uint8)
             work = dist.all_reduce(flags, dist.ReduceOp.MAX, self.group, async_op=True) if self.world_size > 1 else None
@@ -143,18 +139,22 @@ class SignalsAtStepBoundary(Callback):
         self._signal = self._lightning_handler = self._launcher = self._sent = None
 
 
-def add_fit_callbacks(trainer: Any, run: Any, rank: int, world_size: int) -> None:
-    """Add both callbacks to ``trainer.callbacks`` (once each), on ``run``'s barrier group (a ``ProcessGroupRun``)."""
+def add_fit_callbacks(trainer: Any, run: Any, rank: int, world_size: int, uneven: Any) -> None:
+    """Add both callbacks to ``trainer.callbacks`` (once each), on ``run``'s barrier group (a ``ProcessGroupRun``),
+    for ``uneven`` (a ``sampling.UnevenInputs``), whose own epoch-end callback goes first."""
     if not any(isinstance(cb, EpochBoundaryCheck) for cb in trainer.callbacks):
-        trainer.callbacks.append(EpochBoundaryCheck(run.barrier_group, run.barrier_timeout, rank, world_size))
+        trainer.callbacks.append(EpochBoundaryCheck(run.barrier_group, run.barrier_timeout, rank, world_size,
+                                                    uneven.begin_epoch))
     if not any(isinstance(cb, SignalsAtStepBoundary) for cb in trainer.callbacks):
-        trainer.callbacks.append(SignalsAtStepBoundary(run.barrier_group, world_size))
+        trainer.callbacks.append(SignalsAtStepBoundary(run.barrier_group, world_size, lambda: uneven.tail))
+    if uneven.callback not in trainer.callbacks:
+        trainer.callbacks.insert(0, uneven.callback)
 
 
-def remove_fit_callbacks(trainer: Any) -> None:
+def remove_fit_callbacks(trainer: Any, uneven: Any) -> None:
     """Remove what :func:`add_fit_callbacks` added, giving the requeue signal back to Lightning's handler."""
     for cb in trainer.callbacks:
         if isinstance(cb, SignalsAtStepBoundary):
             cb.on_train_end()
-    trainer.callbacks[:] = [cb for cb in trainer.callbacks
-                            if not isinstance(cb, (EpochBoundaryCheck, SignalsAtStepBoundary))]
+    trainer.callbacks[:] = [cb for cb in trainer.callbacks if cb is not uneven.callback
+                            and not isinstance(cb, (EpochBoundaryCheck, SignalsAtStepBoundary))]

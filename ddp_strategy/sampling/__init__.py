@@ -2,13 +2,15 @@
 
 Owns: the distributed samplers (:mod:`~ddp_strategy.sampling.sampler`), which loader gets which sampler and exact
 evaluation shards (:mod:`~ddp_strategy.sampling.loaders`, entry point :class:`LoaderSharding`), sampler positions
-in checkpoints and the mid-epoch resume (:mod:`~ddp_strategy.sampling.state`). Must not touch: the process group's
+in checkpoints and the mid-epoch resume (:mod:`~ddp_strategy.sampling.state`), training on ranks with different
+numbers of batches (:mod:`~ddp_strategy.sampling.uneven`, :class:`UnevenInputs`). Must not touch: the process group's
 lifetime, the model, checkpoint files (positions go into the checkpoint dict the strategy hands over).
 """
 
 from ddp_strategy.sampling.loaders import LoaderSharding
 from ddp_strategy.sampling.sampler import EpochSeededDistributedSampler, Shard, shard_iterable, shared_seed
 from ddp_strategy.sampling.state import read_positions, restore_batch_counter, save_positions
+from ddp_strategy.sampling.uneven import UnevenInputs, UnevenInputsError
 
-__all__ = ["EpochSeededDistributedSampler", "LoaderSharding", "Shard", "read_positions", "restore_batch_counter",
-           "save_positions", "shard_iterable", "shared_seed"]
+__all__ = ["EpochSeededDistributedSampler", "LoaderSharding", "Shard", "UnevenInputs", "UnevenInputsError",
+           "read_positions", "restore_batch_counter", "save_positions", "shard_iterable", "shared_seed"]
