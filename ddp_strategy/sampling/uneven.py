@@ -36,6 +36,7 @@ from torch.nn.parallel import DistributedDataParallel
 from ddp_strategy._compat import lightning_private as _pl
 from ddp_strategy._compat import namespace as _namespace
 from ddp_strategy._compat import torch_private as _tp
+from ddp_strategy._compat.namespace import rank_zero_info
 from ddp_strategy.process.collectives import agree_on_rank_zero_failure
 
 if TYPE_CHECKING:
@@ -211,8 +212,13 @@ class UnevenInputs(Joinable):
         return tensor.div_(self._n) if op != name else tensor
 
     def announce(self, collective: str, src: int = 0) -> None:
-        """Before ``"barrier"``, ``"broadcast"`` (from ``src``) or ``"save"`` (the save's agreement) in a step with
-        fewer ranks; a broadcast from a joined rank, or a save while rank 0 has joined, raises on every rank."""
+        """Called before the strategy's ``"barrier"``, ``"broadcast"`` (from ``src``), ``"save"`` (a save's
+        agreement) and ``"all_gather"``: in a step with fewer ranks, announce it; ``"all_gather"``, a broadcast from
+        a joined rank or a save while rank 0 has joined raise :class:`UnevenInputsError` on every rank."""
+        if not self.tail_step():
+            return
+        if collective == "all_gather":
+            self.refuse(0)
         kind = {"barrier": _BARRIER, "broadcast": _BROADCAST, "save": _AGREE}[collective]
         _, a, _, _, batch, active = self._exchange(kind, src)
         if kind in (_BROADCAST, _AGREE) and a not in active:
@@ -340,3 +346,16 @@ class _EpochEnd(Callback):
 
     def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
         self.uneven.finish()
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        self.uneven.epochs = {}
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        """Rank 0 logs, for the fit summary, the policy and the batches each rank trained in each uneven epoch."""
+        uneven = self.uneven
+        if uneven.epochs:
+            divisor = "the world size" if uneven.divide_by_initial_world_size else "its number of ranks"
+            rule = {"join": f"; a step's gradient sum divided by {divisor}",
+                    "stop": "; the longer ranks' later batches not trained"}.get(uneven.policy, "")
+            epochs = ", ".join(f"epoch {epoch}: {list(counts)}" for epoch, counts in uneven.epochs.items())
+            rank_zero_info(f"Uneven inputs (uneven_inputs={uneven.policy!r}{rule}): batches trained per rank, {epochs}")
