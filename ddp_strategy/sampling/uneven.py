@@ -37,7 +37,7 @@ from ddp_strategy._compat import lightning_private as _pl
 from ddp_strategy._compat import namespace as _namespace
 from ddp_strategy._compat import torch_private as _tp
 from ddp_strategy._compat.namespace import rank_zero_info
-from ddp_strategy.process.collectives import agree_on_rank_zero_failure
+from ddp_strategy.process import agree_on_rank_zero_failure
 
 if TYPE_CHECKING:
     from lightning.pytorch import Callback
@@ -99,7 +99,7 @@ class UnevenInputs(Joinable):
         self._trainer: Any = None
         self._mode: str | None = None  # "join", "flags" (stop/error on unknown counts) or None (nothing per step)
         self._join: Join | None = None
-        self._seen, self._trained, self._n, self._work = -1, 0, 0, None
+        self._seen, self._trained, self._n, self._work, self._uncut = -1, 0, 0, None, None
 
     @property
     def join_device(self) -> torch.device:
@@ -131,6 +131,7 @@ class UnevenInputs(Joinable):
                 " Trainer(use_distributed_sampler=True), the default), or make the shards you give each rank (your"
                 " own sampler, or your split under use_distributed_sampler=False) hold the same number of batches.")
         if self.policy == "stop" and -1 not in counts:
+            self._uncut = trainer.num_training_batches  # given back at the epoch's end: the next one is cut anew
             _pl.cut_epoch(trainer, min(counts))
             self.epochs[epoch] = (min(counts),) * len(counts)
         elif self.policy == "join":
@@ -231,7 +232,11 @@ class UnevenInputs(Joinable):
 
     def finish(self) -> None:
         """This rank has trained its last batch of the epoch: take part in the others' steps until all are done
-        (``Join.__exit__``), then agree on the state. A collective; a no-op unless joining."""
+        (``Join.__exit__``), then agree on the state. A collective; a no-op unless joining. (``"stop"``'s cut epoch
+        gets its length back.)"""
+        if self._uncut is not None:
+            _pl.cut_epoch(self._trainer, self._uncut)
+            self._uncut = None
         join, self._join = self._join, None
         if join is not None:
             if self.tail:
