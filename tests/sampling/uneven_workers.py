@@ -31,6 +31,7 @@ TRAIN_SALT, VAL_SALT = 0, 1
 ITERABLE, MAP, VAL = (10, 8), (13, 11), (6, 3)
 ITERABLE_BATCH, MAP_BATCH, VAL_BATCH = 2, 4, 2
 EPOCHS = 2
+BN_COUNTS, BN_MOMENTUM = (2, 6), 0.5  # rank 0: 1 batch of 2, rank 1: 3
 #: The collectives a training step makes (``Probed(probes=...)``): shadowed ones, then each refused one.
 SHADOWED = ("log", "reduce", "decision", "barrier", "broadcast")
 
@@ -135,6 +136,18 @@ class Probed(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=LR, momentum=MOMENTUM)
 
 
+class Normed(Probed):
+    """:class:`Probed` with a BatchNorm on the inputs, whose running mean DDP broadcasts before each forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.BatchNorm1d(3, momentum=BN_MOMENTUM, affine=False)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y, idx = batch
+        return super().training_step((self.norm(x), y, idx), batch_idx)
+
+
 def trainer(out: Path, strategy: Any = None, **kwargs: Any) -> pl.Trainer:
     """A quiet 2-process CPU trainer (externally launched) for ``EPOCHS`` epochs."""
     defaults: dict[str, Any] = dict(
@@ -190,6 +203,7 @@ def scenario_join(out: Path) -> None:
     fit(out, "refuse_all_gather", stream(ITERABLE, ITERABLE_BATCH), model=Probed(("all_gather",)))
     fit(out, "refuse_broadcast", stream(ITERABLE, ITERABLE_BATCH), model=Probed(("broadcast_from_1",)))
     fit(out, "refuse_metric", stream(ITERABLE, ITERABLE_BATCH), model=Probed(metric=True))
+    fit(out, "buffers", stream(BN_COUNTS, ITERABLE_BATCH), model=Normed(), max_epochs=1)
 
 
 def scenario_policies(out: Path) -> None:
