@@ -279,8 +279,7 @@ class MyDDPStrategy(sync.wrapping.LightningDDPAttributes, ParallelStrategy):
     def barrier(self, name: str | None = None) -> None:
         """Wait for every rank (NCCL: on this rank's device); a no-op without a process group."""
         self._sharding.guard.check("barrier", self.global_rank)
-        if self._uneven.tail_step():
-            self._uneven.announce("save" if name == _pl.SAVE_BARRIER and self._saving is not None else "barrier")
+        self._uneven.announce("save" if name == _pl.SAVE_BARRIER and self._saving is not None else "barrier")
         if name == _pl.SAVE_BARRIER and self._saving is not None:  # Trainer.save_checkpoint's: rank 0's outcome
             (path, error), self._saving = self._saving, None
             process.agree_on_rank_zero_failure(error, f"saving checkpoint {path}", self.global_rank, self.root_device)
@@ -292,8 +291,7 @@ class MyDDPStrategy(sync.wrapping.LightningDDPAttributes, ParallelStrategy):
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         """Rank ``src``'s ``obj`` on every rank (pickled); ``obj`` itself without a process group."""
         self._sharding.guard.check("broadcast", self.global_rank)
-        if self._uneven.tail_step():
-            self._uneven.announce("broadcast", src)
+        self._uneven.announce("broadcast", src)
         box = [obj]
         if dist.is_available() and dist.is_initialized():
             dist.broadcast_object_list(box, src)
@@ -321,8 +319,7 @@ class MyDDPStrategy(sync.wrapping.LightningDDPAttributes, ParallelStrategy):
     def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
         """``(W, *shape)``; uneven first dims: ``(W, max n_r, *rest)`` padded, warned once; else ``ValueError``."""
         self._sharding.guard.check("all_gather", self.global_rank)
-        if self._uneven.tail_step():
-            self._uneven.refuse(0)
+        self._uneven.announce("all_gather")
         if len(set(shapes := process.gather_shapes(tensor, group))) == 1:
             return super().all_gather(tensor, group=group, sync_grads=sync_grads)
         warn, self._warned_padded_gather = not self._warned_padded_gather, True

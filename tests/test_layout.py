@@ -11,11 +11,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "ddp_strategy"
 TESTS = ROOT / "tests"
-#: A module past this many lines is probably two concerns (STYLE.md); issue 25's cap for every module.
+#: A module past this many lines is probably two concerns (STYLE.md); issue 25's cap for every module but those in
+#: :data:`LARGER_MODULES`.
 MAX_MODULE_LINES = 400
-#: The whole package (docstrings included, as ``wc -l`` counts) at most this many lines: issue 25's number. Raise it
-#: only for a new guarantee, and say which.
-MAX_PACKAGE_LINES = 6000
+#: Modules allowed more, each for a guarantee named here. strategy.py: issue 27's hooks for uneven inputs
+#: (``batch_to_device``, ``training_step``, ``reduce_boolean_decision``, a line in each collective), kept in hook order.
+LARGER_MODULES = {"ddp_strategy/strategy.py": 440}
+#: The whole package (docstrings included, as ``wc -l`` counts) at most this many lines: issue 25's 6,000, raised by
+#: issue 27 (training on uneven inputs: sampling/uneven.py and its hooks). Raise it only for a new guarantee, and say
+#: which.
+MAX_PACKAGE_LINES = 6500
 #: Which sub-packages each part may import (through the sub-package's public names), lowest layer first.
 ALLOWED = {
     "_compat": set(),
@@ -122,8 +127,9 @@ def lines(path: Path) -> int:
 
 
 def test_modules_are_small():
-    """No module over :data:`MAX_MODULE_LINES` lines; every one that is, is named with its count."""
-    too_long = {str(path.relative_to(ROOT)): lines(path) for path in package_files() if lines(path) > MAX_MODULE_LINES}
+    """No module over :data:`MAX_MODULE_LINES` lines (or its :data:`LARGER_MODULES` cap); each that is, is named."""
+    too_long = {name: n for path in package_files()
+                if (n := lines(path)) > LARGER_MODULES.get(name := str(path.relative_to(ROOT)), MAX_MODULE_LINES)}
     assert too_long == {}
 
 

@@ -36,7 +36,8 @@ from torch.nn.parallel import DistributedDataParallel
 from ddp_strategy._compat import lightning_private as _pl
 from ddp_strategy._compat import namespace as _namespace
 from ddp_strategy._compat import torch_private as _tp
-from ddp_strategy.process.collectives import agree_on_rank_zero_failure
+from ddp_strategy._compat.namespace import rank_zero_info
+from ddp_strategy.process import agree_on_rank_zero_failure
 
 if TYPE_CHECKING:
     from lightning.pytorch import Callback
@@ -98,7 +99,7 @@ class UnevenInputs(Joinable):
         self._trainer: Any = None
         self._mode: str | None = None  # "join", "flags" (stop/error on unknown counts) or None (nothing per step)
         self._join: Join | None = None
-        self._seen, self._trained, self._n, self._work = -1, 0, 0, None
+        self._seen, self._trained, self._n, self._work, self._uncut = -1, 0, 0, None, None
 
     @property
     def join_device(self) -> torch.device:
@@ -130,6 +131,7 @@ class UnevenInputs(Joinable):
                 " Trainer(use_distributed_sampler=True), the default), or make the shards you give each rank (your"
                 " own sampler, or your split under use_distributed_sampler=False) hold the same number of batches.")
         if self.policy == "stop" and -1 not in counts:
+            self._uncut = trainer.num_training_batches  # given back at the epoch's end: the next one is cut anew
             _pl.cut_epoch(trainer, min(counts))
             self.epochs[epoch] = (min(counts),) * len(counts)
         elif self.policy == "join":
@@ -211,8 +213,13 @@ class UnevenInputs(Joinable):
         return tensor.div_(self._n) if op != name else tensor
 
     def announce(self, collective: str, src: int = 0) -> None:
-        """Before ``"barrier"``, ``"broadcast"`` (from ``src``) or ``"save"`` (the save's agreement) in a step with
-        fewer ranks; a broadcast from a joined rank, or a save while rank 0 has joined, raises on every rank."""
+        """Called before the strategy's ``"barrier"``, ``"broadcast"`` (from ``src``), ``"save"`` (a save's
+        agreement) and ``"all_gather"``: in a step with fewer ranks, announce it; ``"all_gather"``, a broadcast from
+        a joined rank or a save while rank 0 has joined raise :class:`UnevenInputsError` on every rank."""
+        if not self.tail_step():
+            return
+        if collective == "all_gather":
+            self.refuse(0)
         kind = {"barrier": _BARRIER, "broadcast": _BROADCAST, "save": _AGREE}[collective]
         _, a, _, _, batch, active = self._exchange(kind, src)
         if kind in (_BROADCAST, _AGREE) and a not in active:
@@ -225,7 +232,11 @@ class UnevenInputs(Joinable):
 
     def finish(self) -> None:
         """This rank has trained its last batch of the epoch: take part in the others' steps until all are done
-        (``Join.__exit__``), then agree on the state. A collective; a no-op unless joining."""
+        (``Join.__exit__``), then agree on the state. A collective; a no-op unless joining. (``"stop"``'s cut epoch
+        gets its length back.)"""
+        if self._uncut is not None:
+            _pl.cut_epoch(self._trainer, self._uncut)
+            self._uncut = None
         join, self._join = self._join, None
         if join is not None:
             if self.tail:
@@ -340,3 +351,16 @@ class _EpochEnd(Callback):
 
     def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
         self.uneven.finish()
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        self.uneven.epochs = {}
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        """Rank 0 logs, for the fit summary, the policy and the batches each rank trained in each uneven epoch."""
+        uneven = self.uneven
+        if uneven.epochs:
+            divisor = "the world size" if uneven.divide_by_initial_world_size else "its number of ranks"
+            rule = {"join": f"; a step's gradient sum divided by {divisor}",
+                    "stop": "; the longer ranks' later batches not trained"}.get(uneven.policy, "")
+            epochs = ", ".join(f"epoch {epoch}: {list(counts)}" for epoch, counts in uneven.epochs.items())
+            rank_zero_info(f"Uneven inputs (uneven_inputs={uneven.policy!r}{rule}): batches trained per rank, {epochs}")

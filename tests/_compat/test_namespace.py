@@ -75,7 +75,7 @@ def test_each_namespace_gets_classes_deriving_from_its_own_bases(namespace):
         (DigitsDataModule, get("pytorch:LightningDataModule"), {}),
         (DDPCheckpointIO, get("fabric.plugins:CheckpointIO"), {}),
         (EpochBoundaryCheck, get("pytorch:Callback"),
-         {"group": None, "timeout": timedelta(seconds=1), "rank": 0, "world_size": 1}),
+         {"group": None, "timeout": timedelta(seconds=1), "rank": 0, "world_size": 1, "on_counts": None}),
     ):
         obj = public.for_namespace(namespace.name)(**args)
         assert isinstance(obj, base) and isinstance(obj, public)
