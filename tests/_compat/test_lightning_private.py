@@ -378,3 +378,35 @@ def test_the_per_batch_sigterm_broadcast_is_where_we_turn_it_off_and_lightning_s
     epoch_end = inspect.getsource(namespace.get("pytorch.loops.fit_loop:_FitLoop.on_advance_end"))
     assert "if trainer.received_sigterm:\n            raise SIGTERMException" in epoch_end
     assert "received_sigterm = True" in inspect.getsource(namespace.get(_pl.PRIVATE_NAMES["sigterm_notifier"]))
+
+
+def test_training_state_round_trips_and_cut_epoch_sets_the_loops_counts(namespace, tmp_path):
+    """After a 1-process fit, training_state holds the optimizer's momentum, the scheduler's and the step counters,
+    and the ModelCheckpoint's last saved step; load_training_state into another fitted Trainer makes it read the
+    same (global_step too); cut_epoch sets fit_loop.max_batches and a fractional val_check_interval's batch."""
+    from ddp_strategy.testing import assert_same_on_every_rank
+
+    boring_model = namespace.get("pytorch.demos.boring_classes:BoringModel")
+    model_checkpoint = namespace.get("pytorch.callbacks:ModelCheckpoint")
+
+    class Momentum(boring_model):
+        def configure_optimizers(self):
+            optimizer = torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+            return [optimizer], [torch.optim.lr_scheduler.StepLR(optimizer, step_size=1)]
+
+    def fitted(steps: int):
+        trainer = namespace.pytorch.Trainer(
+            accelerator="cpu", devices=1, max_steps=steps, val_check_interval=0.5, num_sanity_val_steps=0,
+            logger=False, enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
+            callbacks=[model_checkpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=1, save_top_k=-1)])
+        trainer.fit(Momentum())
+        return trainer
+
+    source, target = fitted(3), fitted(1)
+    state = _pl.training_state(source)
+    assert state["optimizers"][0]["state"] and state["checkpoints"][0][1] == 3 and target.global_step == 1
+    _pl.load_training_state(target, state)
+    assert target.global_step == 3 and target.checkpoint_callback._last_global_step_saved == 3
+    assert_same_on_every_rank([state, _pl.training_state(target)], "training state")
+    _pl.cut_epoch(target, 6)
+    assert target.fit_loop.max_batches == 6 and target.val_check_batch == 3

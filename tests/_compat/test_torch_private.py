@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import socket
 
 import pytest
@@ -101,3 +102,35 @@ def test_compiled_modules_keep_the_original_under_the_compile_segment():
     impostor = nn.Module()
     impostor._orig_mod = net
     assert _torch_private.compiled_original(impostor) is None and _torch_private.compiled_original(net) is None
+
+
+def test_the_ddp_join_internals_the_uneven_shadowing_calls_exist_and_mirror_ddps_join_hook(one_rank_group):
+    """shadow_ddp_forward/backward call DDP's and its reducer's private methods, which DDP's own join hook
+    (_DDPJoinHook.main_hook) calls in the same order; ddp_syncs_buffers_in_forward is True only for a module with
+    buffers that DDP broadcasts before each forward; in a world of one each shadow runs."""
+    from torch.nn.parallel.distributed import _DDPJoinHook
+
+    hook = inspect.getsource(_DDPJoinHook.main_hook)
+    order = ["reducer._rebuild_buckets()", "_match_all_reduce_for_bwd_pass()", "_match_unused_params_allreduce()",
+             "reducer._push_all_rebuilt_params()"]
+    assert [hook.index(call) for call in order] == sorted(hook.index(call) for call in order)
+    assert "_check_sync_bufs_pre_fwd()" in inspect.getsource(DistributedDataParallel._check_and_sync_module_buffers)
+    assert callable(DistributedDataParallel._sync_buffers)
+    with_buffers = DistributedDataParallel(nn.Sequential(nn.Linear(4, 2), nn.BatchNorm1d(2)))
+    assert _torch_private.ddp_syncs_buffers_in_forward(with_buffers) is True
+    assert _torch_private.ddp_syncs_buffers_in_forward(DistributedDataParallel(nn.Linear(4, 2))) is False
+    for ddp in (with_buffers, DistributedDataParallel(nn.Linear(4, 2), find_unused_parameters=True)):
+        _torch_private.shadow_ddp_forward(ddp, _torch_private.ddp_syncs_buffers_in_forward(ddp))
+        _torch_private.shadow_ddp_backward(ddp)
+
+
+@pytest.mark.parametrize("static", [True, False])
+def test_set_gradient_divisor_divides_by_the_works_sum_or_the_world_size(one_rank_group, static):
+    """Reducer._set_forward_pass_work_handle(work, static): the next backward's gradients are divided by the world
+    size (static, here 1) or by the number the work all-reduced (4, what Join.notify_join_context counts)."""
+    ddp = DistributedDataParallel(nn.Linear(4, 1, bias=False))
+    work = dist.all_reduce(torch.tensor([4]), async_op=True)
+    work.wait()
+    _torch_private.set_gradient_divisor(ddp, work, static)
+    ddp(torch.ones(1, 4)).sum().backward()
+    assert ddp.module.weight.grad.tolist() == [[1.0 if static else 0.25] * 4]

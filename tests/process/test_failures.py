@@ -183,7 +183,8 @@ def test_a_stalled_rank_is_named_by_the_epoch_barrier(jobs, job):
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("job", ["uneven/popen"])
 def test_uneven_batch_counts_are_reported_instead_of_deadlocking(jobs, job):
-    """Ranks whose own samplers give different batch counts fail on every rank with the counts, not a hang."""
+    """Ranks whose own samplers give different batch counts fail, under uneven_inputs="error", on every rank with
+    the counts, not a hang."""
     ended = jobs[job].result()
     assert ended.code != 0 and ended.since_failure < 60
     assert "ranks have different numbers of training batches in epoch 0: {0: 6, 1: 4}" in ended.out

@@ -211,13 +211,18 @@ def scenario_data(out: Path) -> None:
     torch.distributed.barrier()  # the group of the last run is there too
     save(out, "user_split", {**model.seen, "predictions": [p.tolist() for p in predictions],
                              "after_fit": user_code, "trainer_rank": t.global_rank})
-    # Uneven user shards (12 and 8 samples: 3 and 2 batches): a clear error on every rank, not a hang; then each fix
-    # it suggests.
-    uneven = Seen({"train": lambda: DataLoader(Subset(Indexed(N, 0), range(rank(), N - 8 * rank(), 2)),
-                                               batch_size=BATCH)})
-    record: dict[str, Any] = {"error": None}
+    # Uneven user shards (12 and 8 samples: 3 and 2 batches): trained by default (uneven_inputs="join"); under
+    # uneven_inputs="error" a clear error on every rank, not a hang; then each fix it suggests.
+    def uneven_shards() -> DataLoader:
+        return DataLoader(Subset(Indexed(N, 0), range(rank(), N - 8 * rank(), 2)), batch_size=BATCH)
+
+    joined = Seen({"train": uneven_shards})
+    trainer(2, out, max_epochs=1, use_distributed_sampler=False).fit(joined)
+    uneven = Seen({"train": uneven_shards})
+    record: dict[str, Any] = {"error": None, "joined": joined.seen["train"]}
     try:
-        trainer(2, out, max_epochs=1, use_distributed_sampler=False).fit(uneven)
+        trainer(2, out, max_epochs=1, use_distributed_sampler=False,
+                strategy=MyDDPStrategy(start_method="popen", timeout=60, uneven_inputs="error")).fit(uneven)
     except ValueError as error:
         record.update(error=str(error), steps=len(uneven.seen["train"]))
     # Fix 1: let the strategy shard the whole data set (use_distributed_sampler=True, the default).

@@ -144,15 +144,17 @@ def test_torch_distributed_works_after_fit_as_under_lightning_ddp(runs):
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(600)
-def test_uneven_user_shards_fail_clearly_before_a_step_and_each_suggested_fix_trains(runs):
-    """use_distributed_sampler=False, 12 and 8 samples (3 and 2 training batches): every rank raises the counts
-    at the epoch's start and names the flag, instead of hanging in DDP's all-reduce; letting the strategy shard the
-    whole data set, or equal user shards, trains every rank the same number of steps over every sample."""
+def test_uneven_user_shards_train_by_default_or_fail_clearly_before_a_step_and_each_suggested_fix_trains(runs):
+    """use_distributed_sampler=False, 12 and 8 samples (3 and 2 training batches): by default each rank trains its
+    own shard whole (uneven_inputs="join"); under uneven_inputs="error" every rank raises the counts at the epoch's
+    start and names the flag, instead of hanging in DDP's all-reduce; letting the strategy shard the whole data set,
+    or equal user shards, trains every rank the same number of steps over every sample."""
     records = load(runs, "uneven", 2)
+    assert [flat(rec["joined"]) for rec in records] == [list(range(0, N, 2)), list(range(1, N - 8, 2))]
     for rec in records:
         assert rec["error"] is not None and "{0: 3, 1: 2}" in rec["error"], rec["error"]
         assert "use_distributed_sampler" in rec["error"] and rec["steps"] == 0
-        assert "Let MyDDPStrategy shard the data" in rec["error"]
+        assert "let MyDDPStrategy shard the data" in rec["error"]
         assert "Trainer(use_distributed_sampler=True)" in rec["error"]
     sharded = [[i for batch in r["sharded"] for i in batch] for r in records]
     assert [len(r["sharded"]) for r in records] == [3, 3]

@@ -110,7 +110,8 @@ if __name__ == "__main__":
     L.seed_everything(3)
     timeout = 5 if SCENARIO == "skip_log" else 60  # skip_log waits for it: the ranks' collectives do not match
     strategy = MyDDPStrategy(start_method=START_METHOD, timeout=timeout, monitored_barrier_timeout=5,
-                             checkpoint_on_sigterm=str(OUT / "sigterm.ckpt"))
+                             checkpoint_on_sigterm=str(OUT / "sigterm.ckpt"),
+                             uneven_inputs="error" if SCENARIO == "uneven" else "join")  # the default trains them
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_epochs=3, limit_train_batches=6,
                         limit_val_batches=3, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,

@@ -1,0 +1,222 @@
+"""Workers for tests/sampling/test_uneven.py: fits whose ranks hold different numbers of training batches.
+
+Each scenario runs in 2 real gloo processes started by :func:`ddp_testing.launch` (several Trainer runs per
+launch) and records what every rank saw in ``out/<name>.rank<R>.pt``. Every sample is identifiable: sample ``i``
+of rank ``r`` has index ``100 * r + i``; its features come from :func:`samples`, which the test uses for its
+single-process reference.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torchmetrics
+from ddp_testing import save
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch import nn
+from torch.utils.data import DataLoader, IterableDataset, TensorDataset
+
+from ddp_strategy import MyDDPStrategy
+
+SEED = 11
+LR, MOMENTUM = 0.1, 0.9
+TRAIN_SALT, VAL_SALT = 0, 1
+#: Samples per rank: training (IterableDataset, batch 2: 5 and 4 batches; map-style, batch 4: 4 and 3 batches),
+#: validation (batch 2: 3 and 2 batches, the last one of rank 1 has 1 sample).
+ITERABLE, MAP, VAL = (10, 8), (13, 11), (6, 3)
+ITERABLE_BATCH, MAP_BATCH, VAL_BATCH = 2, 4, 2
+EPOCHS = 2
+BN_COUNTS, BN_MOMENTUM = (2, 6), 0.5  # rank 0: 1 batch of 2, rank 1: 3
+#: The collectives a training step makes (``Probed(probes=...)``): shadowed ones, then each refused one.
+SHADOWED = ("log", "reduce", "decision", "barrier", "broadcast")
+
+
+def rank() -> int:
+    return int(os.environ["LOCAL_RANK"])
+
+
+def samples(r: int, n: int, salt: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rank ``r``'s ``n`` samples: features (n, 3), targets (n, 1), indices ``100 * r + i``."""
+    g = torch.Generator().manual_seed(1000 * salt + r)
+    return torch.randn(n, 3, generator=g), torch.randn(n, 1, generator=g), torch.arange(n) + 100 * r
+
+
+class Stream(IterableDataset):
+    """An IterableDataset yielding this rank's ``counts[rank]`` samples (what a user streaming own shards has)."""
+
+    def __init__(self, counts: tuple[int, ...], salt: int) -> None:
+        self.counts, self.salt = counts, salt
+
+    def __iter__(self) -> Any:
+        x, y, idx = samples(rank(), self.counts[rank()], self.salt)
+        return iter(zip(x, y, idx, strict=True))
+
+
+def stream(counts: tuple[int, ...], batch_size: int, salt: int = TRAIN_SALT) -> DataLoader:
+    return DataLoader(Stream(counts, salt), batch_size=batch_size)
+
+
+def own_shard(counts: tuple[int, ...], batch_size: int, salt: int = TRAIN_SALT) -> DataLoader:
+    """A map-style loader over this rank's own samples (pre-sharded: ``use_distributed_sampler=False``)."""
+    return DataLoader(TensorDataset(*samples(rank(), counts[rank()], salt)), batch_size=batch_size)
+
+
+def loss_of(layer: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The batch's mean squared error (the reference computes the same)."""
+    return ((layer(x) - y) ** 2).mean()
+
+
+def make_layer() -> nn.Linear:
+    """The model's seeded initial layer (the reference starts from the same)."""
+    torch.manual_seed(SEED)
+    return nn.Linear(3, 1)
+
+
+class Probed(pl.LightningModule):
+    """A linear regression trained with SGD and momentum that records, per epoch, the indices of each training batch,
+    and runs the collectives named in ``probes`` in every training step, recording what each returned."""
+
+    def __init__(self, probes: tuple[str, ...] = (), metric: bool = False) -> None:
+        super().__init__()
+        self.layer = make_layer()
+        self.probes = probes
+        self.metric = torchmetrics.MeanMetric(dist_sync_on_step=True) if metric else None
+        self.seen: dict[int, list[list[int]]] = {}
+        self.results: list[dict[str, Any]] = []  # per training step on this rank
+        self.val: list[float] = []  # the epoch-level validation loss, per epoch
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y, idx = batch
+        self.seen.setdefault(self.current_epoch, []).append(idx.tolist())
+        loss = loss_of(self.layer, x, y)
+        if self.metric is not None:
+            self.metric(loss.detach())
+        v = float(10 * (self.global_rank + 1) + batch_idx)  # rank 0: 10 + i, rank 1: 20 + i
+        strategy, got = self.trainer.strategy, {"epoch": self.current_epoch, "batch": batch_idx, "v": v}
+        if "log" in self.probes:
+            self.log("x", v, on_step=True, sync_dist=True)
+        if "reduce" in self.probes:
+            got["sum"] = strategy.reduce(torch.tensor([v]), reduce_op="sum").item()
+            got["max"] = strategy.reduce(torch.tensor([-v]), reduce_op="max").item()  # a joined 0 would win
+            got["min"] = strategy.reduce(torch.tensor([v]), reduce_op="min").item()  # a joined 0 would win
+            got["mean"] = strategy.reduce(torch.tensor([v])).item()
+        if "decision" in self.probes:
+            got["all"] = strategy.reduce_boolean_decision(self.global_rank == 0, all=True)
+            got["any"] = strategy.reduce_boolean_decision(self.global_rank == 1, all=False)
+        if "barrier" in self.probes:
+            strategy.barrier()
+            got["barrier"] = True
+        if "broadcast" in self.probes:
+            got["broadcast"] = strategy.broadcast(f"from rank {self.global_rank}", src=0)
+        if "broadcast_from_1" in self.probes:
+            got["broadcast_from_1"] = strategy.broadcast(f"from rank {self.global_rank}", src=1)
+        if "all_gather" in self.probes:
+            got["all_gather"] = self.all_gather(torch.tensor([v])).tolist()
+        self.results.append(got)
+        return loss
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if "log" in self.probes:
+            self.results[-1]["log"] = float(self.trainer.callback_metrics["x"])
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y, _ = batch
+        self.log("val", loss_of(self.layer, x, y), sync_dist=True, batch_size=len(x))
+
+    def on_validation_end(self) -> None:
+        if not self.trainer.sanity_checking:
+            self.val.append(float(self.trainer.callback_metrics["val"]))
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=LR, momentum=MOMENTUM)
+
+
+class Normed(Probed):
+    """:class:`Probed` with a BatchNorm on the inputs, whose running mean DDP broadcasts before each forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.BatchNorm1d(3, momentum=BN_MOMENTUM, affine=False)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y, idx = batch
+        return super().training_step((self.norm(x), y, idx), batch_idx)
+
+
+def trainer(out: Path, strategy: Any = None, **kwargs: Any) -> pl.Trainer:
+    """A quiet 2-process CPU trainer (externally launched) for ``EPOCHS`` epochs."""
+    defaults: dict[str, Any] = dict(
+        accelerator="cpu", devices=2, strategy=strategy or MyDDPStrategy(start_method="popen", timeout=60),
+        max_epochs=EPOCHS, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, num_sanity_val_steps=0, default_root_dir=str(out))
+    defaults.update(kwargs)
+    return pl.Trainer(**defaults)
+
+
+def weights(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def fit(out: Path, name: str, train: Any, val: Any = None, model: Probed | None = None, **kwargs: Any) -> None:
+    """Fit and record ``name``: batches seen, step results, validation values, weights, global step, the counts
+    per uneven epoch, and the error (type, message, seconds from the fit's start) if the fit raised."""
+    model = model or Probed()
+    t = trainer(out, **kwargs)
+    record: dict[str, Any] = {"error": None}
+    start = time.monotonic()
+    try:
+        t.fit(model, train, val)
+    except Exception as error:  # noqa: BLE001 - recorded for the test
+        record["error"] = (type(error).__name__, str(error), time.monotonic() - start)
+    save(out, name, {**record, "seen": model.seen, "results": model.results, "val": model.val,
+                     "weights": weights(model), "initial": weights(make_layer()), "steps": t.global_step,
+                     "epochs": dict(t.strategy._uneven.epochs) if isinstance(t.strategy, MyDDPStrategy) else None})
+
+
+def every_step_checkpoint(folder: Path) -> ModelCheckpoint:
+    return ModelCheckpoint(dirpath=str(folder), every_n_train_steps=1, save_top_k=-1, filename="{step}")
+
+
+def strategy(**kwargs: Any) -> MyDDPStrategy:
+    return MyDDPStrategy(start_method="popen", timeout=60, **kwargs)
+
+
+# -------------------------------------------------------------------------------------------- scenarios
+def scenario_join(out: Path) -> None:
+    """The default policy: an IterableDataset (5 and 4 batches) with uneven validation, the shadowed collectives
+    and a checkpoint each step (rank 0 has more); pre-sharded map-style data (4 and 3 batches) with uneven
+    validation, and with the other gradient divisor; a checkpoint each step while rank 0 has fewer; each refused
+    collective (an all_gather, a broadcast from the joined rank, torchmetrics' per-step sync)."""
+    fit(out, "join_iterable", stream(ITERABLE, ITERABLE_BATCH), stream(VAL, VAL_BATCH, VAL_SALT), Probed(SHADOWED),
+        callbacks=[every_step_checkpoint(out / "ckpt_more")], enable_checkpointing=True)
+    fit(out, "join_map", own_shard(MAP, MAP_BATCH), own_shard(VAL, VAL_BATCH, VAL_SALT), use_distributed_sampler=False)
+    fit(out, "join_map_active", own_shard(MAP, MAP_BATCH), use_distributed_sampler=False,
+        strategy=strategy(divide_by_initial_world_size=False))
+    fewer = tuple(reversed(ITERABLE))  # rank 0: 4 batches, rank 1: 5
+    fit(out, "ckpt_fewer", stream(fewer, ITERABLE_BATCH), callbacks=[every_step_checkpoint(out / "ckpt_fewer")],
+        enable_checkpointing=True)
+    fit(out, "refuse_all_gather", stream(ITERABLE, ITERABLE_BATCH), model=Probed(("all_gather",)))
+    fit(out, "refuse_broadcast", stream(ITERABLE, ITERABLE_BATCH), model=Probed(("broadcast_from_1",)))
+    fit(out, "refuse_metric", stream(ITERABLE, ITERABLE_BATCH), model=Probed(metric=True))
+    fit(out, "buffers", stream(BN_COUNTS, ITERABLE_BATCH), model=Normed(), max_epochs=1)
+
+
+def scenario_policies(out: Path) -> None:
+    """uneven_inputs="stop" and "error" on both loader kinds; even inputs under MyDDPStrategy, a loader the
+    strategy shards, then the even inputs under Lightning's ddp (last: its teardown keeps the process group)."""
+    fit(out, "stop_iterable", stream(ITERABLE, ITERABLE_BATCH), strategy=strategy(uneven_inputs="stop"))
+    fit(out, "stop_map", own_shard(MAP, MAP_BATCH), use_distributed_sampler=False,
+        strategy=strategy(uneven_inputs="stop"))
+    fit(out, "error_map", own_shard(MAP, MAP_BATCH), use_distributed_sampler=False,
+        strategy=strategy(uneven_inputs="error"))
+    fit(out, "error_iterable", stream(ITERABLE, ITERABLE_BATCH), strategy=strategy(uneven_inputs="error"))
+    even, val = (ITERABLE[0], ITERABLE[0]), stream((VAL[0], VAL[0]), VAL_BATCH, VAL_SALT)
+    fit(out, "even_ours", stream(even, ITERABLE_BATCH), val, Probed(("log",)))
+    whole = DataLoader(TensorDataset(*samples(0, 20, TRAIN_SALT)), batch_size=2, shuffle=True)
+    fit(out, "sharded", whole, max_epochs=1)
+    fit(out, "even_ddp", stream(even, ITERABLE_BATCH), val, Probed(("log",)), strategy="ddp")
