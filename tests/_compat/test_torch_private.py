@@ -106,21 +106,25 @@ def test_compiled_modules_keep_the_original_under_the_compile_segment():
 
 def test_the_ddp_join_internals_the_uneven_shadowing_calls_exist_and_mirror_ddps_join_hook(one_rank_group):
     """shadow_ddp_forward/backward call DDP's and its reducer's private methods, which DDP's own join hook
-    (_DDPJoinHook.main_hook) calls in the same order; ddp_syncs_buffers_in_forward is True only for a module with
-    buffers that DDP broadcasts before each forward; in a world of one each shadow runs."""
+    (_DDPJoinHook.main_hook) calls in the same order; set_ddp_join_mode switches the _join_config DDP's forward
+    reads (its enable flag, never the first joinable) and back; in a world of one each shadow runs."""
     from torch.nn.parallel.distributed import _DDPJoinHook
 
     hook = inspect.getsource(_DDPJoinHook.main_hook)
-    order = ["reducer._rebuild_buckets()", "_match_all_reduce_for_bwd_pass()", "_match_unused_params_allreduce()",
-             "reducer._push_all_rebuilt_params()"]
+    order = ["reducer._rebuild_buckets()", "_check_and_sync_module_buffers()",
+             "_check_global_requires_backward_grad_sync(", "_match_all_reduce_for_bwd_pass()",
+             "_match_unused_params_allreduce()", "reducer._push_all_rebuilt_params()"]
     assert [hook.index(call) for call in order] == sorted(hook.index(call) for call in order)
-    assert "_check_sync_bufs_pre_fwd()" in inspect.getsource(DistributedDataParallel._check_and_sync_module_buffers)
-    assert callable(DistributedDataParallel._sync_buffers)
+    assert "self._join_config.enable" in inspect.getsource(DistributedDataParallel._pre_forward)
     with_buffers = DistributedDataParallel(nn.Sequential(nn.Linear(4, 2), nn.BatchNorm1d(2)))
-    assert _torch_private.ddp_syncs_buffers_in_forward(with_buffers) is True
-    assert _torch_private.ddp_syncs_buffers_in_forward(DistributedDataParallel(nn.Linear(4, 2))) is False
-    for ddp in (with_buffers, DistributedDataParallel(nn.Linear(4, 2), find_unused_parameters=True)):
-        _torch_private.shadow_ddp_forward(ddp, _torch_private.ddp_syncs_buffers_in_forward(ddp))
+    _torch_private.set_ddp_join_mode(with_buffers, True)
+    assert with_buffers._join_config.enable and not with_buffers._join_config.is_first_joinable
+    with_buffers(torch.ones(2, 4))  # join mode's forward: buffers from the highest active rank, the sync flag sent
+    _torch_private.set_ddp_join_mode(with_buffers, False)
+    assert not with_buffers._join_config.enable
+    for ddp in (DistributedDataParallel(nn.Linear(4, 2)), DistributedDataParallel(nn.Linear(4, 2),
+                                                                                  find_unused_parameters=True)):
+        _torch_private.shadow_ddp_forward(ddp)  # (buffers: a world of one has no active rank to take them from)
         _torch_private.shadow_ddp_backward(ddp)
 
 
