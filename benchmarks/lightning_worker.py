@@ -17,7 +17,7 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 from bench_recorder import StepRecorder, register_counting_hook
-from bench_workloads import WORKLOADS, RunConfig, Workload, build_dataset, build_model, make_optimizer
+from bench_workloads import WORKLOADS, RankStream, RunConfig, Workload, build_dataset, build_model, make_optimizer
 from lightning.pytorch.callbacks import Callback
 from torch.utils.data import DataLoader
 
@@ -89,7 +89,13 @@ def run(cfg: RunConfig) -> None:
     recorder.comm.install()
     L.seed_everything(cfg.seed, verbose=False)  # also seeds Lightning's DistributedSampler
     model = BenchModule(w, cfg.seed)
-    loader = DataLoader(build_dataset(w, cfg.seed), batch_size=w.batch, shuffle=True)
+    data = build_dataset(w, cfg.seed)
+    if cfg.data == "even":
+        loader = DataLoader(data, batch_size=w.batch, shuffle=True)
+    else:  # 5% fewer batches on the last rank (at least one) for "uneven"
+        per_rank = w.samples // (cfg.world_size * w.batch)
+        loader = DataLoader(RankStream(data, w.batch, max(1, round(0.05 * per_rank)) if cfg.data == "uneven" else 0),
+                            batch_size=w.batch)
     trainer = L.Trainer(
         accelerator="gpu" if use_cuda else "cpu",
         devices=cfg.world_size,
@@ -111,5 +117,6 @@ def run(cfg: RunConfig) -> None:
         trainer.global_rank,
         trainer.world_size,
         cfg.out_dir,
-        {"impl": cfg.impl, "strategy": type(trainer.strategy).__qualname__, "epochs": trainer.current_epoch},
+        {"impl": cfg.impl, "strategy": type(trainer.strategy).__qualname__, "epochs": trainer.current_epoch,
+         "data": cfg.data},
     )
