@@ -10,8 +10,8 @@ Cases (same model, data, per-device batch, optimizer and seed as ``bench_ddp.py`
                        counts: what the stream costs without the join (Lightning fetches one batch ahead)
     ours, iterable     MyDDPStrategy on the same stream: the join is active, no rank runs out (the cost of the
                        per-step notify all-reduce)
-    ours, uneven       the same stream with 5% fewer batches on rank 1 (32 vs 30 per epoch): the tail and the
-                       epoch-end state copy
+    ours, uneven       the same stream with 5% fewer batches on rank 1 (rounded: 30 of 32 per epoch): the tail
+                       and the epoch-end state copy
 
 Each run is a fresh ``ddp_worker.py`` (``bench_runs.run_one``), ``--steps`` optimizer steps (default 320: 10 epochs
 of rank 0's 32 batches, so every case has the same epoch boundaries). Per-step time is rank 0's end-to-end step
@@ -34,12 +34,14 @@ sys.path.insert(0, str(HERE))
 
 from bench_machine import machine_info, usable_cores  # noqa: E402
 from bench_runs import RunResult, run_one  # noqa: E402
+from bench_workloads import WORKLOADS, short_batches  # noqa: E402
 
+_PER_RANK, _SHORT = short_batches(WORKLOADS["small"], 2)
 #: (label, implementation, data): the table's rows, in order.
 CASES = (("Lightning ddp, even", "lightning", "even"), ("MyDDPStrategy, even", "ours", "even"),
          ("Lightning ddp, IterableDataset, equal counts", "lightning", "iterable"),
          ("MyDDPStrategy, IterableDataset, equal counts", "ours", "iterable"),
-         ("MyDDPStrategy, IterableDataset, rank 1 5% fewer", "ours", "uneven"))
+         (f"MyDDPStrategy, IterableDataset, rank 1 {_PER_RANK - _SHORT} of {_PER_RANK} batches", "ours", "uneven"))
 BASE = 1  # the row ratios divide by
 
 

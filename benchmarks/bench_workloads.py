@@ -112,6 +112,12 @@ class RankStream(IterableDataset):
         return (self.data[i] for i in indices)
 
 
+def short_batches(w: Workload, world_size: int) -> tuple[int, int]:
+    """``(batches per rank, batches the last rank's stream leaves off)`` for ``--data uneven``: 5%, at least 1."""
+    per_rank = w.samples // (world_size * w.batch)
+    return per_rank, max(1, round(0.05 * per_rank))
+
+
 def make_optimizer(params: Any, w: Workload) -> torch.optim.Optimizer:
     """SGD with momentum 0.9, the same for every implementation."""
     return torch.optim.SGD(params, lr=w.lr, momentum=0.9)

@@ -17,7 +17,16 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 from bench_recorder import StepRecorder, register_counting_hook
-from bench_workloads import WORKLOADS, RankStream, RunConfig, Workload, build_dataset, build_model, make_optimizer
+from bench_workloads import (
+    WORKLOADS,
+    RankStream,
+    RunConfig,
+    Workload,
+    build_dataset,
+    build_model,
+    make_optimizer,
+    short_batches,
+)
 from lightning.pytorch.callbacks import Callback
 from torch.utils.data import DataLoader
 
@@ -92,10 +101,9 @@ def run(cfg: RunConfig) -> None:
     data = build_dataset(w, cfg.seed)
     if cfg.data == "even":
         loader = DataLoader(data, batch_size=w.batch, shuffle=True)
-    else:  # 5% fewer batches on the last rank (at least one) for "uneven"
-        per_rank = w.samples // (cfg.world_size * w.batch)
-        loader = DataLoader(RankStream(data, w.batch, max(1, round(0.05 * per_rank)) if cfg.data == "uneven" else 0),
-                            batch_size=w.batch)
+    else:
+        short = short_batches(w, cfg.world_size)[1] if cfg.data == "uneven" else 0
+        loader = DataLoader(RankStream(data, w.batch, short), batch_size=w.batch)
     trainer = L.Trainer(
         accelerator="gpu" if use_cuda else "cpu",
         devices=cfg.world_size,
