@@ -69,12 +69,14 @@ def _kill_group(pgid: int) -> None:
 
 
 def run_one(
-    impl: str, workload: str, world_size: int, steps: int, args: argparse.Namespace, repeat: int, order: int
+    impl: str, workload: str, world_size: int, steps: int, args: argparse.Namespace, repeat: int, order: int,
+    extra: tuple[str, ...] = (),
 ) -> RunResult:
     """Launch one configuration in a fresh process group and collect each rank's JSON.
 
     Start-up is measured from just before ``Popen``; the launched process (and
     every rank it starts) is killed if it outlives ``args.timeout`` seconds.
+    ``extra``: more ``ddp_worker.py`` arguments (``("--data", "uneven")``).
     """
     with tempfile.TemporaryDirectory(prefix="bench_ddp_") as tmp:
         out_dir = Path(tmp) / "out"
@@ -105,6 +107,7 @@ def run_one(
             str(out_dir),
             "--pg-timeout",
             str(args.pg_timeout),
+            *extra,
         ]
         log_path = Path(tmp) / "log.txt"
         load_avg = os.getloadavg()[0]

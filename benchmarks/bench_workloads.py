@@ -10,11 +10,15 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
-from torch.utils.data import TensorDataset
+from torch.utils.data import IterableDataset, TensorDataset
 
 #: Implementation names, in table order: the PyTorch tutorial loop, Lightning's ``ddp``, ``MyDDPStrategy``.
 IMPLS = ("handwritten", "lightning", "ours")
+#: Training data of the Lightning runs (``bench_uneven.py``): a shuffled ``DataLoader`` the strategy shards
+#: (``even``), or a :class:`RankStream` with equal (``iterable``) or uneven (``uneven``) batch counts per rank.
+DATA = ("even", "iterable", "uneven")
 
 
 @dataclass(frozen=True)
@@ -92,6 +96,28 @@ def build_dataset(w: Workload, seed: int) -> TensorDataset:
     return TensorDataset(x, y)
 
 
+class RankStream(IterableDataset):
+    """An ``IterableDataset`` without ``__len__`` that streams rank r's shard ``data[r::W]`` (read at iteration
+    time), so the strategy cannot know the ranks' batch counts. ``short_batches`` whole batches of ``batch``
+    samples are left off the last rank's shard (uneven inputs)."""
+
+    def __init__(self, data: TensorDataset, batch: int, short_batches: int = 0) -> None:
+        self.data, self.batch, self.short_batches = data, batch, short_batches
+
+    def __iter__(self) -> Any:
+        rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+        indices = list(range(rank, len(self.data), world))
+        if rank == world - 1 and self.short_batches:
+            indices = indices[: len(indices) - self.short_batches * self.batch]
+        return (self.data[i] for i in indices)
+
+
+def short_batches(w: Workload, world_size: int) -> tuple[int, int]:
+    """``(batches per rank, batches the last rank's stream leaves off)`` for ``--data uneven``: 5%, at least 1."""
+    per_rank = w.samples // (world_size * w.batch)
+    return per_rank, max(1, round(0.05 * per_rank))
+
+
 def make_optimizer(params: Any, w: Workload) -> torch.optim.Optimizer:
     """SGD with momentum 0.9, the same for every implementation."""
     return torch.optim.SGD(params, lr=w.lr, momentum=0.9)
@@ -109,3 +135,4 @@ class RunConfig:
     device: str  # "cpu" or "cuda"
     out_dir: str
     pg_timeout_s: float
+    data: str = "even"  # one of DATA (Lightning workers only)

@@ -25,7 +25,7 @@ Environment read by the workers (set by ``bench_ddp.py``):
 
 import argparse
 
-from bench_workloads import IMPLS, WORKLOADS, RunConfig
+from bench_workloads import DATA, IMPLS, WORKLOADS, RunConfig
 
 
 def _parse(argv: list[str] | None = None) -> RunConfig:
@@ -38,8 +38,9 @@ def _parse(argv: list[str] | None = None) -> RunConfig:
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--out-dir", required=True)
     p.add_argument("--pg-timeout", type=float, default=60.0, help="process-group timeout, seconds")
+    p.add_argument("--data", choices=DATA, default="even", help="training data of a Lightning run (bench_uneven.py)")
     a = p.parse_args(argv)
-    return RunConfig(a.impl, a.workload, a.world_size, a.steps, a.seed, a.device, a.out_dir, a.pg_timeout)
+    return RunConfig(a.impl, a.workload, a.world_size, a.steps, a.seed, a.device, a.out_dir, a.pg_timeout, a.data)
 
 
 def main(argv: list[str] | None = None) -> None:

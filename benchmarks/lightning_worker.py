@@ -17,7 +17,16 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 from bench_recorder import StepRecorder, register_counting_hook
-from bench_workloads import WORKLOADS, RunConfig, Workload, build_dataset, build_model, make_optimizer
+from bench_workloads import (
+    WORKLOADS,
+    RankStream,
+    RunConfig,
+    Workload,
+    build_dataset,
+    build_model,
+    make_optimizer,
+    short_batches,
+)
 from lightning.pytorch.callbacks import Callback
 from torch.utils.data import DataLoader
 
@@ -89,7 +98,12 @@ def run(cfg: RunConfig) -> None:
     recorder.comm.install()
     L.seed_everything(cfg.seed, verbose=False)  # also seeds Lightning's DistributedSampler
     model = BenchModule(w, cfg.seed)
-    loader = DataLoader(build_dataset(w, cfg.seed), batch_size=w.batch, shuffle=True)
+    data = build_dataset(w, cfg.seed)
+    if cfg.data == "even":
+        loader = DataLoader(data, batch_size=w.batch, shuffle=True)
+    else:
+        short = short_batches(w, cfg.world_size)[1] if cfg.data == "uneven" else 0
+        loader = DataLoader(RankStream(data, w.batch, short), batch_size=w.batch)
     trainer = L.Trainer(
         accelerator="gpu" if use_cuda else "cpu",
         devices=cfg.world_size,
@@ -111,5 +125,6 @@ def run(cfg: RunConfig) -> None:
         trainer.global_rank,
         trainer.world_size,
         cfg.out_dir,
-        {"impl": cfg.impl, "strategy": type(trainer.strategy).__qualname__, "epochs": trainer.current_epoch},
+        {"impl": cfg.impl, "strategy": type(trainer.strategy).__qualname__, "epochs": trainer.current_epoch,
+         "data": cfg.data},
     )
