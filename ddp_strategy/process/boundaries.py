@@ -69,12 +69,12 @@ class SignalsAtStepBoundary(Callback):
     on the gloo side ``group``: no world-group collective, no host-device sync) and waits for the one it started a
     step before (at an epoch's end, this step's). So a signal during step ``s`` acts on every rank at the end of step
     ``s + 1`` (or of the epoch, if sooner; a validation run in between ends first; steps that only some ranks take,
-    ``paused()``, send nothing: their flags go with the next step all take): SIGTERM sets
+    (``uneven.tail``), send nothing: their flags are agreed at the epoch's end): SIGTERM sets
     ``trainer.received_sigterm``, Lightning raises ``SIGTERMException`` there (``checkpoint_on_sigterm`` saves);
     the requeue signal runs Lightning's handler (save, requeue)."""
 
-    def __init__(self, group: Any, world_size: int, paused: Any) -> None:
-        self.group, self.world_size, self.paused, self._stopping = group, world_size, paused, False
+    def __init__(self, group: Any, world_size: int, uneven: Any) -> None:
+        self.group, self.world_size, self.uneven, self._stopping = group, world_size, uneven, False
         self._signal: int | None = None
         self._lightning_handler = self._launcher = self._sent = None  # _sent: (the flags in flight, their work)
 
@@ -112,15 +112,19 @@ class SignalsAtStepBoundary(Callback):
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         """Act on the flags sent a step ago; send this step's (a collective, every rank)."""
         self._agree(trainer)
-        if not self._stopping and not self.paused():
+        if not self._stopping and not self.uneven.tail:
             pending, self._flags = self._flags, [self._flags[0], 0]  # a signal now lands in one or the other
             flags = torch.tensor(pending, dtype=torch.uint8)
             work = dist.all_reduce(flags, dist.ReduceOp.MAX, self.group, async_op=True) if self.world_size > 1 else None
             self._sent = (flags, work)
 
     def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
-        """Act on the last step's flags (Lightning stops at the epoch's end on SIGTERM). Collective."""
+        """Act on the last step's flags (Lightning stops at the epoch's end on SIGTERM); after an uneven epoch, also
+        on those of the steps only some ranks took. Collective."""
         self._agree(trainer)
+        if len(set(self.uneven.epochs.get(trainer.current_epoch, ()))) > 1:  # the same on every rank
+            self.on_train_batch_end(trainer, pl_module, None, None, 0)  # send them now ...
+            self._agree(trainer)  # ... and act on them
 
     def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
         if self._stopping:  # the validation loop would stop at its first batch: it ends first
@@ -146,7 +150,7 @@ def add_fit_callbacks(trainer: Any, run: Any, rank: int, world_size: int, uneven
         trainer.callbacks.append(EpochBoundaryCheck(run.barrier_group, run.barrier_timeout, rank, world_size,
                                                     uneven.begin_epoch))
     if not any(isinstance(cb, SignalsAtStepBoundary) for cb in trainer.callbacks):
-        trainer.callbacks.append(SignalsAtStepBoundary(run.barrier_group, world_size, lambda: uneven.tail))
+        trainer.callbacks.append(SignalsAtStepBoundary(run.barrier_group, world_size, uneven))
     if uneven.callback not in trainer.callbacks:
         trainer.callbacks.insert(0, uneven.callback)
 

@@ -265,7 +265,7 @@ def explain(rank: int, peers: str, timeout: timedelta, known_cause: str | None =
             "No rank reported an error: a peer exited or lost its connection, or is stalled (an endless loop, a"
             f" deadlocked DataLoader worker, slow storage; a collective waits {timeout.total_seconds():.0f} s), or"
             " the ranks called collectives in a different order or number (self.log(..., sync_dist=True) on some"
-            " ranks only, an all_gather in a branch, uneven data with use_distributed_sampler=False). Set"
+            " ranks only, an all_gather in a branch, a direct torch.distributed call in a step of an uneven epoch). Set"
             " TORCH_DISTRIBUTED_DEBUG=DETAIL to have PyTorch check that collectives match.")
     return " ".join(parts)
 

@@ -55,7 +55,7 @@ _REFUSALS = (
     "an all_gather (self.all_gather, strategy.all_gather): a rank without data has no row to give",
     "a broadcast from a rank that has no data left (ModelCheckpoint asks rank 0, which writes checkpoints,"
     " whether the file exists before each save)",
-    "a checkpoint save, but rank 0, which writes checkpoints, has no data left and holds an older state",
+    "a checkpoint save, which rank 0 writes (out of data, it holds an older state)",
     "a collective on a process group other than the world, or a reduction other than sum, mean, max, min or"
     " product, or of a dtype other than float, int or bool",
     "torchmetrics' per-step sync (a Metric with dist_sync_on_step=True), which no rank without data can shadow",
@@ -266,8 +266,9 @@ class UnevenInputs(Joinable):
     def _message(self, reason: int, batch: int, active: tuple[int, ...]) -> str:
         trainer = self._trainer
         joined = [r for r in range(trainer.world_size) if r not in active]
-        return (f"[rank {trainer.global_rank}] batch {batch} of training epoch {trainer.current_epoch} (ranks"
-                f" {list(active)}) makes {_REFUSALS[reason]}, but ranks {joined} have no training data left"
+        return (f"[rank {trainer.global_rank}] training batch {batch} (batch_idx {batch - 1}) of epoch"
+                f" {trainer.current_epoch} on ranks {list(active)} makes {_REFUSALS[reason]}, in which ranks {joined},"
+                " out of training data, cannot take part"
                 " (uneven inputs, MyDDPStrategy(uneven_inputs='join')). Move it out of the step (self.log with"
                 " on_step=False, a sync at the epoch's end), or pass MyDDPStrategy(uneven_inputs='stop') (every"
                 " rank stops at the shortest rank's last batch; the others' later batches are not trained), or"
