@@ -16,8 +16,8 @@ from torch import nn
 log = logging.getLogger(__name__)
 
 __all__ = ["COMPILE_SEGMENT", "DDP_TIMING_KEYS", "CountingProcessGroup", "broadcast_coalesced", "compiled_original",
-           "ddp_logging_data", "ddp_syncs_buffers_in_forward", "default_store", "release_ddp_process_group",
-           "set_gradient_divisor", "shadow_ddp_backward", "shadow_ddp_forward"]
+           "ddp_logging_data", "default_store", "release_ddp_process_group",
+           "set_ddp_join_mode", "set_gradient_divisor", "shadow_ddp_backward", "shadow_ddp_forward"]
 
 #: Keys of ``DistributedDataParallel._get_ddp_logging_data()`` this package reads. Times are in nanoseconds,
 #: averaged by DDP's reducer over the iterations it samples (each of the first 10, then every 100th; the
@@ -117,13 +117,23 @@ def compiled_original(module: Any) -> nn.Module | None:
     return getattr(module, COMPILE_SEGMENT, None) if type(module).__name__ == "OptimizedModule" else None
 
 
-def shadow_ddp_forward(ddp: Any, sync_buffers: bool) -> None:
-    """On a rank that has joined (run out of inputs): take part in the collectives of DDP's forward on the others,
-    as DDP's own join hook (``_DDPJoinHook.main_hook``) does: the one-time bucket rebuild, then (``sync_buffers``:
-    the active ranks' ``_check_sync_bufs_pre_fwd()``) the buffer broadcast from rank 0."""
+def set_ddp_join_mode(ddp: Any, enabled: bool) -> None:
+    """Make ``ddp``'s forward act as inside DDP's join context (``enabled``) or not: broadcast buffers from the
+    highest rank that still has inputs (rank 0 may have none) and tell the joined ranks whether the backward syncs
+    gradients (one all-reduce each, matched by :func:`shadow_ddp_forward`). As a joinable that is not the first, so
+    DDP makes no notification of its own (``_join_config``; ``DistributedDataParallel._pre_forward``)."""
+    from torch.distributed.algorithms.join import _JoinConfig
+
+    ddp._join_config = _JoinConfig(True, False, False) if enabled else _JoinConfig.construct_disabled_join_config()
+
+
+def shadow_ddp_forward(ddp: Any) -> None:
+    """On a rank that has joined (run out of inputs): take part in the collectives of DDP's forward in join mode on
+    the others, as DDP's own join hook (``_DDPJoinHook.main_hook``) does: the one-time bucket rebuild, the buffer
+    broadcast from the highest active rank, the all-reduce saying whether the backward syncs gradients."""
     ddp.reducer._rebuild_buckets()
-    if sync_buffers:
-        ddp._sync_buffers()
+    ddp._check_and_sync_module_buffers()
+    ddp.require_forward_param_sync = ddp._check_global_requires_backward_grad_sync(is_joined_rank=True)
 
 
 def shadow_ddp_backward(ddp: Any) -> None:
@@ -134,11 +144,6 @@ def shadow_ddp_backward(ddp: Any) -> None:
     if ddp.find_unused_parameters:
         ddp._match_unused_params_allreduce()
     ddp.reducer._push_all_rebuilt_params()
-
-
-def ddp_syncs_buffers_in_forward(ddp: Any) -> bool:
-    """Whether ``ddp``'s next forward broadcasts its buffers before computing (``_check_sync_bufs_pre_fwd``)."""
-    return bool(ddp._check_sync_bufs_pre_fwd())
 
 
 def set_gradient_divisor(ddp: Any, work: Any, static: bool) -> None:

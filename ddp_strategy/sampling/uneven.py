@@ -184,7 +184,8 @@ class UnevenInputs(Joinable):
         if any(getattr(m, "dist_sync_on_step", False) is True and hasattr(m, "compute") for m in module.modules()):
             self.refuse(4)
         if isinstance(model, DistributedDataParallel):
-            self._exchange(_FORWARD, _tp.ddp_syncs_buffers_in_forward(model))
+            _tp.set_ddp_join_mode(model, True)  # buffers from an active rank; whether the backward syncs: told
+            self._exchange(_FORWARD)
 
     def before_backward(self, model: Any) -> None:
         """Before a backward through DDP in a step with fewer ranks: announce its gradient all-reduce."""
@@ -247,6 +248,8 @@ class UnevenInputs(Joinable):
     def abandon(self) -> None:
         """After a failure, or at teardown: forget the epoch (no collective)."""
         self._join, self._mode, self.tail, self._work = None, None, False, None
+        if self._trainer is not None and isinstance(self._trainer.strategy.model, DistributedDataParallel):
+            _tp.set_ddp_join_mode(self._trainer.strategy.model, False)
 
     def _exchange(self, kind: int = 0, a: int = 0, b: int = 0, c: int = 0) -> tuple[Any, ...]:
         """One all-reduce (MAX) of ``[kind, a, b, c, batch, *active]``: the active ranks send, the joined zeros."""
@@ -279,6 +282,7 @@ class UnevenInputs(Joinable):
         self.epochs[trainer.current_epoch] = tuple(trained for _, trained in gathered)
         if self._work is not None and isinstance(strategy.model, DistributedDataParallel):
             _tp.set_gradient_divisor(strategy.model, self._work, True)  # the next epochs: the world size again
+            _tp.set_ddp_join_mode(strategy.model, False)
         if all(last for last, _ in gathered):
             return
         source = max(r for r, (last, _) in enumerate(gathered) if last)
@@ -309,7 +313,7 @@ class _Shadow(JoinHook):
                 reason = a if kind == _REFUSE else 1 if kind == _BROADCAST else 2
                 raise UnevenInputsError(uneven._message(reason, batch, active))
             if kind == _FORWARD:
-                _tp.shadow_ddp_forward(model, bool(a))
+                _tp.shadow_ddp_forward(model)
             elif kind == _BACKWARD and a:
                 _tp.shadow_ddp_backward(model)
             elif kind == _REDUCE:
