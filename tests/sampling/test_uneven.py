@@ -267,8 +267,6 @@ def test_stop_trains_every_rank_the_shortest_ranks_batches(runs):
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(600)
-@pytest.mark.xfail(strict=True, reason="core bug: a tail step's DDP forward broadcasts the buffers from rank 0 also"
-                   " when rank 0 has joined (stale): rank 1's earlier tail batches are lost (the s3-tests report)")
 def test_buffers_keep_every_tail_batch_when_rank_0_has_run_out(runs):
     """A BatchNorm (momentum 0.5) on the inputs, rank 0 with 1 batch and rank 1 with 3: rank 1's running mean, which
     both ranks end with, holds all 3 of its batches (the tail steps' buffers come from an active rank, as under
