@@ -104,28 +104,34 @@ def test_compiled_modules_keep_the_original_under_the_compile_segment():
     assert _torch_private.compiled_original(impostor) is None and _torch_private.compiled_original(net) is None
 
 
-def test_the_ddp_join_internals_the_uneven_shadowing_calls_exist_and_mirror_ddps_join_hook(one_rank_group):
-    """shadow_ddp_forward/backward call DDP's and its reducer's private methods, which DDP's own join hook
-    (_DDPJoinHook.main_hook) calls in the same order; set_ddp_join_mode switches the _join_config DDP's forward
-    reads (its enable flag, never the first joinable) and back; in a world of one each shadow runs."""
+def test_ddp_join_mode_and_the_shadows_use_ddps_own_join_internals(one_rank_group):
+    """set_ddp_join_mode sets DDP's _join_config (a _JoinConfig), which DDP's forward reads to take the buffers from
+    an active rank and to tell the joined ranks whether the backward syncs, notifying no join context itself (not
+    the first joinable); shadow_ddp_forward/backward call what DDP's own join hook calls, in its order; in a world of
+    one each runs (the shadow on a module without buffers: a lone joined rank has no active rank to take them from).
+    """
+    from torch.distributed.algorithms.join import Join, _JoinConfig
     from torch.nn.parallel.distributed import _DDPJoinHook
 
+    assert _JoinConfig._fields == ("enable", "throw_on_early_termination", "is_first_joinable")
     hook = inspect.getsource(_DDPJoinHook.main_hook)
     order = ["reducer._rebuild_buckets()", "_check_and_sync_module_buffers()",
              "_check_global_requires_backward_grad_sync(", "_match_all_reduce_for_bwd_pass()",
              "_match_unused_params_allreduce()", "reducer._push_all_rebuilt_params()"]
     assert [hook.index(call) for call in order] == sorted(hook.index(call) for call in order)
-    assert "self._join_config.enable" in inspect.getsource(DistributedDataParallel._pre_forward)
-    with_buffers = DistributedDataParallel(nn.Sequential(nn.Linear(4, 2), nn.BatchNorm1d(2)))
-    _torch_private.set_ddp_join_mode(with_buffers, True)
-    assert with_buffers._join_config.enable and not with_buffers._join_config.is_first_joinable
-    with_buffers(torch.ones(2, 4))  # join mode's forward: buffers from the highest active rank, the sync flag sent
-    _torch_private.set_ddp_join_mode(with_buffers, False)
-    assert not with_buffers._join_config.enable
-    for ddp in (DistributedDataParallel(nn.Linear(4, 2)), DistributedDataParallel(nn.Linear(4, 2),
-                                                                                  find_unused_parameters=True)):
-        _torch_private.shadow_ddp_forward(ddp)  # (buffers: a world of one has no active rank to take them from)
-        _torch_private.shadow_ddp_backward(ddp)
+    assert "if self._join_config.enable:" in inspect.getsource(DistributedDataParallel._sync_buffers)
+    forward = inspect.getsource(DistributedDataParallel._pre_forward)
+    assert "self._check_global_requires_backward_grad_sync(is_joined_rank=False)" in forward
+    ddp = DistributedDataParallel(nn.Sequential(nn.Linear(4, 2), nn.BatchNorm1d(2)), find_unused_parameters=True)
+    _torch_private.set_ddp_join_mode(ddp, True)
+    assert ddp._join_config.enable and not ddp._join_config.is_first_joinable
+    assert Join.notify_join_context(ddp) is None
+    ddp(torch.ones(2, 4)).sum().backward()  # the buffers' source: the highest active rank, 0 here
+    _torch_private.set_ddp_join_mode(ddp, False)
+    assert not ddp._join_config.enable
+    plain = DistributedDataParallel(nn.Linear(4, 2), find_unused_parameters=True)  # no buffers: no rank to find
+    _torch_private.shadow_ddp_forward(plain)
+    _torch_private.shadow_ddp_backward(plain)
 
 
 @pytest.mark.parametrize("static", [True, False])
