@@ -32,6 +32,7 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 from torch.distributed.algorithms import Join, Joinable, JoinHook
 from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import IterableDataset
 
 from ddp_strategy._compat import lightning_private as _pl
 from ddp_strategy._compat import namespace as _namespace
@@ -51,15 +52,19 @@ _DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.in
            torch.int8, torch.uint8, torch.bool)
 _OPS = ("sum", "max", "min", "product")
 #: What a joined rank cannot take part in (announced by its index).
-_REFUSALS = (
-    "an all_gather (self.all_gather, strategy.all_gather): a rank without data has no row to give",
-    "a broadcast from a rank that has no data left (ModelCheckpoint asks rank 0, which writes checkpoints,"
-    " whether the file exists before each save)",
-    "a checkpoint save, which rank 0 writes (out of data, it holds an older state)",
-    "a collective on a process group other than the world, or a reduction other than sum, mean, max, min or"
-    " product, or of a dtype other than float, int or bool",
-    "torchmetrics' per-step sync (a Metric with dist_sync_on_step=True), which no rank without data can shadow",
-    "a validation run (val_check_interval) in a step that not every rank reaches",
+_REFUSALS = (  # (what, what to do)
+    ("an all_gather (self.all_gather, strategy.all_gather): a rank without data has no row to give",
+     "gather at the epoch's end (on_train_epoch_end)"),
+    ("a broadcast from a rank that has no data left (ModelCheckpoint asks rank 0 whether the file exists before"
+     " each save)", "broadcast from a rank that still trains, or give rank 0 the longest shard"),
+    ("a checkpoint save, which rank 0 writes (out of data, it holds an older state)",
+     "save at the epoch's end (ModelCheckpoint without every_n_train_steps), or give rank 0 the longest shard"),
+    ("a collective on a process group other than the world, or a reduction other than sum, mean, max, min or"
+     " product, or of a dtype other than float, int or bool", "move it to the epoch's end"),
+    ("a per-step sync a rank without data cannot shadow (a torchmetrics Metric with dist_sync_on_step=True, a"
+     " SyncBatchNorm layer)", "sync metrics at the epoch's end (dist_sync_on_step=False), or drop sync_batchnorm"),
+    ("a validation run (val_check_interval) in a step that not every rank reaches",
+     "validate at the epoch's end (val_check_interval=1.0)"),
 )
 
 
@@ -99,7 +104,7 @@ class UnevenInputs(Joinable):
         self._trainer: Any = None
         self._mode: str | None = None  # "join", "flags" (stop/error on unknown counts) or None (nothing per step)
         self._join: Join | None = None
-        self._seen, self._trained, self._n, self._work, self._uncut = -1, 0, 0, None, None
+        self._seen, self._trained, self._n, self._work, self._uncut, self._known = -1, 0, 0, None, None, True
 
     @property
     def join_device(self) -> torch.device:
@@ -113,16 +118,24 @@ class UnevenInputs(Joinable):
         return _Shadow(self)
 
     def begin_epoch(self, trainer: Any, counts: list[int]) -> None:
-        """At a training epoch's start, on every rank, with every rank's batch count (-1: unknown); no collective.
+        """At a training epoch's start, on every rank, with every rank's batch count (-1: unknown; any
+        ``IterableDataset``'s, whose length is only a hint); no collective.
 
         Raises:
-            ValueError: ``"error"`` and known, unequal counts.
+            ValueError: known, unequal counts under ``"error"``, or under ``"join"`` with ``accumulate_grad_batches``
+                not dividing a shorter rank's count (its last batch would sync gradients alone).
         """
         self._trainer, self._mode, self.tail, self._seen, self._trained = trainer, None, False, -1, 0
+        loaders = trainer.train_dataloader
+        loaders = loaders.values() if isinstance(loaders, dict) else loaders if isinstance(loaders, (list, tuple)) \
+            else [loaders]
+        if any(isinstance(getattr(loader, "dataset", None), IterableDataset) for loader in loaders):
+            counts = [-1] * len(counts)
         if len(set(counts)) == 1 and -1 not in counts:
             return
-        epoch, rank = trainer.current_epoch, trainer.global_rank
-        if self.policy == "error" and -1 not in counts:
+        epoch, rank, k, self._known = trainer.current_epoch, trainer.global_rank, trainer.accumulate_grad_batches, \
+            -1 not in counts
+        if self.policy == "error" and self._known:
             raise ValueError(
                 f"[rank {rank}] ranks have different numbers of training batches in epoch {epoch}:"
                 f" {dict(enumerate(counts))}, refused by MyDDPStrategy(uneven_inputs='error'). Pass uneven_inputs="
@@ -130,7 +143,9 @@ class UnevenInputs(Joinable):
                 " MyDDPStrategy shard the data (a map-style data set in a DataLoader, with"
                 " Trainer(use_distributed_sampler=True), the default), or make the shards you give each rank (your"
                 " own sampler, or your split under use_distributed_sampler=False) hold the same number of batches.")
-        if self.policy == "stop" and -1 not in counts:
+        if self.policy == "join" and self._known and any(c % k for c in counts if c < max(counts)):
+            raise ValueError(self._accumulation_message([r for r, c in enumerate(counts) if c % k and c < max(counts)]))
+        if self.policy == "stop" and self._known:
             self._uncut = trainer.num_training_batches  # given back at the epoch's end: the next one is cut anew
             _pl.cut_epoch(trainer, min(counts))
             self.epochs[epoch] = (min(counts),) * len(counts)
@@ -142,7 +157,14 @@ class UnevenInputs(Joinable):
 
     def step_start(self) -> None:
         """At a training step's start (``batch_to_device``; ``training_step`` when the step takes the iterator),
-        every rank with a batch: one all-reduce (see the module docstring), once per step."""
+        every rank with a batch: one all-reduce (see the module docstring), once per step; under ``"join"`` with
+        ``accumulate_grad_batches > 1`` and unknown counts, a second (whether each rank's backward syncs).
+
+        Raises:
+            UnevenInputsError: see the module docstring; also where ranks validate at different batches, or a
+                shorter rank's last batch ends an accumulation the others do not.
+            StopIteration: ``"stop"``, a rank had no batch at all: the epoch ends before this one.
+        """
         trainer = self._trainer
         if self._mode is None or not trainer.training:
             return
@@ -150,30 +172,76 @@ class UnevenInputs(Joinable):
         if progress.total.completed == self._seen:
             return
         self._seen, self._trained = progress.total.completed, self._trained + 1
-        strategy = trainer.strategy
+        strategy, k = trainer.strategy, trainer.accumulate_grad_batches
         if self._mode == "flags":
-            flags = torch.zeros(strategy.world_size, dtype=torch.int64, device=strategy.root_device)
-            flags[strategy.global_rank] = 1 + progress.is_last_batch
-            dist.all_reduce(flags, dist.ReduceOp.MAX)
-            last = [r for r, f in enumerate(flags.tolist()) if f == 2]
-            if last and len(last) < len(flags) and self.policy == "error":
+            flags = self._flags(1 + progress.is_last_batch)
+            ended = [r for r, f in enumerate(flags) if f >= 2]
+            if len(set(flags)) > 1 and self.policy == "error":
                 raise UnevenInputsError(
-                    f"[rank {strategy.global_rank}] ranks {last} reach the end of their training data at batch"
+                    f"[rank {strategy.global_rank}] ranks {ended} reach the end of their training data at batch"
                     f" {progress.current.ready + 1} of epoch {trainer.current_epoch} while the others have more"
                     " (MyDDPStrategy(uneven_inputs='error')). Pass uneven_inputs='join' (the default: every rank"
                     " trains all its batches) or 'stop' (all stop there), or give every rank the same number.")
-            if last:
-                progress.is_last_batch = True
+            self._trained -= 3 in flags  # a rank had no batch: "stop" ends the epoch before this one
             self.epochs[trainer.current_epoch] = (self._trained,) * len(flags)
+            if 3 in flags:
+                raise StopIteration
+            progress.is_last_batch = progress.is_last_batch or bool(ended)
             return
         if self.tail:
             self._exchange(_END)
-        self._work = work = Join.notify_join_context(self)
-        work.wait()
-        self._n = int(work.result()[0].item())
+        self._n, validating, work = self._notify()
+        if validating:
+            self._out_of_step(self._n, validating)
         if isinstance(strategy.model, DistributedDataParallel):
             _tp.set_gradient_divisor(strategy.model, work, self.divide_by_initial_world_size)
-        self.tail = self._n < strategy.world_size
+        self._work, self.tail = work, self._n < strategy.world_size
+        if k > 1 and not self.tail and not self._known:
+            syncs = self._flags(1 + (progress.is_last_batch or (progress.current.ready + 1) % k == 0))
+            if len(set(syncs)) > 1:
+                raise UnevenInputsError(self._accumulation_message([r for r, f in enumerate(syncs) if f == 2]))
+
+    def _notify(self, validating: bool = False) -> tuple[int, int, Any]:
+        """One all-reduce of one number: a step's (torch's ``Join.notify_join_context``, each rank 1) or a validation
+        run's (each rank W + 1, so they are told apart); returns the ranks stepping, validating, and the step's work."""
+        world_size = self._trainer.world_size
+        if validating:
+            total, work = torch.full((1,), float(world_size + 1), device=self.join_device), None
+            dist.all_reduce(total)
+        else:
+            work = Join.notify_join_context(self)
+            work.wait()
+            total = work.get_future().value()[0]
+        return int(total.item()) % (world_size + 1), int(total.item()) // (world_size + 1), work
+
+    def _out_of_step(self, stepping: int, validating: int) -> NoReturn:
+        """Some ranks start a validation run while others train a step (``val_check_interval`` counted on uneven
+        batch counts): raise on every rank (a word first to the ranks that only shadow)."""
+        if stepping + validating < self._trainer.world_size:
+            self._exchange(_REFUSE, 5)
+        raise UnevenInputsError(
+            f"[rank {self._trainer.global_rank}] in training epoch {self._trainer.current_epoch}, {validating} rank(s)"
+            f" start a validation run while {stepping} train a batch: Trainer(val_check_interval="
+            f"{self._trainer.val_check_interval!r}) counts each rank's own batches, and the ranks hold different"
+            " numbers (uneven inputs). Validate at the epoch's end (val_check_interval=1.0), or pass"
+            " MyDDPStrategy(uneven_inputs='stop'), or give every rank the same number of batches.")
+
+    def _flags(self, flag: int) -> list[int]:
+        """One all-reduce (MAX) of every rank's small flag (this rank's ``flag``); returns them by rank."""
+        strategy = self._trainer.strategy
+        flags = torch.zeros(strategy.world_size, dtype=torch.int64, device=strategy.root_device)
+        flags[strategy.global_rank] = flag
+        dist.all_reduce(flags, dist.ReduceOp.MAX)
+        return flags.tolist()
+
+    def _accumulation_message(self, ranks: list[int]) -> str:
+        trainer = self._trainer
+        k = trainer.accumulate_grad_batches
+        return (f"[rank {trainer.global_rank}] accumulate_grad_batches={k} on ranks with different numbers of"
+                f" training batches (epoch {trainer.current_epoch}): the last batch of ranks {ranks} ends an"
+                " accumulation (a gradient all-reduce) where the longer ranks accumulate on, so their all-reduces"
+                f" cannot pair. Give every rank but the longest a multiple of {k} batches, or pass"
+                " MyDDPStrategy(uneven_inputs='stop'), or accumulate_grad_batches=1.")
 
     def before_forward(self) -> None:
         """Before DDP's forward (``training_step``): notify if not yet; in a step with fewer ranks announce it."""
@@ -181,7 +249,8 @@ class UnevenInputs(Joinable):
         if not self.tail:
             return
         module, model = self._trainer.lightning_module, self._trainer.strategy.model
-        if any(getattr(m, "dist_sync_on_step", False) is True and hasattr(m, "compute") for m in module.modules()):
+        if any(getattr(m, "dist_sync_on_step", False) is True and hasattr(m, "compute")
+               or "SyncBatchNorm" in type(m).__name__ for m in module.modules()):
             self.refuse(4)
         if isinstance(model, DistributedDataParallel):
             _tp.set_ddp_join_mode(model, True)  # buffers from an active rank; whether the backward syncs: told
@@ -238,6 +307,12 @@ class UnevenInputs(Joinable):
         if self._uncut is not None:
             _pl.cut_epoch(self._trainer, self._uncut)
             self._uncut = None
+        if self._mode == "flags" and self._seen == -1:  # no batch here: answer the others' first step
+            self._mode = None
+            if len(set(self._flags(3))) > 1 and self.policy == "error":
+                raise UnevenInputsError(f"[rank {self._trainer.global_rank}] this rank has no training batch in epoch"
+                                        f" {self._trainer.current_epoch} while others have some"
+                                        " (MyDDPStrategy(uneven_inputs='error')).")
         join, self._join = self._join, None
         if join is not None:
             if self.tail:
@@ -266,13 +341,12 @@ class UnevenInputs(Joinable):
     def _message(self, reason: int, batch: int, active: tuple[int, ...]) -> str:
         trainer = self._trainer
         joined = [r for r in range(trainer.world_size) if r not in active]
+        what, fix = _REFUSALS[reason]
         return (f"[rank {trainer.global_rank}] training batch {batch} (batch_idx {batch - 1}) of epoch"
-                f" {trainer.current_epoch} on ranks {list(active)} makes {_REFUSALS[reason]}, in which ranks {joined},"
-                " out of training data, cannot take part"
-                " (uneven inputs, MyDDPStrategy(uneven_inputs='join')). Move it out of the step (self.log with"
-                " on_step=False, a sync at the epoch's end), or pass MyDDPStrategy(uneven_inputs='stop') (every"
-                " rank stops at the shortest rank's last batch; the others' later batches are not trained), or"
-                " give every rank the same number of batches.")
+                f" {trainer.current_epoch} on ranks {list(active)} makes {what}, in which ranks {joined}, out of"
+                f" training data, cannot take part (uneven inputs, MyDDPStrategy(uneven_inputs='join')). Do: {fix};"
+                " or pass MyDDPStrategy(uneven_inputs='stop') (every rank stops at the shortest rank's last batch;"
+                " the others' later batches are not trained), or give every rank the same number of batches.")
 
     def _end_epoch(self, is_last_joiner: bool) -> None:
         """``Join``'s post-hook, on every rank: record the batch counts; after a step with fewer ranks every rank
@@ -351,8 +425,13 @@ class _EpochEnd(Callback):
         self.uneven = uneven
 
     def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
-        if self.uneven._join is not None and self.uneven.tail_step():  # an uneven epoch, not yet done here
-            self.uneven.refuse(5)
+        uneven = self.uneven
+        if uneven._join is not None and uneven.tail_step():  # an uneven epoch's step the joined ranks do not take
+            uneven.refuse(5)
+        if uneven._join is not None:  # mid-epoch in an uneven epoch: every rank must be validating now
+            stepping, validating, _ = uneven._notify(validating=True)
+            if validating < trainer.world_size:
+                uneven._out_of_step(stepping, validating)
 
     def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
         self.uneven.finish()

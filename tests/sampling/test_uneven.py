@@ -191,14 +191,16 @@ def test_refused_collectives_raise_uneven_inputs_error_on_every_rank_without_wai
     what to do."""
     kinds = {"refuse_all_gather": ("an all_gather", 5),
              "refuse_broadcast": ("a broadcast from a rank that has no data left", 5),
-             "refuse_metric": ("torchmetrics' per-step sync (a Metric with dist_sync_on_step=True)", 4)}  # pre-step
+             "refuse_metric": ("a per-step sync a rank without data cannot shadow (a torchmetrics Metric", 4)}
     for name, (kind, batches_of_rank_0) in kinds.items():
         for r, rec in enumerate(load(runs, name, 2)):
             assert rec["error"] is not None, name
             error_type, message, seconds = rec["error"]
             assert error_type == UnevenInputsError.__name__ and seconds < 20, (name, rec["error"])
-            assert message.startswith(f"[rank {r}] batch 5 of training epoch 0 (ranks [0]) makes {kind}"), message
-            assert "ranks [1] have no training data left" in message and "uneven_inputs='stop'" in message
+            assert message.startswith(f"[rank {r}] training batch 5 (batch_idx 4) of epoch 0 on ranks [0] makes"
+                                      f" {kind}"), message
+            assert "in which ranks [1], out of training data, cannot take part" in message
+            assert "uneven_inputs='stop'" in message
             assert rec["steps"] == 4 and len(rec["seen"][0]) == (batches_of_rank_0 if r == 0 else 4)
 
 
@@ -228,8 +230,9 @@ def test_a_checkpoint_in_a_tail_step_while_rank_0_has_fewer_raises_naming_rank_0
         assert rec["error"] is not None
         error_type, message, seconds = rec["error"]
         assert error_type == UnevenInputsError.__name__ and seconds < 20, rec["error"]
-        assert message.startswith(f"[rank {r}] batch 5 of training epoch 0 (ranks [1]) makes a checkpoint save")
-        assert "rank 0, which writes checkpoints, has no data left" in message and "ranks [0]" in message
+        assert message.startswith(f"[rank {r}] training batch 5 (batch_idx 4) of epoch 0 on ranks [1] makes a"
+                                  " checkpoint save, which rank 0 writes")
+        assert "in which ranks [0], out of training data" in message and "give rank 0 the longest shard" in message
     assert sorted(p.name for p in (runs / "ckpt_fewer").iterdir()) == [f"step={s}.ckpt" for s in range(1, 5)]
 
 
