@@ -14,13 +14,15 @@ TESTS = ROOT / "tests"
 #: A module past this many lines is probably two concerns (STYLE.md); issue 25's cap for every module but those in
 #: :data:`LARGER_MODULES`.
 MAX_MODULE_LINES = 400
-#: Modules allowed more, each for a guarantee named here. strategy.py: issue 27's hooks for uneven inputs
-#: (``batch_to_device``, ``training_step``, ``reduce_boolean_decision``, a line in each collective), kept in hook order.
-LARGER_MODULES = {"ddp_strategy/strategy.py": 440}
+#: Modules allowed more, each for a guarantee named here, both issue 27's (training on uneven inputs). strategy.py:
+#: its hooks (``batch_to_device``, ``training_step``, ``reduce_boolean_decision``, a line in each collective), kept
+#: in hook order; sampling/uneven.py: both sides of the join protocol (what the ranks still training announce, what
+#: the ranks out of data do), read together.
+LARGER_MODULES = {"ddp_strategy/strategy.py": 440, "ddp_strategy/sampling/uneven.py": 430}
 #: The whole package (docstrings included, as ``wc -l`` counts) at most this many lines: issue 25's 6,000, raised by
 #: issue 27 (training on uneven inputs: sampling/uneven.py and its hooks). Raise it only for a new guarantee, and say
 #: which.
-MAX_PACKAGE_LINES = 6500
+MAX_PACKAGE_LINES = 6550
 #: Which sub-packages each part may import (through the sub-package's public names), lowest layer first.
 ALLOWED = {
     "_compat": set(),

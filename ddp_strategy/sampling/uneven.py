@@ -1,25 +1,15 @@
 """Uneven inputs: training when the ranks' loaders yield different numbers of batches (docs/sampling.md).
 
-An epoch's batch counts can differ across ranks, or be unknown, where the strategy does not shard the training
-loader (the user's shards under ``use_distributed_sampler=False``, their own distributed sampler, an
-``IterableDataset``). Then :class:`UnevenInputs` applies ``MyDDPStrategy(uneven_inputs=...)``:
-
-- ``"join"`` (default): the epoch runs inside torch's generic join context manager
-  (``torch.distributed.algorithms.Join``) with this object as its ``Joinable``. At each step's start every rank
-  with a batch notifies the context (``Join.notify_join_context``: an all-reduce of one number). A rank that has
-  trained its last batch enters ``Join.__exit__``, whose hook takes part in the others' steps: in a step with
-  fewer ranks the active ranks announce each collective (an all-reduce, MAX, of ``5 + W`` integers) and the
-  joined ranks join in: DDP's forward and its gradient buckets (zeros, as DDP's own join hook does),
-  ``strategy.reduce`` (``self.log(..., sync_dist=True)``) and ``reduce_boolean_decision`` with a neutral value
-  (a mean is over the active ranks), ``barrier``, ``broadcast`` from an active rank, a checkpoint save's
-  agreement. What a joined rank cannot take part in raises :class:`UnevenInputsError` on every rank at once.
-  When every rank is done, all take the module and training state of the highest rank that trained longest.
-- ``"stop"``: every rank ends the epoch with the batch where the first rank ends (the others' later batches are
-  not trained): with known counts by cutting the epoch to the fewest; else one all-reduce per step.
-- ``"error"``: known unequal counts raise ``ValueError`` at the epoch's start, unknown ones
-  :class:`UnevenInputsError` at the step where one rank ends before the others, on every rank.
-
-Loaders the strategy shards have equal counts: nothing of this runs, no collective is added.
+Where the strategy does not shard the training loader (the user's shards, sampler or ``IterableDataset``), an
+epoch's batch counts can differ or be unknown. ``uneven_inputs="join"`` (default) runs it in torch's generic join
+context manager (``torch.distributed.algorithms.Join``), :class:`UnevenInputs` its ``Joinable``: each step's ranks
+notify it (``Join.notify_join_context``: an all-reduce of one number); a rank past its last batch enters
+``Join.__exit__``, whose hook (:class:`_Shadow`) takes part in each collective the others announce in a *tail*
+step (an all-reduce, MAX, of ``5 + W`` integers): DDP's forward and gradient buckets (DDP's join-hook calls),
+reductions with a neutral value, barriers, broadcasts from an active rank, a save's agreement; anything else
+raises :class:`UnevenInputsError` on every rank. At the end every rank takes the longest rank's module and
+training state. ``"stop"`` ends every rank's epoch with the first rank's last batch; ``"error"`` refuses. Equal
+known counts (the strategy's own shards) cost nothing.
 """
 
 from __future__ import annotations
@@ -79,10 +69,8 @@ class UnevenInputs(Joinable):
 
     Args:
         policy: ``"join"``, ``"stop"`` or ``"error"``.
-        divide_by_initial_world_size: under ``"join"``, a step's gradient is the sum of the active ranks' divided
-            by the world size W (True, DDP's default: every sample weighs ``1 / (W * B)`` in every step), or by the
-            number of active ranks (False: a step's size does not shrink; DDP's ``join(divide_by_initial_world_size)``;
-            DDP's default all-reduce only, a comm hook divides as it does).
+        divide_by_initial_world_size: ``"join"``'s tail step divides its gradient sum by W (True, DDP's default for
+            ``DistributedDataParallel.join``: a sample weighs ``1 / (W * B)`` in every step) or by its ranks.
 
     Raises:
         ValueError: an unknown policy. TypeError: ``divide_by_initial_world_size`` not a bool.
@@ -140,9 +128,8 @@ class UnevenInputs(Joinable):
                 f"[rank {rank}] ranks have different numbers of training batches in epoch {epoch}:"
                 f" {dict(enumerate(counts))}, refused by MyDDPStrategy(uneven_inputs='error'). Pass uneven_inputs="
                 "'join' (the default: every rank trains all its batches) or 'stop' (all stop at the fewest), let"
-                " MyDDPStrategy shard the data (a map-style data set in a DataLoader, with"
-                " Trainer(use_distributed_sampler=True), the default), or make the shards you give each rank (your"
-                " own sampler, or your split under use_distributed_sampler=False) hold the same number of batches.")
+                " MyDDPStrategy shard the data (Trainer(use_distributed_sampler=True), the default), or make your"
+                " shards hold the same number of batches.")
         if self.policy == "join" and self._known and any(c % k for c in counts if c < max(counts)):
             raise ValueError(self._accumulation_message([r for r, c in enumerate(counts) if c % k and c < max(counts)]))
         if self.policy == "stop" and self._known:
@@ -156,14 +143,12 @@ class UnevenInputs(Joinable):
             self._mode = "flags"
 
     def step_start(self) -> None:
-        """At a training step's start (``batch_to_device``; ``training_step`` when the step takes the iterator),
-        every rank with a batch: one all-reduce (see the module docstring), once per step; under ``"join"`` with
-        ``accumulate_grad_batches > 1`` and unknown counts, a second (whether each rank's backward syncs).
+        """At a training step's start (``batch_to_device``, else ``training_step``), every rank with a batch, once:
+        one all-reduce (a second under ``"join"`` with unknown counts and ``accumulate_grad_batches > 1``).
 
         Raises:
-            UnevenInputsError: see the module docstring; also where ranks validate at different batches, or a
-                shorter rank's last batch ends an accumulation the others do not.
-            StopIteration: ``"stop"``, a rank had no batch at all: the epoch ends before this one.
+            UnevenInputsError: as the policy says; ranks validating at other batches; an accumulation a shorter
+                rank's last batch ends alone. StopIteration: ``"stop"``, a rank has no batch: the epoch ends here.
         """
         trainer = self._trainer
         if self._mode is None or not trainer.training:
@@ -215,8 +200,7 @@ class UnevenInputs(Joinable):
         return int(total.item()) % (world_size + 1), int(total.item()) // (world_size + 1), work
 
     def _out_of_step(self, stepping: int, validating: int) -> NoReturn:
-        """Some ranks start a validation run while others train a step (``val_check_interval`` counted on uneven
-        batch counts): raise on every rank (a word first to the ranks that only shadow)."""
+        """Some ranks validate while others train (``val_check_interval`` on uneven counts): raise on every rank."""
         if stepping + validating < self._trainer.world_size:
             self._exchange(_REFUSE, 5)
         raise UnevenInputsError(
@@ -301,9 +285,8 @@ class UnevenInputs(Joinable):
         raise UnevenInputsError(self._message(reason, batch, active))
 
     def finish(self) -> None:
-        """This rank has trained its last batch of the epoch: take part in the others' steps until all are done
-        (``Join.__exit__``), then agree on the state. A collective; a no-op unless joining. (``"stop"``'s cut epoch
-        gets its length back.)"""
+        """This rank's epoch is done: take part in the others' steps until all are (``Join.__exit__``); the state
+        copy follows. A collective unless the epoch was even. (A cut epoch gets its length back.)"""
         if self._uncut is not None:
             _pl.cut_epoch(self._trainer, self._uncut)
             self._uncut = None
@@ -322,9 +305,7 @@ class UnevenInputs(Joinable):
 
     def abandon(self) -> None:
         """After a failure, or at teardown: forget the epoch (no collective)."""
-        self._join, self._mode, self.tail, self._work = None, None, False, None
-        if self._trainer is not None and isinstance(self._trainer.strategy.model, DistributedDataParallel):
-            _tp.set_ddp_join_mode(self._trainer.strategy.model, False)
+        self._join, self._mode, self.tail, self._work = None, None, False, None  # (the DDP wrapper goes too)
 
     def _exchange(self, kind: int = 0, a: int = 0, b: int = 0, c: int = 0) -> tuple[Any, ...]:
         """One all-reduce (MAX) of ``[kind, a, b, c, batch, *active]``: the active ranks send, the joined zeros."""
@@ -406,15 +387,12 @@ class _Shadow(JoinHook):
 
 
 def _neutral(op: str, dtype: torch.dtype) -> float | int | bool:
-    """The value that leaves ``op``'s result unchanged: 0 for sum, 1 for product, the lowest for max, ..."""
-    if op in ("sum", "product"):
-        return int(op == "product")
-    if dtype == torch.bool:
-        return op == "min"
-    info = torch.finfo(dtype) if dtype.is_floating_point else torch.iinfo(dtype)
-    highest = float("inf") if dtype.is_floating_point else info.max
-    lowest = -highest if dtype.is_floating_point else info.min
-    return lowest if op == "max" else highest
+    """What leaves ``op``'s result unchanged: 0 (sum), 1 (product), the dtype's lowest (max) or highest (min)."""
+    if op in ("sum", "product") or dtype == torch.bool:
+        return int(op == "product") if op in ("sum", "product") else op == "min"
+    if dtype.is_floating_point:
+        return float("-inf") if op == "max" else float("inf")
+    return torch.iinfo(dtype).min if op == "max" else torch.iinfo(dtype).max
 
 
 class _EpochEnd(Callback):
@@ -441,10 +419,9 @@ class _EpochEnd(Callback):
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         """Rank 0 logs, for the fit summary, the policy and the batches each rank trained in each uneven epoch."""
-        uneven = self.uneven
-        if uneven.epochs:
-            divisor = "the world size" if uneven.divide_by_initial_world_size else "its number of ranks"
-            rule = {"join": f"; a step's gradient sum divided by {divisor}",
-                    "stop": "; the longer ranks' later batches not trained"}.get(uneven.policy, "")
-            epochs = ", ".join(f"epoch {epoch}: {list(counts)}" for epoch, counts in uneven.epochs.items())
-            rank_zero_info(f"Uneven inputs (uneven_inputs={uneven.policy!r}{rule}): batches trained per rank, {epochs}")
+        u = self.uneven
+        rule = {"join": f"; a step's gradient sum divided by {'W' if u.divide_by_initial_world_size else 'its ranks'}",
+                "stop": "; the longer ranks' later batches not trained"}.get(u.policy, "")
+        if u.epochs:
+            epochs = ", ".join(f"epoch {epoch}: {list(counts)}" for epoch, counts in u.epochs.items())
+            rank_zero_info(f"Uneven inputs (uneven_inputs={u.policy!r}{rule}): batches trained per rank, {epochs}")
