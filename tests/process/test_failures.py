@@ -140,8 +140,8 @@ def jobs(request, tmp_path_factory) -> dict[str, Job]:
     [
         ("train_raise/popen", "[rank 1] failed: ZeroDivisionError: rank 1 divided by zero on purpose",
          "Cause: rank 1 failed: ZeroDivisionError: rank 1 divided by zero on purpose"),
-        ("train_raise/spawn", "[rank 1] failed: ZeroDivisionError: rank 1 divided by zero on purpose",
-         "-- Process 1 terminated with the following error"),
+        pytest.param("train_raise/spawn", "[rank 1] failed: ZeroDivisionError: rank 1 divided by zero on purpose",
+                     "-- Process 1 terminated with the following error", marks=pytest.mark.slow),
         ("val_raise/popen", "[rank 0] failed: KeyError: 'rank 0 lost a key in validation on purpose'", None),
         ("callback_raise/popen", "[rank 1] failed: ValueError: a callback on rank 1 failed on purpose",
          "Cause: rank 1 failed: ValueError: a callback on rank 1 failed on purpose"),
@@ -159,7 +159,7 @@ def test_an_exception_on_one_rank_ends_every_rank_within_30_s(jobs, job, own, se
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("job", ["sigkill/popen", "sigkill/spawn"])
+@pytest.mark.parametrize("job", ["sigkill/popen", pytest.param("sigkill/spawn", marks=pytest.mark.slow)])
 def test_a_killed_rank_is_named_and_the_others_exit_within_60_s(jobs, job):
     """SIGKILL of rank 1 mid-epoch: the others notice at once and the error names the lost rank."""
     ended = jobs[job].result()
@@ -201,7 +201,7 @@ def test_collectives_out_of_step_fail_within_the_timeout_with_the_likely_cause(j
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("job", ["sigterm/popen", "sigterm/spawn"])
+@pytest.mark.parametrize("job", ["sigterm/popen", pytest.param("sigterm/spawn", marks=pytest.mark.slow)])
 def test_sigterm_saves_a_checkpoint_that_resumes_and_leaves_no_process(jobs, job):
     """SIGTERM to the launcher (pre-emption): all ranks stop, a checkpoint is written, and fit resumes from it."""
     ended = jobs[job].result()
