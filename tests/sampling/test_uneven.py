@@ -188,10 +188,11 @@ def test_refused_collectives_raise_uneven_inputs_error_on_every_rank_without_wai
     """In rank 0's 5th step while rank 1 is out of data, self.all_gather, a broadcast from rank 1 and a torchmetrics
     metric with dist_sync_on_step=True (refused before the step runs) each raise UnevenInputsError on both ranks
     within seconds (the collective timeout is 60 s), naming the collective, the batch and the rank without data, with
-    what to do."""
+    what to do; so does Trainer(sync_batchnorm=True) with a BatchNorm (refused before the step, no gloo abort)."""
+    per_step_sync = "a per-step sync a rank without data cannot shadow (a torchmetrics Metric"
     kinds = {"refuse_all_gather": ("an all_gather", 5),
              "refuse_broadcast": ("a broadcast from a rank that has no data left", 5),
-             "refuse_metric": ("a per-step sync a rank without data cannot shadow (a torchmetrics Metric", 4)}
+             "refuse_metric": (per_step_sync, 4), "refuse_sync_batchnorm": (per_step_sync, 4)}
     for name, (kind, batches_of_rank_0) in kinds.items():
         for r, rec in enumerate(load(runs, name, 2)):
             assert rec["error"] is not None, name
