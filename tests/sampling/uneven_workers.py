@@ -191,7 +191,8 @@ def scenario_join(out: Path) -> None:
     """The default policy: an IterableDataset (5 and 4 batches) with uneven validation, the shadowed collectives
     and a checkpoint each step (rank 0 has more); pre-sharded map-style data (4 and 3 batches) with uneven
     validation, and with the other gradient divisor; a checkpoint each step while rank 0 has fewer; each refused
-    collective (an all_gather, a broadcast from the joined rank, torchmetrics' per-step sync, SyncBatchNorm)."""
+    collective (an all_gather, a broadcast from the joined rank, torchmetrics' per-step sync, SyncBatchNorm); then
+    the cases a probe found hanging: accumulate_grad_batches (refused, and one that trains)."""
     fit(out, "join_iterable", stream(ITERABLE, ITERABLE_BATCH), stream(VAL, VAL_BATCH, VAL_SALT), Probed(SHADOWED),
         callbacks=[every_step_checkpoint(out / "ckpt_more")], enable_checkpointing=True)
     fit(out, "join_map", own_shard(MAP, MAP_BATCH), own_shard(VAL, VAL_BATCH, VAL_SALT), use_distributed_sampler=False)
@@ -205,6 +206,9 @@ def scenario_join(out: Path) -> None:
     fit(out, "refuse_metric", stream(ITERABLE, ITERABLE_BATCH), model=Probed(metric=True))
     fit(out, "buffers", stream(BN_COUNTS, ITERABLE_BATCH), model=Normed(), max_epochs=1)
     fit(out, "refuse_sync_batchnorm", stream(ITERABLE, ITERABLE_BATCH), model=Normed(), sync_batchnorm=True)
+    fit(out, "accumulate_3", stream(ITERABLE, ITERABLE_BATCH), accumulate_grad_batches=3)
+    fit(out, "accumulate_map", own_shard(MAP, MAP_BATCH), use_distributed_sampler=False, accumulate_grad_batches=2)
+    fit(out, "accumulate_2", stream(ITERABLE, ITERABLE_BATCH), accumulate_grad_batches=2)
 
 
 def scenario_policies(out: Path) -> None:
