@@ -192,7 +192,8 @@ def scenario_join(out: Path) -> None:
     and a checkpoint each step (rank 0 has more); pre-sharded map-style data (4 and 3 batches) with uneven
     validation, and with the other gradient divisor; a checkpoint each step while rank 0 has fewer; each refused
     collective (an all_gather, a broadcast from the joined rank, torchmetrics' per-step sync, SyncBatchNorm); then
-    the cases a probe found hanging: accumulate_grad_batches (refused, and one that trains)."""
+    the cases a probe found hanging: accumulate_grad_batches (refused, and one that trains), validation inside
+    the epoch (val_check_interval)."""
     fit(out, "join_iterable", stream(ITERABLE, ITERABLE_BATCH), stream(VAL, VAL_BATCH, VAL_SALT), Probed(SHADOWED),
         callbacks=[every_step_checkpoint(out / "ckpt_more")], enable_checkpointing=True)
     fit(out, "join_map", own_shard(MAP, MAP_BATCH), own_shard(VAL, VAL_BATCH, VAL_SALT), use_distributed_sampler=False)
@@ -209,6 +210,10 @@ def scenario_join(out: Path) -> None:
     fit(out, "accumulate_3", stream(ITERABLE, ITERABLE_BATCH), accumulate_grad_batches=3)
     fit(out, "accumulate_map", own_shard(MAP, MAP_BATCH), use_distributed_sampler=False, accumulate_grad_batches=2)
     fit(out, "accumulate_2", stream(ITERABLE, ITERABLE_BATCH), accumulate_grad_batches=2)
+    val = stream(VAL, VAL_BATCH, VAL_SALT)
+    fit(out, "val_every_2", stream(ITERABLE, ITERABLE_BATCH), val, val_check_interval=2, check_val_every_n_epoch=None)
+    fit(out, "val_half_map", own_shard(MAP, MAP_BATCH), own_shard(VAL, VAL_BATCH, VAL_SALT),
+        use_distributed_sampler=False, val_check_interval=0.5)
 
 
 def scenario_policies(out: Path) -> None:
