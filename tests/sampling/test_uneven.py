@@ -379,3 +379,18 @@ def test_validation_inside_an_uneven_epoch_is_refused_on_every_rank(runs):
     assert_refused(records, UnevenInputsError.__name__, "start a validation run while 1 train a batch",
                    "Trainer(val_check_interval=0.5) counts each rank's own batches")
     assert [rec["val"] for rec in records] == [[], []]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_an_iterable_datasets_limit_or_length_is_a_hint_and_trains_under_join(runs):
+    """An IterableDataset of 5 and 4 batches under limit_train_batches=5, and one whose __len__ says 5 batches on
+    both ranks: each trains like the plain case (every batch once per epoch, 10 steps, counts (5, 4) recorded,
+    the reference weights on both ranks), not a hang waiting for rank 1's 5th batch."""
+    expected = indices(ITERABLE, ITERABLE_BATCH)
+    for name in ("limit_5", "length_hint"):
+        records = load(runs, name, 2)
+        for r, rec in enumerate(records):
+            assert rec["error"] is None and rec["seen"] == {e: expected[r] for e in range(EPOCHS)}, name
+            assert rec["steps"] == 10 and rec["epochs"] == {0: (5, 4), 1: (5, 4)}, name
+        assert_weights(records, reference(ITERABLE, ITERABLE_BATCH).layer)

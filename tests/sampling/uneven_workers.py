@@ -57,6 +57,13 @@ class Stream(IterableDataset):
         return iter(zip(x, y, idx, strict=True))
 
 
+class Hinted(Stream):
+    """A :class:`Stream` whose ``__len__`` gives the longest rank's count on every rank: a length that is a hint."""
+
+    def __len__(self) -> int:
+        return max(self.counts)
+
+
 def stream(counts: tuple[int, ...], batch_size: int, salt: int = TRAIN_SALT) -> DataLoader:
     return DataLoader(Stream(counts, salt), batch_size=batch_size)
 
@@ -193,7 +200,7 @@ def scenario_join(out: Path) -> None:
     validation, and with the other gradient divisor; a checkpoint each step while rank 0 has fewer; each refused
     collective (an all_gather, a broadcast from the joined rank, torchmetrics' per-step sync, SyncBatchNorm); then
     the cases a probe found hanging: accumulate_grad_batches (refused, and one that trains), validation inside
-    the epoch (val_check_interval)."""
+    the epoch (val_check_interval), and an IterableDataset with limit_train_batches or a __len__ (both hints)."""
     fit(out, "join_iterable", stream(ITERABLE, ITERABLE_BATCH), stream(VAL, VAL_BATCH, VAL_SALT), Probed(SHADOWED),
         callbacks=[every_step_checkpoint(out / "ckpt_more")], enable_checkpointing=True)
     fit(out, "join_map", own_shard(MAP, MAP_BATCH), own_shard(VAL, VAL_BATCH, VAL_SALT), use_distributed_sampler=False)
@@ -214,6 +221,8 @@ def scenario_join(out: Path) -> None:
     fit(out, "val_every_2", stream(ITERABLE, ITERABLE_BATCH), val, val_check_interval=2, check_val_every_n_epoch=None)
     fit(out, "val_half_map", own_shard(MAP, MAP_BATCH), own_shard(VAL, VAL_BATCH, VAL_SALT),
         use_distributed_sampler=False, val_check_interval=0.5)
+    fit(out, "limit_5", stream(ITERABLE, ITERABLE_BATCH), limit_train_batches=5)
+    fit(out, "length_hint", DataLoader(Hinted(ITERABLE, TRAIN_SALT), batch_size=ITERABLE_BATCH))
 
 
 def scenario_policies(out: Path) -> None:
