@@ -394,3 +394,21 @@ def test_an_iterable_datasets_limit_or_length_is_a_hint_and_trains_under_join(ru
             assert rec["error"] is None and rec["seen"] == {e: expected[r] for e in range(EPOCHS)}, name
             assert rec["steps"] == 10 and rec["epochs"] == {0: (5, 4), 1: (5, 4)}, name
         assert_weights(records, reference(ITERABLE, ITERABLE_BATCH).layer)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_a_rank_without_any_batch_stops_every_rank_or_is_refused(runs):
+    """An IterableDataset where rank 1 yields nothing: uneven_inputs="stop" ends both epochs before any batch on
+    every rank (no step, the initial weights, counts (0, 0) recorded on rank 0), without a hang; uneven_inputs=
+    "error" raises UnevenInputsError on both ranks within seconds."""
+    records = load(runs, "stop_none", 2)
+    for rec in records:
+        assert rec["error"] is None and rec["steps"] == 0 and rec["seen"] == {}
+        assert torch.equal(rec["weights"]["layer.weight"], rec["initial"]["weight"])
+    assert records[0]["epochs"] == {0: (0, 0), 1: (0, 0)}
+    records = load(runs, "error_none", 2)
+    assert_refused(records, UnevenInputsError.__name__, "uneven_inputs='error'")
+    assert "ranks [1] reach the end of their training data at batch 1 of epoch 0" in records[0]["error"][1]
+    assert "this rank has no training batch in epoch 0 while others have some" in records[1]["error"][1]
+    assert all(rec["steps"] == 0 for rec in records)

@@ -226,14 +226,18 @@ def scenario_join(out: Path) -> None:
 
 
 def scenario_policies(out: Path) -> None:
-    """uneven_inputs="stop" and "error" on both loader kinds; even inputs under MyDDPStrategy, a loader the
-    strategy shards, then the even inputs under Lightning's ddp (last: its teardown keeps the process group)."""
+    """uneven_inputs="stop" and "error" on both loader kinds and on a rank without any batch; even inputs under
+    MyDDPStrategy, a loader the strategy shards, then the even inputs under Lightning's ddp (last: its teardown keeps
+    the process group)."""
     fit(out, "stop_iterable", stream(ITERABLE, ITERABLE_BATCH), strategy=strategy(uneven_inputs="stop"))
     fit(out, "stop_map", own_shard(MAP, MAP_BATCH), use_distributed_sampler=False,
         strategy=strategy(uneven_inputs="stop"))
     fit(out, "error_map", own_shard(MAP, MAP_BATCH), use_distributed_sampler=False,
         strategy=strategy(uneven_inputs="error"))
     fit(out, "error_iterable", stream(ITERABLE, ITERABLE_BATCH), strategy=strategy(uneven_inputs="error"))
+    none = (ITERABLE[0], 0)  # rank 1 has no batch at all
+    fit(out, "stop_none", stream(none, ITERABLE_BATCH), strategy=strategy(uneven_inputs="stop"))
+    fit(out, "error_none", stream(none, ITERABLE_BATCH), strategy=strategy(uneven_inputs="error"))
     even, val = (ITERABLE[0], ITERABLE[0]), stream((VAL[0], VAL[0]), VAL_BATCH, VAL_SALT)
     fit(out, "even_ours", stream(even, ITERABLE_BATCH), val, Probed(("log",)))
     whole = DataLoader(TensorDataset(*samples(0, 20, TRAIN_SALT)), batch_size=2, shuffle=True)
