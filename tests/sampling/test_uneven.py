@@ -75,10 +75,12 @@ def rank_batches(counts: tuple[int, ...], batch_size: int, salt: int = TRAIN_SAL
 
 
 def reference(counts: tuple[int, ...], batch_size: int, by_world_size: bool = True, steps: int | None = None,
-              epochs: int = EPOCHS) -> SimpleNamespace:
+              epochs: int = EPOCHS, accumulate: int = 1) -> SimpleNamespace:
     """One process, the documented rule: ``layer`` (final), ``after_step`` (the weights after each step), ``val``
     (after each epoch, the loss over all of ``VAL``'s samples) and ``val_of_batch_means`` (the mean of its batches'
-    means, which weighs the one-sample batch more). ``steps``: per epoch (default: the most batches of any rank)."""
+    means, which weighs the one-sample batch more). ``steps``: batches per epoch (default: the most of any rank);
+    ``accumulate``: batches per optimizer step (Lightning divides each loss by it; the epoch's last step may hold
+    fewer)."""
     layer = make_layer()
     optimizer = torch.optim.SGD(layer.parameters(), lr=LR, momentum=MOMENTUM)
     per_rank, world_size = rank_batches(counts, batch_size), len(counts)
@@ -86,11 +88,13 @@ def reference(counts: tuple[int, ...], batch_size: int, by_world_size: bool = Tr
     val_x, val_y = (torch.cat([b[i] for b in val_batches]) for i in (0, 1))
     result = SimpleNamespace(layer=layer, after_step=[], val=[], val_of_batch_means=[])
     for _ in range(epochs):
-        for s in range(steps or max(map(len, per_rank))):
-            active = [batches[s] for batches in per_rank if s < len(batches)]
+        n = steps or max(map(len, per_rank))
+        for first in range(0, n, accumulate):
             optimizer.zero_grad()
-            total = sum(loss_of(layer, x, y) for x, y, _ in active)
-            (total / (world_size if by_world_size else len(active))).backward()
+            for s in range(first, min(first + accumulate, n)):
+                active = [batches[s] for batches in per_rank if s < len(batches)]
+                total = sum(loss_of(layer, x, y) for x, y, _ in active) / accumulate
+                (total / (world_size if by_world_size else len(active))).backward()
             optimizer.step()
             result.after_step.append({f"layer.{k}": v.detach().clone() for k, v in layer.state_dict().items()})
         with torch.no_grad():
@@ -188,10 +192,11 @@ def test_refused_collectives_raise_uneven_inputs_error_on_every_rank_without_wai
     """In rank 0's 5th step while rank 1 is out of data, self.all_gather, a broadcast from rank 1 and a torchmetrics
     metric with dist_sync_on_step=True (refused before the step runs) each raise UnevenInputsError on both ranks
     within seconds (the collective timeout is 60 s), naming the collective, the batch and the rank without data, with
-    what to do."""
+    what to do; so does Trainer(sync_batchnorm=True) with a BatchNorm (refused before the step, no gloo abort)."""
+    per_step_sync = "a per-step sync a rank without data cannot shadow (a torchmetrics Metric"
     kinds = {"refuse_all_gather": ("an all_gather", 5),
              "refuse_broadcast": ("a broadcast from a rank that has no data left", 5),
-             "refuse_metric": ("a per-step sync a rank without data cannot shadow (a torchmetrics Metric", 4)}
+             "refuse_metric": (per_step_sync, 4), "refuse_sync_batchnorm": (per_step_sync, 4)}
     for name, (kind, batches_of_rank_0) in kinds.items():
         for r, rec in enumerate(load(runs, name, 2)):
             assert rec["error"] is not None, name
@@ -317,3 +322,93 @@ def test_even_inputs_train_bitwise_as_under_lightning_ddp_and_sharded_loaders_ar
     assert not torch.equal(ours[0]["weights"]["layer.weight"], ours[0]["initial"]["weight"])
     for rec in load(runs, "sharded", 2):
         assert rec["error"] is None and rec["steps"] == 5 and rec["epochs"] == {}
+
+
+def assert_refused(records: list[dict], error_type: str, *parts: str) -> None:
+    """Every rank raised ``error_type`` within seconds (the collective timeout is 60 s), its message naming its rank
+    and holding each of ``parts``."""
+    for r, rec in enumerate(records):
+        assert rec["error"] is not None
+        got_type, message, seconds = rec["error"]
+        assert got_type == error_type and seconds < 20 and message.startswith(f"[rank {r}] "), rec["error"]
+        assert all(part in message for part in parts), (parts, message)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_accumulation_that_a_shorter_ranks_last_batch_ends_is_refused_on_every_rank(runs):
+    """accumulate_grad_batches=3 on an IterableDataset, 5 and 4 batches: rank 1's last batch would end an
+    accumulation alone, so both ranks raise UnevenInputsError at batch 4's start (after 3 batches, one optimizer
+    step), naming k and rank 1; pre-sharded 4 and 3 batches with k=2 (known counts): ValueError at the epoch's
+    start, before any step."""
+    accumulation = "on ranks with different numbers of training batches (epoch 0): the last batch of ranks [1] ends"
+    records = load(runs, "accumulate_3", 2)
+    assert_refused(records, UnevenInputsError.__name__, f"accumulate_grad_batches=3 {accumulation}",
+                   "a multiple of 3 batches")
+    assert [rec["steps"] for rec in records] == [1, 1] and [len(rec["seen"][0]) for rec in records] == [3, 3]
+    records = load(runs, "accumulate_map", 2)
+    assert_refused(records, "ValueError", f"accumulate_grad_batches=2 {accumulation}", "a multiple of 2 batches")
+    assert all(rec["steps"] == 0 and rec["seen"] == {} for rec in records)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_accumulation_that_every_shorter_rank_ends_trains_every_batch_once_with_the_reference_weights(runs):
+    """accumulate_grad_batches=2 on an IterableDataset, 5 and 4 batches: rank 1's last batch ends an accumulation,
+    so the epoch trains under join: every batch once per epoch, 3 optimizer steps (the 3rd rank 0's 5th batch alone),
+    identical weights equal to the reference with each loss divided by 2."""
+    records = load(runs, "accumulate_2", 2)
+    expected = indices(ITERABLE, ITERABLE_BATCH)
+    for r, rec in enumerate(records):
+        assert rec["error"] is None and rec["seen"] == {e: expected[r] for e in range(EPOCHS)}
+        assert rec["steps"] == 6 and rec["epochs"] == {0: (5, 4), 1: (5, 4)}
+    assert_weights(records, reference(ITERABLE, ITERABLE_BATCH, accumulate=2).layer)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_validation_inside_an_uneven_epoch_is_refused_on_every_rank(runs):
+    """val_check_interval=2 on an IterableDataset (5 and 4 batches: rank 1's 4th, its last, would validate alone
+    after the shared run at batch 2) and val_check_interval=0.5 on pre-sharded 4 and 3 batches (rank 1 validates
+    after batch 1, rank 0 after 2): UnevenInputsError on both ranks within seconds, naming the validation run and
+    val_check_interval."""
+    records = load(runs, "val_every_2", 2)
+    assert_refused(records, UnevenInputsError.__name__, "validation run", "val_check_interval")
+    assert [rec["steps"] for rec in records] == [4, 4] and [len(rec["val"]) for rec in records] == [1, 1]
+    records = load(runs, "val_half_map", 2)
+    assert_refused(records, UnevenInputsError.__name__, "start a validation run while 1 train a batch",
+                   "Trainer(val_check_interval=0.5) counts each rank's own batches")
+    assert [rec["val"] for rec in records] == [[], []]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_an_iterable_datasets_limit_or_length_is_a_hint_and_trains_under_join(runs):
+    """An IterableDataset of 5 and 4 batches under limit_train_batches=5, and one whose __len__ says 5 batches on
+    both ranks: each trains like the plain case (every batch once per epoch, 10 steps, counts (5, 4) recorded,
+    the reference weights on both ranks), not a hang waiting for rank 1's 5th batch."""
+    expected = indices(ITERABLE, ITERABLE_BATCH)
+    for name in ("limit_5", "length_hint"):
+        records = load(runs, name, 2)
+        for r, rec in enumerate(records):
+            assert rec["error"] is None and rec["seen"] == {e: expected[r] for e in range(EPOCHS)}, name
+            assert rec["steps"] == 10 and rec["epochs"] == {0: (5, 4), 1: (5, 4)}, name
+        assert_weights(records, reference(ITERABLE, ITERABLE_BATCH).layer)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_a_rank_without_any_batch_stops_every_rank_or_is_refused(runs):
+    """An IterableDataset where rank 1 yields nothing: uneven_inputs="stop" ends both epochs before any batch on
+    every rank (no step, the initial weights, counts (0, 0) recorded on rank 0), without a hang; uneven_inputs=
+    "error" raises UnevenInputsError on both ranks within seconds."""
+    records = load(runs, "stop_none", 2)
+    for rec in records:
+        assert rec["error"] is None and rec["steps"] == 0 and rec["seen"] == {}
+        assert torch.equal(rec["weights"]["layer.weight"], rec["initial"]["weight"])
+    assert records[0]["epochs"] == {0: (0, 0), 1: (0, 0)}
+    records = load(runs, "error_none", 2)
+    assert_refused(records, UnevenInputsError.__name__, "uneven_inputs='error'")
+    assert "ranks [1] reach the end of their training data at batch 1 of epoch 0" in records[0]["error"][1]
+    assert "this rank has no training batch in epoch 0 while others have some" in records[1]["error"][1]
+    assert all(rec["steps"] == 0 for rec in records)

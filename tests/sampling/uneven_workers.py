@@ -57,6 +57,13 @@ class Stream(IterableDataset):
         return iter(zip(x, y, idx, strict=True))
 
 
+class Hinted(Stream):
+    """A :class:`Stream` whose ``__len__`` gives the longest rank's count on every rank: a length that is a hint."""
+
+    def __len__(self) -> int:
+        return max(self.counts)
+
+
 def stream(counts: tuple[int, ...], batch_size: int, salt: int = TRAIN_SALT) -> DataLoader:
     return DataLoader(Stream(counts, salt), batch_size=batch_size)
 
@@ -191,7 +198,9 @@ def scenario_join(out: Path) -> None:
     """The default policy: an IterableDataset (5 and 4 batches) with uneven validation, the shadowed collectives
     and a checkpoint each step (rank 0 has more); pre-sharded map-style data (4 and 3 batches) with uneven
     validation, and with the other gradient divisor; a checkpoint each step while rank 0 has fewer; each refused
-    collective (an all_gather, a broadcast from the joined rank, torchmetrics' per-step sync)."""
+    collective (an all_gather, a broadcast from the joined rank, torchmetrics' per-step sync, SyncBatchNorm); then
+    the cases a probe found hanging: accumulate_grad_batches (refused, and one that trains), validation inside
+    the epoch (val_check_interval), and an IterableDataset with limit_train_batches or a __len__ (both hints)."""
     fit(out, "join_iterable", stream(ITERABLE, ITERABLE_BATCH), stream(VAL, VAL_BATCH, VAL_SALT), Probed(SHADOWED),
         callbacks=[every_step_checkpoint(out / "ckpt_more")], enable_checkpointing=True)
     fit(out, "join_map", own_shard(MAP, MAP_BATCH), own_shard(VAL, VAL_BATCH, VAL_SALT), use_distributed_sampler=False)
@@ -204,17 +213,31 @@ def scenario_join(out: Path) -> None:
     fit(out, "refuse_broadcast", stream(ITERABLE, ITERABLE_BATCH), model=Probed(("broadcast_from_1",)))
     fit(out, "refuse_metric", stream(ITERABLE, ITERABLE_BATCH), model=Probed(metric=True))
     fit(out, "buffers", stream(BN_COUNTS, ITERABLE_BATCH), model=Normed(), max_epochs=1)
+    fit(out, "refuse_sync_batchnorm", stream(ITERABLE, ITERABLE_BATCH), model=Normed(), sync_batchnorm=True)
+    fit(out, "accumulate_3", stream(ITERABLE, ITERABLE_BATCH), accumulate_grad_batches=3)
+    fit(out, "accumulate_map", own_shard(MAP, MAP_BATCH), use_distributed_sampler=False, accumulate_grad_batches=2)
+    fit(out, "accumulate_2", stream(ITERABLE, ITERABLE_BATCH), accumulate_grad_batches=2)
+    val = stream(VAL, VAL_BATCH, VAL_SALT)
+    fit(out, "val_every_2", stream(ITERABLE, ITERABLE_BATCH), val, val_check_interval=2, check_val_every_n_epoch=None)
+    fit(out, "val_half_map", own_shard(MAP, MAP_BATCH), own_shard(VAL, VAL_BATCH, VAL_SALT),
+        use_distributed_sampler=False, val_check_interval=0.5)
+    fit(out, "limit_5", stream(ITERABLE, ITERABLE_BATCH), limit_train_batches=5)
+    fit(out, "length_hint", DataLoader(Hinted(ITERABLE, TRAIN_SALT), batch_size=ITERABLE_BATCH))
 
 
 def scenario_policies(out: Path) -> None:
-    """uneven_inputs="stop" and "error" on both loader kinds; even inputs under MyDDPStrategy, a loader the
-    strategy shards, then the even inputs under Lightning's ddp (last: its teardown keeps the process group)."""
+    """uneven_inputs="stop" and "error" on both loader kinds and on a rank without any batch; even inputs under
+    MyDDPStrategy, a loader the strategy shards, then the even inputs under Lightning's ddp (last: its teardown keeps
+    the process group)."""
     fit(out, "stop_iterable", stream(ITERABLE, ITERABLE_BATCH), strategy=strategy(uneven_inputs="stop"))
     fit(out, "stop_map", own_shard(MAP, MAP_BATCH), use_distributed_sampler=False,
         strategy=strategy(uneven_inputs="stop"))
     fit(out, "error_map", own_shard(MAP, MAP_BATCH), use_distributed_sampler=False,
         strategy=strategy(uneven_inputs="error"))
     fit(out, "error_iterable", stream(ITERABLE, ITERABLE_BATCH), strategy=strategy(uneven_inputs="error"))
+    none = (ITERABLE[0], 0)  # rank 1 has no batch at all
+    fit(out, "stop_none", stream(none, ITERABLE_BATCH), strategy=strategy(uneven_inputs="stop"))
+    fit(out, "error_none", stream(none, ITERABLE_BATCH), strategy=strategy(uneven_inputs="error"))
     even, val = (ITERABLE[0], ITERABLE[0]), stream((VAL[0], VAL[0]), VAL_BATCH, VAL_SALT)
     fit(out, "even_ours", stream(even, ITERABLE_BATCH), val, Probed(("log",)))
     whole = DataLoader(TensorDataset(*samples(0, 20, TRAIN_SALT)), batch_size=2, shuffle=True)
