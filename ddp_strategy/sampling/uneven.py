@@ -295,7 +295,8 @@ class UnevenInputs(Joinable):
             if len(set(self._flags(3))) > 1 and self.policy == "error":
                 raise UnevenInputsError(f"[rank {self._trainer.global_rank}] this rank has no training batch in epoch"
                                         f" {self._trainer.current_epoch} while others have some"
-                                        " (MyDDPStrategy(uneven_inputs='error')).")
+                                        " (MyDDPStrategy(uneven_inputs='error')). Pass uneven_inputs='join' or"
+                                        " 'stop', or give every rank batches.")
         join, self._join = self._join, None
         if join is not None:
             if self.tail:
