@@ -112,7 +112,12 @@ class SignalsAtStepBoundary(Callback):
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         """Act on the flags sent a step ago; send this step's (a collective, every rank)."""
         self._agree(trainer)
-        if not self._stopping and not self.uneven.tail:
+        if not self.uneven.tail:
+            self._send()
+
+    def _send(self) -> None:
+        """Start the all-reduce of this rank's flags (unless stopping); :meth:`_agree` waits for it."""
+        if not self._stopping:
             pending, self._flags = self._flags, [self._flags[0], 0]  # a signal now lands in one or the other
             flags = torch.tensor(pending, dtype=torch.uint8)
             work = dist.all_reduce(flags, dist.ReduceOp.MAX, self.group, async_op=True) if self.world_size > 1 else None
@@ -123,8 +128,8 @@ class SignalsAtStepBoundary(Callback):
         on those of the steps only some ranks took. Collective."""
         self._agree(trainer)
         if len(set(self.uneven.epochs.get(trainer.current_epoch, ()))) > 1:  # the same on every rank
-            self.on_train_batch_end(trainer, pl_module, None, None, 0)  # send them now ...
-            self._agree(trainer)  # ... and act on them
+            self._send()
+            self._agree(trainer)
 
     def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
         if self._stopping:  # the validation loop would stop at its first batch: it ends first
