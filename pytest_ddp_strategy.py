@@ -19,8 +19,10 @@ import pytest
 def pytest_configure(config: pytest.Config) -> None:
     """Register the ``ddp`` marker."""
     config.addinivalue_line(
-        "markers", "ddp(world_size=2, timeout_s=60, **run_on_ranks_options): defaults for the ddp_ranks fixture;"
-                   " the world size may also be the one positional argument, ddp(3)")
+        "markers",
+        "ddp(world_size=2, timeout_s=60, **run_on_ranks_options): defaults for the ddp_ranks fixture;"
+        " the world size may also be the one positional argument, ddp(3)",
+    )
 
 
 def _marker_options(marker: pytest.Mark | None) -> dict[str, Any]:
@@ -41,18 +43,22 @@ def _marker_options(marker: pytest.Mark | None) -> dict[str, Any]:
     usage = "write it as @pytest.mark.ddp(3) or @pytest.mark.ddp(world_size=3, timeout_s=60, ...)"
     options = dict(marker.kwargs)
     if len(marker.args) > 1:
-        raise ValueError(f"@pytest.mark.ddp takes at most one positional argument, the world size; got"
-                         f" {marker.args!r}: {usage}.")
+        raise ValueError(
+            f"@pytest.mark.ddp takes at most one positional argument, the world size; got {marker.args!r}: {usage}."
+        )
     if marker.args and "world_size" in options:
-        raise ValueError(f"@pytest.mark.ddp got the world size both as {marker.args[0]!r} and as"
-                         f" world_size={options['world_size']!r}: {usage}.")
+        raise ValueError(
+            f"@pytest.mark.ddp got the world size both as {marker.args[0]!r} and as"
+            f" world_size={options['world_size']!r}: {usage}."
+        )
     if marker.args:
         options["world_size"] = marker.args[0]
     accepted = [name for name in inspect.signature(run_on_ranks).parameters if name != "fn"]
     unknown = sorted(set(options) - set(accepted))
     if unknown:
-        raise ValueError(f"@pytest.mark.ddp got {unknown}, which run_on_ranks does not take; its options are"
-                         f" {accepted}: {usage}.")
+        raise ValueError(
+            f"@pytest.mark.ddp got {unknown}, which run_on_ranks does not take; its options are {accepted}: {usage}."
+        )
     return options
 
 

@@ -69,7 +69,13 @@ def _kill_group(pgid: int) -> None:
 
 
 def run_one(
-    impl: str, workload: str, world_size: int, steps: int, args: argparse.Namespace, repeat: int, order: int,
+    impl: str,
+    workload: str,
+    world_size: int,
+    steps: int,
+    args: argparse.Namespace,
+    repeat: int,
+    order: int,
     extra: tuple[str, ...] = (),
 ) -> RunResult:
     """Launch one configuration in a fresh process group and collect each rank's JSON.

@@ -44,8 +44,9 @@ def run(variant: str, marks: str | None, extra: list[str]) -> dict[str, object]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--variants", default="serial,parallel", help="comma-separated: serial, parallel")
-    parser.add_argument("--marks", default=None,
-                        help="pytest -m expression for every variant (default: pyproject's 'not soak')")
+    parser.add_argument(
+        "--marks", default=None, help="pytest -m expression for every variant (default: pyproject's 'not soak')"
+    )
     parser.add_argument("extra", nargs="*", help="extra pytest arguments (after --)")
     opts = parser.parse_args()
     rows = [run(v, opts.marks, opts.extra) for v in opts.variants.split(",")]
@@ -53,8 +54,10 @@ def main() -> None:
     print("|---|---:|---:|---:|---:|")
     for r in rows:
         minutes, seconds = divmod(round(r["wall"]), 60)
-        print(f"| {r['variant']} | {minutes}:{seconds:02d} | {r.get('passed', 0)} | {r.get('failed', 0)} "
-              f"| {r.get('skipped', 0)} |")
+        print(
+            f"| {r['variant']} | {minutes}:{seconds:02d} | {r.get('passed', 0)} | {r.get('failed', 0)} "
+            f"| {r.get('skipped', 0)} |"
+        )
 
 
 if __name__ == "__main__":

@@ -87,14 +87,23 @@ def main() -> None:
     import tiny_fit
 
     first = timed(lambda: run_on_ranks(all_reduce_one, 2))
-    rows: dict[str, list[float]] = {"kit, plain function": [], "kit, Trainer.fit": [], "popen, Trainer.fit": [],
-                                    "spawn, Trainer.fit": []}
+    rows: dict[str, list[float]] = {
+        "kit, plain function": [],
+        "kit, Trainer.fit": [],
+        "popen, Trainer.fit": [],
+        "spawn, Trainer.fit": [],
+    }
     for _ in range(args.repeats):
         rows["kit, plain function"].append(timed(lambda: run_on_ranks(all_reduce_one, 2)))
         rows["kit, Trainer.fit"].append(timed(lambda: run_on_ranks(tiny_fit.fit, 2, init_process_group=False)))
         for method in ("popen", "spawn"):
-            rows[f"{method}, Trainer.fit"].append(timed(lambda m=method: subprocess.run(
-                [sys.executable, str(folder / "tiny_fit.py"), m], cwd=folder, check=True, capture_output=True)))
+            rows[f"{method}, Trainer.fit"].append(
+                timed(
+                    lambda m=method: subprocess.run(
+                        [sys.executable, str(folder / "tiny_fit.py"), m], cwd=folder, check=True, capture_output=True
+                    )
+                )
+            )
     print(f"2 ranks on CPU, median of {args.repeats} (interleaved); kit's first call of the session: {first:.2f} s")
     print()
     print("| how | seconds until every rank returned (median) | runs |")

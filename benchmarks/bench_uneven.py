@@ -38,10 +38,13 @@ from bench_workloads import WORKLOADS, short_batches  # noqa: E402
 
 _PER_RANK, _SHORT = short_batches(WORKLOADS["small"], 2)
 #: (label, implementation, data): the table's rows, in order.
-CASES = (("Lightning ddp, even", "lightning", "even"), ("MyDDPStrategy, even", "ours", "even"),
-         ("Lightning ddp, IterableDataset, equal counts", "lightning", "iterable"),
-         ("MyDDPStrategy, IterableDataset, equal counts", "ours", "iterable"),
-         (f"MyDDPStrategy, IterableDataset, rank 1 {_PER_RANK - _SHORT} of {_PER_RANK} batches", "ours", "uneven"))
+CASES = (
+    ("Lightning ddp, even", "lightning", "even"),
+    ("MyDDPStrategy, even", "ours", "even"),
+    ("Lightning ddp, IterableDataset, equal counts", "lightning", "iterable"),
+    ("MyDDPStrategy, IterableDataset, equal counts", "ours", "iterable"),
+    (f"MyDDPStrategy, IterableDataset, rank 1 {_PER_RANK - _SHORT} of {_PER_RANK} batches", "ours", "uneven"),
+)
 BASE = 1  # the row ratios divide by
 
 
@@ -63,14 +66,17 @@ def main(argv: list[str] | None = None) -> int:
     runs: dict[int, dict[int, RunResult]] = {}  # repeat -> case -> result
     loads, t0 = [], time.perf_counter()
     for repeat in range(args.repeats):
-        order = list(range(len(CASES)))[repeat % len(CASES):] + list(range(len(CASES)))[:repeat % len(CASES)]
+        order = list(range(len(CASES)))[repeat % len(CASES) :] + list(range(len(CASES)))[: repeat % len(CASES)]
         for pos, case in enumerate(order):
             label, impl, data = CASES[case]
             loads.append(os.getloadavg()[0])
             res = run_one(impl, "small", 2, args.steps, args, repeat, pos, ("--data", data))
             runs.setdefault(repeat, {})[case] = res
-            print(f"[repeat {repeat}] {label}: {res.wall_s:.1f} s {'ok' if res.ok else 'FAILED: ' + str(res.error)}",
-                  file=sys.stderr, flush=True)
+            print(
+                f"[repeat {repeat}] {label}: {res.wall_s:.1f} s {'ok' if res.ok else 'FAILED: ' + str(res.error)}",
+                file=sys.stderr,
+                flush=True,
+            )
     rows = []
     for case, (label, _, _) in enumerate(CASES):
         done = {r: c[case] for r, c in runs.items() if c[case].ok}
@@ -79,20 +85,28 @@ def main(argv: list[str] | None = None) -> int:
         if not pooled:
             rows.append(f"| {label} | failed | | | | | |")
             continue
-        ratio = {kind: [fn(steps[r]) / fn(rank0_steps(runs[r][BASE], args.warmup)) for r in steps if runs[r][BASE].ok]
-                 for kind, fn in (("median", statistics.median), ("mean", statistics.fmean))}
+        ratio = {
+            kind: [fn(steps[r]) / fn(rank0_steps(runs[r][BASE], args.warmup)) for r in steps if runs[r][BASE].ok]
+            for kind, fn in (("median", statistics.median), ("mean", statistics.fmean))
+        }
         calls = statistics.median(res.ranks[0]["comm"]["other_calls_per_step"] for res in done.values())
-        rows.append(f"| {label} | {statistics.median(pooled):.2f} | "
-                    + " / ".join(f"{statistics.median(v):.2f}" for v in steps.values())
-                    + f" | {statistics.fmean(pooled):.2f} | "
-                    + " | ".join(f"{statistics.median(v):.2f} ({min(v):.2f}–{max(v):.2f})" for v in ratio.values())
-                    + f" | {calls:.2f} |")
-    print(f"Machine: {machine['cpu']}, {args.cores} cores; torch {machine['torch']}, lightning {machine['lightning']};"
-          f" small workload, 2 ranks (gloo), {args.steps} steps per run ({args.warmup} warm-up), {args.repeats}"
-          f" repeats interleaved; total {time.perf_counter() - t0:.0f} s; 1-minute load average before runs: median"
-          f" {statistics.median(loads):.1f}, max {max(loads):.1f}.\n")
-    print("| case | step ms (median) | run medians ms | mean ms | median ÷ ours, even | mean ÷ ours, even"
-          " | world-group collectives/step (rank 0) |")
+        rows.append(
+            f"| {label} | {statistics.median(pooled):.2f} | "
+            + " / ".join(f"{statistics.median(v):.2f}" for v in steps.values())
+            + f" | {statistics.fmean(pooled):.2f} | "
+            + " | ".join(f"{statistics.median(v):.2f} ({min(v):.2f}–{max(v):.2f})" for v in ratio.values())
+            + f" | {calls:.2f} |"
+        )
+    print(
+        f"Machine: {machine['cpu']}, {args.cores} cores; torch {machine['torch']}, lightning {machine['lightning']};"
+        f" small workload, 2 ranks (gloo), {args.steps} steps per run ({args.warmup} warm-up), {args.repeats}"
+        f" repeats interleaved; total {time.perf_counter() - t0:.0f} s; 1-minute load average before runs: median"
+        f" {statistics.median(loads):.1f}, max {max(loads):.1f}.\n"
+    )
+    print(
+        "| case | step ms (median) | run medians ms | mean ms | median ÷ ours, even | mean ÷ ours, even"
+        " | world-group collectives/step (rank 0) |"
+    )
     print("|---|---|---|---|---|---|---|")
     print("\n".join(rows))
     return 0 if all(res.ok for c in runs.values() for res in c.values()) else 1

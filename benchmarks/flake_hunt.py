@@ -34,8 +34,18 @@ TIMING_SENSITIVE = (
 
 def run_pytest(targets: list[str], report: Path, extra: list[str]) -> None:
     """One pytest run of ``targets``, its JUnit report at ``report`` (a crash of pytest itself is reported)."""
-    command = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q",
-               f"--basetemp={report.parent / (report.stem + '_tmp')}", f"--junitxml={report}", *extra, *targets]
+    command = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-p",
+        "no:cacheprovider",
+        "-q",
+        f"--basetemp={report.parent / (report.stem + '_tmp')}",
+        f"--junitxml={report}",
+        *extra,
+        *targets,
+    ]
     print("$", " ".join(command), file=sys.stderr, flush=True)
     subprocess.run(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
@@ -50,8 +60,15 @@ def count(reports: list[Path]) -> dict[str, collections.Counter]:
         for case in ET.parse(report).iter("testcase"):
             name = f"{case.get('classname')}::{case.get('name')}"
             kinds = {child.tag for child in case}
-            outcome = ("fail" if "failure" in kinds else "error" if "error" in kinds
-                       else "skip" if "skipped" in kinds else "pass")
+            outcome = (
+                "fail"
+                if "failure" in kinds
+                else "error"
+                if "error" in kinds
+                else "skip"
+                if "skipped" in kinds
+                else "pass"
+            )
             table[name][outcome] += 1
     return table
 
@@ -62,8 +79,12 @@ def main() -> int:
     parser.add_argument("--repeat", type=int, default=20, help="runs of each timing-sensitive target (default 20)")
     parser.add_argument("--only", nargs="*", default=None, help="timing-sensitive targets to repeat (default all)")
     parser.add_argument("-k", default=None, help="pytest -k expression for the repeated runs")
-    parser.add_argument("--minutes", type=float, default=None,
-                        help="stop starting new runs after this many minutes and report what ran (default: no limit)")
+    parser.add_argument(
+        "--minutes",
+        type=float,
+        default=None,
+        help="stop starting new runs after this many minutes and report what ran (default: no limit)",
+    )
     args = parser.parse_args()
     folder = Path(tempfile.mkdtemp(prefix="flake_hunt_"))
     reports: list[Path] = []
@@ -74,7 +95,8 @@ def main() -> int:
     # i < --repeat), so a run cut short by --minutes has still tried every target about equally often.
     for i in range(max(args.suite_runs, args.repeat)):
         runs = ([([], f"suite_{i}.xml")] if i < args.suite_runs else []) + (
-            [([t], f"{Path(t.split('::')[0]).stem}_{i}.xml") for t in targets] if i < args.repeat else [])
+            [([t], f"{Path(t.split('::')[0]).stem}_{i}.xml") for t in targets] if i < args.repeat else []
+        )
         for chosen, name in runs:
             if deadline is not None and time.monotonic() > deadline:
                 break

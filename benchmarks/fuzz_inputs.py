@@ -22,16 +22,29 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-FUZZ_TESTS = ["tests/checkpoint/test_checkpoint_fuzz.py",
-              "tests/process/test_launch_errors.py::test_launch_variables_fuzz"]
+FUZZ_TESTS = [
+    "tests/checkpoint/test_checkpoint_fuzz.py",
+    "tests/process/test_launch_errors.py::test_launch_variables_fuzz",
+]
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--examples", type=int, default=300, help="inputs per kind (default 300)")
     n = parser.parse_args().examples
-    command = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-n", "0", "--timeout=0", "-v",
-               "--hypothesis-show-statistics", *FUZZ_TESTS]
+    command = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-p",
+        "no:cacheprovider",
+        "-n",
+        "0",
+        "--timeout=0",
+        "-v",
+        "--hypothesis-show-statistics",
+        *FUZZ_TESTS,
+    ]
     return subprocess.run(command, cwd=ROOT, env={**os.environ, "DDP_FUZZ_EXAMPLES": str(n)}).returncode
 
 

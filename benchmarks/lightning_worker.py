@@ -125,6 +125,10 @@ def run(cfg: RunConfig) -> None:
         trainer.global_rank,
         trainer.world_size,
         cfg.out_dir,
-        {"impl": cfg.impl, "strategy": type(trainer.strategy).__qualname__, "epochs": trainer.current_epoch,
-         "data": cfg.data},
+        {
+            "impl": cfg.impl,
+            "strategy": type(trainer.strategy).__qualname__,
+            "epochs": trainer.current_epoch,
+            "data": cfg.data,
+        },
     )

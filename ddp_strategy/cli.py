@@ -95,5 +95,6 @@ def build_cli(args: list[str] | None = None, run: bool = True) -> DigitsCLI:
         trainer_defaults=TRAINER_DEFAULTS,
         seed_everything_default=42,
         save_config_kwargs={"overwrite": True},
-        args=args, run=run,
+        args=args,
+        run=run,
     )

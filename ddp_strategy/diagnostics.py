@@ -71,22 +71,31 @@ class FitSummary:
     def format(self) -> str:
         """The summary as 4 lines of text (example in docs/diagnostics.md)."""
         nodes = f"{_plural(self.num_nodes, 'node')} x {_plural(self.world_size // max(self.num_nodes, 1), 'process')}"
-        lines = [f"DDP fit summary: world size {self.world_size} ({nodes}), backend {self.backend},"
-                 f" start method {self.start_method}"]
+        lines = [
+            f"DDP fit summary: world size {self.world_size} ({nodes}), backend {self.backend},"
+            f" start method {self.start_method}"
+        ]
         if self.per_device_batch_size is None:
             lines.append("  batch: per-device batch size unknown (the loader has no batch_size)")
         else:
-            lines.append(f"  batch: {self.per_device_batch_size} per device x {_plural(self.world_size, 'process')}"
-                         f" x {self.accumulate_grad_batches} accumulation = global batch size"
-                         f" {self.global_batch_size} samples per step")
+            lines.append(
+                f"  batch: {self.per_device_batch_size} per device x {_plural(self.world_size, 'process')}"
+                f" x {self.accumulate_grad_batches} accumulation = global batch size"
+                f" {self.global_batch_size} samples per step"
+            )
         data = f"{self.dataset_size} training samples" if self.dataset_size is not None else "training samples: ?"
         if self.samples_per_rank is not None:
             data += f", {self.samples_per_rank} per rank per epoch"
-            data += (f" ({self.padding} repeated as padding)" if self.padding >= 0
-                     else f" ({-self.padding} dropped by drop_last)")
+            data += (
+                f" ({self.padding} repeated as padding)"
+                if self.padding >= 0
+                else f" ({-self.padding} dropped by drop_last)"
+            )
         count = lambda v: "inf" if math.isinf(v) else str(int(v))  # noqa: E731
-        data += (f", {count(self.batches_per_epoch)} batches per epoch per rank ="
-                 f" {count(self.optimizer_steps_per_epoch)} optimizer steps")
+        data += (
+            f", {count(self.batches_per_epoch)} batches per epoch per rank ="
+            f" {count(self.optimizer_steps_per_epoch)} optimizer steps"
+        )
         options = ", ".join(f"{k}={v!r}" for k, v in sorted(self.ddp_options.items())) or "defaults"
         return "\n".join([*lines, "  data: " + data, f"  DDP options: {options}; comm hook: {self.comm_hook}"])
 
@@ -95,8 +104,12 @@ def _plural(count: int, word: str) -> str:
     return f"{count} {word}" + ("" if count == 1 else "es" if word.endswith("s") else "s")
 
 
-def batch_size_warnings(per_device_batch_size: int | None, world_size: int, dataset_size: int | None,
-                        configured_batch_size: int | None = None) -> list[str]:
+def batch_size_warnings(
+    per_device_batch_size: int | None,
+    world_size: int,
+    dataset_size: int | None,
+    configured_batch_size: int | None = None,
+) -> list[str]:
     """Warnings for a global batch size that looks like a mistake (the rules: docs/diagnostics.md); ``[]`` if none.
 
     The loader's ``batch_size`` B is per device, so a step sees ``B * W`` samples. Rule 1: ``B * W > N``, so each
@@ -181,9 +194,13 @@ class CommStats:
         return min(self.overlap_ms / self.allreduce_ms, 1.0) if self.allreduce_ms > 0 else 0.0
 
 
-def communication_messages(stats: CommStats | None, unused: list[str], world_size: int,
-                           per_device_batch_size: int | None = None,
-                           bucket_cap_mb: float | None = None) -> tuple[list[str], list[str]]:
+def communication_messages(
+    stats: CommStats | None,
+    unused: list[str],
+    world_size: int,
+    per_device_batch_size: int | None = None,
+    bucket_cap_mb: float | None = None,
+) -> tuple[list[str], list[str]]:
     """The fit-end messages: ``(infos, warnings)``.
 
     Args:
@@ -216,11 +233,15 @@ def communication_messages(stats: CommStats | None, unused: list[str], world_siz
                 f" MyDDPStrategy(bucket_cap_mb=...){bucket}; a compression comm hook such as"
                 " torch.distributed.algorithms.ddp_comm_hooks.default_hooks.fp16_compress_hook; or fewer devices."
             )
-    warnings = [
-        f"{len(unused)} parameter(s) never received a gradient on any rank during fit: {', '.join(unused)}."
-        " They are not trained. Use them in the forward pass, freeze them (requires_grad=False) or remove"
-        " them; with find_unused_parameters=True DDP also pays an extra graph traversal every step."
-    ] if unused else []
+    warnings = (
+        [
+            f"{len(unused)} parameter(s) never received a gradient on any rank during fit: {', '.join(unused)}."
+            " They are not trained. Use them in the forward pass, freeze them (requires_grad=False) or remove"
+            " them; with find_unused_parameters=True DDP also pays an extra graph traversal every step."
+        ]
+        if unused
+        else []
+    )
     return infos, warnings
 
 
@@ -237,8 +258,9 @@ class GradientTracker:
         params = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
         self.names: list[str] = [name for name, _ in params]
         self.seen: list[bool] = [False] * len(params)
-        self._handles: dict[int, Any] = {i: p.register_hook(functools.partial(self._mark, i))
-                                         for i, (_, p) in enumerate(params)}
+        self._handles: dict[int, Any] = {
+            i: p.register_hook(functools.partial(self._mark, i)) for i, (_, p) in enumerate(params)
+        }
 
     def _mark(self, index: int, grad: torch.Tensor) -> None:
         self.seen[index] = True
@@ -263,8 +285,9 @@ class FitRecord:
     tracker: GradientTracker
 
 
-def on_fit_start(trainer: pl.Trainer, backend: str, start_method: str, ddp_options: dict[str, Any],
-                 ddp_model: nn.Module) -> FitRecord:
+def on_fit_start(
+    trainer: pl.Trainer, backend: str, start_method: str, ddp_options: dict[str, Any], ddp_model: nn.Module
+) -> FitRecord:
     """Log the fit summary and batch-size warnings on rank 0; start tracking gradients on every rank.
 
     Called on every rank after the DDP wrapper (and its comm hook) and the training loader exist; no collective.
@@ -278,8 +301,11 @@ def on_fit_start(trainer: pl.Trainer, backend: str, start_method: str, ddp_optio
     if loader is not None:
         size = loader.batch_size if loader.batch_size is not None else getattr(loader.batch_sampler, "batch_size", None)
         batch_size = int(size) if isinstance(size, int) else None
-        sampler = loader.sampler if isinstance(loader.sampler, DistributedSampler) else getattr(
-            loader.batch_sampler, "sampler", None)
+        sampler = (
+            loader.sampler
+            if isinstance(loader.sampler, DistributedSampler)
+            else getattr(loader.batch_sampler, "sampler", None)
+        )
         if isinstance(sampler, DistributedSampler):
             n = len(sampler.dataset)  # type: ignore[arg-type]
             per_rank, padding = int(sampler.num_samples), int(sampler.total_size) - n
@@ -287,10 +313,17 @@ def on_fit_start(trainer: pl.Trainer, backend: str, start_method: str, ddp_optio
             with contextlib.suppress(TypeError):  # an iterable data set has no len
                 n = len(loader.dataset)  # type: ignore[arg-type]
     summary = FitSummary(
-        world_size=trainer.world_size, num_nodes=trainer.num_nodes, backend=backend, start_method=start_method,
-        per_device_batch_size=batch_size, accumulate_grad_batches=trainer.accumulate_grad_batches,
-        dataset_size=n, samples_per_rank=per_rank, padding=padding,
-        batches_per_epoch=float(trainer.num_training_batches), ddp_options=dict(ddp_options),
+        world_size=trainer.world_size,
+        num_nodes=trainer.num_nodes,
+        backend=backend,
+        start_method=start_method,
+        per_device_batch_size=batch_size,
+        accumulate_grad_batches=trainer.accumulate_grad_batches,
+        dataset_size=n,
+        samples_per_rank=per_rank,
+        padding=padding,
+        batches_per_epoch=float(trainer.num_training_batches),
+        ddp_options=dict(ddp_options),
         comm_hook=str(_torch_private.ddp_logging_data(ddp_model).get("comm_hook") or "none"),
     )
     module = trainer.lightning_module
@@ -326,8 +359,7 @@ def on_fit_end(record: FitRecord, ddp_model: nn.Module, device: torch.device) ->
     unused = [name for name, count in zip(tracker.names, total[5:].tolist(), strict=True) if count == 0]
     bucket_bytes = data.get("bucket_cap_bytes")
     bucket_mb = bucket_bytes / 2**20 if isinstance(bucket_bytes, (int, float)) and bucket_bytes > 0 else None
-    infos, warnings = communication_messages(stats, unused, world_size, record.summary.per_device_batch_size,
-                                             bucket_mb)
+    infos, warnings = communication_messages(stats, unused, world_size, record.summary.per_device_batch_size, bucket_mb)
     for message in infos:
         rank_zero_info(message)
     for message in warnings:

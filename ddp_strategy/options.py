@@ -56,11 +56,27 @@ def _whole(value: Any) -> bool:
 
 
 def strategy_options(
-    *, process_group_backend: Any, timeout: Any, start_method: Any, seed: Any, init_method: Any, store: Any,
-    allow_cpu_oversubscription: Any, monitored_barrier_timeout: Any, checkpoint_on_sigterm: Any,
-    ddp_comm_hook: Any, ddp_comm_state: Any, ddp_comm_wrapper: Any, verify_sync_every_n_steps: Any,
-    exact_evaluation: Any, find_unused_parameters: Any, static_graph: Any, gradient_as_bucket_view: Any,
-    bucket_cap_mb: Any, broadcast_buffers: Any, ddp_kwargs: dict[str, Any],
+    *,
+    process_group_backend: Any,
+    timeout: Any,
+    start_method: Any,
+    seed: Any,
+    init_method: Any,
+    store: Any,
+    allow_cpu_oversubscription: Any,
+    monitored_barrier_timeout: Any,
+    checkpoint_on_sigterm: Any,
+    ddp_comm_hook: Any,
+    ddp_comm_state: Any,
+    ddp_comm_wrapper: Any,
+    verify_sync_every_n_steps: Any,
+    exact_evaluation: Any,
+    find_unused_parameters: Any,
+    static_graph: Any,
+    gradient_as_bucket_view: Any,
+    bucket_cap_mb: Any,
+    broadcast_buffers: Any,
+    ddp_kwargs: dict[str, Any],
 ) -> StrategyOptions:
     """Check every argument of ``MyDDPStrategy(...)``, naming the bad one, and return :class:`StrategyOptions`.
 
@@ -74,53 +90,92 @@ def strategy_options(
             ``torch.distributed.Backend.backend_list`` is known) or ``init_method`` scheme, and ``store`` with
             ``start_method="spawn"``/``"forkserver"`` (a store cannot be pickled to the new processes).
     """
-    for name, value in (("process_group_backend", process_group_backend), ("start_method", start_method),
-                        ("init_method", init_method)):
+    for name, value in (
+        ("process_group_backend", process_group_backend),
+        ("start_method", start_method),
+        ("init_method", init_method),
+    ):
         _refuse(name, "a string or None", value, value is None or isinstance(value, str))
     _refuse("seed", "an int or None", seed, seed is None or _whole(seed))
     if seed is not None and not 0 <= seed <= _MAX_SEED:
-        raise ValueError(f"MyDDPStrategy(seed={seed}): the sampler seed must be between 0 and {_MAX_SEED}"
-                         f" (Lightning's seed_everything range, 0 to 2**32 - 1, less room for the epoch); pass a"
-                         f" smaller seed, or None to use seed_everything's.")
-    _refuse("store", "a torch.distributed.Store (e.g. FileStore) or None", store, store is None or isinstance(
-        store, dist.Store))
-    _refuse("allow_cpu_oversubscription", "True or False", allow_cpu_oversubscription, isinstance(
-        allow_cpu_oversubscription, bool))
-    _refuse("checkpoint_on_sigterm", "True, False or a file path", checkpoint_on_sigterm,
-            isinstance(checkpoint_on_sigterm, (bool, str, os.PathLike)))
+        raise ValueError(
+            f"MyDDPStrategy(seed={seed}): the sampler seed must be between 0 and {_MAX_SEED}"
+            f" (Lightning's seed_everything range, 0 to 2**32 - 1, less room for the epoch); pass a"
+            f" smaller seed, or None to use seed_everything's."
+        )
+    _refuse(
+        "store",
+        "a torch.distributed.Store (e.g. FileStore) or None",
+        store,
+        store is None or isinstance(store, dist.Store),
+    )
+    _refuse(
+        "allow_cpu_oversubscription",
+        "True or False",
+        allow_cpu_oversubscription,
+        isinstance(allow_cpu_oversubscription, bool),
+    )
+    _refuse(
+        "checkpoint_on_sigterm",
+        "True, False or a file path",
+        checkpoint_on_sigterm,
+        isinstance(checkpoint_on_sigterm, (bool, str, os.PathLike)),
+    )
     if isinstance(checkpoint_on_sigterm, (str, os.PathLike)) and not os.fspath(checkpoint_on_sigterm):
-        raise ValueError("MyDDPStrategy(checkpoint_on_sigterm='') is an empty path; pass a file path, True for"
-                         " <default_root_dir>/sigterm.ckpt, or False.")
+        raise ValueError(
+            "MyDDPStrategy(checkpoint_on_sigterm='') is an empty path; pass a file path, True for"
+            " <default_root_dir>/sigterm.ckpt, or False."
+        )
     n = verify_sync_every_n_steps
     _refuse("verify_sync_every_n_steps", "a whole number of optimizer steps or None", n, n is None or _whole(n))
     if n is not None and n < 1:
         raise ValueError(f"verify_sync_every_n_steps must be a positive number of optimizer steps or None, got {n}.")
-    _refuse("bucket_cap_mb", "a number of MiB or None", bucket_cap_mb, bucket_cap_mb is None or (
-        isinstance(bucket_cap_mb, numbers.Real) and not isinstance(bucket_cap_mb, bool)))
-    flags = {"find_unused_parameters": find_unused_parameters, "static_graph": static_graph,
-             "gradient_as_bucket_view": gradient_as_bucket_view, "broadcast_buffers": broadcast_buffers}
+    _refuse(
+        "bucket_cap_mb",
+        "a number of MiB or None",
+        bucket_cap_mb,
+        bucket_cap_mb is None or (isinstance(bucket_cap_mb, numbers.Real) and not isinstance(bucket_cap_mb, bool)),
+    )
+    flags = {
+        "find_unused_parameters": find_unused_parameters,
+        "static_graph": static_graph,
+        "gradient_as_bucket_view": gradient_as_bucket_view,
+        "broadcast_buffers": broadcast_buffers,
+    }
     for name, value in flags.items():
         if not isinstance(value, (bool, numbers.Integral)):
-            rank_zero_warn(f"MyDDPStrategy({name}={value!r}) is not True or False; DistributedDataParallel will"
-                           f" treat it as {bool(value)}. Pass True or False.")
+            rank_zero_warn(
+                f"MyDDPStrategy({name}={value!r}) is not True or False; DistributedDataParallel will"
+                f" treat it as {bool(value)}. Pass True or False."
+            )
     if start_method is not None and start_method not in process.START_METHODS:
         raise ValueError(f"Unknown start_method={start_method!r}; use one of {list(process.START_METHODS)} or None.")
     process.validate_backend_name(process_group_backend)
     process.validate_init_method(init_method)
     start_method = start_method or process.default_start_method()
     if store is not None and start_method in ("spawn", "forkserver"):
-        raise ValueError(f"store= cannot be used with start_method={start_method!r}: a Store cannot be pickled to"
-                         " the new processes. Use start_method='fork' or 'popen' (with a FileStore path every"
-                         " process opens), or init_method='file:///path' instead.")
+        raise ValueError(
+            f"store= cannot be used with start_method={start_method!r}: a Store cannot be pickled to"
+            " the new processes. Use start_method='fork' or 'popen' (with a FileStore path every"
+            " process opens), or init_method='file:///path' instead."
+        )
     timeout = process.as_timedelta(timeout)
     barrier_timeout = timeout if monitored_barrier_timeout is None else process.as_timedelta(monitored_barrier_timeout)
     named_ddp = sync.non_default_options({**flags, "bucket_cap_mb": bucket_cap_mb})
-    return StrategyOptions(timeout, start_method, seed, allow_cpu_oversubscription, barrier_timeout,
-                           checkpoint_on_sigterm, sync.validate_ddp_kwargs({**named_ddp, **ddp_kwargs}),
-                           sync.CommHookConfig(ddp_comm_hook, ddp_comm_state, ddp_comm_wrapper))
+    return StrategyOptions(
+        timeout,
+        start_method,
+        seed,
+        allow_cpu_oversubscription,
+        barrier_timeout,
+        checkpoint_on_sigterm,
+        sync.validate_ddp_kwargs({**named_ddp, **ddp_kwargs}),
+        sync.CommHookConfig(ddp_comm_hook, ddp_comm_state, ddp_comm_wrapper),
+    )
 
 
 #: ``MyDDPStrategy``'s own arguments (not Lightning's ``ParallelStrategy``'s): :func:`strategy_options`'s
 #: keyword arguments other than ``ddp_kwargs``.
-STRATEGY_ARGUMENTS: tuple[str, ...] = tuple(name for name in inspect.signature(strategy_options).parameters
-                                            if name != "ddp_kwargs")
+STRATEGY_ARGUMENTS: tuple[str, ...] = tuple(
+    name for name in inspect.signature(strategy_options).parameters if name != "ddp_kwargs"
+)

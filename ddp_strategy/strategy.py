@@ -68,19 +68,34 @@ class MyDDPStrategy(sync.wrapping.LightningDDPAttributes, ParallelStrategy):
     @sync.wrapping.keeps_passed_ddp_options
     def __init__(
         self,
-        accelerator: pl.accelerators.Accelerator | None = None, parallel_devices: list[torch.device] | None = None,
-        cluster_environment: ClusterEnvironment | None = None, checkpoint_io: CheckpointIO | None = None,
-        precision_plugin: pl.plugins.precision.Precision | None = None, process_group_backend: str | None = None,
-        timeout: float | timedelta = process.DEFAULT_TIMEOUT, start_method: process.StartMethod | None = None,
-        seed: int | None = None, init_method: str | None = None, store: dist.Store | None = None,
-        allow_cpu_oversubscription: bool = False, monitored_barrier_timeout: float | timedelta | None = None,
+        accelerator: pl.accelerators.Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: pl.plugins.precision.Precision | None = None,
+        process_group_backend: str | None = None,
+        timeout: float | timedelta = process.DEFAULT_TIMEOUT,
+        start_method: process.StartMethod | None = None,
+        seed: int | None = None,
+        init_method: str | None = None,
+        store: dist.Store | None = None,
+        allow_cpu_oversubscription: bool = False,
+        monitored_barrier_timeout: float | timedelta | None = None,
         checkpoint_on_sigterm: bool | str | os.PathLike = False,
-        ddp_comm_hook: sync.CommHook | str | None = None, ddp_comm_state: Any = None, ddp_comm_wrapper: Any = None,
-        verify_sync_every_n_steps: int | None = None, exact_evaluation: bool = True,
-        uneven_inputs: Literal["join", "stop", "error"] = "join", divide_by_initial_world_size: bool = True,
-        find_unused_parameters: bool = False, static_graph: bool = False,
-        gradient_as_bucket_view: bool = False, bucket_cap_mb: float | None = None, broadcast_buffers: bool = True,
-        **ddp_kwargs: Any) -> None:
+        ddp_comm_hook: sync.CommHook | str | None = None,
+        ddp_comm_state: Any = None,
+        ddp_comm_wrapper: Any = None,
+        verify_sync_every_n_steps: int | None = None,
+        exact_evaluation: bool = True,
+        uneven_inputs: Literal["join", "stop", "error"] = "join",
+        divide_by_initial_world_size: bool = True,
+        find_unused_parameters: bool = False,
+        static_graph: bool = False,
+        gradient_as_bucket_view: bool = False,
+        bucket_cap_mb: float | None = None,
+        broadcast_buffers: bool = True,
+        **ddp_kwargs: Any,
+    ) -> None:
         super().__init__(accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin)
         named = {k: v for k, v in locals().items() if k in options.STRATEGY_ARGUMENTS}
         self._options = options.strategy_options(**named, ddp_kwargs=ddp_kwargs)
@@ -144,8 +159,9 @@ class MyDDPStrategy(sync.wrapping.LightningDDPAttributes, ParallelStrategy):
 
     @override
     def _configure_launcher(self) -> None:
-        self._launcher = process.launching.make_launcher(self, self.start_method, self._process_group_backend,
-                                                         self._options.allow_cpu_oversubscription)
+        self._launcher = process.launching.make_launcher(
+            self, self.start_method, self._process_group_backend, self._options.allow_cpu_oversubscription
+        )
 
     def set_world_ranks(self) -> None:
         """Check the launch variables (:func:`ddp_strategy.process.check_launch_env`); set rank and world size."""
@@ -162,8 +178,9 @@ class MyDDPStrategy(sync.wrapping.LightningDDPAttributes, ParallelStrategy):
         self.set_world_ranks()
         process.launching.check_external_world(self.cluster_environment, self.num_nodes, self.num_processes)
         super().setup_environment()
-        self._process_group_backend = self._run.join(self.cluster_environment, self.root_device,
-                                                     self._process_group_backend, self.num_nodes, self.num_processes)
+        self._process_group_backend = self._run.join(
+            self.cluster_environment, self.root_device, self._process_group_backend, self.num_nodes, self.num_processes
+        )
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
@@ -235,8 +252,13 @@ class MyDDPStrategy(sync.wrapping.LightningDDPAttributes, ParallelStrategy):
     @override
     def process_dataloader(self, dataloader: object) -> object:
         """Shard ``dataloader`` for this rank (:meth:`ddp_strategy.sampling.LoaderSharding.prepare`); no collective."""
-        return dataloader if self._trainer is None else self._sharding.prepare(  # as is before setup
-            dataloader, self._trainer, self.world_size, self.global_rank, self._sampler_seed)
+        return (
+            dataloader
+            if self._trainer is None
+            else self._sharding.prepare(  # as is before setup
+                dataloader, self._trainer, self.world_size, self.global_rank, self._sampler_seed
+            )
+        )
 
     @override
     def on_validation_start(self) -> None:
@@ -367,8 +389,9 @@ class MyDDPStrategy(sync.wrapping.LightningDDPAttributes, ParallelStrategy):
         """Load weights by exact key (:func:`~ddp_strategy.match_state_dict`); strict: ``StateDictMismatchError``."""
         module = self.lightning_module
         try:
-            state_dict = match_state_dict(checkpoint["state_dict"], module, strict=strict,
-                                          source=getattr(self, "_checkpoint_path", None))
+            state_dict = match_state_dict(
+                checkpoint["state_dict"], module, strict=strict, source=getattr(self, "_checkpoint_path", None)
+            )
         except StateDictMismatchError as e:
             with contextlib.suppress(RuntimeError):  # not attached to a trainer (self._trainer is set later)
                 if module.trainer is not None and module.trainer.state.fn == TrainerFn.FITTING:
@@ -381,8 +404,9 @@ class MyDDPStrategy(sync.wrapping.LightningDDPAttributes, ParallelStrategy):
         """Restore a mid-epoch batch counter; rank 0: log the fit summary. No collective."""
         sampling.restore_batch_counter(self._trainer, self.world_size, self._sharding.until_teardown)
         if self._trainer is not None and isinstance(self.model, DistributedDataParallel):
-            self._diagnostics = diagnostics.on_fit_start(self._trainer, str(self._process_group_backend),
-                                                         self.start_method, self._options.ddp_kwargs, self.model)
+            self._diagnostics = diagnostics.on_fit_start(
+                self._trainer, str(self._process_group_backend), self.start_method, self._options.ddp_kwargs, self.model
+            )
 
     @override
     def on_train_end(self) -> None:
@@ -400,8 +424,15 @@ class MyDDPStrategy(sync.wrapping.LightningDDPAttributes, ParallelStrategy):
             self._diagnostics = None
         path = self._options.sigterm_checkpoint_path(self._trainer)
         save = None if path is None or self._trainer is None else functools.partial(self._trainer.save_checkpoint, path)
-        process.failures.on_exception(self._run, exception, self.global_rank, self.world_size,
-                                      self._sharding.guard.describe_uneven(), save, self._launcher)
+        process.failures.on_exception(
+            self._run,
+            exception,
+            self.global_rank,
+            self.world_size,
+            self._sharding.guard.describe_uneven(),
+            save,
+            self._launcher,
+        )
 
     @override
     def teardown(self) -> None:
@@ -423,11 +454,15 @@ class MyDDPStrategy(sync.wrapping.LightningDDPAttributes, ParallelStrategy):
         """Register ``"my_ddp"`` (automatic start method) and ``"my_ddp_spawn"`` with Lightning."""
         for name, start_method in (("my_ddp", None), ("my_ddp_spawn", "spawn")):
             if name not in strategy_registry:
-                strategy_registry.register(name, cls, description=f"MyDDPStrategy, start_method={start_method}",
-                                           start_method=start_method)
+                strategy_registry.register(
+                    name, cls, description=f"MyDDPStrategy, start_method={start_method}", start_method=start_method
+                )
 
 
 # In each namespace's registry, the flavour for that namespace; and its Trainer accepts compiled models for it.
-_namespace.on_load(lambda namespace: MyDDPStrategy.for_namespace(namespace.name).register_strategies(
-    namespace.get("pytorch.strategies:StrategyRegistry")))
+_namespace.on_load(
+    lambda namespace: MyDDPStrategy.for_namespace(namespace.name).register_strategies(
+        namespace.get("pytorch.strategies:StrategyRegistry")
+    )
+)
 _namespace.on_load(lambda namespace: _pl.allow_compiled_models(namespace, MyDDPStrategy))

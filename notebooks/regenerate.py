@@ -34,8 +34,11 @@ def source_hash(cell: nbformat.NotebookNode) -> str:
 
 def stale_cells(nb: nbformat.NotebookNode) -> list[int]:
     """Indices of the code cells whose source changed since their outputs were written (or that have none)."""
-    return [i for i, cell in enumerate(nb.cells)
-            if cell.cell_type == "code" and cell.metadata.get("source_sha256") != source_hash(cell)]
+    return [
+        i
+        for i, cell in enumerate(nb.cells)
+        if cell.cell_type == "code" and cell.metadata.get("source_sha256") != source_hash(cell)
+    ]
 
 
 def comparable(nb: nbformat.NotebookNode) -> list[tuple[int, str, list[str]]]:
@@ -53,22 +56,30 @@ def comparable(nb: nbformat.NotebookNode) -> list[tuple[int, str, list[str]]]:
 
 def _same(old: list[str], new: list[str]) -> bool:
     """Equal lines in any order (the ranks' lines interleave freely), numbers with a decimal point within 2%."""
+
     def key(line: str) -> str:
         return _FLOAT.sub("#", line)
+
     old, new = sorted(old, key=key), sorted(new, key=key)
     return len(old) == len(new) and all(
-        key(a) == key(b) and all(math.isclose(float(x), float(y), rel_tol=0.02, abs_tol=0.01)
-                                 for x, y in zip(_FLOAT.findall(a), _FLOAT.findall(b), strict=True))
-        for a, b in zip(old, new, strict=True))
+        key(a) == key(b)
+        and all(
+            math.isclose(float(x), float(y), rel_tol=0.02, abs_tol=0.01)
+            for x, y in zip(_FLOAT.findall(a), _FLOAT.findall(b), strict=True)
+        )
+        for a, b in zip(old, new, strict=True)
+    )
 
 
 def differences(committed: nbformat.NotebookNode, fresh: nbformat.NotebookNode) -> list[str]:
     """The parts of :func:`comparable` in which a fresh run differs from the committed notebook; [] if none."""
     if len(comparable(committed)) != len(comparable(fresh)):
         return ["the number of code cells differs"]
-    return [f"cell {i} {name}: committed {old!r}, fresh run {new!r}"
-            for (i, name, old), (_, _, new) in zip(comparable(committed), comparable(fresh), strict=True)
-            if not _same(old, new)]
+    return [
+        f"cell {i} {name}: committed {old!r}, fresh run {new!r}"
+        for (i, name, old), (_, _, new) in zip(comparable(committed), comparable(fresh), strict=True)
+        if not _same(old, new)
+    ]
 
 
 def regenerate(output: Path) -> None:
@@ -80,8 +91,9 @@ def regenerate(output: Path) -> None:
     # The python3 kernelspec runs "python": make that this interpreter (the venv's), whatever PATH says.
     os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
     with tempfile.TemporaryDirectory(prefix="ddp_reference_run_") as cwd:
-        NotebookClient(nb, timeout=300, kernel_name="python3", record_timing=False,
-                       resources={"metadata": {"path": cwd}}).execute()
+        NotebookClient(
+            nb, timeout=300, kernel_name="python3", record_timing=False, resources={"metadata": {"path": cwd}}
+        ).execute()
         if os.listdir(cwd):
             raise RuntimeError(f"the notebook left files in its working directory: {sorted(os.listdir(cwd))}")
     for cell in nb.cells:
@@ -96,8 +108,9 @@ def regenerate(output: Path) -> None:
                     outputs.append(out)
                     streams.update({out.name: out} if out.output_type == "stream" else {})
             if "stderr" in streams:
-                streams["stderr"].text = _TIMINGS.sub(r"\1: left out of the saved notebook (they change every run)",
-                                                      streams["stderr"].text)
+                streams["stderr"].text = _TIMINGS.sub(
+                    r"\1: left out of the saved notebook (they change every run)", streams["stderr"].text
+                )
             cell.outputs = outputs
     nbformat.validate(nb)
     nbformat.write(nb, output)

@@ -36,7 +36,7 @@ def _child_pids() -> dict[int, str]:
             cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
         except OSError:
             continue
-        fields = stat[stat.rindex(")") + 2:].split()
+        fields = stat[stat.rindex(")") + 2 :].split()
         state, ppid = fields[0], int(fields[1])
         if ppid == me and state != "Z" and not any(h in cmdline for h in _LONG_LIVED_HELPERS):
             children[int(entry.name)] = cmdline

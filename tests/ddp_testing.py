@@ -89,8 +89,15 @@ class RecordingClassifier(DigitsClassifier):
 def run_cli(args: list[str], cwd: Path, timeout: float = 240.0) -> subprocess.CompletedProcess:
     """Run ``python -m ddp_strategy ARGS`` in its own session; kill the whole group if it overruns."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "ddp_strategy", *args], cwd=cwd, env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ddp_strategy", *args],
+        cwd=cwd,
+        env=env,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     code, out = finish(proc, timeout)
     return subprocess.CompletedProcess(proc.args, code, out, None)
 
@@ -115,7 +122,7 @@ def session_members(sid: int) -> list[int]:
                 stat = (entry / "stat").read_text()
             except OSError:
                 continue
-            fields = stat[stat.rindex(")") + 2:].split()
+            fields = stat[stat.rindex(")") + 2 :].split()
             if int(fields[3]) == sid and fields[0] not in "ZX":
                 members.append(int(entry.name))
     return members
@@ -124,7 +131,7 @@ def session_members(sid: int) -> list[int]:
 def _proc_net_address(hex_address: str) -> tuple[str, int]:
     """Decode ``/proc/net/tcp{,6}``'s ``ADDR:PORT`` (the address in 32-bit little-endian words)."""
     addr, port = hex_address.split(":")
-    raw = b"".join(bytes.fromhex(addr[i:i + 8])[::-1] for i in range(0, len(addr), 8))
+    raw = b"".join(bytes.fromhex(addr[i : i + 8])[::-1] for i in range(0, len(addr), 8))
     return socket.inet_ntop(socket.AF_INET if len(raw) == 4 else socket.AF_INET6, raw), int(port, 16)
 
 
@@ -137,7 +144,7 @@ def listening_sockets(pid: int) -> list[tuple[str, int]]:
         except OSError:
             continue
         if target.startswith("socket:["):
-            inodes.add(target[len("socket:["):-1])
+            inodes.add(target[len("socket:[") : -1])
     found = []
     for table in ("tcp", "tcp6"):
         path = Path(f"/proc/{pid}/net/{table}")
@@ -180,16 +187,26 @@ class Regressor(pl.LightningModule):
 
 def loader(n: int = 8, batch_size: int = 2, drop_last: bool = False) -> DataLoader:
     """``n`` seeded rows of 2 features (a 1-tuple per batch), in order."""
-    return DataLoader(TensorDataset(torch.randn(n, 2, generator=torch.Generator().manual_seed(n))),
-                      batch_size=batch_size, drop_last=drop_last)
+    return DataLoader(
+        TensorDataset(torch.randn(n, 2, generator=torch.Generator().manual_seed(n))),
+        batch_size=batch_size,
+        drop_last=drop_last,
+    )
 
 
 def one_rank_trainer(root: Path, strategy: MyDDPStrategy | None = None, **kwargs: Any) -> pl.Trainer:
     """A quiet ``Trainer(devices=1)`` in this process under ``strategy`` (default ``MyDDPStrategy(timeout=30)``)."""
     kwargs.setdefault("enable_checkpointing", False)
-    return pl.Trainer(devices=1, accelerator="cpu", strategy=strategy or MyDDPStrategy(timeout=30),
-                      default_root_dir=root, logger=False, enable_progress_bar=False, enable_model_summary=False,
-                      **kwargs)
+    return pl.Trainer(
+        devices=1,
+        accelerator="cpu",
+        strategy=strategy or MyDDPStrategy(timeout=30),
+        default_root_dir=root,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        **kwargs,
+    )
 
 
 def fit_steps(root: Path, model: pl.LightningModule, strategy: MyDDPStrategy | None = None, **kwargs: Any) -> int:

@@ -18,18 +18,26 @@ from ddp_strategy.checkpoint.io import load_file
 from ddp_strategy.cli import EpochLines, build_cli
 
 #: EpochLines' line as the main job logs it: epoch, train_loss, val_acc, val_loss, seconds.
-EPOCH_LINE = re.compile(r"^INFO ddp_strategy.cli: Epoch (\d+): train_loss ([\d.]+), val_acc ([\d.]+), "
-                        r"val_loss ([\d.]+) \(([\d.]+) s\)$", re.MULTILINE)
+EPOCH_LINE = re.compile(
+    r"^INFO ddp_strategy.cli: Epoch (\d+): train_loss ([\d.]+), val_acc ([\d.]+), "
+    r"val_loss ([\d.]+) \(([\d.]+) s\)$",
+    re.MULTILINE,
+)
 
 
-@pytest.mark.parametrize(("args", "words"), [
-    (["fit", "--model.no_such_option=1"], "unrecognized arguments"),
-    (["fit", "--trainer.max_epochs=abc"], "max_epochs"),
-    (["fit", "--data.batch_size=0"], "per-device batch size and must be >= 1"),
-    (["fit", "--trainer.strategy=ddp_strategy.MyDDPStrategy", "--trainer.strategy.timeout=-5"],
-     "timeout must be positive"),
-    (["fit", "--trainer.strategy=ddp_strategy.MyDDPStrategy", "--trainer.strategy.seed=abc"], "seed"),
-])
+@pytest.mark.parametrize(
+    ("args", "words"),
+    [
+        (["fit", "--model.no_such_option=1"], "unrecognized arguments"),
+        (["fit", "--trainer.max_epochs=abc"], "max_epochs"),
+        (["fit", "--data.batch_size=0"], "per-device batch size and must be >= 1"),
+        (
+            ["fit", "--trainer.strategy=ddp_strategy.MyDDPStrategy", "--trainer.strategy.timeout=-5"],
+            "timeout must be positive",
+        ),
+        (["fit", "--trainer.strategy=ddp_strategy.MyDDPStrategy", "--trainer.strategy.seed=abc"], "seed"),
+    ],
+)
 def test_cli_bad_flags_give_a_usage_error_not_a_traceback(capsys, args, words):
     """A bad flag or value: usage + 'error:' naming it on stderr, exit status 2, no traceback."""
     with pytest.raises(SystemExit) as info:
@@ -41,8 +49,11 @@ def test_cli_bad_flags_give_a_usage_error_not_a_traceback(capsys, args, words):
 
 def test_cli_bad_yaml_config_gives_a_usage_error(tmp_path, capsys):
     """Unknown keys and wrong types in --config YAML are usage errors too (exit 2)."""
-    for text, words in (("trainer:\n  no_such_key: 1\n", "no_such_key"), ("data:\n  batch_size: many\n", "batch_size"),
-                        ("model: [1, 2\n", "error:")):
+    for text, words in (
+        ("trainer:\n  no_such_key: 1\n", "no_such_key"),
+        ("data:\n  batch_size: many\n", "batch_size"),
+        ("model: [1, 2\n", "error:"),
+    ):
         config = tmp_path / "c.yaml"
         config.write_text(text)
         with pytest.raises(SystemExit) as info:
@@ -51,13 +62,17 @@ def test_cli_bad_yaml_config_gives_a_usage_error(tmp_path, capsys):
         assert info.value.code == 2 and words in err and "Traceback" not in err, err[-2000:]
 
 
-@pytest.mark.parametrize(("args", "terminal", "bar"), [
-    ([], False, "EpochLines"), ([], True, "TQDMProgressBar"),
-    (["--trainer.enable_progress_bar=true"], False, "TQDMProgressBar"),
-    (["--trainer.enable_progress_bar=false"], False, "NoneType"),
-    (["--trainer.callbacks+=ddp_strategy.cli.EpochLines"], True, "EpochLines"),
-    (["--trainer.callbacks+=lightning.pytorch.callbacks.TQDMProgressBar"], False, "TQDMProgressBar"),
-])
+@pytest.mark.parametrize(
+    ("args", "terminal", "bar"),
+    [
+        ([], False, "EpochLines"),
+        ([], True, "TQDMProgressBar"),
+        (["--trainer.enable_progress_bar=true"], False, "TQDMProgressBar"),
+        (["--trainer.enable_progress_bar=false"], False, "NoneType"),
+        (["--trainer.callbacks+=ddp_strategy.cli.EpochLines"], True, "EpochLines"),
+        (["--trainer.callbacks+=lightning.pytorch.callbacks.TQDMProgressBar"], False, "TQDMProgressBar"),
+    ],
+)
 def test_progress_bar_follows_the_terminal_unless_the_flags_choose(monkeypatch, args, terminal, bar):
     """Unset: Lightning's bar on a terminal, EpochLines otherwise; enable_progress_bar or trainer.callbacks choose."""
     monkeypatch.setattr("sys.stdout.isatty", lambda: terminal)
@@ -72,9 +87,15 @@ def cli_run(tmp_path_factory):
     """The README's main job, ``python -m ddp_strategy fit``, with its defaults (2 CPU processes, popen), in a pipe."""
     cwd = tmp_path_factory.mktemp("cli")
     with open(cwd / "stderr.txt", "w+") as stderr:
-        proc = subprocess.Popen([sys.executable, "-m", "ddp_strategy", "fit"], cwd=cwd, text=True,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1"},
-                                stdout=subprocess.PIPE, stderr=stderr, start_new_session=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "ddp_strategy", "fit"],
+            cwd=cwd,
+            text=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            start_new_session=True,
+        )
         code, out = finish(proc, timeout=240)
         stderr.seek(0)
         err = stderr.read()
@@ -105,8 +126,11 @@ def test_main_job_in_a_pipe_logs_one_line_per_epoch_not_a_bar(cli_run):
     final = ast.literal_eval(re.search(r"^INFO ddp_strategy.cli: Final metrics: (\{.*\})$", out, re.M).group(1))
     assert lines[-1][2:4] == pytest.approx((final["val_acc"], final["val_loss"]), abs=1e-4)
     assert out.rindex("Epoch 19:") < out.index("Final metrics:")
-    assert [line for line in out.splitlines() if line.startswith("INFO ddp_strategy.")
-            and not line.startswith("INFO ddp_strategy.cli: ")] == []  # no per-rank details among the lines
+    assert [
+        line
+        for line in out.splitlines()
+        if line.startswith("INFO ddp_strategy.") and not line.startswith("INFO ddp_strategy.cli: ")
+    ] == []  # no per-rank details among the lines
 
 
 @pytest.mark.multiprocess

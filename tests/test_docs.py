@@ -76,7 +76,7 @@ def code_blocks(path: Path) -> list[Block]:
         while i < len(lines) and not lines[i].startswith(fence):
             i += 1
         marked = start > 0 and lines[start - 1].strip() == MARKER
-        blocks.append(Block(path, start + 1, language, "\n".join(lines[start + 1:i]) + "\n", marked))
+        blocks.append(Block(path, start + 1, language, "\n".join(lines[start + 1 : i]) + "\n", marked))
         i += 1
     return blocks
 
@@ -95,7 +95,7 @@ def _session_processes(sid: int) -> list[int]:
             stat = (entry / "stat").read_text()
         except OSError:
             continue
-        fields = stat[stat.rindex(")") + 2:].split()
+        fields = stat[stat.rindex(")") + 2 :].split()
         if fields[0] != "Z" and int(fields[3]) == sid:
             found.append(int(entry.name))
     return found
@@ -108,8 +108,9 @@ def _kill_session(sid: int) -> None:
         pass
 
 
-def run_example(code: str, folder: Path, timeout_s: float = BLOCK_TIMEOUT_S,
-                exit_grace_s: float = EXIT_GRACE_S) -> subprocess.CompletedProcess[str]:
+def run_example(
+    code: str, folder: Path, timeout_s: float = BLOCK_TIMEOUT_S, exit_grace_s: float = EXIT_GRACE_S
+) -> subprocess.CompletedProcess[str]:
     """Run ``code`` as ``folder/example.py`` in ``folder``, in a session of its own; fail on leftover processes.
 
     The environment is the test's, less the suite's pin of the Lightning namespace (a user has none), with
@@ -119,8 +120,15 @@ def run_example(code: str, folder: Path, timeout_s: float = BLOCK_TIMEOUT_S,
     script.write_text(code, encoding="utf-8")
     env = {k: v for k, v in os.environ.items() if k != "DDP_STRATEGY_LIGHTNING"}
     env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-    proc = subprocess.Popen([sys.executable, script.name], cwd=folder, env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, script.name],
+        cwd=folder,
+        env=env,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     try:
         out, _ = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
@@ -315,9 +323,11 @@ def _processes_running(marker: str, wait_s: float = 5.0) -> list[int]:
 def test_the_harness_stops_hung_examples_and_reports_leftover_processes(tmp_path):
     """An example past its time limit fails and is killed with its children; one that leaves a child fails."""
     marker = f"docs-harness-{os.getpid()}"
-    child = ("import subprocess, sys\n"  # a child that outlives the example, its output not tied to the example's
-             f"subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)', {marker!r}],"
-             " stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)\n")
+    child = (
+        "import subprocess, sys\n"  # a child that outlives the example, its output not tied to the example's
+        f"subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)', {marker!r}],"
+        " stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)\n"
+    )
     with pytest.raises(pytest.fail.Exception, match="did not finish within 1 s"):
         run_example(child + "import time\ntime.sleep(60)\n", tmp_path, timeout_s=1)
     assert _processes_running(marker) == []
@@ -332,9 +342,11 @@ def test_link_and_anchor_helpers(tmp_path):
     assert slug("`find_unused_parameters` (default `False`)") == "find_unused_parameters-default-false"
     assert slug("Differences from Lightning's DDPStrategy") == "differences-from-lightnings-ddpstrategy"
     page = tmp_path / "page.md"
-    page.write_text("# Title\n\nSee [a](other.md#x-y), [b](#title), [c](https://example.com), `[d](e.md)`.\n"
-                    "## Title\n\n```python\n# [f](g.md)\n```\nA `span over\n[h](i.md) two lines`, [j](k.md).\n",
-                    encoding="utf-8")
+    page.write_text(
+        "# Title\n\nSee [a](other.md#x-y), [b](#title), [c](https://example.com), `[d](e.md)`.\n"
+        "## Title\n\n```python\n# [f](g.md)\n```\nA `span over\n[h](i.md) two lines`, [j](k.md).\n",
+        encoding="utf-8",
+    )
     assert relative_links(page) == [(3, "other.md#x-y"), (3, "#title"), (10, "k.md")]
     assert anchors(page) == {"title", "title-1"}
     assert inline_code(page) == [(3, "[d](e.md)"), (9, "span over [h](i.md) two lines")]

@@ -91,7 +91,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
         stack.append(node)
         for nxt in sorted(graph.get(node, ())):
             if state.get(nxt) == 1:
-                return stack[stack.index(nxt):] + [nxt]
+                return stack[stack.index(nxt) :] + [nxt]
             if nxt not in state and (cycle := visit(nxt)):
                 return cycle
         stack.pop()
@@ -130,8 +130,11 @@ def lines(path: Path) -> int:
 
 def test_modules_are_small():
     """No module over :data:`MAX_MODULE_LINES` lines (or its :data:`LARGER_MODULES` cap); each that is, is named."""
-    too_long = {name: n for path in package_files()
-                if (n := lines(path)) > LARGER_MODULES.get(name := str(path.relative_to(ROOT)), MAX_MODULE_LINES)}
+    too_long = {
+        name: n
+        for path in package_files()
+        if (n := lines(path)) > LARGER_MODULES.get(name := str(path.relative_to(ROOT)), MAX_MODULE_LINES)
+    }
     assert too_long == {}
 
 
@@ -166,11 +169,15 @@ def test_the_benchmarks_do_not_import_the_tests():
     test_modules = {path.stem for path in TESTS.rglob("*.py")} | {"tests"}
     problems = []
     for path in sorted((ROOT / "benchmarks").glob("*.py")):
-        problems += [f"{path.name}:{line} imports {module}" for module, _, line in runtime_imports(path)
-                     if module.split(".")[0] in test_modules]
+        problems += [
+            f"{path.name}:{line} imports {module}"
+            for module, _, line in runtime_imports(path)
+            if module.split(".")[0] in test_modules
+        ]
         numbered = enumerate(path.read_text().splitlines(), 1)
-        problems += [f"{path.name}:{n} puts tests/ on sys.path" for n, text in numbered
-                     if "sys.path" in text and "tests" in text]
+        problems += [
+            f"{path.name}:{n} puts tests/ on sys.path" for n, text in numbered if "sys.path" in text and "tests" in text
+        ]
     assert problems == []
 
 
@@ -187,8 +194,11 @@ def test_parts_import_only_lower_layers_through_their_public_names():
     public = {}
     for name in SUBPACKAGES:
         tree = ast.parse((PACKAGE / name / "__init__.py").read_text())
-        names = [ast.literal_eval(n.value) for n in tree.body if isinstance(n, ast.Assign)
-                 and any(getattr(t, "id", None) == "__all__" for t in n.targets)]
+        names = [
+            ast.literal_eval(n.value)
+            for n in tree.body
+            if isinstance(n, ast.Assign) and any(getattr(t, "id", None) == "__all__" for t in n.targets)
+        ]
         public[name] = set(names[0]) if names else set()
     problems = []
     for path in package_files():
@@ -201,8 +211,9 @@ def test_parts_import_only_lower_layers_through_their_public_names():
             if len(target) == 1:  # from ddp_strategy import a, b: each is a part (or a public name for reference)
                 parts = [n for n in names if n in SUBPACKAGES or n in ("options", "strategy", "cli", "diagnostics")]
                 if mine not in ("reference", "cli", "__main__"):
-                    problems += [f"{me}:{line} imports public name {n} from ddp_strategy" for n in names
-                                 if n not in parts]
+                    problems += [
+                        f"{me}:{line} imports public name {n} from ddp_strategy" for n in names if n not in parts
+                    ]
                 problems += [f"{me}:{line} imports {p}" for p in parts if p != mine and p not in ALLOWED[mine]]
                 continue
             theirs = target[1]
@@ -210,7 +221,8 @@ def test_parts_import_only_lower_layers_through_their_public_names():
                 continue
             if theirs not in ALLOWED[mine]:
                 problems.append(f"{me}:{line} imports {module} (layer {theirs} is not below {mine})")
-            elif theirs in SUBPACKAGES and theirs != "_compat" and (
-                    len(target) > 2 or not set(names) <= public[theirs]):
+            elif (
+                theirs in SUBPACKAGES and theirs != "_compat" and (len(target) > 2 or not set(names) <= public[theirs])
+            ):
                 problems.append(f"{me}:{line} reaches inside {theirs}: {module} {names}")
     assert problems == []

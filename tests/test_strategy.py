@@ -65,20 +65,40 @@ def test_trainer_wires_devices_and_sampler_arguments():
     assert s.is_distributed
 
 
-@pytest.mark.parametrize("kwargs", [
-    {}, {"find_unused_parameters": False}, {"broadcast_buffers": True, "bucket_cap_mb": 5},
-    {"static_graph": True, "gradient_as_bucket_view": True, "process_group_backend": "gloo",
-     "timeout": timedelta(seconds=7), "start_method": "spawn", "ddp_comm_hook": default_hooks.fp16_compress_hook,
-     "ddp_comm_state": None, "ddp_comm_wrapper": None},
-], ids=["defaults", "explicit-default", "buffers-buckets", "named"])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {},
+        {"find_unused_parameters": False},
+        {"broadcast_buffers": True, "bucket_cap_mb": 5},
+        {
+            "static_graph": True,
+            "gradient_as_bucket_view": True,
+            "process_group_backend": "gloo",
+            "timeout": timedelta(seconds=7),
+            "start_method": "spawn",
+            "ddp_comm_hook": default_hooks.fp16_compress_hook,
+            "ddp_comm_state": None,
+            "ddp_comm_wrapper": None,
+        },
+    ],
+    ids=["defaults", "explicit-default", "buffers-buckets", "named"],
+)
 def test_attributes_read_on_trainer_strategy_are_lightnings(kwargs):
     """_ddp_kwargs (the DDP options passed, defaults named included), process_group_backend,
     _get_process_group_backend(), _timeout, _start_method, the _ddp_comm_* trio and determine_ddp_device_ids()
     equal DDPStrategy's for the same arguments, and cannot be assigned."""
     from lightning.pytorch.strategies import DDPStrategy
 
-    names = ("_ddp_kwargs", "process_group_backend", "_timeout", "_start_method", "_ddp_comm_hook", "_ddp_comm_state",
-             "_ddp_comm_wrapper")
+    names = (
+        "_ddp_kwargs",
+        "process_group_backend",
+        "_timeout",
+        "_start_method",
+        "_ddp_comm_hook",
+        "_ddp_comm_state",
+        "_ddp_comm_wrapper",
+    )
     seen = []
     for cls in (DDPStrategy, MyDDPStrategy):
         s = Trainer(accelerator="cpu", devices=2, num_nodes=1, strategy=cls(**kwargs), logger=False).strategy
@@ -127,8 +147,15 @@ class GroupCollectives(pl.LightningModule):
         for name, group in self.groups.items():
             self.log(name, float(self.global_rank + 1), sync_dist=True, sync_dist_group=group)
             self.log(f"{name}_sum", float(self.global_rank + 1), sync_dist=True, sync_dist_group=group, reduce_fx="sum")
-            self.log(f"{name}_step", float(self.global_rank + 1), on_step=True, on_epoch=False, sync_dist=True,
-                     sync_dist_group=group, reduce_fx="max")
+            self.log(
+                f"{name}_step",
+                float(self.global_rank + 1),
+                on_step=True,
+                on_epoch=False,
+                sync_dist=True,
+                sync_dist_group=group,
+                reduce_fx="max",
+            )
 
     def on_validation_epoch_end(self) -> None:
         for name, group in self.groups.items():
@@ -145,8 +172,14 @@ def _group_collectives(out: Path) -> None:
     """The same validation under MyDDPStrategy and then Lightning's ddp; each rank records what it got."""
     for name, strategy in (("ours", MyDDPStrategy(timeout=60)), ("lightning", "ddp")):
         model = GroupCollectives()
-        trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, logger=False, enable_progress_bar=False,
-                             enable_model_summary=False)
+        trainer = pl.Trainer(
+            accelerator="cpu",
+            devices=2,
+            strategy=strategy,
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        )
         trainer.validate(model, DataLoader(TensorDataset(torch.zeros(8, 1)), batch_size=2))
         save(out, name, {**model.record, **{k: v.item() for k, v in trainer.callback_metrics.items()}})
 
@@ -180,9 +213,15 @@ def _recorded_fit(out_dir: str, strategy: MyDDPStrategy) -> None:
     pl.seed_everything(SEED)
     model = RecordingClassifier(out_dir=out_dir)
     trainer = pl.Trainer(
-        accelerator="cpu", devices=2, strategy=strategy,
-        max_epochs=EPOCHS, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, default_root_dir=out_dir,
+        accelerator="cpu",
+        devices=2,
+        strategy=strategy,
+        max_epochs=EPOCHS,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=out_dir,
     )
     trainer.fit(model, IndexedDigits(batch_size=32))
 

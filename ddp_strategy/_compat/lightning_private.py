@@ -108,8 +108,9 @@ class SavesPublicInitArgs:
             for local_args in namespace.get(PRIVATE_NAMES["collect_init_args"])(frame, [], classes=classes):
                 given.update(local_args)
         self._log_hyperparams = logger
-        namespace.get(PRIVATE_NAMES["save_hyperparameters"])(self, *args, ignore=ignore, frame=frame,
-                                                              given_hparams=given)
+        namespace.get(PRIVATE_NAMES["save_hyperparameters"])(
+            self, *args, ignore=ignore, frame=frame, given_hparams=given
+        )
 
 
 _namespace.MIXINS.append(("pytorch.core.mixins:HyperparametersMixin", SavesPublicInitArgs))
@@ -210,11 +211,13 @@ def resumed_batch_count(trainer: pl.Trainer) -> int:
 
 
 # Lightning's collectives (fabric/utilities/distributed.py): namespace-neutral, they act on torch.distributed.
-PRIVATE_NAMES.update({
-    "sync_ddp_if_available": "fabric.utilities.distributed:_sync_ddp_if_available",
-    "all_gather_ddp_if_available": "fabric.utilities.distributed:_all_gather_ddp_if_available",
-    "gather_all_tensors": "fabric.utilities.distributed:_gather_all_tensors",
-})
+PRIVATE_NAMES.update(
+    {
+        "sync_ddp_if_available": "fabric.utilities.distributed:_sync_ddp_if_available",
+        "all_gather_ddp_if_available": "fabric.utilities.distributed:_all_gather_ddp_if_available",
+        "gather_all_tensors": "fabric.utilities.distributed:_gather_all_tensors",
+    }
+)
 #: ``(tensor, group=None, reduce_op=None)``: all-reduce in place (``"mean"``/``"avg"`` on gloo: sum, then divide);
 #: the tensor itself without a process group. What Lightning's ``DDPStrategy.reduce`` calls.
 sync_ddp_if_available = _default.get(PRIVATE_NAMES["sync_ddp_if_available"])
@@ -233,8 +236,12 @@ _TRAINER_MODULES = ("lightning.pytorch.trainer.trainer", "pytorch_lightning.trai
 def saving_for_trainer(frame: Any) -> bool:
     """Whether ``frame``, the caller of ``Strategy.save_checkpoint``, is Lightning's ``Trainer.save_checkpoint``
     (either namespace), so that ``barrier(SAVE_BARRIER)`` follows on every rank."""
-    return frame is not None and frame.f_code.co_name == "save_checkpoint" and \
-        frame.f_globals.get("__name__") in _TRAINER_MODULES
+    return (
+        frame is not None
+        and frame.f_code.co_name == "save_checkpoint"
+        and frame.f_globals.get("__name__") in _TRAINER_MODULES
+    )
+
 
 # Lightning's SIGTERM handling; the strategy agrees on a SIGTERM at a step boundary itself (process/boundaries.py).
 PRIVATE_NAMES["sigterm_notifier"] = "pytorch.trainer.connectors.signal_connector:_SignalConnector._sigterm_notifier_fn"
@@ -266,12 +273,17 @@ def training_state(trainer: pl.Trainer) -> dict[str, Any]:
     ``trainer.global_step`` and the logging step, and each ``ModelCheckpoint``'s state with its (private) last
     saved step, which decides its next save (and so its ``barrier``)."""
     loop: Any = trainer.fit_loop.epoch_loop
-    return {"optimizers": [o.state_dict() for o in trainer.optimizers],
-            "schedulers": [c.scheduler.state_dict() for c in trainer.lr_scheduler_configs],
-            "precision": trainer.precision_plugin.state_dict(),
-            "steps": (loop.automatic_optimization.optim_progress.state_dict(),
-                      loop.manual_optimization.optim_step_progress.state_dict(), loop._batches_that_stepped),
-            "checkpoints": [(c.state_dict(), c._last_global_step_saved) for c in trainer.checkpoint_callbacks]}
+    return {
+        "optimizers": [o.state_dict() for o in trainer.optimizers],
+        "schedulers": [c.scheduler.state_dict() for c in trainer.lr_scheduler_configs],
+        "precision": trainer.precision_plugin.state_dict(),
+        "steps": (
+            loop.automatic_optimization.optim_progress.state_dict(),
+            loop.manual_optimization.optim_step_progress.state_dict(),
+            loop._batches_that_stepped,
+        ),
+        "checkpoints": [(c.state_dict(), c._last_global_step_saved) for c in trainer.checkpoint_callbacks],
+    }
 
 
 def load_training_state(trainer: pl.Trainer, state: dict[str, Any]) -> None:

@@ -30,8 +30,10 @@ ENV_VAR = "DDP_STRATEGY_LIGHTNING"
 #: The two namespaces, the default first.
 NAMESPACES: tuple[str, ...] = ("lightning", "pytorch_lightning")
 #: Per namespace: the Trainer-level package and the Fabric-level package.
-_ROOTS: dict[str, tuple[str, str]] = {"lightning": ("lightning.pytorch", "lightning.fabric"),
-                                      "pytorch_lightning": ("pytorch_lightning", "lightning_fabric")}
+_ROOTS: dict[str, tuple[str, str]] = {
+    "lightning": ("lightning.pytorch", "lightning.fabric"),
+    "pytorch_lightning": ("pytorch_lightning", "lightning_fabric"),
+}
 #: Top-level package -> namespace.
 _TOPS = {"lightning": "lightning", "pytorch_lightning": "pytorch_lightning", "lightning_fabric": "pytorch_lightning"}
 
@@ -58,12 +60,14 @@ def imported() -> tuple[str, ...]:
 def _check_name(name: str, source: str) -> str:
     canonical = name.strip().replace("-", "_")
     if canonical not in NAMESPACES:
-        raise ValueError(f"{source} is {name!r}, which is not a Lightning namespace: use 'lightning' or"
-                         " 'pytorch_lightning'.")
+        raise ValueError(
+            f"{source} is {name!r}, which is not a Lightning namespace: use 'lightning' or 'pytorch_lightning'."
+        )
     if canonical not in installed():
         raise ModuleNotFoundError(
             f"{source} is {name!r}, but {canonical} is not installed (installed: {list(installed()) or 'none'})."
-            f" Install it with pip install 'ddp_strategy[{canonical.replace('_', '-')}]', or choose an installed one.")
+            f" Install it with pip install 'ddp_strategy[{canonical.replace('_', '-')}]', or choose an installed one."
+        )
     return canonical
 
 
@@ -85,9 +89,11 @@ def _caller_namespace() -> str | None:
         if not str(module).startswith("ddp_strategy"):
             found = {_namespace_of_module(module)} - {None}
             if not found:
-                found = {_namespace_of_module(value.__name__ if isinstance(value, types.ModuleType) else
-                                              value.__module__) for value in list(frame.f_globals.values())
-                         if isinstance(value, (types.ModuleType, type, types.FunctionType))} - {None}
+                found = {
+                    _namespace_of_module(value.__name__ if isinstance(value, types.ModuleType) else value.__module__)
+                    for value in list(frame.f_globals.values())
+                    if isinstance(value, (types.ModuleType, type, types.FunctionType))
+                } - {None}
             if found:
                 return found.pop() if len(found) == 1 else None
         frame = frame.f_back
@@ -107,9 +113,11 @@ def resolve() -> str:
     if chosen is not None:
         return chosen
     if not installed():
-        raise ModuleNotFoundError("ddp_strategy needs Lightning, and neither lightning nor pytorch_lightning is"
-                                  " installed: pip install 'ddp_strategy[lightning]' (or"
-                                  " 'ddp_strategy[pytorch-lightning]' for import pytorch_lightning).")
+        raise ModuleNotFoundError(
+            "ddp_strategy needs Lightning, and neither lightning nor pytorch_lightning is"
+            " installed: pip install 'ddp_strategy[lightning]' (or"
+            " 'ddp_strategy[pytorch-lightning]' for import pytorch_lightning)."
+        )
     if len(installed()) == 1:
         return installed()[0]
     chosen = _caller_namespace() or (imported()[0] if len(imported()) == 1 else None)
@@ -217,17 +225,26 @@ class Flavoured:
             if cls._ddp_namespace == name:
                 return cls
             if "_ddp_namespace" not in cls.__dict__:
-                raise TypeError(f"{cls.__qualname__} subclasses the {cls._ddp_namespace} flavour of a ddp_strategy"
-                                f" class, so it cannot be built for {name}; subclass the public class instead.")
+                raise TypeError(
+                    f"{cls.__qualname__} subclasses the {cls._ddp_namespace} flavour of a ddp_strategy"
+                    f" class, so it cannot be built for {name}; subclass the public class instead."
+                )
             cls = cls.__bases__[0]
         flavour = _FLAVOURS.get((cls, name))
         if flavour is None:
             namespace = load(name)
             base = namespace.get(cls._ddp_base)
             mixins = tuple(mixin for path, mixin in MIXINS if issubclass(base, namespace.get(path)))
-            flavour = _FLAVOURS[(cls, name)] = type(base)(cls.__name__, (cls, *mixins, base), {
-                "__module__": cls.__module__, "__qualname__": cls.__qualname__, "__doc__": cls.__doc__,
-                "_ddp_namespace": name})
+            flavour = _FLAVOURS[(cls, name)] = type(base)(
+                cls.__name__,
+                (cls, *mixins, base),
+                {
+                    "__module__": cls.__module__,
+                    "__qualname__": cls.__qualname__,
+                    "__doc__": cls.__doc__,
+                    "_ddp_namespace": name,
+                },
+            )
         return flavour
 
 
@@ -289,6 +306,7 @@ MIXINS: list[tuple[str, type]] = [("pytorch.strategies:Strategy", _FollowsTheTra
 def any_namespace(path: str) -> type:
     """A class for ``isinstance`` checks: true for the class at ``path`` (see :meth:`Namespace.get`) of any
     namespace imported."""
+
     def hook(cls: type, sub: type) -> bool:
         return any(issubclass(sub, load(name).get(path)) for name in imported()) or NotImplemented
 

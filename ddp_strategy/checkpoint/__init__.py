@@ -23,7 +23,19 @@ from ddp_strategy.checkpoint.keys import (
     unwrapped_state_dict,
 )
 
-__all__ = ["FIT_MISMATCH_HINT", "DDPCheckpointIO", "DamagedCheckpointError", "StateDictMismatchError",
-           "UnsafeCheckpointError", "WrittenFiles", "export_weights", "import_plain_checkpoint",
-           "load_plain_state_dict", "match_state_dict", "prepare_folders", "remove_stale_temp_files",
-           "strip_ddp_prefix", "unwrapped_state_dict"]
+__all__ = [
+    "FIT_MISMATCH_HINT",
+    "DDPCheckpointIO",
+    "DamagedCheckpointError",
+    "StateDictMismatchError",
+    "UnsafeCheckpointError",
+    "WrittenFiles",
+    "export_weights",
+    "import_plain_checkpoint",
+    "load_plain_state_dict",
+    "match_state_dict",
+    "prepare_folders",
+    "remove_stale_temp_files",
+    "strip_ddp_prefix",
+    "unwrapped_state_dict",
+]

@@ -40,15 +40,22 @@ def find_model_state_dict(checkpoint: Any, path: str | os.PathLike | None = None
         if state_dict is None and checkpoint and all(isinstance(v, torch.Tensor) for v in checkpoint.values()):
             state_dict = checkpoint
     if state_dict is None:
-        found = [repr(k)[:40] for k in list(checkpoint)[:10]] if isinstance(checkpoint, Mapping) else (
-            f"a {type(checkpoint).__name__}")
-        raise DamagedCheckpointError(f"No model state dict in {where}: expected one of the entries"
-                                     f" {list(MODEL_STATE_KEYS)} or a dict of tensors, found {found}.")
+        found = (
+            [repr(k)[:40] for k in list(checkpoint)[:10]]
+            if isinstance(checkpoint, Mapping)
+            else (f"a {type(checkpoint).__name__}")
+        )
+        raise DamagedCheckpointError(
+            f"No model state dict in {where}: expected one of the entries"
+            f" {list(MODEL_STATE_KEYS)} or a dict of tensors, found {found}."
+        )
     odd = next((k for k in state_dict if not isinstance(k, str)), None)
     if odd is not None:
-        raise DamagedCheckpointError(f"The model state dict in {where} has a key that is not a string:"
-                                     f" {odd!r} ({type(odd).__name__}); state-dict keys are parameter names."
-                                     " Is this file a checkpoint?")
+        raise DamagedCheckpointError(
+            f"The model state dict in {where} has a key that is not a string:"
+            f" {odd!r} ({type(odd).__name__}); state-dict keys are parameter names."
+            " Is this file a checkpoint?"
+        )
     return state_dict
 
 
@@ -58,15 +65,18 @@ def plain_state_dict(checkpoint: Any, path: str | os.PathLike, submodule: str = 
     if not submodule:
         return state_dict
     prefix = submodule + "."
-    picked = {key[len(prefix):]: value for key, value in state_dict.items() if key.startswith(prefix)}
+    picked = {key[len(prefix) :]: value for key, value in state_dict.items() if key.startswith(prefix)}
     if not picked:
-        raise KeyError(f"No key in {os.fspath(path)} starts with {prefix!r}; found e.g. {list(state_dict)[:5]}."
-                       " Pass submodule='' for the whole state dict, or the attribute name of your model.")
+        raise KeyError(
+            f"No key in {os.fspath(path)} starts with {prefix!r}; found e.g. {list(state_dict)[:5]}."
+            " Pass submodule='' for the whole state dict, or the attribute name of your model."
+        )
     return picked
 
 
-def load_plain_state_dict(path: str | os.PathLike, submodule: str = "model",
-                          weights_only: bool = True) -> dict[str, torch.Tensor]:
+def load_plain_state_dict(
+    path: str | os.PathLike, submodule: str = "model", weights_only: bool = True
+) -> dict[str, torch.Tensor]:
     """Load the weights of one sub-module from a checkpoint (Lightning's, a plain PyTorch file or a bare state dict,
     with or without ``module.``/``_orig_mod.``), ready for the plain ``nn.Module``.
 
@@ -107,18 +117,28 @@ def _check_optimizer_lines_up(optimizer_state: Mapping[str, Any], params: list[t
     """``DamagedCheckpointError`` unless laid out as ``Optimizer.state_dict()`` writes it, ``ValueError`` unless each
     per-parameter tensor has the shape of the parameter at its position."""
     groups, state = optimizer_state["param_groups"], optimizer_state["state"]
-    if not (isinstance(groups, (list, tuple)) and isinstance(state, Mapping)
-            and all(isinstance(g, Mapping) and isinstance(g.get("params"), (list, tuple))
-                    and all(isinstance(i, int) for i in g["params"]) for g in groups)
-            and all(isinstance(v, Mapping) for v in state.values())):
+    if not (
+        isinstance(groups, (list, tuple))
+        and isinstance(state, Mapping)
+        and all(
+            isinstance(g, Mapping)
+            and isinstance(g.get("params"), (list, tuple))
+            and all(isinstance(i, int) for i in g["params"])
+            for g in groups
+        )
+        and all(isinstance(v, Mapping) for v in state.values())
+    ):
         raise DamagedCheckpointError(
             f"The optimizer state in {source} is not laid out as torch.optim.Optimizer.state_dict() writes it"
             " ('param_groups': a list of dicts with a 'params' list of ints, 'state': a dict of dicts). Is the"
-            " file damaged or written by something else? Load the weights only with output_path=None.")
+            " file damaged or written by something else? Load the weights only with output_path=None."
+        )
     ids = [i for group in groups for i in group["params"]]
     if len(ids) != len(params):
-        raise ValueError(f"The optimizer state in {source} covers {len(ids)} parameters but the model part it"
-                         f" belongs to has {len(params)}; the optimizer was built over other parameters.")
+        raise ValueError(
+            f"The optimizer state in {source} covers {len(ids)} parameters but the model part it"
+            f" belongs to has {len(params)}; the optimizer was built over other parameters."
+        )
     for position, index in enumerate(ids):
         for name, value in state.get(index, {}).items():
             if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape != params[position].shape:
@@ -132,8 +152,14 @@ def _check_optimizer_lines_up(optimizer_state: Mapping[str, Any], params: list[t
 
 def _fit_loop_state(epochs_completed: int, global_step: int) -> dict[str, Any]:
     """A fresh Trainer's ``fit_loop.state_dict()`` (Lightning's layout), counters set to the epochs and steps."""
-    trainer = _namespace.default.pytorch.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
-                                                 enable_progress_bar=False, enable_model_summary=False)
+    trainer = _namespace.default.pytorch.Trainer(
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     state = trainer.fit_loop.state_dict()
     steps = state["epoch_loop.automatic_optimization.optim_progress"]["optimizer"]["step"]
     for scope in ("total", "current"):
@@ -145,9 +171,15 @@ def _fit_loop_state(epochs_completed: int, global_step: int) -> dict[str, Any]:
     return state
 
 
-def import_plain_checkpoint(source: str | os.PathLike | Mapping[str, Any], model: nn.Module,
-                            output_path: str | os.PathLike | None = None, *, strict: bool = True,
-                            weights_only: bool = True, epochs_completed: int | None = None) -> dict[str, Any]:
+def import_plain_checkpoint(
+    source: str | os.PathLike | Mapping[str, Any],
+    model: nn.Module,
+    output_path: str | os.PathLike | None = None,
+    *,
+    strict: bool = True,
+    weights_only: bool = True,
+    epochs_completed: int | None = None,
+) -> dict[str, Any]:
     """Load a plain PyTorch (hand-written DDP) checkpoint into ``model``; optionally write a Lightning one.
 
     The file holds ``{"epoch", "model_state_dict" | "state_dict" | "model", "optimizer_state_dict" | "optimizer",
@@ -177,22 +209,29 @@ def import_plain_checkpoint(source: str | os.PathLike | Mapping[str, Any], model
         TypeError: ``output_path`` is given but ``model`` is not a LightningModule.
     """
     if output_path is not None and not isinstance(model, _namespace.LightningModule):
-        raise TypeError(f"A Lightning checkpoint needs a LightningModule; got {type(model).__name__}. Pass the"
-                        " LightningModule, or output_path=None to load the weights only.")
+        raise TypeError(
+            f"A Lightning checkpoint needs a LightningModule; got {type(model).__name__}. Pass the"
+            " LightningModule, or output_path=None to load the weights only."
+        )
     name = os.fspath(source) if isinstance(source, (str, os.PathLike)) else "the given checkpoint"
-    checkpoint = (load_file(source, weights_only=weights_only, opt_out="import_plain_checkpoint(...,"
-                            " weights_only=False)") if isinstance(source, (str, os.PathLike)) else source)
+    checkpoint = (
+        load_file(source, weights_only=weights_only, opt_out="import_plain_checkpoint(..., weights_only=False)")
+        if isinstance(source, (str, os.PathLike))
+        else source
+    )
     parts: dict[str, nn.Module] = {}  # "<clean path>." -> sub-module, shortest path first
     for sub, module in model.named_modules():
         parts.setdefault(unwrapped_name(model, sub + ".x")[:-1] if sub else "", module)
     parts = dict(sorted(parts.items(), key=lambda item: (item[0].count("."), item[0])))
-    loadable = match_state_dict(find_model_state_dict(checkpoint, name), model, strict=strict, source=name,
-                                prefixes=list(parts))
+    loadable = match_state_dict(
+        find_model_state_dict(checkpoint, name), model, strict=strict, source=name, prefixes=list(parts)
+    )
     own = model.state_dict()
     for key, value in loadable.items():
         if isinstance(own[key], torch.Tensor) and not isinstance(value, torch.Tensor):
-            raise DamagedCheckpointError(f"{name}: the weight for {key!r} is a {type(value).__name__}, not a"
-                                         " tensor. Is this file a checkpoint?")
+            raise DamagedCheckpointError(
+                f"{name}: the weight for {key!r} is a {type(value).__name__}, not a tensor. Is this file a checkpoint?"
+            )
     model.load_state_dict(loadable, strict=strict)
 
     if epochs_completed is None:
@@ -200,12 +239,22 @@ def import_plain_checkpoint(source: str | os.PathLike | Mapping[str, Any], model
     global_step = _int_entry(checkpoint, ("global_step", "step"), name)
     namespace = _namespace.load(_namespace.namespace_of(model) or _namespace.default.name)
     result: dict[str, Any] = {
-        "epoch": max(epochs_completed - 1, 0), "global_step": global_step,
-        "pytorch-lightning_version": namespace.version, "state_dict": unwrapped_state_dict(model),
-        "loops": {"fit_loop": _fit_loop_state(epochs_completed, global_step)}, "lr_schedulers": [], "callbacks": {},
+        "epoch": max(epochs_completed - 1, 0),
+        "global_step": global_step,
+        "pytorch-lightning_version": namespace.version,
+        "state_dict": unwrapped_state_dict(model),
+        "loops": {"fit_loop": _fit_loop_state(epochs_completed, global_step)},
+        "lr_schedulers": [],
+        "callbacks": {},
     }
-    optimizer_state = next((dict(v) for v in map(checkpoint.get, OPTIMIZER_STATE_KEYS)
-                            if isinstance(v, Mapping) and "state" in v and "param_groups" in v), None)
+    optimizer_state = next(
+        (
+            dict(v)
+            for v in map(checkpoint.get, OPTIMIZER_STATE_KEYS)
+            if isinstance(v, Mapping) and "state" in v and "param_groups" in v
+        ),
+        None,
+    )
     if optimizer_state is not None:
         clean = [unwrapped_name(model, k) for k in loadable]  # the deepest part holding every loaded key
         part = [model, *(m for path, m in parts.items() if clean and all(k.startswith(path) for k in clean))][-1]
@@ -215,16 +264,24 @@ def import_plain_checkpoint(source: str | os.PathLike | Mapping[str, Any], model
         result[model.CHECKPOINT_HYPER_PARAMS_KEY] = dict(model.hparams)
     if output_path is not None:
         if "optimizer_states" not in result:
-            raise ValueError(f"{name} has no optimizer state (looked for {list(OPTIMIZER_STATE_KEYS)}), so"
-                             " training cannot resume from it; load the weights with output_path=None instead.")
+            raise ValueError(
+                f"{name} has no optimizer state (looked for {list(OPTIMIZER_STATE_KEYS)}), so"
+                " training cannot resume from it; load the weights with output_path=None instead."
+            )
         atomic_save(result, output_path)
-        log.info("wrote Lightning checkpoint %s (resumes at epoch %d, step %d)", output_path, epochs_completed,
-                 global_step)
+        log.info(
+            "wrote Lightning checkpoint %s (resumes at epoch %d, step %d)", output_path, epochs_completed, global_step
+        )
     return result
 
 
-def export_weights(source: str | os.PathLike | nn.Module, path: str | os.PathLike, submodule: str = "model",
-                   safetensors: bool | None = None, weights_only: bool = True) -> dict[str, torch.Tensor]:
+def export_weights(
+    source: str | os.PathLike | nn.Module,
+    path: str | os.PathLike,
+    submodule: str = "model",
+    safetensors: bool | None = None,
+    weights_only: bool = True,
+) -> dict[str, torch.Tensor]:
     """Write just the plain model weights (a ``state_dict``) for inference without Lightning, atomically: keys
     without ``module.``, ``_orig_mod.`` or ``<submodule>.``, tensors detached, contiguous, on the CPU.
 
@@ -245,7 +302,7 @@ def export_weights(source: str | os.PathLike | nn.Module, path: str | os.PathLik
     if isinstance(source, nn.Module):
         full = unwrapped_state_dict(source)
         prefix = submodule + "." if submodule else ""
-        weights = {k[len(prefix):]: v for k, v in full.items() if k.startswith(prefix)}
+        weights = {k[len(prefix) :]: v for k, v in full.items() if k.startswith(prefix)}
         if not weights:
             raise KeyError(f"{type(source).__name__} has no key under {prefix!r}; found e.g. {list(full)[:5]}.")
     else:
@@ -256,8 +313,9 @@ def export_weights(source: str | os.PathLike | nn.Module, path: str | os.PathLik
         what = f"{type(weights[odd]).__name__} under {odd!r}, not a tensor"
         if isinstance(source, nn.Module):
             raise TypeError(f"{type(source).__name__}'s state dict holds a {what}; only tensors can be exported.")
-        raise DamagedCheckpointError(f"The model state dict in {os.fspath(source)} holds a {what}. Is this file a"
-                                     " checkpoint?")
+        raise DamagedCheckpointError(
+            f"The model state dict in {os.fspath(source)} holds a {what}. Is this file a checkpoint?"
+        )
     weights = {k: v.detach().cpu().contiguous() for k, v in weights.items()}
     if safetensors is None:
         safetensors = os.fspath(path).endswith(".safetensors")
@@ -267,8 +325,10 @@ def export_weights(source: str | os.PathLike | nn.Module, path: str | os.PathLik
     try:
         from safetensors.torch import save as to_safetensors_bytes
     except ImportError as e:
-        raise ImportError("Writing safetensors needs the safetensors package: pip install 'ddp_strategy[safetensors]',"
-                          " or export a PyTorch file instead (a path not ending in .safetensors, such as weights.pt:"
-                          " torch.load reads any *.safetensors path as safetensors).") from e
+        raise ImportError(
+            "Writing safetensors needs the safetensors package: pip install 'ddp_strategy[safetensors]',"
+            " or export a PyTorch file instead (a path not ending in .safetensors, such as weights.pt:"
+            " torch.load reads any *.safetensors path as safetensors)."
+        ) from e
     atomic_save(weights, path, save_fn=lambda obj, f: f.write(to_safetensors_bytes(obj)))
     return weights

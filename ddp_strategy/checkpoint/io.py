@@ -122,7 +122,8 @@ def prepare_folders(callbacks: list[Any]) -> None:
             _namespace.rank_zero_warn(
                 f"Checkpoint folder {folder} is not writable ({type(e).__name__}: {e.strerror or e}). Choose a writable"
                 " ModelCheckpoint(dirpath=...) or Trainer(default_root_dir=...) before training. The first checkpoint"
-                " saved there will fail; fix the folder now.")
+                " saved there will fail; fix the folder now."
+            )
             return
 
 
@@ -167,8 +168,13 @@ class UnsafeCheckpointError(pickle.UnpicklingError):
     """``weights_only=True`` refused an object in the file (it could run code when unpickled)."""
 
 
-def load_file(path: str | os.PathLike, map_location: Any = "cpu", weights_only: bool = True,
-              verify_checksums: bool = True, opt_out: str = "load_file(..., weights_only=False)") -> Any:
+def load_file(
+    path: str | os.PathLike,
+    map_location: Any = "cpu",
+    weights_only: bool = True,
+    verify_checksums: bool = True,
+    opt_out: str = "load_file(..., weights_only=False)",
+) -> Any:
     """``torch.load`` a checkpoint file; whatever bytes it holds, a failure is one of the errors below, naming it.
 
     Warnings of a failing load are dropped, a successful one's passed on. With ``verify_checksums`` every zip
@@ -223,16 +229,20 @@ def load_file(path: str | os.PathLike, map_location: Any = "cpu", weights_only: 
 def _open_error(path: str, error: OSError) -> OSError:
     """The error for a checkpoint path that cannot be opened: PermissionError or FileNotFoundError."""
     if isinstance(error, PermissionError):
-        return PermissionError(f"Checkpoint file {path} cannot be read: permission denied for this user"
-                               f" (uid {os.getuid() if hasattr(os, 'getuid') else '?'}). Make it readable"
-                               " (chmod u+r) or run as its owner.")
+        return PermissionError(
+            f"Checkpoint file {path} cannot be read: permission denied for this user"
+            f" (uid {os.getuid() if hasattr(os, 'getuid') else '?'}). Make it readable"
+            " (chmod u+r) or run as its owner."
+        )
     if os.path.isdir(path):
         try:
             found = sorted(name for name in os.listdir(path) if name.endswith((".ckpt", ".pt", ".pth")))[:5]
         except OSError:
             found = []
-        return FileNotFoundError(f"Checkpoint path {path} is a directory, not a checkpoint file. Pass a file"
-                                 f" inside it{f' (found {found})' if found else ''}.")
+        return FileNotFoundError(
+            f"Checkpoint path {path} is a directory, not a checkpoint file. Pass a file"
+            f" inside it{f' (found {found})' if found else ''}."
+        )
     return FileNotFoundError(f"Checkpoint file not found: {path} ({error.strerror or type(error).__name__}).")
 
 
@@ -338,20 +348,27 @@ class DDPCheckpointIO(TorchCheckpointIO):
             raise TypeError(f"{type(self).__name__} does not support storage_options; got {storage_options!r}.")
         atomic_save(checkpoint, path)
 
-    def load_checkpoint(self, path: Any, map_location: Callable | Any = lambda storage, loc: storage,
-                        weights_only: bool | None = None) -> dict[str, Any]:
+    def load_checkpoint(
+        self, path: Any, map_location: Callable | Any = lambda storage, loc: storage, weights_only: bool | None = None
+    ) -> dict[str, Any]:
         """Load a checkpoint (``weights_only=None``: this plugin's default); a local file gives a dict, else the
         errors of :func:`load_file`, or ``DamagedCheckpointError`` when it holds something other than a dict."""
         weights_only = self.weights_only if weights_only is None else weights_only
         if not _is_local(path):
             return _pl.load_checkpoint_with_weights_only(super().load_checkpoint, path, map_location, weights_only)
         checkpoint = load_file(
-            path, map_location=map_location, weights_only=weights_only, verify_checksums=self.verify_checksums,
+            path,
+            map_location=map_location,
+            weights_only=weights_only,
+            verify_checksums=self.verify_checksums,
             opt_out="weights_only=False in the Trainer call that loads it (trainer.fit(model, ckpt_path=...,"
-                    " weights_only=False); also validate, test and predict), or for every load"
-                    " MyDDPStrategy(checkpoint_io=DDPCheckpointIO(weights_only=False))")
+            " weights_only=False); also validate, test and predict), or for every load"
+            " MyDDPStrategy(checkpoint_io=DDPCheckpointIO(weights_only=False))",
+        )
         if not isinstance(checkpoint, dict):
-            raise DamagedCheckpointError(f"Checkpoint file {os.fspath(path)} holds a {type(checkpoint).__name__},"
-                                         " not a checkpoint dict; it was not written by Trainer.save_checkpoint."
-                                         " Pass the .ckpt file Lightning saved.")
+            raise DamagedCheckpointError(
+                f"Checkpoint file {os.fspath(path)} holds a {type(checkpoint).__name__},"
+                " not a checkpoint dict; it was not written by Trainer.save_checkpoint."
+                " Pass the .ckpt file Lightning saved."
+            )
         return checkpoint

@@ -35,8 +35,13 @@ def unwrapped_name(module: nn.Module, key: str) -> str:
         if current is None:
             kept.extend(parts[i:-1])
             break
-        wrapped = "module" if isinstance(current, DistributedDataParallel) else COMPILE_SEGMENT if (
-            _torch.compiled_original(current) is not None) else None
+        wrapped = (
+            "module"
+            if isinstance(current, DistributedDataParallel)
+            else COMPILE_SEGMENT
+            if (_torch.compiled_original(current) is not None)
+            else None
+        )
         if part != wrapped:
             kept.append(part)
         current = dict(current.named_children()).get(part)
@@ -53,8 +58,10 @@ def unwrapped_state_dict(module: nn.Module) -> dict[str, Any]:
     for key, value in module.state_dict().items():
         name = unwrapped_name(module, key)
         if name in clean:
-            raise RuntimeError(f"Two state_dict keys of {type(module).__name__} map to {name!r} once wrapper"
-                               f" segments are removed (one is {key!r}); rename the sub-module.")
+            raise RuntimeError(
+                f"Two state_dict keys of {type(module).__name__} map to {name!r} once wrapper"
+                f" segments are removed (one is {key!r}); rename the sub-module."
+            )
         clean[name] = value
     return clean
 
@@ -79,7 +86,7 @@ def strip_ddp_prefix(state_dict: Mapping[str, Any]) -> dict[str, Any]:
         {'fc.weight': 1, 'fc.bias': 2}
     """
     if state_dict and all(key.startswith(DDP_PREFIX) for key in state_dict):
-        return {key[len(DDP_PREFIX):]: value for key, value in state_dict.items()}
+        return {key[len(DDP_PREFIX) :]: value for key, value in state_dict.items()}
     return dict(state_dict)
 
 
@@ -101,8 +108,13 @@ class StateDictMismatchError(RuntimeError):
         mismatched_shapes: ``key -> (shape in checkpoint, shape in model)``.
     """
 
-    def __init__(self, message: str, missing: list[str], unexpected: list[str],
-                 mismatched_shapes: dict[str, tuple[tuple[int, ...], tuple[int, ...]]]) -> None:
+    def __init__(
+        self,
+        message: str,
+        missing: list[str],
+        unexpected: list[str],
+        mismatched_shapes: dict[str, tuple[tuple[int, ...], tuple[int, ...]]],
+    ) -> None:
         super().__init__(message)
         self.missing = missing
         self.unexpected = unexpected
@@ -115,13 +127,21 @@ def _best_key_mapping(keys: list[str], expected: set[str], prefixes: Iterable[st
     the earlier (no stripping, the first prefix), so a real child called ``module`` keeps its name."""
     stripped = {key: _without_compile_segments(key) for key in keys}
     ddp = bool(stripped) and all(name.startswith(DDP_PREFIX) for name in stripped.values())
-    variants = ({key: prefix + name[cut:] for key, name in stripped.items()}
-                for prefix in prefixes for cut in ((0, len(DDP_PREFIX)) if ddp else (0,)))
+    variants = (
+        {key: prefix + name[cut:] for key, name in stripped.items()}
+        for prefix in prefixes
+        for cut in ((0, len(DDP_PREFIX)) if ddp else (0,))
+    )
     return max(variants, key=lambda v: sum(name in expected for name in v.values()), default={key: key for key in keys})
 
 
-def match_state_dict(state_dict: Mapping[str, Any], model: nn.Module, strict: bool = True,
-                     source: str | os.PathLike | None = None, prefixes: Iterable[str] = ("",)) -> dict[str, Any]:
+def match_state_dict(
+    state_dict: Mapping[str, Any],
+    model: nn.Module,
+    strict: bool = True,
+    source: str | os.PathLike | None = None,
+    prefixes: Iterable[str] = ("",),
+) -> dict[str, Any]:
     """Rename a checkpoint's model keys (with or without ``module.``, ``_orig_mod.``) to ``model``'s own (compiled or
     not), ready for ``model.load_state_dict`` (:func:`_best_key_mapping`).
 
@@ -167,13 +187,17 @@ def match_state_dict(state_dict: Mapping[str, Any], model: nn.Module, strict: bo
         if unexpected:
             parts.append(f"{len(unexpected)} unexpected key(s) (in the file, not in the model): {listing(unexpected)}")
         if shapes:
-            parts.append("shape mismatch(es) (file vs model): "
-                         + ", ".join(f"{k!r}: {a} vs {b}" for k, (a, b) in list(shapes.items())[:MAX_LISTED_KEYS]))
+            parts.append(
+                "shape mismatch(es) (file vs model): "
+                + ", ".join(f"{k!r}: {a} vs {b}" for k, (a, b) in list(shapes.items())[:MAX_LISTED_KEYS])
+            )
         raise StateDictMismatchError(
             f"{where} does not fit {type(model).__name__}: " + "; ".join(parts) + ". Keys were compared after"
             " removing DDP's 'module.' and torch.compile's '_orig_mod.' prefixes. Check that the file was"
             " written for this model (same architecture and hyper-parameters); to load only the matching keys"
             " set `model.strict_loading = False` (Lightning) or pass strict=False.",
-            missing, unexpected, shapes,
+            missing,
+            unexpected,
+            shapes,
         )
     return matched

@@ -55,7 +55,8 @@ class EpochBoundaryCheck(Callback):
             raise StalledRankError(
                 f"[rank {rank}] not every rank reached the start of training epoch {epoch} within"
                 f" {self.timeout.total_seconds():.0f} s: {e}. That rank is stalled (an endless loop, a deadlocked"
-                " DataLoader worker, slow storage) or has died.") from e
+                " DataLoader worker, slow storage) or has died."
+            ) from e
         batches = trainer.num_training_batches
         counts: list[Any] = [None] * self.world_size
         dist.all_gather_object(counts, int(batches) if batches != float("inf") else -1, group=self.group)
@@ -152,8 +153,9 @@ def add_fit_callbacks(trainer: Any, run: Any, rank: int, world_size: int, uneven
     """Add both callbacks to ``trainer.callbacks`` (once each), on ``run``'s barrier group (a ``ProcessGroupRun``),
     for ``uneven`` (a ``sampling.UnevenInputs``), whose own epoch-end callback goes first."""
     if not any(isinstance(cb, EpochBoundaryCheck) for cb in trainer.callbacks):
-        trainer.callbacks.append(EpochBoundaryCheck(run.barrier_group, run.barrier_timeout, rank, world_size,
-                                                    uneven.begin_epoch))
+        trainer.callbacks.append(
+            EpochBoundaryCheck(run.barrier_group, run.barrier_timeout, rank, world_size, uneven.begin_epoch)
+        )
     if not any(isinstance(cb, SignalsAtStepBoundary) for cb in trainer.callbacks):
         trainer.callbacks.append(SignalsAtStepBoundary(run.barrier_group, world_size, uneven))
     if uneven.callback not in trainer.callbacks:
@@ -165,5 +167,8 @@ def remove_fit_callbacks(trainer: Any, uneven: Any) -> None:
     for cb in trainer.callbacks:
         if isinstance(cb, SignalsAtStepBoundary):
             cb.on_train_end()
-    trainer.callbacks[:] = [cb for cb in trainer.callbacks if cb is not uneven.callback
-                            and not isinstance(cb, (EpochBoundaryCheck, SignalsAtStepBoundary))]
+    trainer.callbacks[:] = [
+        cb
+        for cb in trainer.callbacks
+        if cb is not uneven.callback and not isinstance(cb, (EpochBoundaryCheck, SignalsAtStepBoundary))
+    ]

@@ -59,8 +59,13 @@ def _gather_stacked(tensor: Tensor, sizes: list[int], group: Any | None, sync_gr
     return stacked.flatten(0, 1)
 
 
-def all_gather_padded(tensor: Tensor, shapes: list[tuple[int, ...]], group: Any | None = None,
-                      sync_grads: bool = False, warn: bool = False) -> Tensor:
+def all_gather_padded(
+    tensor: Tensor,
+    shapes: list[tuple[int, ...]],
+    group: Any | None = None,
+    sync_grads: bool = False,
+    warn: bool = False,
+) -> Tensor:
     """Gather each rank's ``(n_r, *rest)`` tensor into ``(W, M, *rest)``, ``M = max n_r``, rows ``n_r..M-1`` filled
     as a ``DistributedSampler`` pads (module docstring). A collective; ``shapes`` from :func:`gather_shapes`;
     ``warn``: warn (rank 0) that ``flatten(0, 1)`` counts the repeats twice. ``ValueError``: see

@@ -71,8 +71,10 @@ KEPT_STORES: dict[tuple[int, int], Any] = {}
 #: peer's sockets close a moment before the kernel marks it exited.
 PEER_EXIT_WAIT_S = 2.0
 #: An error whose innermost frame is in these torch folders was raised in a collective, or maybe (describe_peers).
-_IN_COLLECTIVE, *_MAYBE = (os.path.join(os.path.dirname(os.path.dirname(dist.__file__)), *folder, "")
-                           for folder in (["distributed"], ["autograd"], ["nn", "parallel"]))
+_IN_COLLECTIVE, *_MAYBE = (
+    os.path.join(os.path.dirname(os.path.dirname(dist.__file__)), *folder, "")
+    for folder in (["distributed"], ["autograd"], ["nn", "parallel"])
+)
 
 
 class StalledRankError(RuntimeError):
@@ -97,8 +99,15 @@ def summarize(exception: BaseException) -> str:
     return f"{type(exception).__name__}: {str(exception).splitlines()[0] if str(exception) else ''}{where}"
 
 
-def on_exception(run: Any, exception: BaseException, rank: int, world_size: int, known_cause: str | None,
-                 sigterm_save: Callable[[], None] | None, launcher: Any) -> None:
+def on_exception(
+    run: Any,
+    exception: BaseException,
+    rank: int,
+    world_size: int,
+    known_cause: str | None,
+    sigterm_save: Callable[[], None] | None,
+    launcher: Any,
+) -> None:
     """Steps 2, 3 and 5 where ``exception`` was raised (no collective); ``known_cause``: one the strategy knows
     (uneven evaluation batches); ``sigterm_save``: the SIGTERM checkpoint (a collective: every rank got it)."""
     run.failed, store = True, run.reports
@@ -124,8 +133,12 @@ def on_exception(run: Any, exception: BaseException, rank: int, world_size: int,
         log.error("[rank %d] %s", rank, exception)  # now: a launcher may stop this rank soon
         _best_effort(store, rank, lambda: store.set(f"explained/{rank}", "1"))
     else:
-        log.error("[rank %d] failed: %s", rank, summarize(exception),
-                  exc_info=(type(exception), exception, exception.__traceback__))
+        log.error(
+            "[rank %d] failed: %s",
+            rank,
+            summarize(exception),
+            exc_info=(type(exception), exception, exception.__traceback__),
+        )
         _best_effort(store, rank, lambda: store.set(f"failed/{rank}", summarize(exception)))
         run.own_failure = True
 
@@ -243,8 +256,10 @@ def describe_peers(exception: BaseException, store: dist.Store, rank: int, world
                 while not (gone := _gone(pid)) and time.monotonic() < deadline:
                     time.sleep(0.05)
                 if gone:
-                    found.append(f"rank {peer} (pid {pid}) is no longer running: it was killed or crashed without"
-                                 " a Python exception")
+                    found.append(
+                        f"rank {peer} (pid {pid}) is no longer running: it was killed or crashed without"
+                        " a Python exception"
+                    )
 
     if _best_effort(store, rank, lambda: read() or True) is None and rank != 0:
         found.append("rank 0, which holds the rendezvous store, is not answering: it probably failed first")
@@ -266,7 +281,8 @@ def explain(rank: int, peers: str, timeout: timedelta, known_cause: str | None =
             f" deadlocked DataLoader worker, slow storage; a collective waits {timeout.total_seconds():.0f} s), or"
             " the ranks called collectives in a different order or number (self.log(..., sync_dist=True) on some"
             " ranks only, an all_gather in a branch, a direct torch.distributed call in a step of an uneven epoch). Set"
-            " TORCH_DISTRIBUTED_DEBUG=DETAIL to have PyTorch check that collectives match.")
+            " TORCH_DISTRIBUTED_DEBUG=DETAIL to have PyTorch check that collectives match."
+        )
     return " ".join(parts)
 
 

@@ -37,19 +37,25 @@ def validate_backend_name(backend: str | None) -> None:
     (``None``, chosen from the device, passes)."""
     known = [b for b in dist.Backend.backend_list if b not in ("undefined", "fake")]
     if backend is not None and backend.lower() not in known:
-        raise ValueError(f"Unknown process_group_backend={backend!r}. Use one of {known}, or leave it as None to get"
-                         " 'nccl' on CUDA devices and 'gloo' on CPU.")
+        raise ValueError(
+            f"Unknown process_group_backend={backend!r}. Use one of {known}, or leave it as None to get"
+            " 'nccl' on CUDA devices and 'gloo' on CPU."
+        )
     if backend is not None and not dist.is_backend_available(backend):
-        raise ValueError(f"process_group_backend={backend!r} is not available in this PyTorch build (torch"
-                         f" {torch.__version__}). Use 'gloo', or install a PyTorch build with {backend} support.")
+        raise ValueError(
+            f"process_group_backend={backend!r} is not available in this PyTorch build (torch"
+            f" {torch.__version__}). Use 'gloo', or install a PyTorch build with {backend} support."
+        )
 
 
 def resolve_backend(device: torch.device, backend: str | None) -> str:
     """``backend``, else ``torch.distributed.Backend.default_device_backend_map``'s for ``device``; ``ValueError``
     for an unknown or unavailable name, or ``"nccl"`` on a non-CUDA device."""
     if backend == "nccl" and device.type != "cuda":
-        raise ValueError(f"process_group_backend='nccl' needs CUDA devices, but this rank runs on {device}. Use"
-                         " process_group_backend='gloo' (or None) for CPU training, or Trainer(accelerator='cuda').")
+        raise ValueError(
+            f"process_group_backend='nccl' needs CUDA devices, but this rank runs on {device}. Use"
+            " process_group_backend='gloo' (or None) for CPU training, or Trainer(accelerator='cuda')."
+        )
     validate_backend_name(backend)
     return backend or dist.Backend.default_device_backend_map.get(device.type, "gloo")
 
@@ -72,8 +78,10 @@ def validate_init_method(init_method: str | None) -> None:
     """Refuse (``ValueError``) an ``init_method`` other than ``None``/``"env://"``, ``"tcp://host:port"`` or
     ``"file:///path"``, or a ``tcp://`` URL without a port."""
     if init_method is not None and not init_method.startswith(("env://", "tcp://", "file://")):
-        raise ValueError(f"init_method={init_method!r} is not supported; use 'env://' (default), 'tcp://host:port' or"
-                         " 'file:///path/to/shared/file', or pass a torch.distributed Store as store=...")
+        raise ValueError(
+            f"init_method={init_method!r} is not supported; use 'env://' (default), 'tcp://host:port' or"
+            " 'file:///path/to/shared/file', or pass a torch.distributed Store as store=..."
+        )
     if init_method is not None and init_method.startswith("tcp://") and not init_method.rsplit(":", 1)[-1].isdigit():
         raise ValueError(f"init_method={init_method!r} has no port; write it as 'tcp://host:port'.")
 
@@ -86,13 +94,21 @@ def listen_address(main_address: str, num_nodes: int) -> str:
     try:
         ip = socket.getaddrinfo(main_address, None, type=socket.SOCK_STREAM)[0][4][0]
     except OSError as e:
-        log.warning("MASTER_ADDR=%s cannot be resolved here (%s): the rendezvous store listens on every interface",
-                    main_address, e)
+        log.warning(
+            "MASTER_ADDR=%s cannot be resolved here (%s): the rendezvous store listens on every interface",
+            main_address,
+            e,
+        )
         return ""
     if ipaddress.ip_address(ip).is_loopback:
-        log.warning("MASTER_ADDR=%s resolves to the loopback address %s on rank 0's machine, but the job has %d nodes:"
-                    " the rendezvous store listens on every interface. Set MASTER_ADDR to the address other nodes"
-                    " reach this one by.", main_address, ip, num_nodes)
+        log.warning(
+            "MASTER_ADDR=%s resolves to the loopback address %s on rank 0's machine, but the job has %d nodes:"
+            " the rendezvous store listens on every interface. Set MASTER_ADDR to the address other nodes"
+            " reach this one by.",
+            main_address,
+            ip,
+            num_nodes,
+        )
         return ""
     return ip
 
@@ -107,26 +123,49 @@ def _tcp_store(host: str, port: int, rank: int, timeout: timedelta, num_nodes: i
         return dist.TCPStore("127.0.0.1" if num_nodes == 1 else host, port, None, is_master=False, timeout=timeout)
     bind, sock = listen_address(host, num_nodes), None
     try:
-        sock = socket.create_server((bind, port), family=socket.AF_INET6 if ":" in bind else socket.AF_INET) \
-            if bind else None
+        sock = (
+            socket.create_server((bind, port), family=socket.AF_INET6 if ":" in bind else socket.AF_INET)
+            if bind
+            else None
+        )
     except OSError as e:
         if e.errno == errno.EADDRINUSE and port in _served_ports:  # our previous group's store, still held after a
             # failed run: it serves this group too, under the group's own prefix
             return dist.TCPStore(bind, port, None, is_master=False, timeout=timeout)
         if e.errno != errno.EADDRNOTAVAIL:
             raise
-        log.warning("MASTER_ADDR=%s (%s) is not an address of rank 0's machine: the rendezvous store listens on"
-                    " every interface.", host, bind)
+        log.warning(
+            "MASTER_ADDR=%s (%s) is not an address of rank 0's machine: the rendezvous store listens on"
+            " every interface.",
+            host,
+            bind,
+        )
     if sock is None:  # every interface, IPv4 and IPv6
         sock = socket.create_server(("", port), family=socket.AF_INET6, dualstack_ipv6=True)
     _served_ports.add(port)
-    return dist.TCPStore(bind or host, port, None, is_master=True, timeout=timeout, wait_for_workers=False,
-                         master_listen_fd=sock.detach())  # the store owns (and closes) the socket now
+    return dist.TCPStore(
+        bind or host,
+        port,
+        None,
+        is_master=True,
+        timeout=timeout,
+        wait_for_workers=False,
+        master_listen_fd=sock.detach(),
+    )  # the store owns (and closes) the socket now
 
 
-def init_process_group(backend: str, rank: int, world_size: int, main_address: str, main_port: int,
-                       timeout: timedelta, device: torch.device | None = None, init_method: str | None = None,
-                       store: dist.Store | None = None, num_nodes: int = 1) -> None:
+def init_process_group(
+    backend: str,
+    rank: int,
+    world_size: int,
+    main_address: str,
+    main_port: int,
+    timeout: timedelta,
+    device: torch.device | None = None,
+    init_method: str | None = None,
+    store: dist.Store | None = None,
+    num_nodes: int = 1,
+) -> None:
     """Join the default (world) process group, or reuse this process's (as Lightning does). Every rank; returns
     once all ``world_size`` ranks joined.
 
@@ -142,9 +181,11 @@ def init_process_group(backend: str, rank: int, world_size: int, main_address: s
     """
     if dist.is_initialized():
         if (dist.get_rank(), dist.get_world_size()) != (rank, world_size):
-            raise RuntimeError(f"A process group already exists with rank {dist.get_rank()} of"
-                               f" {dist.get_world_size()}, but this run needs rank {rank} of {world_size}. Call"
-                               " torch.distributed.destroy_process_group() before starting another run.")
+            raise RuntimeError(
+                f"A process group already exists with rank {dist.get_rank()} of"
+                f" {dist.get_world_size()}, but this run needs rank {rank} of {world_size}. Call"
+                " torch.distributed.destroy_process_group() before starting another run."
+            )
         return
     validate_init_method(init_method)
     kwargs: dict[str, Any] = {"rank": rank, "world_size": world_size, "timeout": timeout}
@@ -153,18 +194,29 @@ def init_process_group(backend: str, rank: int, world_size: int, main_address: s
     env = store is None and init_method in (None, "env://")
     if init_method is not None and init_method.startswith(("tcp://", "env://")):  # tcp:// is served as env:// is
         if init_method.startswith("tcp://"):
-            main_address, port = init_method[len("tcp://"):].rsplit(":", 1)
+            main_address, port = init_method[len("tcp://") :].rsplit(":", 1)
             main_port = int(port)
         init_method = None
     agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    where = (f"the given {type(store).__name__}" if store is not None else init_method if init_method is not None
-             else f"{main_address}:{main_port}" + (" (the torchrun agent's store)" if agent and env else ""))
+    where = (
+        f"the given {type(store).__name__}"
+        if store is not None
+        else init_method
+        if init_method is not None
+        else f"{main_address}:{main_port}" + (" (the torchrun agent's store)" if agent and env else "")
+    )
     if env:  # as Lightning's _init_dist_connection does; torch's env:// handler reads them under torchrun
         os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = main_address, str(main_port)
     if num_nodes == 1 and "GLOO_SOCKET_IFNAME" not in os.environ and "lo" in dict(socket.if_nameindex()).values():
         os.environ["GLOO_SOCKET_IFNAME"] = "lo"
-    log.info("[rank %d] joining the process group: backend=%s world_size=%d rendezvous=%s timeout=%.0fs",
-             rank, backend, world_size, where, timeout.total_seconds())
+    log.info(
+        "[rank %d] joining the process group: backend=%s world_size=%d rendezvous=%s timeout=%.0fs",
+        rank,
+        backend,
+        world_size,
+        where,
+        timeout.total_seconds(),
+    )
 
     def attempt(rendezvous: dist.Store | None) -> None:
         if rendezvous is None and init_method is None:  # env://: a failed run's store, kept for this run, else
@@ -173,15 +225,19 @@ def init_process_group(backend: str, rank: int, world_size: int, main_address: s
                 rendezvous.set_timeout(timeout)  # a failing rank shortened it (failures._best_effort)
             else:
                 gc.collect()  # a user-destroyed group's store, held only by reference cycles (a traceback), closes
-                rendezvous = dist.TCPStore(main_address, main_port, None, is_master=False, timeout=timeout) \
-                    if agent else _tcp_store(main_address, main_port, rank, timeout, num_nodes)
+                rendezvous = (
+                    dist.TCPStore(main_address, main_port, None, is_master=False, timeout=timeout)
+                    if agent
+                    else _tcp_store(main_address, main_port, rank, timeout, num_nodes)
+                )
         if rendezvous is not None:  # a store may outlive this group: a prefix per group (torchrun's: per attempt
             # too); g is the same on every rank (see failures.run_reports)
             prefix = f"ddp_strategy/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{world_size}"
             g = (rendezvous.add(f"{prefix}/groups", 1) - 1) // world_size
             rendezvous = dist.PrefixStore(f"{prefix}/group_{g}", rendezvous)
-        dist.init_process_group(backend, init_method=init_method if rendezvous is None else None, store=rendezvous,
-                                **kwargs)
+        dist.init_process_group(
+            backend, init_method=init_method if rendezvous is None else None, store=rendezvous, **kwargs
+        )
 
     deadline = time.monotonic() + timeout.total_seconds()
     while True:
@@ -198,14 +254,17 @@ def init_process_group(backend: str, rank: int, world_size: int, main_address: s
             break
     text = str(error)
     if "address already in use" in text.lower() or getattr(error, "errno", None) == errno.EADDRINUSE:
-        raise RuntimeError(f"[rank {rank}] cannot start the rendezvous at {where}: the port is already in use by"
-                           " another process. Choose another MASTER_PORT, or unset it so a free port is"
-                           " picked.") from error
+        raise RuntimeError(
+            f"[rank {rank}] cannot start the rendezvous at {where}: the port is already in use by"
+            " another process. Choose another MASTER_PORT, or unset it so a free port is"
+            " picked."
+        ) from error
     raise RuntimeError(
         f"[rank {rank}] could not join the process group at {where} (world size {world_size}) within"
         f" {timeout.total_seconds():.0f} s: {text.splitlines()[0] if text else type(error).__name__}. Check that"
         " MASTER_ADDR is reachable from every node, that rank 0 started, and that all ranks use the same address"
-        " and port.") from error
+        " and port."
+    ) from error
 
 
 #: world group -> its gloo side group, made once (a collective, at join) and dropped with the world group
@@ -216,8 +275,13 @@ class ProcessGroupRun:
     """One rank's part in the runs (stages, fits) of one strategy: the rendezvous (:func:`init_process_group`),
     side groups, failure state; ``barrier_timeout`` is the epoch-start ``monitored_barrier``'s."""
 
-    def __init__(self, timeout: timedelta, barrier_timeout: timedelta, init_method: str | None = None,
-                 store: dist.Store | None = None) -> None:
+    def __init__(
+        self,
+        timeout: timedelta,
+        barrier_timeout: timedelta,
+        init_method: str | None = None,
+        store: dist.Store | None = None,
+    ) -> None:
         self.timeout, self.barrier_timeout, self.init_method, self.store = timeout, barrier_timeout, init_method, store
         self.reports: dist.Store | None = None  # this run's failure reports (failures.run_reports)
         self.node_group: Any = None  # this rank's intra-node group (the world on one node), and its ranks
@@ -233,8 +297,18 @@ class ProcessGroupRun:
         in use. Every rank."""
         backend = resolve_backend(device, backend)
         rank, world_size = env.global_rank(), num_nodes * num_processes
-        init_process_group(backend, rank, world_size, env.main_address, env.main_port, self.timeout, device,
-                           self.init_method, self.store, num_nodes)
+        init_process_group(
+            backend,
+            rank,
+            world_size,
+            env.main_address,
+            env.main_port,
+            self.timeout,
+            device,
+            self.init_method,
+            self.store,
+            num_nodes,
+        )
         backend = dist.get_backend()
         # Made for each run and dropped at its teardown: a group kept here would keep the world group's store (and
         # MASTER_PORT) alive after the user destroys the group.
@@ -253,4 +327,3 @@ class ProcessGroupRun:
 def device_ids(device: torch.device) -> list[int] | None:
     """``device_ids`` for DDP and NCCL's barrier: ``[index]`` for a CUDA device, ``None`` for CPU."""
     return [device.index if device.index is not None else 0] if device.type == "cuda" else None
-

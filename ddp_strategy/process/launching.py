@@ -68,11 +68,15 @@ def check_external_world(env: ClusterEnvironment, num_nodes: int, num_processes:
             f" equal the launcher's world size (for torchrun: --nnodes x --nproc-per-node)."
         )
     if not 0 <= rank < world:
-        raise ValueError(f"{name} reports RANK={rank}, outside [0, WORLD_SIZE={world}). Check the launcher's"
-                         " RANK and WORLD_SIZE variables.")
+        raise ValueError(
+            f"{name} reports RANK={rank}, outside [0, WORLD_SIZE={world}). Check the launcher's"
+            " RANK and WORLD_SIZE variables."
+        )
     if not 0 <= local < num_processes:
-        raise ValueError(f"[rank {rank}] {name} reports LOCAL_RANK={local}, but Trainer(devices={num_processes})"
-                         " has only that many processes per node. Check --nproc-per-node and devices.")
+        raise ValueError(
+            f"[rank {rank}] {name} reports LOCAL_RANK={local}, but Trainer(devices={num_processes})"
+            " has only that many processes per node. Check --nproc-per-node and devices."
+        )
 
 
 def check_launch_env(
@@ -106,8 +110,10 @@ def check_launch_env(
     for name in required + optional:
         if name not in environ:
             if name in required:
-                raise ValueError(f"{type(env).__name__} needs the environment variable {name}, which is not set;"
-                                 " launch with torchrun (it sets WORLD_SIZE, RANK and LOCAL_RANK) or set it.")
+                raise ValueError(
+                    f"{type(env).__name__} needs the environment variable {name}, which is not set;"
+                    " launch with torchrun (it sets WORLD_SIZE, RANK and LOCAL_RANK) or set it."
+                )
             continue
         raw = environ[name]
         try:
@@ -115,23 +121,30 @@ def check_launch_env(
         except ValueError:
             what = "is empty" if not raw.strip() else "is not a whole number"
             example = "29500" if name == "MASTER_PORT" else "0"
-            raise ValueError(f"Environment variable {name}={raw!r} {what}. Set it to an integer (e.g."
-                             f" {name}={example}) or unset it.") from None
+            raise ValueError(
+                f"Environment variable {name}={raw!r} {what}. Set it to an integer (e.g. {name}={example}) or unset it."
+            ) from None
     # Upper bounds against the Trainer (RANK < WORLD_SIZE, LOCAL_RANK < devices) are check_external_world's,
     # which runs before the rendezvous; NODE_RANK is bounded here since a Lightning-launched job skips that.
     world = values.get("WORLD_SIZE", num_nodes * num_processes)
     node_limit = num_nodes - 1 if plain else None
     node = f"a node index below Trainer(num_nodes={num_nodes})" if node_limit is not None else "a node index"
-    limits = {"MASTER_PORT": (1 if world > 1 else 0, 65535, "a TCP port"),
-              "WORLD_SIZE": (1, None, "the number of processes"),
-              "RANK": (0, None, "a global rank"), "LOCAL_RANK": (0, None, "a rank on this node"),
-              "NODE_RANK": (0, node_limit, node), "GROUP_RANK": (0, node_limit, node)}
+    limits = {
+        "MASTER_PORT": (1 if world > 1 else 0, 65535, "a TCP port"),
+        "WORLD_SIZE": (1, None, "the number of processes"),
+        "RANK": (0, None, "a global rank"),
+        "LOCAL_RANK": (0, None, "a rank on this node"),
+        "NODE_RANK": (0, node_limit, node),
+        "GROUP_RANK": (0, node_limit, node),
+    }
     for name, value in values.items():
         low, high, meaning = limits[name]
         if value < low or (high is not None and value > high):
             bounds = f"{low}..{high}" if high is not None else f">= {low}"
-            raise ValueError(f"Environment variable {name}={environ[name]!r} is out of range: it is {meaning},"
-                             f" so {bounds}. Fix the launcher's {name}, or unset it.")
+            raise ValueError(
+                f"Environment variable {name}={environ[name]!r} is out of range: it is {meaning},"
+                f" so {bounds}. Fix the launcher's {name}, or unset it."
+            )
 
 
 def check_fork_safe(start_method: str, device_type: str) -> None:

@@ -52,8 +52,9 @@ class DigitsDataModule(LightningDataModule):
         ValueError: ``batch_size < 1`` or ``num_workers < 0``.
     """
 
-    def __init__(self, batch_size: int = 32, val_fraction: float = 0.2, split_seed: int = 1234,
-                 num_workers: int = 0) -> None:
+    def __init__(
+        self, batch_size: int = 32, val_fraction: float = 0.2, split_seed: int = 1234, num_workers: int = 0
+    ) -> None:
         super().__init__()
         if batch_size < 1:
             raise ValueError(f"batch_size is the per-device batch size and must be >= 1, got {batch_size}.")
@@ -83,8 +84,10 @@ class DigitsDataModule(LightningDataModule):
         """Shuffled training batches of the per-device batch size; the strategy shards them."""
         assert self.train_set is not None, "call setup() first"
         world = self.trainer.world_size if self.trainer is not None else 1
-        rank_zero_info(f"Digits: per-device batch size {self.batch_size} x world size {world}"
-                       f" = global batch size {self.batch_size * world}")
+        rank_zero_info(
+            f"Digits: per-device batch size {self.batch_size} x world size {world}"
+            f" = global batch size {self.batch_size * world}"
+        )
         return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=True, num_workers=self.num_workers)
 
     def val_dataloader(self) -> DataLoader:

@@ -26,8 +26,9 @@ from ddp_strategy.sampling import EpochSeededDistributedSampler
 __all__ = ["AllReduceDemo", "allreduce_demo", "epoch_shards", "forgotten_set_epoch"]
 
 
-def epoch_shards(dataset_size: int, world_size: int = 2, epochs: int = 2, seed: int = 0,
-                 shuffle: bool = True) -> list[list[list[int]]]:
+def epoch_shards(
+    dataset_size: int, world_size: int = 2, epochs: int = 2, seed: int = 0, shuffle: bool = True
+) -> list[list[list[int]]]:
     """The training indices each rank draws in each epoch, exactly as ``MyDDPStrategy`` shards them (its sampler).
 
     Args:
@@ -41,9 +42,22 @@ def epoch_shards(dataset_size: int, world_size: int = 2, epochs: int = 2, seed: 
         >>> epoch_shards(5, 2, epochs=1, shuffle=False)
         [[[0, 2, 4], [1, 3, 0]]]
     """
-    return [[list(EpochSeededDistributedSampler(range(dataset_size), num_replicas=world_size, rank=rank,
-                                                shuffle=shuffle, seed=seed, epoch_fn=lambda e=epoch: e))
-             for rank in range(world_size)] for epoch in range(epochs)]
+    return [
+        [
+            list(
+                EpochSeededDistributedSampler(
+                    range(dataset_size),
+                    num_replicas=world_size,
+                    rank=rank,
+                    shuffle=shuffle,
+                    seed=seed,
+                    epoch_fn=lambda e=epoch: e,
+                )
+            )
+            for rank in range(world_size)
+        ]
+        for epoch in range(epochs)
+    ]
 
 
 def forgotten_set_epoch(dataset_size: int, epochs: int = 3, seed: int = 0) -> dict[str, list[list[int]]]:
@@ -58,8 +72,10 @@ def forgotten_set_epoch(dataset_size: int, epochs: int = 3, seed: int = 0) -> di
     """
     plain = DistributedSampler(range(dataset_size), num_replicas=2, rank=0, shuffle=True, seed=seed)
     ours = [shards[0] for shards in epoch_shards(dataset_size, 2, epochs, seed)]
-    return {"DistributedSampler without set_epoch": [list(plain) for _ in range(epochs)],
-            "EpochSeededDistributedSampler": ours}
+    return {
+        "DistributedSampler without set_epoch": [list(plain) for _ in range(epochs)],
+        "EpochSeededDistributedSampler": ours,
+    }
 
 
 @dataclass
@@ -91,12 +107,19 @@ def _grads(net: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {name: p.grad.detach().clone() for name, p in net.named_parameters() if p.grad is not None}
 
 
-def _demo_worker(rank: int, world_size: int, port: int, batch_size: int, lr: float, timed_steps: int,
-                 out_dir: str) -> None:
+def _demo_worker(
+    rank: int, world_size: int, port: int, batch_size: int, lr: float, timed_steps: int, out_dir: str
+) -> None:
     """One rank of :func:`allreduce_demo` (module level so ``spawn`` can import it)."""
     torch.set_num_threads(1)
-    process.init_process_group("gloo", rank=rank, world_size=world_size, main_address="127.0.0.1",
-                                     main_port=port, timeout=timedelta(seconds=60))
+    process.init_process_group(
+        "gloo",
+        rank=rank,
+        world_size=world_size,
+        main_address="127.0.0.1",
+        main_port=port,
+        timeout=timedelta(seconds=60),
+    )
     try:
         record = _demo_steps(rank, world_size, batch_size, lr, timed_steps)
         torch.save(record, Path(out_dir) / f"rank{rank}.pt")
@@ -135,21 +158,28 @@ def _demo_steps(rank: int, world_size: int, batch_size: int, lr: float, timed_st
     ddp_grads = _grads(ddp_net)
     optimizer = torch.optim.SGD(ddp.parameters(), lr=lr)
     for step in range(timed_steps):  # DDP times iterations 1-10 itself
-        idx = shard[(step % 10) * batch_size:(step % 10 + 1) * batch_size]
+        idx = shard[(step % 10) * batch_size : (step % 10 + 1) * batch_size]
         optimizer.zero_grad()
         F.cross_entropy(ddp(x[idx]), y[idx]).backward()
         optimizer.step()
     stats = CommStats.from_ddp_logging_data(_torch_private.ddp_logging_data(ddp))
-    record: dict[str, Any] = {"batches": batch, "initial": initial, "local_grads": local, "averaged_grads": averaged,
-                              "weights_after_step": after, "ddp_grads": ddp_grads,
-                              "comm_stats": stats.as_tensor() if stats is not None else None}
+    record: dict[str, Any] = {
+        "batches": batch,
+        "initial": initial,
+        "local_grads": local,
+        "averaged_grads": averaged,
+        "weights_after_step": after,
+        "ddp_grads": ddp_grads,
+        "comm_stats": stats.as_tensor() if stats is not None else None,
+    }
     if rank == 0:
         record["ddp_state_dict"] = {k: v.clone() for k, v in ddp.state_dict().items()}
     return record
 
 
-def allreduce_demo(world_size: int = 2, batch_size: int = 16, lr: float = 0.1, timed_steps: int = 11,
-                   start_method: str | None = None) -> AllReduceDemo:
+def allreduce_demo(
+    world_size: int = 2, batch_size: int = 16, lr: float = 0.1, timed_steps: int = 11, start_method: str | None = None
+) -> AllReduceDemo:
     """Run forward, backward, gradient all-reduce and one SGD step on ``world_size`` real CPU processes.
 
     Every rank starts from rank 0's weights (a :class:`~ddp_strategy.reference.model.DigitsNet` with 32 hidden units),
@@ -171,11 +201,18 @@ def allreduce_demo(world_size: int = 2, batch_size: int = 16, lr: float = 0.1, t
         torch.multiprocessing.ProcessRaisedException: a rank failed (its traceback is in the message).
     """
     with tempfile.TemporaryDirectory(prefix="ddp_demo_") as out_dir:
-        mp.start_processes(_demo_worker, args=(world_size, process.free_port(), batch_size, lr, timed_steps, out_dir),
-                           nprocs=world_size, start_method=start_method or "spawn")
+        mp.start_processes(
+            _demo_worker,
+            args=(world_size, process.free_port(), batch_size, lr, timed_steps, out_dir),
+            nprocs=world_size,
+            start_method=start_method or "spawn",
+        )
         records = [torch.load(Path(out_dir) / f"rank{r}.pt", weights_only=True) for r in range(world_size)]
     timed = [r["comm_stats"] for r in records if r["comm_stats"] is not None]
     per_rank = ("batches", "local_grads", "averaged_grads", "ddp_grads", "weights_after_step")
-    return AllReduceDemo(**{key: [r[key] for r in records] for key in per_rank}, initial=records[0]["initial"],
-                         ddp_state_dict=records[0]["ddp_state_dict"],
-                         comm_stats=CommStats(*torch.stack(timed).mean(dim=0).tolist()) if timed else None)
+    return AllReduceDemo(
+        **{key: [r[key] for r in records] for key in per_rank},
+        initial=records[0]["initial"],
+        ddp_state_dict=records[0]["ddp_state_dict"],
+        comm_stats=CommStats(*torch.stack(timed).mean(dim=0).tolist()) if timed else None,
+    )

@@ -91,5 +91,6 @@ class DigitsClassifier(LightningModule):
 
     def configure_optimizers(self) -> Any:
         """Adam with the configured learning rate and weight decay."""
-        return torch.optim.Adam(self.parameters(), lr=self.hparams.learning_rate,
-                                weight_decay=self.hparams.weight_decay)
+        return torch.optim.Adam(
+            self.parameters(), lr=self.hparams.learning_rate, weight_decay=self.hparams.weight_decay
+        )

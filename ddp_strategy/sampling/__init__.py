@@ -12,5 +12,15 @@ from ddp_strategy.sampling.sampler import EpochSeededDistributedSampler, Shard, 
 from ddp_strategy.sampling.state import read_positions, restore_batch_counter, save_positions
 from ddp_strategy.sampling.uneven import UnevenInputs, UnevenInputsError
 
-__all__ = ["EpochSeededDistributedSampler", "LoaderSharding", "Shard", "UnevenInputs", "UnevenInputsError",
-           "read_positions", "restore_batch_counter", "save_positions", "shard_iterable", "shared_seed"]
+__all__ = [
+    "EpochSeededDistributedSampler",
+    "LoaderSharding",
+    "Shard",
+    "UnevenInputs",
+    "UnevenInputsError",
+    "read_positions",
+    "restore_batch_counter",
+    "save_positions",
+    "shard_iterable",
+    "shared_seed",
+]

@@ -86,9 +86,11 @@ class LoaderSharding:
             injected.resume_from(self.positions.pop(0))
         elif self.positions:
             self.positions.pop(0)
-            rank_zero_warn("The checkpoint holds a sampler position, but the training loader's sampler is not"
-                           " injected by MyDDPStrategy (it is your own DistributedSampler): the rest of the"
-                           " interrupted epoch is not restored exactly.")
+            rank_zero_warn(
+                "The checkpoint holds a sampler position, but the training loader's sampler is not"
+                " injected by MyDDPStrategy (it is your own DistributedSampler): the rest of the"
+                " interrupted epoch is not restored exactly."
+            )
         return loader
 
     def agree_counts(self) -> None:
@@ -121,8 +123,11 @@ def _original_sampler(dataloader: DataLoader) -> Any:
 
 def _is_plain_permutation(sampler: Any) -> bool:
     """A ``RandomSampler`` as ``shuffle=True`` makes it: one permutation of the data set, no replacement."""
-    return (isinstance(sampler, RandomSampler) and not sampler.replacement
-            and getattr(sampler, "_num_samples", None) is None)
+    return (
+        isinstance(sampler, RandomSampler)
+        and not sampler.replacement
+        and getattr(sampler, "_num_samples", None) is None
+    )
 
 
 def injected_sampler(dataloader: object) -> samplers._EpochShards | None:
@@ -147,13 +152,16 @@ def _check_shard_sizes(dataloader: DataLoader, shard: Shard, training: bool) -> 
     n = len(source if source is not None else dataloader.batch_sampler)  # type: ignore[arg-type]
     what = "samples" if source is not None else "batches"
     if n < w and not shard.pad:
-        raise ValueError(f"The loader has {n} {what} but there are {w} ranks: some rank would get nothing."
-                         f" Use a data set with at least {w} {what}, or fewer devices.")
+        raise ValueError(
+            f"The loader has {n} {what} but there are {w} ranks: some rank would get nothing."
+            f" Use a data set with at least {w} {what}, or fewer devices."
+        )
     if n < w:
         rank_zero_warn(
             f"The loader has {n} {what} but there are {w} ranks: the shards are padded with repeats (as Lightning's"
             f" DistributedSampler pads them), so some ranks read the same {what}. Use a data set with at least {w}"
-            f" {what}, or fewer devices.")
+            f" {what}, or fewer devices."
+        )
     if source is None or (batch_sampler := dataloader.batch_sampler) is None:
         return
     batch_size, drop_last = int(batch_sampler.batch_size), bool(batch_sampler.drop_last)  # type: ignore[attr-defined]
@@ -162,12 +170,14 @@ def _check_shard_sizes(dataloader: DataLoader, shard: Shard, training: bool) -> 
         raise ValueError(
             f"drop_last=True with batch_size={batch_size}, but a rank's shard has only {smallest} samples ({n} samples"
             f" over {w} ranks): that rank would get no batch at all. Lower batch_size to at most {smallest}, set"
-            " drop_last=False, or use fewer devices.")
+            " drop_last=False, or use fewer devices."
+        )
     if training and smallest < batch_size:
         rank_zero_warn(
             f"batch_size={batch_size} is per device, but each rank's training shard has only {smallest} samples"
             f" ({n} samples over {w} ranks), so every step sees a short batch. Lower batch_size to at most {smallest}"
-            f" (the global batch is batch_size x {w}), or use fewer devices.")
+            f" (the global batch is batch_size x {w}), or use fewer devices."
+        )
 
 
 def inject_distributed_sampler(dataloader: object, shard: Shard, training: bool | None = None) -> object:
@@ -197,8 +207,14 @@ def inject_distributed_sampler(dataloader: object, shard: Shard, training: bool 
         return _pl.update_dataloader_batch_sampler(dataloader, samplers.ShardedBatchSampler(batch_sampler, shard))
     if _is_plain_permutation(source) or isinstance(source, SequentialSampler):
         built: samplers._EpochShards = samplers.EpochSeededDistributedSampler(
-            dataloader.dataset, shard.num_replicas, shard.rank, shuffle=isinstance(source, RandomSampler),
-            seed=shard.seed, epoch_fn=shard.epoch_fn, pad=shard.pad)
+            dataloader.dataset,
+            shard.num_replicas,
+            shard.rank,
+            shuffle=isinstance(source, RandomSampler),
+            seed=shard.seed,
+            epoch_fn=shard.epoch_fn,
+            pad=shard.pad,
+        )
     else:
         built = samplers.ShardedSampler(source, shard)
     if batch_sampler is None:
@@ -212,8 +228,11 @@ def inject_distributed_sampler(dataloader: object, shard: Shard, training: bool 
     if shard.pad and dataloader.batch_size is not None:
         return _pl.update_dataloader(dataloader, built)
     # Unpadded: equal batch counts; DataLoader(batch_sampler=BatchSampler(s, B, drop_last)): keep B and drop_last.
-    batches = (samplers.EqualCountBatchSampler(built, built.items_per_batch) if not shard.pad
-               else BatchSampler(built, built.items_per_batch, built.drop_last_batch))
+    batches = (
+        samplers.EqualCountBatchSampler(built, built.items_per_batch)
+        if not shard.pad
+        else BatchSampler(built, built.items_per_batch, built.drop_last_batch)
+    )
     return _pl.update_dataloader_batch_sampler(dataloader, batches)
 
 
@@ -253,13 +272,16 @@ def shard_for_evaluation(dataloader: object, shard: Shard, stage: str, exact: bo
         reason = f"its {type(loader.batch_sampler).__name__} makes {list(counts)} batches of the exact shards"
     if reason is not None:
         n, w = len(_original_sampler(dataloader)), shard.num_replicas  # type: ignore[arg-type]
-        rank_zero_warn(f"The {stage} loader has {n} samples for {w} ranks and {reason}, so the ranks cannot hold the"
-                       f" same number of batches with every sample exactly once. Like Lightning's ddp, its shards are"
-                       f" padded: {-n % w} sample(s) are evaluated twice, and {stage} metrics count them twice. For"
-                       f" exact metrics use batch_size >= 2 and drop_last=False with at least {w} samples, or a data"
-                       f" set whose size is a multiple of {w}.")
-    if (loader := inject_distributed_sampler(dataloader, padded := dataclasses.replace(shard, pad=True),
-                                             training=False)) is not dataloader:
+        rank_zero_warn(
+            f"The {stage} loader has {n} samples for {w} ranks and {reason}, so the ranks cannot hold the"
+            f" same number of batches with every sample exactly once. Like Lightning's ddp, its shards are"
+            f" padded: {-n % w} sample(s) are evaluated twice, and {stage} metrics count them twice. For"
+            f" exact metrics use batch_size >= 2 and drop_last=False with at least {w} samples, or a data"
+            f" set whose size is a multiple of {w}."
+        )
+    if (
+        loader := inject_distributed_sampler(dataloader, padded := dataclasses.replace(shard, pad=True), training=False)
+    ) is not dataloader:
         count_batches(dataloader, loader, padded)
     return loader
 
@@ -267,12 +289,18 @@ def shard_for_evaluation(dataloader: object, shard: Shard, stage: str, exact: bo
 def count_batches(dataloader: object, loader: DataLoader, shard: Shard) -> tuple[int, ...]:
     """``(batches on rank 0, ..., rank W-1)`` of ``loader`` (``dataloader`` injected for ``shard``), also kept on it,
     without a collective: our batch samplers make as many on every rank; the user's class is re-created per rank."""
-    if type(loader.batch_sampler) in (BatchSampler, samplers.EqualCountBatchSampler, samplers.ShardedBatchSampler,
-                                      type(None)):
+    if type(loader.batch_sampler) in (
+        BatchSampler,
+        samplers.EqualCountBatchSampler,
+        samplers.ShardedBatchSampler,
+        type(None),
+    ):
         counts = (len(loader),) * shard.num_replicas
     else:
-        counts = tuple(len(inject_distributed_sampler(dataloader, dataclasses.replace(shard, rank=r), training=False))
-                       for r in range(shard.num_replicas))  # type: ignore[arg-type]
+        counts = tuple(
+            len(inject_distributed_sampler(dataloader, dataclasses.replace(shard, rank=r), training=False))
+            for r in range(shard.num_replicas)
+        )  # type: ignore[arg-type]
     setattr(loader, BATCH_COUNTS_ATTR, counts)
     return counts
 
@@ -289,29 +317,43 @@ def warn_if_order_kept(dataloader: object, world_size: int, overfit_batches: int
     source = _original_sampler(dataloader)
     if _is_plain_permutation(source):
         return
-    shards = (f"rank r of {world_size} reads positions r, r + {world_size}, r + {2 * world_size}, ..." if world_size > 1
-              else "the one process reads every position")
+    shards = (
+        f"rank r of {world_size} reads positions r, r + {world_size}, r + {2 * world_size}, ..."
+        if world_size > 1
+        else "the one process reads every position"
+    )
     advice, batch_sampler = "MyDDPStrategy has no setting that gives Lightning's batches here", dataloader.batch_sampler
     if type(batch_sampler) not in (BatchSampler, type(None)):  # the user's batch sampler (whole batches, or indices)
-        what = (f"its batch sampler is a {type(batch_sampler).__name__}, read in its order ({shards} of each epoch's"
-                f" {'batches' if source is None else 'indices'})")
-        lightning = ("re-creates the batch sampler around a shuffling DistributedSampler of the data set (or raises"
-                     " TypeError where it cannot)")
+        what = (
+            f"its batch sampler is a {type(batch_sampler).__name__}, read in its order ({shards} of each epoch's"
+            f" {'batches' if source is None else 'indices'})"
+        )
+        lightning = (
+            "re-creates the batch sampler around a shuffling DistributedSampler of the data set (or raises"
+            " TypeError where it cannot)"
+        )
         advice = "For Lightning's batches build it on a RandomSampler" if source is not None else advice
     elif isinstance(source, SequentialSampler):
         what = f"its sampler is a SequentialSampler (shuffle=False), so {shards} of the data set, every epoch"
-        lightning = ("shuffles training data even with shuffle=False (its DistributedSampler for training always has"
-                     " shuffle=True)")
+        lightning = (
+            "shuffles training data even with shuffle=False (its DistributedSampler for training always has"
+            " shuffle=True)"
+        )
         advice = "For Lightning's batches and weights pass shuffle=True to the training DataLoader"
     else:
-        what = (f"its sampler is a {type(source).__name__}, drawn once per epoch (the same draw on every rank), and"
-                f" {shards} of that draw, in its order")
-        lightning = ("has each rank draw with its own global random state and shuffles the positions (its"
-                     " DistributedSamplerWrapper for training always has shuffle=True)")
+        what = (
+            f"its sampler is a {type(source).__name__}, drawn once per epoch (the same draw on every rank), and"
+            f" {shards} of that draw, in its order"
+        )
+        lightning = (
+            "has each rank draw with its own global random state and shuffles the positions (its"
+            " DistributedSamplerWrapper for training always has shuffle=True)"
+        )
     rank_zero_warn(
         f"{ORDER_KEPT_WARNING}: {what}. Lightning's strategy='ddp' {lightning}, so the batches each rank reads, and"
         f" the trained weights, differ from a run with strategy='ddp'. {advice}; if the order is intended, silence"
-        f" this with warnings.filterwarnings('ignore', message=\"{ORDER_KEPT_WARNING}\").")
+        f" this with warnings.filterwarnings('ignore', message=\"{ORDER_KEPT_WARNING}\")."
+    )
 
 
 def warn_if_not_shardable(dataloader: object, world_size: int) -> None:
@@ -326,12 +368,14 @@ def warn_if_not_shardable(dataloader: object, world_size: int) -> None:
         rank_zero_warn(
             f"MyDDPStrategy got a {type(dataloader).__name__} as a loader, not a torch.utils.data.DataLoader: it"
             f" cannot be sharded, so each of the {world_size} ranks iterates all of it (as under Lightning's ddp) and"
-            " sees the same batches. To give every rank its own part, wrap the data in a Dataset and a DataLoader.")
+            " sees the same batches. To give every rank its own part, wrap the data in a Dataset and a DataLoader."
+        )
     elif isinstance(dataloader.dataset, IterableDataset):
         rank_zero_warn(
             f"{type(dataloader.dataset).__name__} is an IterableDataset: it has no indices, so MyDDPStrategy cannot"
             " shard it and every rank reads whatever its __iter__ yields. Shard it yourself in __iter__ with"
-            " ddp_strategy.shard_iterable (by rank and DataLoader worker), or every rank sees the same data.")
+            " ddp_strategy.shard_iterable (by rank and DataLoader worker), or every rank sees the same data."
+        )
 
 
 class EvaluationStepGuard:
@@ -354,8 +398,11 @@ class EvaluationStepGuard:
         loaders, limit = getattr(trainer, f"{kind}_dataloaders"), getattr(trainer, f"limit_{kind}_batches")
         if kind == "val" and trainer.sanity_checking:
             limit = trainer.num_sanity_val_steps
-        loaders = list(loaders.values()) if isinstance(loaders, dict) else (
-            list(loaders) if isinstance(loaders, (list, tuple)) else [loaders])
+        loaders = (
+            list(loaders.values())
+            if isinstance(loaders, dict)
+            else (list(loaders) if isinstance(loaders, (list, tuple)) else [loaders])
+        )
         index = kwargs.get("dataloader_idx", args[2] if len(args) > 2 else 0)
         counts = getattr(loaders[index] if 0 <= index < len(loaders) else None, BATCH_COUNTS_ATTR, None)
         previous = self._active
@@ -383,7 +430,8 @@ class EvaluationStepGuard:
             f" {list(counts)} (ranks 0..{len(counts) - 1}), so a collective made in every step directly with"
             " torch.distributed (for example a torchmetrics metric with dist_sync_on_step=True) waits on the ranks"
             " with fewer batches: sync at epoch end instead (dist_sync_on_step=False), or give every rank the same"
-            " number of batches.")
+            " number of batches."
+        )
 
     def check(self, collective: str, rank: int) -> None:
         """Raise ``RuntimeError`` (stage, per-rank batch counts, what to do) inside a step on an uneven loader."""
@@ -396,4 +444,5 @@ class EvaluationStepGuard:
             " UnrepeatedDistributedSamplerWrapper), your own distributed sampler and IterableDatasets are not evened"
             " out. A per-step collective would pair with a different step on the other ranks and hang or return a"
             " wrong value. Log with on_step=False (the epoch-level sync_dist value is exact), move the collective"
-            " to the epoch-end hook (on_predict_epoch_end, ...), or give every rank the same number of batches.")
+            " to the epoch-end hook (on_predict_epoch_end, ...), or give every rank the same number of batches."
+        )

@@ -148,7 +148,7 @@ class _EpochShards:
         if self.pad and (missing := -len(positions) % self.num_replicas):
             positions += (list(range(n)) * math.ceil(missing / n))[:missing]  # DistributedSampler's padding
         self._iter_epoch, self._start_layers, self._iter_total = self.epoch, layers, len(positions)
-        return [stream[p] for p in positions[self.rank::self.num_replicas]]
+        return [stream[p] for p in positions[self.rank :: self.num_replicas]]
 
     def __iter__(self) -> Iterator[Any]:
         return iter(self._shard_items())
@@ -197,10 +197,16 @@ class _EpochShards:
         started = self._iter_epoch is not None
         done = max(batches_done - self.batch_offset, 0) * self.items_per_batch if started else 0
         consumed = [min(done, len(range(r, self._iter_total, self.num_replicas))) for r in range(self.num_replicas)]
-        return {"epoch": self._iter_epoch if started else self.epoch, "seed": self.seed,
-                "length": self.stream_length(), "kind": self.kind,
-                "layers": [*(self._start_layers if started else []),
-                           {"world_size": self.num_replicas, "consumed": consumed}]}
+        return {
+            "epoch": self._iter_epoch if started else self.epoch,
+            "seed": self.seed,
+            "length": self.stream_length(),
+            "kind": self.kind,
+            "layers": [
+                *(self._start_layers if started else []),
+                {"world_size": self.num_replicas, "consumed": consumed},
+            ],
+        }
 
 
 class EpochSeededDistributedSampler(_EpochShards, DistributedSampler):
@@ -223,13 +229,23 @@ class EpochSeededDistributedSampler(_EpochShards, DistributedSampler):
         ValueError: ``rank`` outside ``[0, W)``, or ``pad=False`` combined with ``drop_last=True``.
     """
 
-    def __init__(self, dataset: Dataset, num_replicas: int, rank: int, shuffle: bool = True, seed: int = DEFAULT_SEED,
-                 drop_last: bool = False, epoch_fn: Callable[[], int] | None = None, pad: bool = True) -> None:
+    def __init__(
+        self,
+        dataset: Dataset,
+        num_replicas: int,
+        rank: int,
+        shuffle: bool = True,
+        seed: int = DEFAULT_SEED,
+        drop_last: bool = False,
+        epoch_fn: Callable[[], int] | None = None,
+        pad: bool = True,
+    ) -> None:
         if not pad and drop_last:
             raise ValueError("pad=False keeps every sample exactly once; it cannot be combined with drop_last=True.")
         shard = Shard(num_replicas, rank, seed, epoch_fn, pad)
-        DistributedSampler.__init__(self, dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle,
-                                    seed=seed, drop_last=drop_last)
+        DistributedSampler.__init__(
+            self, dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed, drop_last=drop_last
+        )
         self._init_shards(shard)
         self.num_samples = len(self)
         self.total_size = self.num_samples * num_replicas if pad else self.stream_length()
@@ -286,12 +302,16 @@ class ShardedBatchSampler(ShardedSampler):
             if split is None:
                 stream = self._stream(self.epoch)
                 mine.append(list(stream[(len(mine) * self.num_replicas + self.rank) % len(stream)]))
-                warnings.warn(f"[rank {self.rank}] the custom batch sampler gives this rank fewer batches than rank"
-                              " 0, each of one sample, so one batch is evaluated twice (as under Lightning's ddp) and"
-                              " metrics count it twice.", UserWarning, stacklevel=2)
+                warnings.warn(
+                    f"[rank {self.rank}] the custom batch sampler gives this rank fewer batches than rank"
+                    " 0, each of one sample, so one batch is evaluated twice (as under Lightning's ddp) and"
+                    " metrics count it twice.",
+                    UserWarning,
+                    stacklevel=2,
+                )
             else:
                 half = len(mine[split]) // 2
-                mine[split:split + 1] = [mine[split][:half], mine[split][half:]]
+                mine[split : split + 1] = [mine[split][:half], mine[split][half:]]
         return iter(mine)
 
 
@@ -318,7 +338,7 @@ class EqualCountBatchSampler(BatchSampler):
         if items:
             yield items[:first]
         for start in range(first, len(items), self.batch_size):
-            yield items[start:start + self.batch_size]
+            yield items[start : start + self.batch_size]
 
 
 def shard_iterable(iterable: Iterable[Any], rank: int | None = None, world_size: int | None = None) -> Iterator[Any]:

@@ -36,6 +36,7 @@ LIGHTNING_NOT_RESUMABLE_WARNING = "You're resuming from a checkpoint that ended 
 
 def _train_samplers(trainer: Trainer) -> list[_EpochShards]:
     """The samplers MyDDPStrategy injected into ``trainer``'s training loaders (one, or lists/dicts of them)."""
+
     def leaves(item: Any) -> list[Any]:
         item = list(item.values()) if isinstance(item, dict) else item
         return [leaf for x in item for leaf in leaves(x)] if isinstance(item, (list, tuple)) else [item]
@@ -67,9 +68,11 @@ def read_positions(checkpoint: dict[str, Any]) -> list[dict[str, Any]]:
         return []
     if isinstance(entry, dict) and entry.get("version") == STATE_VERSION and isinstance(entry.get("loaders"), list):
         return list(entry["loaders"])
-    rank_zero_warn(f"The checkpoint's {CHECKPOINT_KEY!r} entry is not a version-{STATE_VERSION} sampler position:"
-                   f" {entry!r}. It was written by another version of ddp_strategy. It is ignored: the checkpoint"
-                   " loads, and a mid-epoch resume restarts the epoch's data as under Lightning's ddp.")
+    rank_zero_warn(
+        f"The checkpoint's {CHECKPOINT_KEY!r} entry is not a version-{STATE_VERSION} sampler position:"
+        f" {entry!r}. It was written by another version of ddp_strategy. It is ignored: the checkpoint"
+        " loads, and a mid-epoch resume restarts the epoch's data as under Lightning's ddp."
+    )
     return []
 
 
@@ -104,7 +107,9 @@ def restore_batch_counter(trainer: Trainer | None, world_size: int, until_teardo
         done = max(int(trainer.num_training_batches) - left, 0)
         until_teardown.enter_context(warnings.catch_warnings())
         warnings.filterwarnings("ignore", message=LIGHTNING_NOT_RESUMABLE_WARNING)
-        rank_zero_info(f"MyDDPStrategy: resuming epoch {epoch} at its saved sampler position: {left} batches per"
-                       f" rank left on {world_size} processes (batch counter set to {done}).")
+        rank_zero_info(
+            f"MyDDPStrategy: resuming epoch {epoch} at its saved sampler position: {left} batches per"
+            f" rank left on {world_size} processes (batch counter set to {done})."
+        )
     _pl.shift_epoch_batch_progress(trainer, done - _pl.resumed_batch_count(trainer))
     injected.batch_offset = done

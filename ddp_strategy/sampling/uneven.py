@@ -38,23 +38,48 @@ else:  # built for the user's Lightning namespace on construction (see ddp_strat
 #: ``MyDDPStrategy(uneven_inputs=...)``'s values, the default first.
 POLICIES = ("join", "stop", "error")
 _END, _FORWARD, _BACKWARD, _REDUCE, _BARRIER, _BROADCAST, _AGREE, _REFUSE = range(1, 9)  # what comes next
-_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
-           torch.int8, torch.uint8, torch.bool)
+_DTYPES = (
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.int64,
+    torch.int32,
+    torch.int16,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+)
 _OPS = ("sum", "max", "min", "product")
 #: What a joined rank cannot take part in (announced by its index).
 _REFUSALS = (  # (what, what to do)
-    ("an all_gather (self.all_gather, strategy.all_gather): a rank without data has no row to give",
-     "gather at the epoch's end (on_train_epoch_end)"),
-    ("a broadcast from a rank that has no data left (ModelCheckpoint asks rank 0 whether the file exists before"
-     " each save)", "broadcast from a rank that still trains, or give rank 0 the longest shard"),
-    ("a checkpoint save, which rank 0 writes (out of data, it holds an older state)",
-     "save at the epoch's end (ModelCheckpoint without every_n_train_steps), or give rank 0 the longest shard"),
-    ("a collective on a process group other than the world, or a reduction other than sum, mean, max, min or"
-     " product, or of a dtype other than float, int or bool", "move it to the epoch's end"),
-    ("a per-step sync a rank without data cannot shadow (a torchmetrics Metric with dist_sync_on_step=True, a"
-     " SyncBatchNorm layer)", "sync metrics at the epoch's end (dist_sync_on_step=False), or drop sync_batchnorm"),
-    ("a validation run (val_check_interval) in a step that not every rank reaches",
-     "validate at the epoch's end (val_check_interval=1.0)"),
+    (
+        "an all_gather (self.all_gather, strategy.all_gather): a rank without data has no row to give",
+        "gather at the epoch's end (on_train_epoch_end)",
+    ),
+    (
+        "a broadcast from a rank that has no data left (ModelCheckpoint asks rank 0 whether the file exists before"
+        " each save)",
+        "broadcast from a rank that still trains, or give rank 0 the longest shard",
+    ),
+    (
+        "a checkpoint save, which rank 0 writes (out of data, it holds an older state)",
+        "save at the epoch's end (ModelCheckpoint without every_n_train_steps), or give rank 0 the longest shard",
+    ),
+    (
+        "a collective on a process group other than the world, or a reduction other than sum, mean, max, min or"
+        " product, or of a dtype other than float, int or bool",
+        "move it to the epoch's end",
+    ),
+    (
+        "a per-step sync a rank without data cannot shadow (a torchmetrics Metric with dist_sync_on_step=True, a"
+        " SyncBatchNorm layer)",
+        "sync metrics at the epoch's end (dist_sync_on_step=False), or drop sync_batchnorm",
+    ),
+    (
+        "a validation run (val_check_interval) in a step that not every rank reaches",
+        "validate at the epoch's end (val_check_interval=1.0)",
+    ),
 )
 
 
@@ -79,12 +104,16 @@ class UnevenInputs(Joinable):
     def __init__(self, policy: str = "join", divide_by_initial_world_size: bool = True) -> None:
         super().__init__()
         if policy not in POLICIES:
-            raise ValueError(f"MyDDPStrategy(uneven_inputs={policy!r}) is not one of {list(POLICIES)}: 'join' trains"
-                             " every batch of every rank, 'stop' ends the epoch at the shortest rank's last batch,"
-                             " 'error' refuses ranks with different numbers of batches.")
+            raise ValueError(
+                f"MyDDPStrategy(uneven_inputs={policy!r}) is not one of {list(POLICIES)}: 'join' trains"
+                " every batch of every rank, 'stop' ends the epoch at the shortest rank's last batch,"
+                " 'error' refuses ranks with different numbers of batches."
+            )
         if not isinstance(divide_by_initial_world_size, bool):
-            raise TypeError(f"MyDDPStrategy(divide_by_initial_world_size=...) must be True or False, got"
-                            f" {divide_by_initial_world_size!r}.")
+            raise TypeError(
+                f"MyDDPStrategy(divide_by_initial_world_size=...) must be True or False, got"
+                f" {divide_by_initial_world_size!r}."
+            )
         self.policy, self.divide_by_initial_world_size = policy, divide_by_initial_world_size
         self.callback = _EpochEnd(self)  #: ends the join at the epoch's end, first among the callbacks
         self.epochs: dict[int, tuple[int, ...]] = {}  #: uneven epoch -> batches each rank trained
@@ -115,21 +144,31 @@ class UnevenInputs(Joinable):
         """
         self._trainer, self._mode, self.tail, self._seen, self._trained = trainer, None, False, -1, 0
         loaders = trainer.train_dataloader
-        loaders = loaders.values() if isinstance(loaders, dict) else loaders if isinstance(loaders, (list, tuple)) \
+        loaders = (
+            loaders.values()
+            if isinstance(loaders, dict)
+            else loaders
+            if isinstance(loaders, (list, tuple))
             else [loaders]
+        )
         if any(isinstance(getattr(loader, "dataset", None), IterableDataset) for loader in loaders):
             counts = [-1] * len(counts)
         if len(set(counts)) == 1 and -1 not in counts:
             return
-        epoch, rank, k, self._known = trainer.current_epoch, trainer.global_rank, trainer.accumulate_grad_batches, \
-            -1 not in counts
+        epoch, rank, k, self._known = (
+            trainer.current_epoch,
+            trainer.global_rank,
+            trainer.accumulate_grad_batches,
+            -1 not in counts,
+        )
         if self.policy == "error" and self._known:
             raise ValueError(
                 f"[rank {rank}] ranks have different numbers of training batches in epoch {epoch}:"
                 f" {dict(enumerate(counts))}, refused by MyDDPStrategy(uneven_inputs='error'). Pass uneven_inputs="
                 "'join' (the default: every rank trains all its batches) or 'stop' (all stop at the fewest), let"
                 " MyDDPStrategy shard the data (Trainer(use_distributed_sampler=True), the default), or make your"
-                " shards hold the same number of batches.")
+                " shards hold the same number of batches."
+            )
         if self.policy == "join" and self._known and any(c % k for c in counts if c < max(counts)):
             raise ValueError(self._accumulation_message([r for r, c in enumerate(counts) if c % k and c < max(counts)]))
         if self.policy == "stop" and self._known:
@@ -166,7 +205,8 @@ class UnevenInputs(Joinable):
                     f"[rank {strategy.global_rank}] ranks {ended} reach the end of their training data at batch"
                     f" {progress.current.ready + 1} of epoch {trainer.current_epoch} while the others have more"
                     " (MyDDPStrategy(uneven_inputs='error')). Pass uneven_inputs='join' (the default: every rank"
-                    " trains all its batches) or 'stop' (all stop there), or give every rank the same number.")
+                    " trains all its batches) or 'stop' (all stop there), or give every rank the same number."
+                )
             self._trained -= 3 in flags  # a rank had no batch: "stop" ends the epoch before this one
             self.epochs[trainer.current_epoch] = (self._trained,) * len(flags)
             if 3 in flags:
@@ -208,7 +248,8 @@ class UnevenInputs(Joinable):
             f" start a validation run while {stepping} train a batch: Trainer(val_check_interval="
             f"{self._trainer.val_check_interval!r}) counts each rank's own batches, and the ranks hold different"
             " numbers (uneven inputs). Validate at the epoch's end (val_check_interval=1.0), or pass"
-            " MyDDPStrategy(uneven_inputs='stop'), or give every rank the same number of batches.")
+            " MyDDPStrategy(uneven_inputs='stop'), or give every rank the same number of batches."
+        )
 
     def _flags(self, flag: int) -> list[int]:
         """One all-reduce (MAX) of every rank's small flag (this rank's ``flag``); returns them by rank."""
@@ -221,11 +262,13 @@ class UnevenInputs(Joinable):
     def _accumulation_message(self, ranks: list[int]) -> str:
         trainer = self._trainer
         k = trainer.accumulate_grad_batches
-        return (f"[rank {trainer.global_rank}] accumulate_grad_batches={k} on ranks with different numbers of"
-                f" training batches (epoch {trainer.current_epoch}): the last batch of ranks {ranks} ends an"
-                " accumulation (a gradient all-reduce) where the longer ranks accumulate on, so their all-reduces"
-                f" cannot pair. Give every rank but the longest a multiple of {k} batches, or pass"
-                " MyDDPStrategy(uneven_inputs='stop'), or accumulate_grad_batches=1.")
+        return (
+            f"[rank {trainer.global_rank}] accumulate_grad_batches={k} on ranks with different numbers of"
+            f" training batches (epoch {trainer.current_epoch}): the last batch of ranks {ranks} ends an"
+            " accumulation (a gradient all-reduce) where the longer ranks accumulate on, so their all-reduces"
+            f" cannot pair. Give every rank but the longest a multiple of {k} batches, or pass"
+            " MyDDPStrategy(uneven_inputs='stop'), or accumulate_grad_batches=1."
+        )
 
     def before_forward(self) -> None:
         """Before DDP's forward (``training_step``): notify if not yet; in a step with fewer ranks announce it."""
@@ -233,8 +276,12 @@ class UnevenInputs(Joinable):
         if not self.tail:
             return
         module, model = self._trainer.lightning_module, self._trainer.strategy.model
-        if any(getattr(m, "dist_sync_on_step", False) is True and hasattr(m, "compute")
-               or "SyncBatchNorm" in type(m).__name__ for m in module.modules()):
+        if any(
+            getattr(m, "dist_sync_on_step", False) is True
+            and hasattr(m, "compute")
+            or "SyncBatchNorm" in type(m).__name__
+            for m in module.modules()
+        ):
             self.refuse(4)
         if isinstance(model, DistributedDataParallel):
             _tp.set_ddp_join_mode(model, True)  # buffers from an active rank; whether the backward syncs: told
@@ -257,8 +304,11 @@ class UnevenInputs(Joinable):
     def reduce(self, tensor: Tensor, group: Any, reduce_op: Any) -> Tensor:
         """``strategy.reduce`` in a step with fewer ranks: in place, over the active ranks (a mean divides by
         their number); the joined ranks give a neutral value (0, 1, the dtype's lowest or highest)."""
-        name = reduce_op.lower() if isinstance(reduce_op, str) else next(
-            (n for n in _OPS if reduce_op == getattr(dist.ReduceOp, n.upper())), None)
+        name = (
+            reduce_op.lower()
+            if isinstance(reduce_op, str)
+            else next((n for n in _OPS if reduce_op == getattr(dist.ReduceOp, n.upper())), None)
+        )
         op = "sum" if name in ("mean", "avg") else name
         if group not in (None, dist.group.WORLD) or op not in _OPS or tensor.dtype not in _DTYPES:
             self.refuse(3)
@@ -293,10 +343,12 @@ class UnevenInputs(Joinable):
         if self._mode == "flags" and self._seen == -1:  # no batch here: answer the others' first step
             self._mode = None
             if len(set(self._flags(3))) > 1 and self.policy == "error":
-                raise UnevenInputsError(f"[rank {self._trainer.global_rank}] this rank has no training batch in epoch"
-                                        f" {self._trainer.current_epoch} while others have some"
-                                        " (MyDDPStrategy(uneven_inputs='error')). Pass uneven_inputs='join' or"
-                                        " 'stop', or give every rank batches.")
+                raise UnevenInputsError(
+                    f"[rank {self._trainer.global_rank}] this rank has no training batch in epoch"
+                    f" {self._trainer.current_epoch} while others have some"
+                    " (MyDDPStrategy(uneven_inputs='error')). Pass uneven_inputs='join' or"
+                    " 'stop', or give every rank batches."
+                )
         join, self._join = self._join, None
         if join is not None:
             if self.tail:
@@ -324,11 +376,13 @@ class UnevenInputs(Joinable):
         trainer = self._trainer
         joined = [r for r in range(trainer.world_size) if r not in active]
         what, fix = _REFUSALS[reason]
-        return (f"[rank {trainer.global_rank}] training batch {batch} (batch_idx {batch - 1}) of epoch"
-                f" {trainer.current_epoch} on ranks {list(active)} makes {what}, in which ranks {joined}, out of"
-                f" training data, cannot take part (uneven inputs, MyDDPStrategy(uneven_inputs='join')). Do: {fix};"
-                " or pass MyDDPStrategy(uneven_inputs='stop') (every rank stops at the shortest rank's last batch;"
-                " the others' later batches are not trained), or give every rank the same number of batches.")
+        return (
+            f"[rank {trainer.global_rank}] training batch {batch} (batch_idx {batch - 1}) of epoch"
+            f" {trainer.current_epoch} on ranks {list(active)} makes {what}, in which ranks {joined}, out of"
+            f" training data, cannot take part (uneven inputs, MyDDPStrategy(uneven_inputs='join')). Do: {fix};"
+            " or pass MyDDPStrategy(uneven_inputs='stop') (every rank stops at the shortest rank's last batch;"
+            " the others' later batches are not trained), or give every rank the same number of batches."
+        )
 
     def _end_epoch(self, is_last_joiner: bool) -> None:
         """``Join``'s post-hook, on every rank: record the batch counts; after a step with fewer ranks every rank
@@ -346,8 +400,11 @@ class UnevenInputs(Joinable):
         module = trainer.lightning_module
         with torch.no_grad():
             _tp.broadcast_coalesced([t.detach() for t in (*module.parameters(), *module.buffers())], src=source)
-        box = [apply_to_collection(_pl.training_state(trainer), Tensor, Tensor.cpu)] if strategy.global_rank == source \
+        box = (
+            [apply_to_collection(_pl.training_state(trainer), Tensor, Tensor.cpu)]
+            if strategy.global_rank == source
             else [None]
+        )
         dist.broadcast_object_list(box, src=source)
         if strategy.global_rank != source:
             _pl.load_training_state(trainer, box[0])
@@ -374,8 +431,10 @@ class _Shadow(JoinHook):
             elif kind == _BACKWARD and a:
                 _tp.shadow_ddp_backward(model)
             elif kind == _REDUCE:
-                dist.all_reduce(torch.full((a,), _neutral(_OPS[c], _DTYPES[b]), dtype=_DTYPES[b], device=device),
-                                getattr(dist.ReduceOp, _OPS[c].upper()))
+                dist.all_reduce(
+                    torch.full((a,), _neutral(_OPS[c], _DTYPES[b]), dtype=_DTYPES[b], device=device),
+                    getattr(dist.ReduceOp, _OPS[c].upper()),
+                )
             elif kind == _BARRIER:
                 dist.barrier()
             elif kind == _BROADCAST:
@@ -421,8 +480,10 @@ class _EpochEnd(Callback):
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         """Rank 0 logs, for the fit summary, the policy and the batches each rank trained in each uneven epoch."""
         u = self.uneven
-        rule = {"join": f"; a step's gradient sum divided by {'W' if u.divide_by_initial_world_size else 'its ranks'}",
-                "stop": "; the longer ranks' later batches not trained"}.get(u.policy, "")
+        rule = {
+            "join": f"; a step's gradient sum divided by {'W' if u.divide_by_initial_world_size else 'its ranks'}",
+            "stop": "; the longer ranks' later batches not trained",
+        }.get(u.policy, "")
         if u.epochs:
             epochs = ", ".join(f"epoch {epoch}: {list(counts)}" for epoch, counts in u.epochs.items())
             rank_zero_info(f"Uneven inputs (uneven_inputs={u.policy!r}{rule}): batches trained per rank, {epochs}")

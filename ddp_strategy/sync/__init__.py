@@ -20,6 +20,19 @@ from ddp_strategy.sync.wrapping import (
     wrap,
 )
 
-__all__ = ["CPUSyncBatchNorm", "CommHook", "CommHookConfig", "DDPForwardRedirection", "bf16_all_reduce_hook",
-           "broadcast_states", "check_unused_parameters", "count_collective_bytes", "cpu_capable",
-           "non_default_options", "unwrap", "validate_ddp_kwargs", "verify_parameters_in_sync", "wrap"]
+__all__ = [
+    "CPUSyncBatchNorm",
+    "CommHook",
+    "CommHookConfig",
+    "DDPForwardRedirection",
+    "bf16_all_reduce_hook",
+    "broadcast_states",
+    "check_unused_parameters",
+    "count_collective_bytes",
+    "cpu_capable",
+    "non_default_options",
+    "unwrap",
+    "validate_ddp_kwargs",
+    "verify_parameters_in_sync",
+    "wrap",
+]

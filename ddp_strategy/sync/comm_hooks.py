@@ -32,8 +32,9 @@ CommHook = Callable[[Any, dist.GradBucket], torch.futures.Future]
 # rejects string annotations ("bucket annotation should be dist.GradBucket").
 
 
-def bf16_all_reduce_hook(process_group: dist.ProcessGroup | None,
-                         bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+def bf16_all_reduce_hook(
+    process_group: dist.ProcessGroup | None, bucket: dist.GradBucket
+) -> torch.futures.Future[torch.Tensor]:
     """All-reduce a gradient bucket in bfloat16 on any backend that sums bfloat16 (gloo, NCCL): PyTorch's
     ``default_hooks.bf16_compress_hook`` without its CUDA/NCCL-only check.
 
@@ -108,8 +109,10 @@ class CommHookConfig:
     def __post_init__(self) -> None:
         if isinstance(self.hook, str):
             if self.hook not in HOOKS_BY_NAME:
-                raise ValueError(f"Unknown ddp_comm_hook={self.hook!r}; use one of {sorted(HOOKS_BY_NAME)} or a"
-                                 " callable hook(state, bucket) -> torch.futures.Future.")
+                raise ValueError(
+                    f"Unknown ddp_comm_hook={self.hook!r}; use one of {sorted(HOOKS_BY_NAME)} or a"
+                    " callable hook(state, bucket) -> torch.futures.Future."
+                )
         elif self.hook is not None and not callable(self.hook):
             raise TypeError(f"ddp_comm_hook must be a callable or a name, got {type(self.hook).__name__}.")
         if self.wrapper is not None and not callable(self.wrapper):
@@ -131,8 +134,9 @@ class CommHookConfig:
                 wrapper = bf16_compress_wrapper
         state = self.state
         if state is None and hook is powersgd.powerSGD_hook:
-            state = powersgd.PowerSGDState(process_group=process_group, matrix_approximation_rank=1,
-                                           start_powerSGD_iter=10, min_compression_rate=2)
+            state = powersgd.PowerSGDState(
+                process_group=process_group, matrix_approximation_rank=1, start_powerSGD_iter=10, min_compression_rate=2
+            )
         elif state is None:
             state = process_group
         return state, wrapper(hook) if wrapper is not None else hook
@@ -147,8 +151,9 @@ def register_comm_hook(model: DistributedDataParallel, config: CommHookConfig, b
     state, hook = resolved
     if state is None or isinstance(state, dist.ProcessGroup):
         state = _torch_private.CountingProcessGroup(state, _count)
-    elif isinstance(state, powersgd.PowerSGDState) and not isinstance(state.process_group,
-                                                                      _torch_private.CountingProcessGroup):
+    elif isinstance(state, powersgd.PowerSGDState) and not isinstance(
+        state.process_group, _torch_private.CountingProcessGroup
+    ):
         state.process_group = _torch_private.CountingProcessGroup(state.process_group, _count)
     model.register_comm_hook(state, hook)
 

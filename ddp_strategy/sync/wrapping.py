@@ -26,8 +26,11 @@ from ddp_strategy.sync import comm_hooks
 log = logging.getLogger(__name__)
 
 #: DDP's keyword options and their defaults, from the installed PyTorch's signature, less those the strategy sets.
-_DDP_DEFAULTS: dict[str, Any] = {name: p.default for name, p in inspect.signature(DistributedDataParallel).parameters
-                                 .items() if name not in ("module", "device_ids", "output_device")}
+_DDP_DEFAULTS: dict[str, Any] = {
+    name: p.default
+    for name, p in inspect.signature(DistributedDataParallel).parameters.items()
+    if name not in ("module", "device_ids", "output_device")
+}
 #: Keyword options accepted by ``MyDDPStrategy(**ddp_kwargs)``.
 DDP_OPTIONS: tuple[str, ...] = tuple(_DDP_DEFAULTS)
 
@@ -58,12 +61,14 @@ def validate_ddp_kwargs(ddp_kwargs: dict[str, Any]) -> dict[str, Any]:
 
 def keeps_passed_ddp_options(init: Callable[..., None]) -> Callable[..., None]:
     """Decorate ``__init__`` to keep the DDP options passed (named ones too), as ``DDPStrategy._ddp_kwargs`` does."""
+
     @functools.wraps(init)
     def wrapper(self: Any, *args: Any, **kwargs: Any) -> None:
         init(self, *args, **kwargs)
         named = inspect.signature(init).bind(self, *args, **kwargs).arguments
         passed = {**named, **named.get("ddp_kwargs", {})}
         self._passed_ddp_options = {k: passed[k] for k in DDP_OPTIONS if k in passed}
+
     return wrapper
 
 
@@ -101,8 +106,9 @@ def check_trainable(module: nn.Module) -> None:
         )
 
 
-def wrap(module: nn.Module, device: torch.device, ddp_kwargs: dict[str, Any],
-         comm_hook: comm_hooks.CommHookConfig) -> DistributedDataParallel:
+def wrap(
+    module: nn.Module, device: torch.device, ddp_kwargs: dict[str, Any], comm_hook: comm_hooks.CommHookConfig
+) -> DistributedDataParallel:
     """Wrap ``module`` (already on ``device``) in DDP and register the comm hook (every backend).
 
     A collective: every rank must call it (DDP broadcasts rank 0's parameters and buffers here). On CUDA the
@@ -158,8 +164,9 @@ class DDPForwardRedirection(_pl.DDPForwardRedirection):
     that left parameters without gradient) is re-raised with the names of those parameters and the option.
     """
 
-    def __call__(self, wrapper_module: nn.Module, original_module: Any, method_name: str, *args: Any,
-                 **kwargs: Any) -> Any:
+    def __call__(
+        self, wrapper_module: nn.Module, original_module: Any, method_name: str, *args: Any, **kwargs: Any
+    ) -> Any:
         try:
             return super().__call__(wrapper_module, original_module, method_name, *args, **kwargs)
         except RuntimeError as e:

@@ -8,11 +8,16 @@ library only, as a user's test would.
 """
 
 from ddp_strategy.testing.checks import (
-           assert_each_sample_once,
-           assert_matches_single_process,
-           assert_same_on_every_rank,
+    assert_each_sample_once,
+    assert_matches_single_process,
+    assert_same_on_every_rank,
 )
 from ddp_strategy.testing.ranks import RankError, run_on_ranks
 
-__all__ = ["RankError", "assert_each_sample_once", "assert_matches_single_process", "assert_same_on_every_rank",
-           "run_on_ranks"]
+__all__ = [
+    "RankError",
+    "assert_each_sample_once",
+    "assert_matches_single_process",
+    "assert_same_on_every_rank",
+    "run_on_ranks",
+]

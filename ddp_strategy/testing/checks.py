@@ -27,8 +27,9 @@ def _array(value: Any) -> torch.Tensor | None:
     return None
 
 
-def _tensor_differences(x: torch.Tensor, y: torch.Tensor, where: str, atol: float, rtol: float,
-                        same_dtype: bool) -> list[str]:
+def _tensor_differences(
+    x: torch.Tensor, y: torch.Tensor, where: str, atol: float, rtol: float, same_dtype: bool
+) -> list[str]:
     """NaN equals NaN at the same position (``torch.allclose(..., equal_nan=True)``); exactly also means one dtype."""
     if x.shape != y.shape:
         return [f"{where}: shapes {tuple(x.shape)} and {tuple(y.shape)}"]
@@ -68,8 +69,9 @@ def _differences(a: Any, b: Any, where: str, atol: float, rtol: float) -> list[s
     return [] if a == b else [f"{where}: {a!r} != {b!r}"]
 
 
-def assert_same_on_every_rank(per_rank: Sequence[Any], what: str = "value", atol: float = 0.0,
-                              rtol: float = 0.0) -> None:
+def assert_same_on_every_rank(
+    per_rank: Sequence[Any], what: str = "value", atol: float = 0.0, rtol: float = 0.0
+) -> None:
     """Every rank's value equals rank 0's, entry by entry: tensors and NumPy arrays (exactly, or within
     ``atol``/``rtol``; NaN equals NaN at the same position; floats as float64), modules (their state dicts),
     dicts, lists and plain values.
@@ -86,10 +88,15 @@ def assert_same_on_every_rank(per_rank: Sequence[Any], what: str = "value", atol
     """
     per_rank = list(per_rank)
     if not per_rank:
-        raise ValueError(f"assert_same_on_every_rank needs at least one rank's {what}, got none: pass the list"
-                         " run_on_ranks returned.")
-    problems = [f"rank {rank} vs rank 0: {d}" for rank, value in enumerate(per_rank[1:], start=1)
-                for d in _differences(value, per_rank[0], what, atol, rtol)]
+        raise ValueError(
+            f"assert_same_on_every_rank needs at least one rank's {what}, got none: pass the list"
+            " run_on_ranks returned."
+        )
+    problems = [
+        f"rank {rank} vs rank 0: {d}"
+        for rank, value in enumerate(per_rank[1:], start=1)
+        for d in _differences(value, per_rank[0], what, atol, rtol)
+    ]
     assert not problems, f"{what} differ between ranks:\n" + "\n".join(problems[:20])
 
 
@@ -112,11 +119,14 @@ def assert_each_sample_once(per_rank_indices: Sequence[Any], num_samples: int) -
     twice = {i: ranks for i, ranks in readers.items() if len(ranks) > 1}
     missing = sorted(set(range(num_samples)) - set(readers))
     outside = sorted(i for i in readers if not 0 <= i < num_samples)
-    problems = ([f"read more than once: {dict(list(sorted(twice.items()))[:10])} (index: ranks)"] if twice else []) + (
-        [f"never read: {missing[:20]}"] if missing else []) + ([f"outside 0..{num_samples - 1}: {outside[:20]}"]
-                                                                if outside else [])
+    problems = (
+        ([f"read more than once: {dict(list(sorted(twice.items()))[:10])} (index: ranks)"] if twice else [])
+        + ([f"never read: {missing[:20]}"] if missing else [])
+        + ([f"outside 0..{num_samples - 1}: {outside[:20]}"] if outside else [])
+    )
     assert not problems, f"not every sample read exactly once across {len(per_rank_indices)} ranks: " + "; ".join(
-        problems)
+        problems
+    )
 
 
 def _flat_indices(indices: Any, rank: int) -> list[int]:
@@ -135,14 +145,16 @@ def _flat_indices(indices: Any, rank: int) -> list[int]:
         try:
             flat.append(operator.index(value))
         except TypeError as e:
-            raise TypeError(f"assert_each_sample_once: rank {rank} read {value!r}, which is not a sample index;"
-                            " pass each rank's integer indices (ints, integer tensors or arrays, lists of them)."
-                            ) from e
+            raise TypeError(
+                f"assert_each_sample_once: rank {rank} read {value!r}, which is not a sample index;"
+                " pass each rank's integer indices (ints, integer tensors or arrays, lists of them)."
+            ) from e
     return flat
 
 
-def assert_matches_single_process(distributed: Any, single_process: Any, what: str = "value", atol: float = 1e-6,
-                                  rtol: float = 1e-5) -> None:
+def assert_matches_single_process(
+    distributed: Any, single_process: Any, what: str = "value", atol: float = 1e-6, rtol: float = 1e-5
+) -> None:
     """A value computed with W ranks (a gathered metric, the weights after a step) equals the one-process value.
 
     Args:

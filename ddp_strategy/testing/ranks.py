@@ -55,9 +55,20 @@ class RankError(AssertionError):
         self.reports = reports
 
 
-def _rank_main(rank: int, world_size: int, port: int, folder: str, fn: Callable[..., Any], args: tuple[Any, ...],
-               kwargs: dict[str, Any], init_process_group: bool, backend: str, collective_timeout_s: float,
-               environ: dict[str, str], caller_start_method: str | None) -> None:
+def _rank_main(
+    rank: int,
+    world_size: int,
+    port: int,
+    folder: str,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    init_process_group: bool,
+    backend: str,
+    collective_timeout_s: float,
+    environ: dict[str, str],
+    caller_start_method: str | None,
+) -> None:
     """One rank: the caller's environment plus the launch variables, the group if asked, ``fn``, its result."""
     os.setpgrp()  # the leader of its own process group: run_on_ranks ends it with everything it started
     # The rank's own children (DataLoader workers) start as the caller's would, as in a rank Lightning launches:
@@ -68,15 +79,28 @@ def _rank_main(rank: int, world_size: int, port: int, folder: str, fn: Callable[
     os.environ.update(environ)  # the caller's environment now, not the forkserver's from when it started
     stack_file = open(out / f"stack_{rank}.txt", "w")  # noqa: SIM115 - faulthandler writes to it until exit
     faulthandler.register(_STACK_SIGNAL, file=stack_file, all_threads=True)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE=str(world_size), NODE_RANK="0", GROUP_RANK="0", LOCAL_WORLD_SIZE=str(world_size))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        NODE_RANK="0",
+        GROUP_RANK="0",
+        LOCAL_WORLD_SIZE=str(world_size),
+    )
     import torch.distributed as dist
 
     code = 0
     try:
         if init_process_group:
-            dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                    world_size=world_size, timeout=timedelta(seconds=collective_timeout_s))
+            dist.init_process_group(
+                backend,
+                init_method=f"tcp://127.0.0.1:{port}",
+                rank=rank,
+                world_size=world_size,
+                timeout=timedelta(seconds=collective_timeout_s),
+            )
         result = fn(rank, world_size, *args, **kwargs)
         (out / f"result_{rank}.pkl.tmp").write_bytes(pickle.dumps(result))
         os.replace(out / f"result_{rank}.pkl.tmp", out / f"result_{rank}.pkl")
@@ -139,36 +163,47 @@ def run_on_ranks(
     if not isinstance(world_size, numbers.Integral) or isinstance(world_size, bool) or world_size < 1:
         raise ValueError(f"run_on_ranks needs an int world_size >= 1 (the number of ranks), got {world_size!r}.")
     for name, value in (("timeout_s", timeout_s), ("collective_timeout_s", collective_timeout_s)):
-        if not (isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
-                and value > 0):
-            raise ValueError(f"run_on_ranks needs {name} as a finite number of seconds > 0, got {value!r}: the"
-                             " deadline is what turns a hang into a failed test with each rank's stack.")
+        if not (isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value) and value > 0):
+            raise ValueError(
+                f"run_on_ranks needs {name} as a finite number of seconds > 0, got {value!r}: the"
+                " deadline is what turns a hang into a failed test with each rank's stack."
+            )
     import torch.distributed as dist
 
     if not isinstance(backend, str) or not dist.is_backend_available(backend):
-        raise ValueError(f"run_on_ranks got backend={backend!r}, which this torch does not have; pass 'gloo' (CPU,"
-                         " the default) or, with one GPU per rank, 'nccl'.")
+        raise ValueError(
+            f"run_on_ranks got backend={backend!r}, which this torch does not have; pass 'gloo' (CPU,"
+            " the default) or, with one GPU per rank, 'nccl'."
+        )
     if isinstance(args, (str, bytes)) or not isinstance(args, Sequence):
-        raise TypeError(f"run_on_ranks needs args as a tuple or list of fn's extra positional arguments, got"
-                        f" {args!r}: for one argument x pass args=(x,).")
+        raise TypeError(
+            f"run_on_ranks needs args as a tuple or list of fn's extra positional arguments, got"
+            f" {args!r}: for one argument x pass args=(x,)."
+        )
     if kwargs is not None and not isinstance(kwargs, Mapping):
         raise TypeError(f"run_on_ranks needs kwargs as a dict of fn's keyword arguments, got {kwargs!r}.")
     world_size, kwargs = int(world_size), dict(kwargs or {})
     try:
         pickle.dumps((fn, tuple(args), kwargs))
     except Exception as e:
-        raise TypeError(f"run_on_ranks pickles {fn!r} and its arguments to the rank processes, which failed ({e});"
-                        " define the function at module level of an importable file (not a lambda or a nested"
-                        " function), and pass picklable arguments.") from e
+        raise TypeError(
+            f"run_on_ranks pickles {fn!r} and its arguments to the rank processes, which failed ({e});"
+            " define the function at module level of an importable file (not a lambda or a nested"
+            " function), and pass picklable arguments."
+        ) from e
     available = [m for m in START_METHODS if m in multiprocessing.get_all_start_methods()]
     if start_method == "fork":
-        raise ValueError("run_on_ranks does not offer start_method='fork': forking the test process, which may have"
-                         " used torch's thread pools or a process group, can copy a lock another thread holds and"
-                         " hang a rank. Pass start_method=None (the default: forkserver, which forks each rank"
-                         " from a parent that never ran torch's threads) or 'spawn'.")
+        raise ValueError(
+            "run_on_ranks does not offer start_method='fork': forking the test process, which may have"
+            " used torch's thread pools or a process group, can copy a lock another thread holds and"
+            " hang a rank. Pass start_method=None (the default: forkserver, which forks each rank"
+            " from a parent that never ran torch's threads) or 'spawn'."
+        )
     if start_method is not None and start_method not in available:
-        raise ValueError(f"run_on_ranks got start_method={start_method!r}; pass None (the default: the first of"
-                         f" {available} this platform has), " + " or ".join(map(repr, available)) + ".")
+        raise ValueError(
+            f"run_on_ranks got start_method={start_method!r}; pass None (the default: the first of"
+            f" {available} this platform has), " + " or ".join(map(repr, available)) + "."
+        )
     method = start_method or available[0]
     ctx = multiprocessing.get_context(method)
     if method == "forkserver" and not _configured_forkserver:
@@ -180,10 +215,28 @@ def run_on_ranks(
         port = probe.getsockname()[1]
     environ = {name: value for name, value in os.environ.items() if not name.startswith(_SCHEDULER_PREFIXES)}
     # Not daemonic: a daemonic process may not start children, and a rank may (DataLoader workers, a subprocess).
-    procs = [ctx.Process(target=_rank_main, name=f"rank {rank}", daemon=False,
-                         args=(rank, world_size, port, folder, fn, tuple(args), kwargs, init_process_group, backend,
-                               collective_timeout_s, environ, multiprocessing.get_start_method(True)))
-             for rank in range(world_size)]
+    procs = [
+        ctx.Process(
+            target=_rank_main,
+            name=f"rank {rank}",
+            daemon=False,
+            args=(
+                rank,
+                world_size,
+                port,
+                folder,
+                fn,
+                tuple(args),
+                kwargs,
+                init_process_group,
+                backend,
+                collective_timeout_s,
+                environ,
+                multiprocessing.get_start_method(True),
+            ),
+        )
+        for rank in range(world_size)
+    ]
     try:
         for proc in procs:
             proc.start()
@@ -215,7 +268,7 @@ def _end(procs: list[Any]) -> None:
                 stat = (entry / "stat").read_text()
             except OSError:
                 continue
-            fields = stat[stat.rindex(")") + 2:].split()  # state, ppid, pgrp, ...
+            fields = stat[stat.rindex(")") + 2 :].split()  # state, ppid, pgrp, ...
             alive = alive or (fields[0] != "Z" and int(fields[2]) in groups)
         if not alive:
             return
@@ -253,9 +306,11 @@ def _collect(procs: list[Any], folder: Path, timed_out: bool, timeout_s: float) 
         elif proc.is_alive():
             reports[rank] = f"still running; its stack:\n{stack.read_text() if stack.exists() else '(none)'}"
         else:
-            reports[rank] = (f"exited with code {proc.exitcode} without a result (killed, os._exit, or it never"
-                             " reached fn: called from a script, run_on_ranks must be under"
-                             " `if __name__ == '__main__':`, because the ranks' parent imports the main module)")
+            reports[rank] = (
+                f"exited with code {proc.exitcode} without a result (killed, os._exit, or it never"
+                " reached fn: called from a script, run_on_ranks must be under"
+                " `if __name__ == '__main__':`, because the ranks' parent imports the main module)"
+            )
     if not reports:
         return results
     why = f"did not finish within {timeout_s:g} s" if timed_out else "failed"

@@ -51,11 +51,18 @@ def test_tested_lightning_minor(namespace):
 def test_launchers_keep_their_signatures(namespace):
     """The launchers we construct take the arguments we pass."""
     assert signature_of(_private(namespace, "SubprocessScriptLauncher")) == [
-        "cluster_environment", "num_processes", "num_nodes"]
+        "cluster_environment",
+        "num_processes",
+        "num_nodes",
+    ]
     assert signature_of(_private(namespace, "MultiProcessingLauncher")) == ["strategy", "start_method"]
     # process/launching.py's launchers override _wrapping_function and read the popen launcher's procs
     assert signature_of(_private(namespace, "MultiProcessingLauncher")._wrapping_function)[:4] == [
-        "self", "process_idx", "trainer", "function"]
+        "self",
+        "process_idx",
+        "trainer",
+        "function",
+    ]
     env = namespace.get("fabric.plugins.environments:LightningEnvironment")()
     assert _private(namespace, "SubprocessScriptLauncher")(env, 2, 1).procs == []
 
@@ -113,7 +120,12 @@ def test_hyperparameter_helpers_keep_their_signatures(namespace):
     """save_hyperparameters for our classes calls Lightning's parsing helpers and reads its context variable."""
     assert signature_of(_private(namespace, "collect_init_args")) == ["frame", "path_args", "inside", "classes"]
     assert signature_of(_private(namespace, "save_hyperparameters")) == [
-        "obj", "args", "ignore", "frame", "given_hparams"]
+        "obj",
+        "args",
+        "ignore",
+        "frame",
+        "given_hparams",
+    ]
     assert _private(namespace, "given_hyperparameters").get() is None
 
 
@@ -193,8 +205,10 @@ def test_compiled_models_are_accepted_for_our_strategy_only(namespace):
 
     trainer_module = namespace.get("pytorch.trainer.trainer")
     compile_module = namespace.get("pytorch.utilities.compile")
-    assert inspect.signature(compile_module._verify_strategy_supports_compile).parameters.keys() == {"model",
-                                                                                                    "strategy"}
+    assert inspect.signature(compile_module._verify_strategy_supports_compile).parameters.keys() == {
+        "model",
+        "strategy",
+    }
     trainer_cls = namespace.pytorch.Trainer
     for method in (trainer_cls.fit, trainer_cls.validate, trainer_cls.test, trainer_cls.predict):
         assert "_verify_strategy_supports_compile" in method.__code__.co_names
@@ -243,8 +257,9 @@ def test_base_class_attributes_the_strategy_sets_or_reads(namespace):
     assert isinstance(s._forward_redirection, _ForwardRedirection)
     assert callable(getattr(ParallelStrategy, "_configure_launcher", None))
     strategy = MyDDPStrategy.for_namespace(namespace.name)(start_method="spawn")
-    trainer = namespace.pytorch.Trainer(accelerator="cpu", devices=2, strategy=strategy, sync_batchnorm=True,
-                                        logger=False)
+    trainer = namespace.pytorch.Trainer(
+        accelerator="cpu", devices=2, strategy=strategy, sync_batchnorm=True, logger=False
+    )
     assert isinstance(trainer.strategy, ParallelStrategy)
     assert type(trainer.strategy._layer_sync).__name__ == "TorchSyncBatchNorm"
     assert trainer.strategy._launcher is trainer.strategy.launcher
@@ -287,15 +302,23 @@ def test_the_popen_observer_watches_the_launchers_list_which_a_failing_launcher_
     launch_observer = namespace.get("pytorch.strategies.launchers.subprocess_script:_launch_process_observer")
     observer_cls = launch_observer.__globals__["_ChildProcessObserver"]
     assert "_launch_process_observer(self.procs)" in inspect.getsource(
-        _private(namespace, "SubprocessScriptLauncher").launch)
+        _private(namespace, "SubprocessScriptLauncher").launch
+    )
     launcher = _pl.SubprocessScriptLauncher(namespace.get("fabric.plugins.environments:LightningEnvironment")(), 2, 1)
     child = subprocess.Popen([sys.executable, "-c", "raise SystemExit(1)"])
     launcher.procs = procs = [child]
     observer = observer_cls(main_pid=os.getpid(), child_processes=launcher.procs)  # not started: _run is one poll
     assert observer._child_processes is procs
     run = ProcessGroupRun(timeout=timedelta(seconds=5), barrier_timeout=timedelta(seconds=5))
-    failures.on_exception(run, ZeroDivisionError("rank 0's own bug"), rank=0, world_size=2, known_cause=None,
-                          sigterm_save=None, launcher=launcher)
+    failures.on_exception(
+        run,
+        ZeroDivisionError("rank 0's own bug"),
+        rank=0,
+        world_size=2,
+        known_cause=None,
+        sigterm_save=None,
+        launcher=launcher,
+    )
     assert procs == [] and run.stopping == [child]
     killed = []
     observer._terminate_all = lambda: killed.append(True)  # what it would do: SIGKILL this process
@@ -335,12 +358,17 @@ def test_trainer_save_checkpoint_saves_then_calls_the_named_barrier(namespace):
             self.barrier_name = name
 
     recorder = Recorder()
-    fake = SimpleNamespace(model=object(), strategy=recorder,
-                           profiler=SimpleNamespace(profile=lambda _: contextlib.nullcontext()),
-                           _checkpoint_connector=SimpleNamespace(dump_checkpoint=lambda weights_only=None: {}))
+    fake = SimpleNamespace(
+        model=object(),
+        strategy=recorder,
+        profiler=SimpleNamespace(profile=lambda _: contextlib.nullcontext()),
+        _checkpoint_connector=SimpleNamespace(dump_checkpoint=lambda weights_only=None: {}),
+    )
     trainer_cls.save_checkpoint(fake, "x.ckpt")
     assert recorder.saw is True and recorder.barrier_name == _pl.SAVE_BARRIER
     assert _pl.saving_for_trainer(sys._getframe()) is False
+
+
 def test_sigterm_notifier_is_taken_over_and_the_per_batch_broadcast_turned_off(namespace):
     """Lightning's SIGTERM handler calls our note instead of its notifier (no flag set, no broadcast), 2.5+'s loop
     broadcast is a no-op, and setting received_sigterm is what trainer.received_sigterm reads."""
@@ -396,9 +424,17 @@ def test_training_state_round_trips_and_cut_epoch_sets_the_loops_counts(namespac
 
     def fitted(steps: int):
         trainer = namespace.pytorch.Trainer(
-            accelerator="cpu", devices=1, max_steps=steps, val_check_interval=0.5, num_sanity_val_steps=0,
-            logger=False, enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
-            callbacks=[model_checkpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=1, save_top_k=-1)])
+            accelerator="cpu",
+            devices=1,
+            max_steps=steps,
+            val_check_interval=0.5,
+            num_sanity_val_steps=0,
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            default_root_dir=tmp_path,
+            callbacks=[model_checkpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=1, save_top_k=-1)],
+        )
         trainer.fit(Momentum())
         return trainer
 

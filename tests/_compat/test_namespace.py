@@ -45,12 +45,22 @@ def _runtime_lightning_imports(path: Path) -> list[str]:
     import ast
 
     tree = ast.parse(path.read_text())
-    typing_only = {id(node) for block in ast.walk(tree) if isinstance(block, ast.If)
-                   and ast.unparse(block.test) == "TYPE_CHECKING" for stmt in block.body for node in ast.walk(stmt)}
+    typing_only = {
+        id(node)
+        for block in ast.walk(tree)
+        if isinstance(block, ast.If) and ast.unparse(block.test) == "TYPE_CHECKING"
+        for stmt in block.body
+        for node in ast.walk(stmt)
+    }
     found = []
     for node in ast.walk(tree):
-        names = ([a.name for a in node.names] if isinstance(node, ast.Import)
-                 else [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+        names = (
+            [a.name for a in node.names]
+            if isinstance(node, ast.Import)
+            else [node.module or ""]
+            if isinstance(node, ast.ImportFrom) and not node.level
+            else []
+        )
         for name in names:
             namespace_root = name.split(".")[0] in ("lightning", "pytorch_lightning", "lightning_fabric")
             if namespace_root and id(node) not in typing_only:
@@ -74,8 +84,11 @@ def test_each_namespace_gets_classes_deriving_from_its_own_bases(namespace):
         (DigitsClassifier, get("pytorch:LightningModule"), {}),
         (DigitsDataModule, get("pytorch:LightningDataModule"), {}),
         (DDPCheckpointIO, get("fabric.plugins:CheckpointIO"), {}),
-        (EpochBoundaryCheck, get("pytorch:Callback"),
-         {"group": None, "timeout": timedelta(seconds=1), "rank": 0, "world_size": 1, "on_counts": None}),
+        (
+            EpochBoundaryCheck,
+            get("pytorch:Callback"),
+            {"group": None, "timeout": timedelta(seconds=1), "rank": 0, "world_size": 1, "on_counts": None},
+        ),
     ):
         obj = public.for_namespace(namespace.name)(**args)
         assert isinstance(obj, base) and isinstance(obj, public)
@@ -134,8 +147,14 @@ def test_save_hyperparameters_collects_our_init_arguments_in_each_namespace(name
     data = DigitsDataModule.for_namespace(namespace.name)(batch_size=16)
     assert data.hparams["batch_size"] == 16
     path = tmp_path / "sub.ckpt"
-    torch.save({"state_dict": sub.state_dict(), sub.CHECKPOINT_HYPER_PARAMS_KEY: dict(sub.hparams),
-                "pytorch-lightning_version": namespace.version}, path)
+    torch.save(
+        {
+            "state_dict": sub.state_dict(),
+            sub.CHECKPOINT_HYPER_PARAMS_KEY: dict(sub.hparams),
+            "pytorch-lightning_version": namespace.version,
+        },
+        path,
+    )
     loaded = SubClassifier.for_namespace(namespace.name).load_from_checkpoint(path)
     assert dict(loaded.hparams) == dict(sub.hparams) and loaded.model.layers[0].out_features == 4
     by_public_name = SubClassifier.load_from_checkpoint(path)  # a class method of Lightning's, on our class
@@ -144,8 +163,10 @@ def test_save_hyperparameters_collects_our_init_arguments_in_each_namespace(name
 
 def test_flavoured_objects_pickle_to_the_same_flavour(namespace):
     """spawn pickles the trainer: our objects come back as the same namespace's classes, with their state."""
-    for obj in (MyDDPStrategy.for_namespace(namespace.name)(timeout=7),
-                DigitsClassifier.for_namespace(namespace.name)(hidden_size=8)):
+    for obj in (
+        MyDDPStrategy.for_namespace(namespace.name)(timeout=7),
+        DigitsClassifier.for_namespace(namespace.name)(hidden_size=8),
+    ):
         copy = pickle.loads(pickle.dumps(obj))
         assert type(copy) is type(obj)
     assert copy.hparams["hidden_size"] == 8
@@ -163,8 +184,14 @@ def _user_environ() -> dict[str, str]:
 def _fresh(code: str, env: dict[str, str] | None = None) -> dict:
     """Run ``code`` in a fresh interpreter; it prints one JSON line, returned."""
 
-    proc = subprocess.Popen([sys.executable, "-c", code], env={**_user_environ(), **(env or {})}, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code],
+        env={**_user_environ(), **(env or {})},
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     code_, out = finish(proc, 120)
     assert code_ == 0, out[-3000:]
     return json.loads(out.strip().splitlines()[-1])
@@ -241,21 +268,37 @@ def test_the_users_imports_choose_the_namespace(tmp_path):
     process that imports pytorch_lightning before ddp_strategy never imports lightning; ddp_strategy imported first
     loads both, so that "my_ddp" is in both registries."""
     pl_first = _fresh("import pytorch_lightning\n" + _REPORT)
-    assert pl_first == {"strategy": "pytorch_lightning", "model": "pytorch_lightning", "lightning_imported": False,
-                        "pytorch_lightning_imported": True}
+    assert pl_first == {
+        "strategy": "pytorch_lightning",
+        "model": "pytorch_lightning",
+        "lightning_imported": False,
+        "pytorch_lightning_imported": True,
+    }
     by_env = _fresh(_REPORT, env={"DDP_STRATEGY_LIGHTNING": "pytorch_lightning"})
     assert by_env == pl_first
     for name, source in _USER_MODULES.items():
         (tmp_path / f"{name}.py").write_text(source)
-    results = _fresh(f"import importlib, json, sys\nsys.path.insert(0, {str(tmp_path)!r})\nimport ddp_strategy\n"
-                     f"print(json.dumps({{m: importlib.import_module(m).result for m in {list(_USER_MODULES)}}}))")
+    results = _fresh(
+        f"import importlib, json, sys\nsys.path.insert(0, {str(tmp_path)!r})\nimport ddp_strategy\n"
+        f"print(json.dumps({{m: importlib.import_module(m).result for m in {list(_USER_MODULES)}}}))"
+    )
     pl, lightning = ("pytorch_lightning", "lightning")
     assert results == {
         "unnamed": {"strategy": lightning, "model": lightning},
-        "uses_pl": {"strategy": pl, "model": pl, "my_ddp": pl, "mine": [pl, True], "cli": [pl, 9.0],
-                    "unnamed_in_trainer": [pl, True]},
-        "uses_lightning": {"strategy": lightning, "model": lightning, "my_ddp": lightning,
-                           "mine_in_trainer": [lightning, True, True]},
+        "uses_pl": {
+            "strategy": pl,
+            "model": pl,
+            "my_ddp": pl,
+            "mine": [pl, True],
+            "cli": [pl, 9.0],
+            "unnamed_in_trainer": [pl, True],
+        },
+        "uses_lightning": {
+            "strategy": lightning,
+            "model": lightning,
+            "my_ddp": lightning,
+            "mine_in_trainer": [lightning, True, True],
+        },
         "uses_both": {"strategy": lightning, "model": lightning},
     }
 
@@ -276,8 +319,15 @@ def test_a_wrong_namespace_name_is_refused_with_the_choices(monkeypatch):
 
 def _launch(args: list[str], cwd: Path, env: dict[str, str] | None = None) -> str:
     """Run ``python ARGS`` in ``cwd`` as a user's process (its own session); its output, asserted to succeed."""
-    proc = subprocess.Popen([sys.executable, *args], cwd=cwd, text=True, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, start_new_session=True, env={**_user_environ(), **(env or {})})
+    proc = subprocess.Popen(
+        [sys.executable, *args],
+        cwd=cwd,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        env={**_user_environ(), **(env or {})},
+    )
     code, log = finish(proc, 240)
     assert code == 0, log[-4000:]
     return log
@@ -296,11 +346,23 @@ def namespace_runs(request, tmp_path_factory) -> tuple[str, dict, Path, str]:
     _launch([str(SCRIPTS / "namespace_fit.py"), name, strategy_for, str(fit)], fit)
     full = {"dir": fit / "ckpts", **{r: torch.load(fit / f"rank{r}.pt", weights_only=True) for r in range(2)}}
     (main_job := base / "main_job").mkdir()
-    log = _launch(["-m", "ddp_strategy", "fit", f"--ckpt_path={full['dir'] / 'epoch=0.ckpt'}", "--seed_everything=321",
-                   "--trainer.strategy=ddp_strategy.MyDDPStrategy", "--trainer.strategy.verify_sync_every_n_steps=10",
-                   "--trainer.enable_progress_bar=false", "--trainer.max_epochs=2", "--trainer.limit_train_batches=10",
-                   "--trainer.limit_val_batches=2"],
-                  main_job, env={_namespace.ENV_VAR: name, "PYTHONUNBUFFERED": "1"})
+    log = _launch(
+        [
+            "-m",
+            "ddp_strategy",
+            "fit",
+            f"--ckpt_path={full['dir'] / 'epoch=0.ckpt'}",
+            "--seed_everything=321",
+            "--trainer.strategy=ddp_strategy.MyDDPStrategy",
+            "--trainer.strategy.verify_sync_every_n_steps=10",
+            "--trainer.enable_progress_bar=false",
+            "--trainer.max_epochs=2",
+            "--trainer.limit_train_batches=10",
+            "--trainer.limit_val_batches=2",
+        ],
+        main_job,
+        env={_namespace.ENV_VAR: name, "PYTHONUNBUFFERED": "1"},
+    )
     return name, full, main_job, log
 
 

@@ -80,6 +80,7 @@ def test_counting_process_group_sees_what_the_hooks_all_reduce(one_rank_group, h
     dist.all_reduce(torch.ones(1), group=group)
     assert len(seen) == 2
 
+
 def test_default_store_is_the_world_groups_store(one_rank_group):
     """failures.run_reports keeps its keys in the default group's store (_get_default_store): a key set there is
     seen by a second handle on it, and it refuses without a group."""
@@ -115,9 +116,14 @@ def test_ddp_join_mode_and_the_shadows_use_ddps_own_join_internals(one_rank_grou
 
     assert _JoinConfig._fields == ("enable", "throw_on_early_termination", "is_first_joinable")
     hook = inspect.getsource(_DDPJoinHook.main_hook)
-    order = ["reducer._rebuild_buckets()", "_check_and_sync_module_buffers()",
-             "_check_global_requires_backward_grad_sync(", "_match_all_reduce_for_bwd_pass()",
-             "_match_unused_params_allreduce()", "reducer._push_all_rebuilt_params()"]
+    order = [
+        "reducer._rebuild_buckets()",
+        "_check_and_sync_module_buffers()",
+        "_check_global_requires_backward_grad_sync(",
+        "_match_all_reduce_for_bwd_pass()",
+        "_match_unused_params_allreduce()",
+        "reducer._push_all_rebuilt_params()",
+    ]
     assert [hook.index(call) for call in order] == sorted(hook.index(call) for call in order)
     assert "if self._join_config.enable:" in inspect.getsource(DistributedDataParallel._sync_buffers)
     forward = inspect.getsource(DistributedDataParallel._pre_forward)

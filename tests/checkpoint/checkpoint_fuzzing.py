@@ -43,9 +43,16 @@ def reference_checkpoint() -> bytes:
     model(torch.zeros(2, 64)).sum().backward()
     optimizer.step()
     buffer = io.BytesIO()
-    torch.save({"state_dict": model.state_dict(), "epoch": 2, "global_step": 7,
-                "optimizer_states": [optimizer.state_dict()], "optimizer_state_dict": optimizer.state_dict()},
-               buffer)
+    torch.save(
+        {
+            "state_dict": model.state_dict(),
+            "epoch": 2,
+            "global_step": 7,
+            "optimizer_states": [optimizer.state_dict()],
+            "optimizer_state_dict": optimizer.state_dict(),
+        },
+        buffer,
+    )
     return buffer.getvalue()
 
 
@@ -92,10 +99,16 @@ def outcomes(path: Path, out_dir: Path) -> dict[str, str]:
 
 def loads_unchanged(path: Path, original: bytes) -> bool:
     """Whether ``path`` loads to exactly what ``original`` holds (e.g. a flipped bit in zip padding)."""
+
     def tree_equal(a: Any, b: Any) -> bool:
         if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-            return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype \
-                and a.shape == b.shape and torch.equal(a, b)
+            return (
+                isinstance(a, torch.Tensor)
+                and isinstance(b, torch.Tensor)
+                and a.dtype == b.dtype
+                and a.shape == b.shape
+                and torch.equal(a, b)
+            )
         if isinstance(a, dict) and isinstance(b, dict):
             return a.keys() == b.keys() and all(tree_equal(a[k], b[k]) for k in a)
         if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
@@ -140,14 +153,38 @@ def zip_member_names(data: bytes) -> list[str]:
     return zipfile.ZipFile(io.BytesIO(data)).namelist()
 
 
-_scalars = st.one_of(st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.floats(allow_nan=True),
-                     st.text(max_size=12), st.binary(max_size=12))
-_tensors = st.builds(lambda shape, fill: torch.full(shape, fill),
-                     st.lists(st.integers(0, 3), max_size=3).map(tuple), st.floats(-10, 10))
-_keys = st.one_of(st.sampled_from(["state_dict", "model_state_dict", "model", "epoch", "global_step", "step",
-                                   "optimizer_state_dict", "model.layers.0.weight", "layers.0.weight",
-                                   "module.layers.0.weight", "params", "state", "param_groups"]),
-                  st.text(max_size=8), st.integers(-3, 3))
+_scalars = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**70), 2**70),
+    st.floats(allow_nan=True),
+    st.text(max_size=12),
+    st.binary(max_size=12),
+)
+_tensors = st.builds(
+    lambda shape, fill: torch.full(shape, fill), st.lists(st.integers(0, 3), max_size=3).map(tuple), st.floats(-10, 10)
+)
+_keys = st.one_of(
+    st.sampled_from(
+        [
+            "state_dict",
+            "model_state_dict",
+            "model",
+            "epoch",
+            "global_step",
+            "step",
+            "optimizer_state_dict",
+            "model.layers.0.weight",
+            "layers.0.weight",
+            "module.layers.0.weight",
+            "params",
+            "state",
+            "param_groups",
+        ]
+    ),
+    st.text(max_size=8),
+    st.integers(-3, 3),
+)
 #: Objects ``torch.save`` can write and ``weights_only=True`` loads back: nested dicts and lists of
 #: scalars and tensors, shaped like checkpoints (their keys) but with the wrong types in the wrong places.
 wrong_objects = st.recursive(
@@ -201,12 +238,19 @@ def unreadable_outcomes(data: bytes) -> dict[str, str]:
         if os.geteuid() != 0:
             return outcomes(path, folder)
         tests_dir = os.path.dirname(os.path.abspath(__file__))
-        code = ("import json, sys; sys.path.insert(0, sys.argv[3]); from pathlib import Path;"
-                " from checkpoint_fuzzing import outcomes;"
-                " print(json.dumps(outcomes(Path(sys.argv[1]), Path(sys.argv[2]))))")
-        proc = subprocess.run([sys.executable, "-c", code, str(path), str(folder), tests_dir],
-                              preexec_fn=_drop_file_permission_override, capture_output=True, text=True,
-                              timeout=120, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+        code = (
+            "import json, sys; sys.path.insert(0, sys.argv[3]); from pathlib import Path;"
+            " from checkpoint_fuzzing import outcomes;"
+            " print(json.dumps(outcomes(Path(sys.argv[1]), Path(sys.argv[2]))))"
+        )
+        proc = subprocess.run(
+            [sys.executable, "-c", code, str(path), str(folder), tests_dir],
+            preexec_fn=_drop_file_permission_override,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+        )
         if proc.returncode != 0:
             raise RuntimeError(f"the unprivileged child failed: {proc.stderr[-2000:]}")
         return json.loads(proc.stdout.strip().splitlines()[-1])

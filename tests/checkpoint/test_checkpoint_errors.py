@@ -56,10 +56,19 @@ def test_an_unwritable_checkpoint_folder_warns_and_a_fit_that_never_saves_there_
     blocker = tmp_path / "file"
     blocker.write_text("not a folder")
     never_saves = ModelCheckpoint(dirpath=str(blocker / "ckpts"), every_n_epochs=5)
-    trainer = pl.Trainer(accelerator="cpu", devices=1, max_epochs=1, limit_train_batches=2, limit_val_batches=0,
-                         logger=False, enable_progress_bar=False, enable_model_summary=False,
-                         callbacks=[never_saves], strategy=MyDDPStrategy(timeout=30),
-                         default_root_dir=str(tmp_path))
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_epochs=1,
+        limit_train_batches=2,
+        limit_val_batches=0,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[never_saves],
+        strategy=MyDDPStrategy(timeout=30),
+        default_root_dir=str(tmp_path),
+    )
     with pytest.warns(UserWarning, match=f"Checkpoint folder {blocker / 'ckpts'} is not writable"):
         trainer.fit(DigitsClassifier(), DigitsDataModule())
     assert trainer.global_step == 2 and blocker.read_text() == "not a folder"
@@ -71,13 +80,21 @@ def test_unwritable_checkpoint_folder_warning_suggestions_work(tmp_path, caplog)
     blocker = tmp_path / "a_file"
     blocker.write_text("")
     with pytest.warns(UserWarning, match=r"Choose a writable ModelCheckpoint\(dirpath=...\) or Trainer\(default_root"):
-        message = error_of(lambda: one_rank_trainer(blocker / "root", max_steps=1, enable_checkpointing=True).fit(
-            Regressor(), loader()), caplog)
+        message = error_of(
+            lambda: one_rank_trainer(blocker / "root", max_steps=1, enable_checkpointing=True).fit(
+                Regressor(), loader()
+            ),
+            caplog,
+        )
     assert message.startswith("NotADirectoryError")
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message=".*not writable")
-        run = one_rank_trainer(blocker / "root", max_steps=1, callbacks=[ModelCheckpoint(dirpath=tmp_path / "ckpts")],
-                      enable_checkpointing=True)
+        run = one_rank_trainer(
+            blocker / "root",
+            max_steps=1,
+            callbacks=[ModelCheckpoint(dirpath=tmp_path / "ckpts")],
+            enable_checkpointing=True,
+        )
         run.fit(Regressor(), loader())
         assert [p.name for p in (tmp_path / "ckpts").iterdir()] == ["epoch=0-step=1.ckpt"]
         one_rank_trainer(tmp_path / "root", max_steps=1, enable_checkpointing=True).fit(Regressor(), loader())
@@ -143,8 +160,13 @@ def test_unsafe_checkpoint_suggestions_name_the_function_that_raised(tmp_path):
     net = nn.Linear(3, 1)
     holder = nn.Module()
     holder.model = nn.Linear(3, 1)
-    torch.save({"state_dict": {f"model.{k}": v for k, v in net.state_dict().items()},
-                "hyper_parameters": {"loss_fn": nn.MSELoss()}}, path)
+    torch.save(
+        {
+            "state_dict": {f"model.{k}": v for k, v in net.state_dict().items()},
+            "hyper_parameters": {"loss_fn": nn.MSELoss()},
+        },
+        path,
+    )
     calls = {
         "load_plain_state_dict": lambda **kw: load_plain_state_dict(path, **kw),
         "export_weights": lambda **kw: export_weights(path, tmp_path / "w.pt", **kw),
@@ -177,9 +199,15 @@ def test_state_dict_mismatch_suggestions_work_where_raised(tmp_path):
     """A checkpoint into a model with an extra layer: validate(ckpt_path=...) raises StateDictMismatchError
     suggesting model.strict_loading = False, which then loads the matching weights; fit(ckpt_path=...) raises with
     the fit's own suggestion (import_plain_checkpoint(..., strict=False), then fit without ckpt_path), which fits."""
+
     def trainer(max_steps: int = 1) -> pl.Trainer:
-        return one_rank_trainer(tmp_path, max_steps=max_steps, num_sanity_val_steps=0, enable_checkpointing=True,
-                                callbacks=[ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), filename="last")])
+        return one_rank_trainer(
+            tmp_path,
+            max_steps=max_steps,
+            num_sanity_val_steps=0,
+            enable_checkpointing=True,
+            callbacks=[ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), filename="last")],
+        )
 
     source = Regressor()
     trainer().fit(source, loader(), loader())

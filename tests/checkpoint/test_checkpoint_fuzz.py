@@ -33,8 +33,13 @@ from hypothesis import strategies as st
 from ddp_strategy import DDPCheckpointIO, UnsafeCheckpointError
 
 GOOD = reference_checkpoint()
-FUZZ = settings(max_examples=int(os.environ.get("DDP_FUZZ_EXAMPLES", "25")), derandomize=True, deadline=None,
-                database=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+FUZZ = settings(
+    max_examples=int(os.environ.get("DDP_FUZZ_EXAMPLES", "25")),
+    derandomize=True,
+    deadline=None,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 
 
 def _only_documented(result: dict[str, str], allow_loaded: bool = False) -> None:
@@ -93,7 +98,8 @@ def test_zip_with_a_missing_or_rewritten_member(scratch, member, replacement):
     if any(outcome == "loaded" for outcome in result.values()):
         name = zip_member_names(GOOD)[member]
         assert loads_unchanged(path, GOOD) or (
-            replacement is not None and ("/data/" in name or name.endswith("byteorder"))), (name, result)
+            replacement is not None and ("/data/" in name or name.endswith("byteorder"))
+        ), (name, result)
     _only_documented(result, allow_loaded=True)
 
 

@@ -54,20 +54,34 @@ class Probe(pl.Callback):
         read_back = load_file(explicit)["state_dict"]  # every rank reads it at once
         own = trainer.strategy.lightning_module_state_dict()
         same = read_back.keys() == own.keys() and all(torch.equal(read_back[k], v) for k, v in own.items())
-        torch.save({"predictions": predictions, "weights": weights, "read_back_matches": same,
-                    "epoch": trainer.current_epoch, "step": trainer.global_step},
-                   Path(self.out_dir) / f"rank{rank}.pt")
+        torch.save(
+            {
+                "predictions": predictions,
+                "weights": weights,
+                "read_back_matches": same,
+                "epoch": trainer.current_epoch,
+                "step": trainer.global_step,
+            },
+            Path(self.out_dir) / f"rank{rank}.pt",
+        )
 
 
-def _fit(out_dir: Path, model: DigitsClassifier, max_epochs: int, strategy: MyDDPStrategy,
-         ckpt_path: Path | None = None) -> None:
+def _fit(
+    out_dir: Path, model: DigitsClassifier, max_epochs: int, strategy: MyDDPStrategy, ckpt_path: Path | None = None
+) -> None:
     """A 2-rank fit (gloo) saving a checkpoint every epoch into ``out_dir/ckpts``; each rank records its end."""
     trainer = pl.Trainer(
-        accelerator="cpu", devices=2, strategy=strategy,
-        max_epochs=max_epochs, logger=False, enable_progress_bar=False, enable_model_summary=False,
-        default_root_dir=str(out_dir), limit_train_batches=10, limit_val_batches=2,
-        callbacks=[ModelCheckpoint(dirpath=out_dir / "ckpts", filename="{epoch}", save_top_k=-1),
-                   Probe(str(out_dir))],
+        accelerator="cpu",
+        devices=2,
+        strategy=strategy,
+        max_epochs=max_epochs,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=str(out_dir),
+        limit_train_batches=10,
+        limit_val_batches=2,
+        callbacks=[ModelCheckpoint(dirpath=out_dir / "ckpts", filename="{epoch}", save_top_k=-1), Probe(str(out_dir))],
     )
     trainer.fit(model, DigitsDataModule(batch_size=32), ckpt_path=ckpt_path)
 
@@ -89,8 +103,13 @@ def runs(tmp_path_factory) -> tuple[dict, dict]:
     full, resumed = tmp_path_factory.mktemp("full"), tmp_path_factory.mktemp("resumed")
     pl.seed_everything(SEED)
     _fit(full, DigitsClassifier(), 2, MyDDPStrategy(start_method="spawn", timeout=60))
-    run_on_ranks(_resume_compiled_on_kit_rank, 2, args=(str(resumed), str(full / "ckpts" / "epoch=0.ckpt")),
-                 init_process_group=False, timeout_s=240)
+    run_on_ranks(
+        _resume_compiled_on_kit_rank,
+        2,
+        args=(str(resumed), str(full / "ckpts" / "epoch=0.ckpt")),
+        init_process_group=False,
+        timeout_s=240,
+    )
     return _records(full), _records(resumed)
 
 
@@ -117,8 +136,9 @@ def test_resuming_continues_identically(runs):
     for rank in range(2):
         assert resumed[rank]["epoch"] == full[rank]["epoch"] == 2 and resumed[rank]["step"] == full[rank]["step"]
         for key, value in full[rank]["weights"].items():
-            torch.testing.assert_close(resumed[rank]["weights"][key.replace("model.", "model._orig_mod.", 1)],
-                                       value, rtol=0, atol=0)
+            torch.testing.assert_close(
+                resumed[rank]["weights"][key.replace("model.", "model._orig_mod.", 1)], value, rtol=0, atol=0
+            )
         torch.testing.assert_close(resumed[rank]["predictions"], full[0]["predictions"], rtol=0, atol=0)
 
 
@@ -159,10 +179,15 @@ def _save_and_remove_on_kit_rank(rank: int, world_size: int, folder: str, strate
     record what each raised, then that the group still works."""
     env = LightningEnvironment()
     env.set_global_rank(rank)
-    strategy = strategy_cls(parallel_devices=[torch.device("cpu")] * world_size, cluster_environment=env,
-                            checkpoint_io=_FailingIO())
-    trainer = SimpleNamespace(model=object(), strategy=strategy, profiler=pl.profilers.PassThroughProfiler(),
-                              _checkpoint_connector=SimpleNamespace(dump_checkpoint=lambda weights_only=None: {}))
+    strategy = strategy_cls(
+        parallel_devices=[torch.device("cpu")] * world_size, cluster_environment=env, checkpoint_io=_FailingIO()
+    )
+    trainer = SimpleNamespace(
+        model=object(),
+        strategy=strategy,
+        profiler=pl.profilers.PassThroughProfiler(),
+        _checkpoint_connector=SimpleNamespace(dump_checkpoint=lambda weights_only=None: {}),
+    )
     path, raised = f"{folder}/x.ckpt", {}
     calls = {"save": lambda: strategy.save_checkpoint({}, path), "remove": lambda: strategy.remove_checkpoint(path)}
     if strategy_cls is MyDDPStrategy:
@@ -185,8 +210,10 @@ def test_a_failed_rank_zero_save_raises_on_every_rank_and_rank_zero_calls_are_no
     rank0, rank1 = run_on_ranks(_save_and_remove_on_kit_rank, 2, args=(str(tmp_path), strategy_cls), timeout_s=60)
     if strategy_cls is MyDDPStrategy:
         assert rank0["trainer_save"] == f"OSError: disk full while writing {tmp_path}/x.ckpt"
-        assert rank1["trainer_save"] == f"RuntimeError: [rank 1] global rank 0 failed saving checkpoint" \
-                                        f" {tmp_path}/x.ckpt: OSError: disk full while writing {tmp_path}/x.ckpt"
+        assert (
+            rank1["trainer_save"] == f"RuntimeError: [rank 1] global rank 0 failed saving checkpoint"
+            f" {tmp_path}/x.ckpt: OSError: disk full while writing {tmp_path}/x.ckpt"
+        )
     assert rank0["save"] == f"OSError: disk full while writing {tmp_path}/x.ckpt" and rank1["save"] is None
     assert rank0["remove"] == f"PermissionError: read-only: {tmp_path}/x.ckpt" and rank1["remove"] is None
     assert rank0["after"] == rank1["after"] == 2.0

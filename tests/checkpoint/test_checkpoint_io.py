@@ -89,8 +89,12 @@ def test_match_accepts_all_prefix_variants_into_plain_and_compiled_models():
     """Files with module./_orig_mod. keys load exactly into DigitsClassifier, compiled or not."""
     source = DigitsClassifier()
     plain_keys = source.state_dict()
-    variants = [plain_keys, _prefixed(plain_keys), _prefixed(plain_keys, "_orig_mod.module."),
-                {k.replace("model.", "model._orig_mod.", 1): v for k, v in plain_keys.items()}]
+    variants = [
+        plain_keys,
+        _prefixed(plain_keys),
+        _prefixed(plain_keys, "_orig_mod.module."),
+        {k.replace("model.", "model._orig_mod.", 1): v for k, v in plain_keys.items()},
+    ]
     compiled = DigitsClassifier()
     compiled.model = torch.compile(compiled.model, backend="eager")
     for state_dict in variants:
@@ -150,8 +154,11 @@ def test_missing_truncated_and_garbage_files_give_clear_errors(tmp_path):
         load_file(tmp_path / "nope.ckpt")
     good = tmp_path / "good.ckpt"
     torch.save({"state_dict": nn.Linear(64, 64).state_dict()}, good)
-    cases = {"truncated.ckpt": good.read_bytes()[:200], "empty.ckpt": b"",
-             "garbage.ckpt": random.Random(0).randbytes(4096)}
+    cases = {
+        "truncated.ckpt": good.read_bytes()[:200],
+        "empty.ckpt": b"",
+        "garbage.ckpt": random.Random(0).randbytes(4096),
+    }
     for name, content in cases.items():
         (tmp_path / name).write_bytes(content)
         with pytest.raises(DamagedCheckpointError, match=rf"{name} is damaged"):
@@ -240,16 +247,18 @@ def hand_made_ddp_checkpoint(tmp_path, world_of_one):
         nn.functional.cross_entropy(ddp(x), y).backward()
         optimizer.step()
     path = tmp_path / "ddp_script.pt"
-    torch.save({"epoch": 2, "model_state_dict": ddp.state_dict(), "optimizer_state_dict": optimizer.state_dict()},
-               path)
+    torch.save({"epoch": 2, "model_state_dict": ddp.state_dict(), "optimizer_state_dict": optimizer.state_dict()}, path)
     return path, net, optimizer
 
 
 class _RecordStart(pl.Callback):
     def on_train_start(self, trainer, pl_module):
-        self.start = (trainer.current_epoch, trainer.global_step,
-                      {k: v.clone() for k, v in pl_module.state_dict().items()},
-                      copy.deepcopy(trainer.optimizers[0].state_dict()))
+        self.start = (
+            trainer.current_epoch,
+            trainer.global_step,
+            {k: v.clone() for k, v in pl_module.state_dict().items()},
+            copy.deepcopy(trainer.optimizers[0].state_dict()),
+        )
 
 
 def test_hand_made_ddp_checkpoint_loads_and_resumes_in_lightning(hand_made_ddp_checkpoint, tmp_path):
@@ -265,9 +274,19 @@ def test_hand_made_ddp_checkpoint_loads_and_resumes_in_lightning(hand_made_ddp_c
     torch.testing.assert_close(model(x), net(x), rtol=0, atol=0)
 
     recorder = _RecordStart()
-    trainer = pl.Trainer(accelerator="cpu", devices=1, max_epochs=3, limit_train_batches=2, limit_val_batches=1,
-                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, callbacks=[recorder], default_root_dir=tmp_path)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_epochs=3,
+        limit_train_batches=2,
+        limit_val_batches=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[recorder],
+        default_root_dir=tmp_path,
+    )
     trainer.fit(DigitsClassifier(), DigitsDataModule(), ckpt_path=out)
     epoch, step, weights, opt_state = recorder.start
     assert epoch == 2 and trainer.current_epoch == 3 and trainer.global_step == 2
@@ -330,9 +349,17 @@ def test_a_wrapping_checkpoint_plugin_without_its_own_io_wraps_ours(tmp_path):
 
     from ddp_strategy import DDPCheckpointIO, MyDDPStrategy
 
-    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=MyDDPStrategy(), plugins=[AsyncCheckpointIO()],
-                         max_steps=2, default_root_dir=tmp_path, logger=False, enable_progress_bar=False,
-                         enable_model_summary=False)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=MyDDPStrategy(),
+        plugins=[AsyncCheckpointIO()],
+        max_steps=2,
+        default_root_dir=tmp_path,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     trainer.fit(BoringModel())
     assert isinstance(trainer.strategy.checkpoint_io.checkpoint_io, DDPCheckpointIO)
     (path,) = (tmp_path / "checkpoints").iterdir()

@@ -34,9 +34,18 @@ from ddp_strategy.diagnostics import (
 def test_fit_summary_states_every_number():
     """4 ranks on 2 nodes, B=32, 2 accumulation steps, 1,437 samples: global batch 256, 360 per rank, 3 padding."""
     summary = FitSummary(
-        world_size=4, num_nodes=2, backend="nccl", start_method="popen", per_device_batch_size=32,
-        accumulate_grad_batches=2, dataset_size=1437, samples_per_rank=360, padding=3, batches_per_epoch=12,
-        ddp_options={"find_unused_parameters": True, "bucket_cap_mb": 50}, comm_hook="fp16_compress_hook",
+        world_size=4,
+        num_nodes=2,
+        backend="nccl",
+        start_method="popen",
+        per_device_batch_size=32,
+        accumulate_grad_batches=2,
+        dataset_size=1437,
+        samples_per_rank=360,
+        padding=3,
+        batches_per_epoch=12,
+        ddp_options={"find_unused_parameters": True, "bucket_cap_mb": 50},
+        comm_hook="fp16_compress_hook",
     )
     assert summary.global_batch_size == 256
     assert summary.optimizer_steps_per_epoch == 6
@@ -51,9 +60,18 @@ def test_fit_summary_states_every_number():
 
 def test_fit_summary_with_drop_last_unknown_batch_and_iterable_data():
     """Dropped samples are reported as such; unknown sizes say so instead of guessing."""
-    dropped = FitSummary(world_size=2, num_nodes=1, backend="gloo", start_method="spawn", per_device_batch_size=8,
-                         accumulate_grad_batches=3, dataset_size=9, samples_per_rank=4, padding=-1,
-                         batches_per_epoch=1)
+    dropped = FitSummary(
+        world_size=2,
+        num_nodes=1,
+        backend="gloo",
+        start_method="spawn",
+        per_device_batch_size=8,
+        accumulate_grad_batches=3,
+        dataset_size=9,
+        samples_per_rank=4,
+        padding=-1,
+        batches_per_epoch=1,
+    )
     assert "4 per rank per epoch (1 dropped by drop_last)" in dropped.format()
     assert "1 batches per epoch per rank = 1 optimizer steps" in dropped.format()
     unknown = FitSummary(world_size=2, num_nodes=1, backend="gloo", start_method="fork", per_device_batch_size=None)
@@ -69,8 +87,14 @@ def test_fit_summary_with_drop_last_unknown_batch_and_iterable_data():
 
 @pytest.mark.parametrize(
     ("batch", "world", "n", "configured"),
-    [(32, 2, 1438, None), (32, 2, 1438, 32), (32, 1, 1438, 32), (719, 2, 1438, 16), (64, 2, None, None),
-     (None, 2, 10, 5)],
+    [
+        (32, 2, 1438, None),
+        (32, 2, 1438, 32),
+        (32, 1, 1438, 32),
+        (719, 2, 1438, 16),
+        (64, 2, None, None),
+        (None, 2, 10, 5),
+    ],
 )
 def test_sensible_batch_sizes_give_no_warning(batch, world, n, configured):
     """Per-device batches that fit the data and were not multiplied by W give no warning (719 x 2 = 1438 fits)."""
@@ -80,8 +104,10 @@ def test_sensible_batch_sizes_give_no_warning(batch, world, n, configured):
 def test_global_batch_larger_than_the_data_set_is_reported_with_numbers():
     """B=1024 on 2 ranks with 1,438 samples: global 2048 > 1438, each rank holds 719, suggest B=512."""
     (message,) = batch_size_warnings(1024, 2, 1438)
-    assert message.startswith("Global batch size 2048 (batch_size=1024 per device x 2 processes) exceeds the 1438"
-                              " training samples: each rank holds only 719 samples")
+    assert message.startswith(
+        "Global batch size 2048 (batch_size=1024 per device x 2 processes) exceeds the 1438"
+        " training samples: each rank holds only 719 samples"
+    )
     assert "for a global batch of 1024 pass batch_size=512, and keep batch_size x 2 <= 1438." in message
     assert batch_size_warnings(512, 2, 1438) == []  # the suggested batch size is silent
 
@@ -111,8 +137,13 @@ def _ns(ms: float) -> int:
 
 def test_comm_stats_read_ddp_nanoseconds_as_milliseconds():
     """DDP's ns averages become ms; exposed comm = all-reduce - overlap; shares follow from them."""
-    data = {"avg_forward_compute_time": _ns(1.0), "avg_backward_compute_time": _ns(1.5),
-            "avg_backward_comm_time": _ns(12.0), "avg_backward_compute_comm_overlap_time": _ns(1.0), "iteration": 10}
+    data = {
+        "avg_forward_compute_time": _ns(1.0),
+        "avg_backward_compute_time": _ns(1.5),
+        "avg_backward_comm_time": _ns(12.0),
+        "avg_backward_compute_comm_overlap_time": _ns(1.0),
+        "iteration": 10,
+    }
     stats = CommStats.from_ddp_logging_data(data)
     assert stats == CommStats(forward_ms=1.0, backward_compute_ms=1.5, allreduce_ms=12.0, overlap_ms=1.0)
     assert stats.compute_ms == 2.5 and stats.exposed_comm_ms == 11.0
@@ -135,10 +166,16 @@ def test_communication_summary_and_hint_when_communication_dominates():
         " + backward 1.50), gradient all-reduce 12.00, of which 1.00 (8%) overlapped with backward; waiting for"
         " communication 11.00 = 81% of the step."
     )
-    assert infos[1].startswith("Hint: communication dominates (81% of each step waits for the gradient all-reduce),"
-                               " so 2 processes may be slower than one.")
-    for advice in ("a larger per-device batch_size than 32", "MyDDPStrategy(bucket_cap_mb=...) (now 25 MiB)",
-                   "fp16_compress_hook", "fewer devices"):
+    assert infos[1].startswith(
+        "Hint: communication dominates (81% of each step waits for the gradient all-reduce),"
+        " so 2 processes may be slower than one."
+    )
+    for advice in (
+        "a larger per-device batch_size than 32",
+        "MyDDPStrategy(bucket_cap_mb=...) (now 25 MiB)",
+        "fp16_compress_hook",
+        "fewer devices",
+    ):
         assert advice in infos[1]
 
 
@@ -200,9 +237,18 @@ def lightning_log():
 def test_one_process_fit_logs_summary_and_names_the_unused_head(tmp_path, lightning_log):
     """A 1-process fit (in this process) logs the summary, the timings and warns about aux_head's parameters."""
     pl.seed_everything(0)
-    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=MyDDPStrategy(find_unused_parameters=True, timeout=30),
-                         max_steps=12, limit_val_batches=0, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=MyDDPStrategy(find_unused_parameters=True, timeout=30),
+        max_steps=12,
+        limit_val_batches=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer.fit(UnusedHeadClassifier(), DigitsDataModule(batch_size=1024))
@@ -214,11 +260,15 @@ def test_one_process_fit_logs_summary_and_names_the_unused_head(tmp_path, lightn
         " rank = 2 optimizer steps",
         "  DDP options: find_unused_parameters=True; comm hook: none",
     ]
-    assert any(m.startswith("DDP communication per step (ms, averaged over DDP's sampled steps and 1 rank)")
-               for m in lightning_log)
+    assert any(
+        m.startswith("DDP communication per step (ms, averaged over DDP's sampled steps and 1 rank)")
+        for m in lightning_log
+    )
     texts = [str(w.message) for w in caught]
-    assert any(t.startswith("2 parameter(s) never received a gradient on any rank during fit: aux_head.weight,"
-                            " aux_head.bias.") for t in texts)
+    assert any(
+        t.startswith("2 parameter(s) never received a gradient on any rank during fit: aux_head.weight, aux_head.bias.")
+        for t in texts
+    )
     assert not any(t.startswith("Global batch size") for t in texts)  # 1024 x 1 <= 1438
 
 
@@ -257,9 +307,17 @@ def two_process_output(tmp_path_factory) -> str:
     with _fds_to(out_dir / "output.txt"):
         pl.seed_everything(7)
         trainer = pl.Trainer(
-            accelerator="cpu", devices=2, max_epochs=1, accumulate_grad_batches=2, limit_val_batches=2,
-            num_sanity_val_steps=0, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-            enable_model_summary=False, default_root_dir=out_dir,
+            accelerator="cpu",
+            devices=2,
+            max_epochs=1,
+            accumulate_grad_batches=2,
+            limit_val_batches=2,
+            num_sanity_val_steps=0,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            default_root_dir=out_dir,
             strategy=MyDDPStrategy(start_method="spawn", timeout=60, find_unused_parameters=True),
         )
         trainer.fit(UnusedHeadClassifier(), MultipliedBatchDigits(batch_size=16, val_fraction=0.2003))

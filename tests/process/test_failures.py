@@ -70,8 +70,13 @@ class Job:
         out.mkdir(parents=True)
         self.out, self.signum, self.signalled = out, signum, False
         with (out / "output.txt").open("w") as log:
-            self.proc = subprocess.Popen([sys.executable, str(SCRIPT), str(out), scenario, start_method], cwd=out,
-                                         stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            self.proc = subprocess.Popen(
+                [sys.executable, str(SCRIPT), str(out), scenario, start_method],
+                cwd=out,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
         self.started = time.time()
         self.deadline = time.monotonic() + JOB_TIMEOUT_S
         self.ended: float | None = None  # time.time() when the launcher exited
@@ -138,13 +143,23 @@ def jobs(request, tmp_path_factory) -> dict[str, Job]:
 @pytest.mark.parametrize(
     ("job", "own", "seen_by_peer"),
     [
-        ("train_raise/popen", "[rank 1] failed: ZeroDivisionError: rank 1 divided by zero on purpose",
-         "Cause: rank 1 failed: ZeroDivisionError: rank 1 divided by zero on purpose"),
-        pytest.param("train_raise/spawn", "[rank 1] failed: ZeroDivisionError: rank 1 divided by zero on purpose",
-                     "-- Process 1 terminated with the following error", marks=pytest.mark.slow),
+        (
+            "train_raise/popen",
+            "[rank 1] failed: ZeroDivisionError: rank 1 divided by zero on purpose",
+            "Cause: rank 1 failed: ZeroDivisionError: rank 1 divided by zero on purpose",
+        ),
+        pytest.param(
+            "train_raise/spawn",
+            "[rank 1] failed: ZeroDivisionError: rank 1 divided by zero on purpose",
+            "-- Process 1 terminated with the following error",
+            marks=pytest.mark.slow,
+        ),
         ("val_raise/popen", "[rank 0] failed: KeyError: 'rank 0 lost a key in validation on purpose'", None),
-        ("callback_raise/popen", "[rank 1] failed: ValueError: a callback on rank 1 failed on purpose",
-         "Cause: rank 1 failed: ValueError: a callback on rank 1 failed on purpose"),
+        (
+            "callback_raise/popen",
+            "[rank 1] failed: ValueError: a callback on rank 1 failed on purpose",
+            "Cause: rank 1 failed: ValueError: a callback on rank 1 failed on purpose",
+        ),
     ],
 )
 def test_an_exception_on_one_rank_ends_every_rank_within_30_s(jobs, job, own, seen_by_peer):
@@ -272,6 +287,7 @@ def test_a_failing_rank_stops_waiting_once_every_peer_is_accounted_for(peer_stat
     from datetime import timedelta
 
     from ddp_strategy.process import ProcessGroupRun, failures
+
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()
     store = _store_with_pids({1: os.getpid(), 2: gone.pid})  # rank 1 alive here, rank 2's process has exited
@@ -295,6 +311,7 @@ def test_a_failing_rank_stops_waiting_once_every_peer_is_accounted_for(peer_stat
 def test_a_failing_rank_waits_for_a_live_peer_that_has_not_explained():
     """A live peer that has said nothing yet is waited for, until the deadline."""
     from ddp_strategy.process import failures
+
     store = _store_with_pids({1: os.getpid()})
     start = time.monotonic()
     failures.wait_for_peers(store, rank=0, world_size=2, timeout_s=0.5)
@@ -334,9 +351,17 @@ def _fit_failing_on_rank_1(rank: int, world_size: int, num_workers: int, error: 
     spy = GroupSpy()
     data = DataLoader(TensorDataset(torch.randn(32, 4)), batch_size=4, num_workers=num_workers)
     try:
-        pl.Trainer(accelerator="cpu", devices=world_size, strategy=MyDDPStrategy(timeout=60), max_epochs=1,
-                   logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                   callbacks=[spy]).fit(RaisesOnRank1(error), data)
+        pl.Trainer(
+            accelerator="cpu",
+            devices=world_size,
+            strategy=MyDDPStrategy(timeout=60),
+            max_epochs=1,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            callbacks=[spy],
+        ).fit(RaisesOnRank1(error), data)
     except type(error) as e:
         if rank == 0:
             raise
@@ -345,10 +370,13 @@ def _fit_failing_on_rank_1(rank: int, world_size: int, num_workers: int, error: 
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize(("num_workers", "error"), [
-    (0, ZeroDivisionError("rank 1 divided by zero on purpose")),
-    (2, RuntimeError("download timeout: the socket to the data server timed out (gloo, nccl)")),
-])
+@pytest.mark.parametrize(
+    ("num_workers", "error"),
+    [
+        (0, ZeroDivisionError("rank 1 divided by zero on purpose")),
+        (2, RuntimeError("download timeout: the socket to the data server timed out (gloo, nccl)")),
+    ],
+)
 def test_the_peers_of_a_rank_that_raised_explain_before_it_exits(num_workers, error):
     """Rank 1 raises inside a fit: its DDP wrapper lets go of the process group, so the group's connections close
     at teardown, rank 0's collective breaks at once and names rank 1's error, and rank 1, which waits for that
@@ -373,6 +401,7 @@ def test_errors_are_classified_by_type_and_where_they_were_raised_not_by_their_w
     from datetime import timedelta
 
     from ddp_strategy.process import ProcessGroupRun, failures
+
     for error in (RuntimeError("download timeout: socket closed by the gloo server"), dist.DistBackendError("x")):
         run = ProcessGroupRun(timedelta(seconds=5), timedelta(seconds=5))
         run.reports = store = torch.distributed.HashStore()

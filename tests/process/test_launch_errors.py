@@ -30,14 +30,23 @@ from ddp_strategy.process.launching import check_launch_env
 pytestmark = pytest.mark.timeout(120)
 
 SCRIPTS = Path(__file__).parent.parent / "scripts"
-FUZZ = settings(max_examples=int(os.environ.get("DDP_FUZZ_EXAMPLES", "40")), derandomize=True, deadline=None,
-                database=None, suppress_health_check=[HealthCheck.too_slow])
+FUZZ = settings(
+    max_examples=int(os.environ.get("DDP_FUZZ_EXAMPLES", "40")),
+    derandomize=True,
+    deadline=None,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
 
 
 # ------------------------------------------------------------------------------- launch variables
 LAUNCH_VARIABLES = ("MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK")
-_values = st.one_of(st.just(""), st.text(max_size=6), st.integers(-(2**40), 2**40).map(str),
-                    st.sampled_from([" 1", "+1", "1_0", "0x10", "1.0", "１", "65536", "-1", "0"]))
+_values = st.one_of(
+    st.just(""),
+    st.text(max_size=6),
+    st.integers(-(2**40), 2**40).map(str),
+    st.sampled_from([" 1", "+1", "1_0", "0x10", "1.0", "１", "65536", "-1", "0"]),
+)
 
 
 def _accepted_by_lightning(env, environ: dict[str, str]) -> bool:
@@ -58,8 +67,7 @@ def _accepted_by_lightning(env, environ: dict[str, str]) -> bool:
 
 
 @FUZZ
-@given(environ=st.dictionaries(st.sampled_from(LAUNCH_VARIABLES), _values, max_size=5),
-       elastic=st.booleans())
+@given(environ=st.dictionaries(st.sampled_from(LAUNCH_VARIABLES), _values, max_size=5), elastic=st.booleans())
 def test_launch_variables_fuzz(environ, elastic):
     """Any values: accepted, or ValueError naming the variable and value; never another error type.
 
@@ -79,18 +87,28 @@ def test_launch_variables_fuzz(environ, elastic):
         assert not accepted, environ
 
 
-@pytest.mark.parametrize(("variable", "value", "words"), [
-    ("MASTER_PORT", "", "MASTER_PORT='' is empty"),
-    ("MASTER_PORT", "http", "MASTER_PORT='http' is not a whole number"),
-    ("MASTER_PORT", "70000", "MASTER_PORT='70000' is out of range"),
-    ("LOCAL_RANK", "-1", "LOCAL_RANK='-1' is out of range"),
-    ("NODE_RANK", "abc", "NODE_RANK='abc' is not a whole number"),
-])
+@pytest.mark.parametrize(
+    ("variable", "value", "words"),
+    [
+        ("MASTER_PORT", "", "MASTER_PORT='' is empty"),
+        ("MASTER_PORT", "http", "MASTER_PORT='http' is not a whole number"),
+        ("MASTER_PORT", "70000", "MASTER_PORT='70000' is out of range"),
+        ("LOCAL_RANK", "-1", "LOCAL_RANK='-1' is out of range"),
+        ("NODE_RANK", "abc", "NODE_RANK='abc' is not a whole number"),
+    ],
+)
 def test_a_bad_launch_variable_fails_in_trainer_construction(monkeypatch, variable, value, words):
     """Trainer(strategy=MyDDPStrategy()) raises the named ValueError before launching; unsetting it (the fix) works."""
+
     def build() -> pl.Trainer:
-        return pl.Trainer(accelerator="cpu", devices=2, strategy=MyDDPStrategy(allow_cpu_oversubscription=True),
-                          logger=False, enable_progress_bar=False, enable_model_summary=False)
+        return pl.Trainer(
+            accelerator="cpu",
+            devices=2,
+            strategy=MyDDPStrategy(allow_cpu_oversubscription=True),
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        )
 
     monkeypatch.setenv(variable, value)
     with pytest.raises(ValueError, match=words):
@@ -104,8 +122,14 @@ def test_variables_lightning_ignores_are_not_checked(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "")
     monkeypatch.setenv("RANK", "junk")
     monkeypatch.setenv("MASTER_PORT", " 29500 ")  # int() accepts the spaces, as Lightning does
-    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=MyDDPStrategy(allow_cpu_oversubscription=True),
-                         logger=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=MyDDPStrategy(allow_cpu_oversubscription=True),
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     assert trainer.strategy.cluster_environment.main_port == 29500
 
 
@@ -118,8 +142,11 @@ def test_port_in_use_error_suggestions_work(tmp_path, monkeypatch):
         taken.listen()
         port = taken.getsockname()[1]
         monkeypatch.setenv("MASTER_PORT", str(port))
-        with pytest.raises(RuntimeError, match=f"127.0.0.1:{port}: the port is already in use by another process."
-                                               " Choose another MASTER_PORT, or unset it"):
+        with pytest.raises(
+            RuntimeError,
+            match=f"127.0.0.1:{port}: the port is already in use by another process."
+            " Choose another MASTER_PORT, or unset it",
+        ):
             fit_steps(tmp_path, Regressor())
         monkeypatch.setenv("MASTER_PORT", str(free_port()))
         assert fit_steps(tmp_path, Regressor()) == 3
@@ -135,8 +162,9 @@ def test_cpu_oversubscription_warning_suggestions_silence_it(monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         launching.check_cpu_processes(2)
-        launching.check_cpu_processes(3, allow_oversubscription=MyDDPStrategy(
-            allow_cpu_oversubscription=True)._options.allow_cpu_oversubscription)
+        launching.check_cpu_processes(
+            3, allow_oversubscription=MyDDPStrategy(allow_cpu_oversubscription=True)._options.allow_cpu_oversubscription
+        )
 
 
 @pytest.mark.multiprocess
@@ -144,9 +172,15 @@ def test_cpu_oversubscription_warning_suggestions_silence_it(monkeypatch):
 def test_more_cpu_processes_than_cores_run_with_one_warning(tmp_path):
     """devices=3 pinned to 2 cores (popen launcher): the fit runs on 3 ranks with identical final weights, and
     rank 0 alone warns once about the oversubscription."""
-    proc = subprocess.Popen([sys.executable, str(SCRIPTS / "fit_once.py"), str(tmp_path), "cpu3"], cwd=tmp_path,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"}, text=True, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, str(SCRIPTS / "fit_once.py"), str(tmp_path), "cpu3"],
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     code, out = finish(proc, 240)
     assert code == 0, out[-3000:]
     assert out.count("Trainer(devices=3) on CPU starts 3 processes, but only 2 CPU cores") == 1, out[-3000:]
@@ -160,8 +194,11 @@ def test_fork_with_cuda_is_refused_before_forking_and_the_suggestions_pass_the_c
     """Forking CUDA ranks from a parent that initialised CUDA is refused before forking; the suggested
     start_method='spawn' or 'popen' (a fresh interpreter) passes the check, and CPU ranks may fork."""
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
-    with pytest.raises(RuntimeError, match="start_method='fork' cannot start CUDA ranks: CUDA is already initialised"
-                                           ".*use start_method='spawn' or 'popen'"):
+    with pytest.raises(
+        RuntimeError,
+        match="start_method='fork' cannot start CUDA ranks: CUDA is already initialised"
+        ".*use start_method='spawn' or 'popen'",
+    ):
         launching.check_fork_safe("fork", "cuda")
     for method in ("spawn", "popen"):
         launching.check_fork_safe(method, "cuda")
@@ -178,8 +215,11 @@ def test_fork_with_cuda_is_refused_before_forking_and_the_suggestions_pass_the_c
 def test_backend_errors_and_their_suggestions_resolve_to_gloo_on_cpu():
     """nccl on CPU and an unknown name are refused with what to do instead; the suggested 'gloo' and None give gloo."""
     cpu = torch.device("cpu")
-    with pytest.raises(ValueError, match=r"process_group_backend='nccl' needs CUDA devices.* Use"
-                                         r" process_group_backend='gloo' \(or None\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"process_group_backend='nccl' needs CUDA devices.* Use"
+        r" process_group_backend='gloo' \(or None\)",
+    ):
         process_group.resolve_backend(cpu, "nccl")
     with pytest.raises(ValueError, match="Unknown process_group_backend='glooo'.* or leave it as None"):
         process_group.resolve_backend(cpu, "glooo")

@@ -47,8 +47,9 @@ def _init_methods_worker(rank: int, tmp: str, ports: list[int]) -> None:
 @pytest.mark.timeout(120)
 def test_env_tcp_file_and_store_rendezvous_all_work(tmp_path):
     """Two real ranks join by env://, tcp://, file:// and a FileStore in turn; each group all-reduces 1+2=3."""
-    mp.start_processes(_init_methods_worker, args=(str(tmp_path), [free_port(), free_port()]), nprocs=2,
-                       start_method="spawn")
+    mp.start_processes(
+        _init_methods_worker, args=(str(tmp_path), [free_port(), free_port()]), nprocs=2, start_method="spawn"
+    )
     for rank in range(2):
         results = torch.load(tmp_path / f"{rank}.pt")
         assert results == {m: (rank, 2, 3.0) for m in ("env", "tcp", "file", "store")}
@@ -65,9 +66,16 @@ def test_unreachable_main_address_fails_within_the_timeout_and_names_it():
 
 
 def _torchrun_env(monkeypatch, world_size: int, rank: int, local_rank: int = 0) -> None:
-    for key, value in {"TORCHELASTIC_RUN_ID": "test", "WORLD_SIZE": world_size, "RANK": rank,
-                       "LOCAL_RANK": local_rank, "GROUP_RANK": 0, "LOCAL_WORLD_SIZE": 1,
-                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": free_port()}.items():
+    for key, value in {
+        "TORCHELASTIC_RUN_ID": "test",
+        "WORLD_SIZE": world_size,
+        "RANK": rank,
+        "LOCAL_RANK": local_rank,
+        "GROUP_RANK": 0,
+        "LOCAL_WORLD_SIZE": 1,
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": free_port(),
+    }.items():
         monkeypatch.setenv(key, str(value))
 
 
@@ -83,8 +91,9 @@ def _torchrun_env(monkeypatch, world_size: int, rank: int, local_rank: int = 0) 
 def test_inconsistent_launcher_variables_fail_before_joining(monkeypatch, world, rank, local, num_nodes, message):
     """torchrun variables that disagree with the Trainer fail on every rank before the rendezvous."""
     _torchrun_env(monkeypatch, world, rank, local)
-    trainer = pl.Trainer(accelerator="cpu", devices=1, num_nodes=num_nodes, strategy=MyDDPStrategy(timeout=5),
-                         logger=False)
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=1, num_nodes=num_nodes, strategy=MyDDPStrategy(timeout=5), logger=False
+    )
     with pytest.raises(ValueError, match=message):
         trainer.strategy.setup_environment()
     assert not dist.is_initialized()
@@ -110,8 +119,9 @@ def test_device_counts_at_trainer_construction(recwarn):
         trainer = pl.Trainer(accelerator="cpu", devices=too_many, strategy=MyDDPStrategy(), logger=False)
     assert trainer.strategy.num_processes == too_many
     recwarn.clear()
-    trainer = pl.Trainer(accelerator="cpu", devices=too_many, logger=False,
-                         strategy=MyDDPStrategy(allow_cpu_oversubscription=True))
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=too_many, logger=False, strategy=MyDDPStrategy(allow_cpu_oversubscription=True)
+    )
     assert trainer.strategy.num_processes == too_many
     assert not [w for w in recwarn if "CPU cores are available" in str(w.message)]
 
@@ -129,15 +139,23 @@ def test_spawn_with_an_unpicklable_model_says_so_plainly():
     class LocalModel(DigitsClassifier):
         pass
 
-    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=MyDDPStrategy(start_method="spawn"), logger=False,
-                         enable_progress_bar=False, enable_model_summary=False, max_steps=1)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=MyDDPStrategy(start_method="spawn"),
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        max_steps=1,
+    )
     with pytest.raises(RuntimeError, match="start_method='spawn' must pickle LocalModel .* module level"):
         trainer.fit(LocalModel(), DigitsDataModule())
 
 
 def _run(cmd: list[str], timeout: float = 120.0, **kwargs) -> subprocess.Popen:
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True, **kwargs)
+    return subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True, **kwargs
+    )
 
 
 @pytest.mark.multiprocess
@@ -146,9 +164,21 @@ def test_two_torchrun_nodes_rendezvous_over_loopback_and_train_together(tmp_path
     """Two `torchrun --nnodes=2` invocations fit together: ranks, node ranks, node groups, identical weights."""
     port = free_port()
     procs = [
-        _run([sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",
-              f"--node-rank={node}", "--master-addr=127.0.0.1", f"--master-port={port}",
-              str(SCRIPTS / "fit_once.py"), str(tmp_path), "torchrun"])
+        _run(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes=2",
+                "--nproc-per-node=1",
+                f"--node-rank={node}",
+                "--master-addr=127.0.0.1",
+                f"--master-port={port}",
+                str(SCRIPTS / "fit_once.py"),
+                str(tmp_path),
+                "torchrun",
+            ]
+        )
         for node in range(2)
     ]
     for proc in procs:
@@ -190,9 +220,18 @@ def test_second_fit_in_the_same_process_works_with_fork(tmp_path):
     model = DigitsClassifier()
     weights = [model.model.layers[0].weight.detach().clone()]
     for _ in range(2):
-        trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=MyDDPStrategy(start_method="fork", timeout=60),
-                             max_steps=3, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                             enable_model_summary=False, limit_val_batches=1, default_root_dir=str(tmp_path))
+        trainer = pl.Trainer(
+            accelerator="cpu",
+            devices=2,
+            strategy=MyDDPStrategy(start_method="fork", timeout=60),
+            max_steps=3,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            limit_val_batches=1,
+            default_root_dir=str(tmp_path),
+        )
         trainer.fit(model, DigitsDataModule())
         weights.append(model.model.layers[0].weight.detach().clone())
         assert trainer.state.finished  # rank 0's weights come back to this process after each fit
@@ -205,9 +244,16 @@ def test_second_fit_in_the_same_process_works_with_fork(tmp_path):
 @pytest.mark.timeout(300)
 def test_fit_on_cuda_uses_nccl(tmp_path):
     """With a GPU: the strategy picks nccl, wraps with device_ids, and the digits model trains."""
-    trainer = pl.Trainer(accelerator="cuda", devices=1, strategy=MyDDPStrategy(start_method="spawn", timeout=120),
-                         max_epochs=3, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                         default_root_dir=str(tmp_path))
+    trainer = pl.Trainer(
+        accelerator="cuda",
+        devices=1,
+        strategy=MyDDPStrategy(start_method="spawn", timeout=120),
+        max_epochs=3,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        default_root_dir=str(tmp_path),
+    )
     model = DigitsClassifier()
     trainer.fit(model, DigitsDataModule())
     assert trainer.callback_metrics["val_acc"] > 0.9

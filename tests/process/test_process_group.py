@@ -51,8 +51,13 @@ def test_cuda_device_is_passed_for_eager_nccl_init(monkeypatch):
     assert stores == [("127.0.0.1", 29512, 1, timedelta(seconds=9), 1)]
     assert calls["args"] == ("nccl",)
     assert isinstance(calls["kwargs"].pop("store"), dist.PrefixStore)  # our store, under the group's prefix
-    assert calls["kwargs"] == {"init_method": None, "rank": 1, "world_size": 2, "timeout": timedelta(seconds=9),
-                               "device_id": torch.device("cuda", 1)}
+    assert calls["kwargs"] == {
+        "init_method": None,
+        "rank": 1,
+        "world_size": 2,
+        "timeout": timedelta(seconds=9),
+        "device_id": torch.device("cuda", 1),
+    }
     process_group.init_process_group("gloo", 0, 2, "127.0.0.1", 29512, timedelta(seconds=9), torch.device("cpu"))
     assert "device_id" not in calls["kwargs"] and stores[-1][2] == 0
 
@@ -67,8 +72,9 @@ def test_destroy_without_group_is_a_no_op():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_nccl_group_on_a_real_gpu(tmp_path):
     """With a GPU: a 1-rank NCCL group with eager init all-reduces a CUDA tensor."""
-    process_group.init_process_group("nccl", 0, 1, "127.0.0.1", free_port(), timedelta(seconds=60),
-                                     torch.device("cuda", 0))
+    process_group.init_process_group(
+        "nccl", 0, 1, "127.0.0.1", free_port(), timedelta(seconds=60), torch.device("cuda", 0)
+    )
     assert dist.get_backend() == "nccl"
     out = torch.ones(3, device="cuda")
     dist.all_reduce(out)
@@ -132,8 +138,9 @@ def test_under_torchrun_env_rendezvous_uses_the_agents_store(monkeypatch):
     served = []
     monkeypatch.setattr(process_group, "_tcp_store", lambda *a, **k: served.append(a))
     for init_method in (None, "env://"):
-        process_group.init_process_group("gloo", 0, 1, "127.0.0.1", agent.port, timedelta(seconds=30),
-                                         init_method=init_method)
+        process_group.init_process_group(
+            "gloo", 0, 1, "127.0.0.1", agent.port, timedelta(seconds=30), init_method=init_method
+        )
         failures.run_reports(0, 1).set("mine", "1")
         failures.destroy_process_group()
     assert served == []  # no store of our own next to the agent's
@@ -165,11 +172,22 @@ def _refit_after_a_failed_fit(rank: int, world_size: int) -> tuple[float, list[f
 
     def fit(samples: int) -> Linear:
         model = Linear()
-        pl.Trainer(accelerator="cpu", devices=world_size, strategy=MyDDPStrategy(timeout=30), max_epochs=1,
-                   use_distributed_sampler=False, logger=False, enable_checkpointing=False,
-                   enable_progress_bar=False, enable_model_summary=False).fit(
-            model, DataLoader(TensorDataset(torch.randn(samples, 4, generator=torch.Generator().manual_seed(rank))),
-                              batch_size=2))
+        pl.Trainer(
+            accelerator="cpu",
+            devices=world_size,
+            strategy=MyDDPStrategy(timeout=30),
+            max_epochs=1,
+            use_distributed_sampler=False,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        ).fit(
+            model,
+            DataLoader(
+                TensorDataset(torch.randn(samples, 4, generator=torch.Generator().manual_seed(rank))), batch_size=2
+            ),
+        )
         return model
 
     held = []
@@ -194,7 +212,8 @@ def test_a_new_fit_after_a_failed_one_rejoins_at_once_while_the_failed_runs_stor
     ranks waited out the timeout (3 of 3 runs failed)."""
     from ddp_strategy.testing import run_on_ranks
 
-    (seconds_0, weights_0), (seconds_1, weights_1) = run_on_ranks(_refit_after_a_failed_fit, 2,
-                                                                  init_process_group=False, timeout_s=90)
+    (seconds_0, weights_0), (seconds_1, weights_1) = run_on_ranks(
+        _refit_after_a_failed_fit, 2, init_process_group=False, timeout_s=90
+    )
     assert weights_0 == weights_1
     assert seconds_1 < 15, f"rank 1's refit took {seconds_1:.1f} s"

@@ -33,17 +33,37 @@ BIND_ERROR = "failed to bind"
 
 def _launch(cmd: list[str], out: Path, env: dict | None = None, timeout: float = 300.0) -> str:
     out.mkdir(parents=True, exist_ok=True)
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=out,
-                            start_new_session=True, env={**os.environ, **(env or {})})
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=out,
+        start_new_session=True,
+        env={**os.environ, **(env or {})},
+    )
     code, output = finish(proc, timeout)
     assert code == 0, f"{cmd} exited with {code}:\n{output[-4000:]}"
     return output
 
 
 def _torchrun(out: Path, nproc: int, *args: str) -> str:
-    return _launch([sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--max-restarts=1",
-                    "--master-addr=127.0.0.1", f"--master-port={free_port()}", str(SCRIPT), str(out),
-                    f"--devices={nproc}", *args], out)
+    return _launch(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            f"--nproc-per-node={nproc}",
+            "--max-restarts=1",
+            "--master-addr=127.0.0.1",
+            f"--master-port={free_port()}",
+            str(SCRIPT),
+            str(out),
+            f"--devices={nproc}",
+            *args,
+        ],
+        out,
+    )
 
 
 def _records(out: Path, world_size: int) -> list[dict]:
@@ -61,8 +81,9 @@ def uninterrupted(tmp_path_factory) -> tuple[Path, str]:
 def restarted(tmp_path_factory) -> tuple[Path, str]:
     """torchrun --max-restarts=1, 2 workers; rank 1 SIGKILLs itself at step 7 of attempt 0; resume from last."""
     out = tmp_path_factory.mktemp("restarted")
-    return out, _torchrun(out, 2, "--ckpt=last", f"--max-steps={MAX_STEPS}", "--stages=fit,test",
-                          f"--kill-step={KILL_STEP}")
+    return out, _torchrun(
+        out, 2, "--ckpt=last", f"--max-steps={MAX_STEPS}", "--stages=fit,test", f"--kill-step={KILL_STEP}"
+    )
 
 
 def _weights_close(a: dict, b: dict) -> None:
@@ -105,8 +126,9 @@ def test_relaunch_with_fewer_workers_trains_on_exactly_the_rest_of_the_epoch(tmp
     (record,) = _records(tmp_path, 1)
     assert record["world_size"] == 1 and record["global_step"] == 6 + steps_left
     assert {epoch for epoch, _, _ in record["batches"]} == {0}
-    seen_before = collections.Counter(i for r in _records(ref_out, 2) for e, s, idx in r["batches"] if e == 0 and s < 6
-                                      for i in idx)
+    seen_before = collections.Counter(
+        i for r in _records(ref_out, 2) for e, s, idx in r["batches"] if e == 0 and s < 6 for i in idx
+    )
     seen_after = collections.Counter(i for _, _, idx in record["batches"] for i in idx)
     assert seen_before + seen_after == collections.Counter(range(N_TRAIN))
 
@@ -114,8 +136,10 @@ def test_relaunch_with_fewer_workers_trains_on_exactly_the_rest_of_the_epoch(tmp
 @pytest.mark.timeout(300)
 def test_stages_and_new_trainers_in_one_script_rejoin_while_rank0_is_slow_to_tear_down(tmp_path):
     """fit, test, then a new Trainer's fit on one MASTER_PORT, rank 0 3 s late at each teardown: all rendezvous work."""
-    log = _launch([sys.executable, str(SCRIPT), str(tmp_path), "--max-steps=4", "--stages=fit,test,refit",
-                   "--slow-teardown=3"], tmp_path)
+    log = _launch(
+        [sys.executable, str(SCRIPT), str(tmp_path), "--max-steps=4", "--stages=fit,test,refit", "--slow-teardown=3"],
+        tmp_path,
+    )
     records = _records(tmp_path, 2)
     assert [r["refit_step"] for r in records] == [6, 6]
     assert records[0]["test_acc"] == records[1]["test_acc"]
@@ -130,13 +154,29 @@ def test_stages_and_new_trainers_in_one_script_rejoin_while_rank0_is_slow_to_tea
 def _slurm_job(out: Path, *args: str) -> None:
     """Start 2 tasks as `srun` would (SLURM's variables, one process per task) and wait for both."""
     out.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "SLURM_NTASKS": "2", "SLURM_NTASKS_PER_NODE": "2", "SLURM_JOB_NAME": "train",
-           "SLURM_JOB_ID": "4242", "SLURM_NODELIST": "127.0.0.1", "SLURM_NODEID": "0",
-           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
-    procs = [subprocess.Popen([sys.executable, str(SCRIPT), str(out), *args], cwd=out, text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
-                              env={**env, "SLURM_PROCID": str(rank), "SLURM_LOCALID": str(rank)})
-             for rank in range(2)]
+    env = {
+        **os.environ,
+        "SLURM_NTASKS": "2",
+        "SLURM_NTASKS_PER_NODE": "2",
+        "SLURM_JOB_NAME": "train",
+        "SLURM_JOB_ID": "4242",
+        "SLURM_NODELIST": "127.0.0.1",
+        "SLURM_NODEID": "0",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+    }
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(SCRIPT), str(out), *args],
+            cwd=out,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env={**env, "SLURM_PROCID": str(rank), "SLURM_LOCALID": str(rank)},
+        )
+        for rank in range(2)
+    ]
     for proc in procs:
         code, output = finish(proc, 240)
         assert code == 0, output[-4000:]
@@ -168,13 +208,23 @@ def test_ten_fits_in_one_process_keep_descriptors_threads_and_children_flat(tmp_
     """As in a notebook (fork): 10 fits in one process leave descriptors, threads and child processes unchanged."""
     model, counts = DigitsClassifier(), []
     for _ in range(10):
-        trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=MyDDPStrategy(start_method="fork", timeout=60),
-                             max_steps=1, limit_val_batches=1, logger=False, enable_checkpointing=False,
-                             enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(tmp_path))
+        trainer = pl.Trainer(
+            accelerator="cpu",
+            devices=2,
+            strategy=MyDDPStrategy(start_method="fork", timeout=60),
+            max_steps=1,
+            limit_val_batches=1,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            default_root_dir=str(tmp_path),
+        )
         trainer.fit(model, DigitsDataModule())
         children = [p for p in os.listdir("/proc") if p.isdigit() and _parent(p) == os.getpid()]
-        counts.append((_open_descriptors(), threading.active_count(), len(os.listdir("/proc/self/task")),
-                       len(children)))
+        counts.append(
+            (_open_descriptors(), threading.active_count(), len(os.listdir("/proc/self/task")), len(children))
+        )
     assert counts[1:] == [counts[0]] * 9, counts
     assert listening_sockets(os.getpid()) == [] and not dist.is_initialized()
 
@@ -184,4 +234,4 @@ def _parent(pid: str) -> int:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return -1
-    return int(stat[stat.rindex(")") + 2:].split()[1])
+    return int(stat[stat.rindex(")") + 2 :].split()[1])

@@ -51,23 +51,42 @@ class Signalled(DigitsClassifier):
 
 def _fit(root: Path, model: Signalled, strategy: Any, ckpt_path: str | None = None) -> dict[str, Any]:
     pl.seed_everything(5)
-    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_epochs=EPOCHS, limit_train_batches=STEPS,
-                         limit_val_batches=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, default_root_dir=str(root))
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=strategy,
+        max_epochs=EPOCHS,
+        limit_train_batches=STEPS,
+        limit_val_batches=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=str(root),
+    )
     stopped = None
     with count_collective_bytes() as model._counts:
         try:
             trainer.fit(model, DigitsDataModule(), ckpt_path=ckpt_path)
         except SystemExit as e:  # Lightning's SIGTERMException
             stopped = type(e).__name__
-    return {"stopped": stopped, "global_step": trainer.global_step, "world_seq": model.world_seq,
-            "buckets": model.buckets, "weights": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+    return {
+        "stopped": stopped,
+        "global_step": trainer.global_step,
+        "world_seq": model.world_seq,
+        "buckets": model.buckets,
+        "weights": {k: v.detach().clone() for k, v in model.state_dict().items()},
+    }
 
 
 def _strategy(port: int, root: Path | None = None) -> MyDDPStrategy:
     # a port per fit: a fit after a failed (SIGTERM) one must not reach the old group's store, still closing
-    return MyDDPStrategy(timeout=30, ddp_comm_hook="allreduce", init_method=f"tcp://127.0.0.1:{port}",
-                         checkpoint_on_sigterm=str(root / "sigterm.ckpt") if root is not None else False)
+    return MyDDPStrategy(
+        timeout=30,
+        ddp_comm_hook="allreduce",
+        init_method=f"tcp://127.0.0.1:{port}",
+        checkpoint_on_sigterm=str(root / "sigterm.ckpt") if root is not None else False,
+    )
 
 
 def _runs(rank: int, world_size: int, out: str, signal_steps: dict[int, int], ports: list[int]) -> dict[str, Any]:
@@ -81,8 +100,9 @@ def _runs(rank: int, world_size: int, out: str, signal_steps: dict[int, int], po
         pl.seed_everything(5)
         records[f"signal{signalled}"] = _fit(root, Signalled(signalled, step), _strategy(next(port), root))
         pl.seed_everything(5)
-        records[f"resume{signalled}"] = _fit(root / "resume", Signalled(), _strategy(next(port)),
-                                             str(root / "sigterm.ckpt"))
+        records[f"resume{signalled}"] = _fit(
+            root / "resume", Signalled(), _strategy(next(port)), str(root / "sigterm.ckpt")
+        )
     return records
 
 

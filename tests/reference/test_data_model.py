@@ -15,17 +15,26 @@ def test_digits_split_is_fixed_disjoint_and_complete():
     dm.setup("fit")
     again.setup("fit")
     assert len(dm.train_set) == 1438 and len(dm.val_set) == 359
-    assert all(torch.equal(a, b) for a, b in zip(dm.val_set.tensors + dm.train_set.tensors,
-                                                 again.val_set.tensors + again.train_set.tensors, strict=True))
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(
+            dm.val_set.tensors + dm.train_set.tensors, again.val_set.tensors + again.train_set.tensors, strict=True
+        )
+    )
     rows = lambda *xs: sorted(map(tuple, torch.cat(xs).tolist()))  # noqa: E731
     assert rows(dm.train_set.tensors[0], dm.val_set.tensors[0]) == rows(load_digits_tensors()[0])
     x, y = dm.train_set.tensors
     assert x.shape == (1438, 64) and 0.0 <= x.min() and x.max() <= 1.0 and set(y.tolist()) == set(range(10))
 
 
-@pytest.mark.parametrize(("kwargs", "message"), [({"batch_size": 0}, "per-device batch size"),
-                                                 ({"num_workers": -1}, "num_workers"),
-                                                 ({"val_fraction": 1.0}, "val_fraction")])
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"batch_size": 0}, "per-device batch size"),
+        ({"num_workers": -1}, "num_workers"),
+        ({"val_fraction": 1.0}, "val_fraction"),
+    ],
+)
 def test_bad_data_arguments(kwargs, message):
     """Bad sizes are refused with a ValueError that says which argument."""
     with pytest.raises(ValueError, match=message):
@@ -45,8 +54,9 @@ def test_main_returns_none_so_the_console_script_exits_0(tmp_path, monkeypatch):
     from ddp_strategy.__main__ import main
 
     monkeypatch.chdir(tmp_path)
-    assert main(["fit", "--trainer.devices=1", "--trainer.fast_dev_run=2", "--trainer.enable_progress_bar=false"]) \
-        is None
+    assert (
+        main(["fit", "--trainer.devices=1", "--trainer.fast_dev_run=2", "--trainer.enable_progress_bar=false"]) is None
+    )
 
 
 def test_cli_classes_live_in_an_importable_module():
@@ -61,8 +71,15 @@ def test_ddp_options_can_be_set_from_the_cli(capsys):
     from ddp_strategy.__main__ import main
 
     with pytest.raises(SystemExit) as exit_info:
-        main(["fit", "--trainer.strategy=ddp_strategy.MyDDPStrategy", "--trainer.strategy.find_unused_parameters=true",
-              "--trainer.strategy.bucket_cap_mb=5", "--print_config"])
+        main(
+            [
+                "fit",
+                "--trainer.strategy=ddp_strategy.MyDDPStrategy",
+                "--trainer.strategy.find_unused_parameters=true",
+                "--trainer.strategy.bucket_cap_mb=5",
+                "--print_config",
+            ]
+        )
     assert exit_info.value.code in (0, None)
     config = capsys.readouterr().out
     assert "find_unused_parameters: true" in config and "bucket_cap_mb: 5" in config

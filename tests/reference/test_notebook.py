@@ -40,8 +40,10 @@ def _assert_current(nb: nbformat.NotebookNode, fresh: nbformat.NotebookNode | No
     stale = regenerate.stale_cells(nb)
     problems = [f"code cell(s) {stale} edited since the outputs were written"] if stale else []
     problems += regenerate.differences(nb, fresh) if fresh is not None else []
-    assert not problems, (f"{NOTEBOOK.name}'s committed outputs are stale: {'; '.join(problems)}. "
-                          f"Regenerate them with `{regenerate.COMMAND}` and commit the notebook.")
+    assert not problems, (
+        f"{NOTEBOOK.name}'s committed outputs are stale: {'; '.join(problems)}. "
+        f"Regenerate them with `{regenerate.COMMAND}` and commit the notebook."
+    )
 
 
 @pytest.fixture(scope="module")
@@ -49,8 +51,13 @@ def executed(tmp_path_factory) -> tuple[nbformat.NotebookNode, float]:
     """The notebook executed as the committed one was (``notebooks/regenerate.py``), into tmp; its wall time in s."""
     result = tmp_path_factory.mktemp("notebook") / "executed.ipynb"
     start = time.monotonic()
-    proc = subprocess.Popen([sys.executable, str(ROOT / "notebooks" / "regenerate.py"), "--output", str(result)],
-                            text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "notebooks" / "regenerate.py"), "--output", str(result)],
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     try:
         out, _ = proc.communicate(timeout=540)
     except subprocess.TimeoutExpired:
@@ -100,9 +107,11 @@ def test_a_stale_notebook_is_caught(tmp_path, executed):
     fit = next(c for c in moved.cells if c.cell_type == "code" and "trainer.fit(" in c.source)
     stdout = next(o for o in fit.outputs if o.output_type == "stream" and o.name == "stdout")
     stdout.text = re.sub(r"final val_acc: [\d.]+", "final val_acc: 0.500", stdout.text)  # beyond the tolerance
-    for name, nb, words in (("edited", edited, f"code cell(s) [{edited.cells.index(cell)}] edited"),
-                            ("outdated", outdated, "cell 3 stdout: committed ['epoch 0, rank 1:"),
-                            ("moved", moved, "final val_acc: 0.500")):
+    for name, nb, words in (
+        ("edited", edited, f"code cell(s) [{edited.cells.index(cell)}] edited"),
+        ("outdated", outdated, "cell 3 stdout: committed ['epoch 0, rank 1:"),
+        ("moved", moved, "final val_acc: 0.500"),
+    ):
         nbformat.write(nb, tmp_path / f"{name}.ipynb")
         with pytest.raises(AssertionError, match=re.escape(words)) as info:
             _assert_current(nbformat.read(tmp_path / f"{name}.ipynb", as_version=4), executed[0])
@@ -122,8 +131,13 @@ def _all_text(nb: nbformat.NotebookNode) -> str:
 def test_notebook_draws_its_five_figures(executed):
     """Shard map, gradients, loss/accuracy curves, confusion matrix and prediction grid: 5 readable PNGs."""
     nb, _ = executed
-    pngs = [base64.b64decode(o.data["image/png"]) for c in nb.cells if c.cell_type == "code" for o in c.outputs
-            if "data" in o and "image/png" in o.data]
+    pngs = [
+        base64.b64decode(o.data["image/png"])
+        for c in nb.cells
+        if c.cell_type == "code"
+        for o in c.outputs
+        if "data" in o and "image/png" in o.data
+    ]
     assert len(pngs) == 5
     for png in pngs:
         width, height = int.from_bytes(png[16:20], "big"), int.from_bytes(png[20:24], "big")  # the IHDR chunk
@@ -134,13 +148,17 @@ def test_notebook_draws_its_five_figures(executed):
 def test_notebook_sharding_gradients_and_weights(executed):
     """Sections 1-3 print disjoint reshuffled shards, differing-then-equal gradients, and equal weights."""
     out = _all_text(executed[0])
-    for line in ("shards disjoint in every epoch: True", "shards cover the data set in every epoch: True",
-                 "rank 0 reshuffled between epochs: True", "samples per rank: [719, 719]",
-                 "with 1,437 samples: [719, 719] -> repeated for padding: 1",
-                 "max |grad rank 0 - grad rank 1| after all-reduce: 0.0000",
-                 "DDP's gradients equal the all-reduced ones: True",
-                 "averaged gradient == one process's gradient on both batches: True",
-                 "max |weight rank 0 - weight rank 1| after the step: 0.0000"):
+    for line in (
+        "shards disjoint in every epoch: True",
+        "shards cover the data set in every epoch: True",
+        "rank 0 reshuffled between epochs: True",
+        "samples per rank: [719, 719]",
+        "with 1,437 samples: [719, 719] -> repeated for padding: 1",
+        "max |grad rank 0 - grad rank 1| after all-reduce: 0.0000",
+        "DDP's gradients equal the all-reduced ones: True",
+        "averaged gradient == one process's gradient on both batches: True",
+        "max |weight rank 0 - weight rank 1| after the step: 0.0000",
+    ):
         assert line in out, line
     before = float(re.search(r"before all-reduce: ([\d.]+)", out).group(1))
     moved = float(re.search(r"max \|weight change\| in the step: ([\d.]+)", out).group(1))

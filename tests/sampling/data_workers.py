@@ -98,13 +98,26 @@ def order_fit(out: Path, name: str, strategy: Any, shuffle: bool) -> None:
     ``N_ORDER`` samples in batches of 3 (``shuffle`` as given) with validation and Lightning's 2 sanity steps;
     records the indices per step, the step count, the weights and our training-order warnings."""
     pl.seed_everything(SEED)
-    model = Dropped({"train": lambda: DataLoader(Indexed(N_ORDER, 0), batch_size=ORDER_BATCH, shuffle=shuffle),
-                     "val": lambda: DataLoader(Indexed(N_ORDER_VAL, 1), batch_size=4)})
+    model = Dropped(
+        {
+            "train": lambda: DataLoader(Indexed(N_ORDER, 0), batch_size=ORDER_BATCH, shuffle=shuffle),
+            "val": lambda: DataLoader(Indexed(N_ORDER_VAL, 1), batch_size=4),
+        }
+    )
     initial = weights(model)
     t = trainer(2, out, strategy=strategy, max_epochs=2, num_sanity_val_steps=2)
     caught = record_warnings(lambda: t.fit(model))
-    save(out, name, {**model.seen, "steps": t.global_step, "initial": initial, "weights": weights(model),
-                     "warnings": [w for w in caught if ORDER_KEPT_WARNING in w]})
+    save(
+        out,
+        name,
+        {
+            **model.seen,
+            "steps": t.global_step,
+            "initial": initial,
+            "weights": weights(model),
+            "warnings": [w for w in caught if ORDER_KEPT_WARNING in w],
+        },
+    )
 
 
 def flat(batches: list[list[int]]) -> list[int]:
@@ -197,20 +210,31 @@ def scenario_data(out: Path) -> None:
     and without shuffle; Lightning's ddp on the iterables and on the training-order fits."""
     pl.seed_everything(SEED)
     # 1. The user split the data by rank: every stage must see exactly this rank's half.
-    model = Seen({"train": own_half(0, shuffle=True), "val": own_half(1), "test": own_half(2),
-                  "predict": own_half(3)})
+    model = Seen({"train": own_half(0, shuffle=True), "val": own_half(1), "test": own_half(2), "predict": own_half(3)})
     t = trainer(2, out, max_epochs=1, use_distributed_sampler=False)
     t.fit(model)
     # User code after fit may use torch.distributed, as under Lightning's ddp (the group outlives the run).
     after_fit = torch.tensor([t.global_rank + 1.0])
     torch.distributed.all_reduce(after_fit)
-    user_code = {"rank": torch.distributed.get_rank(), "world": torch.distributed.get_world_size(),
-                 "sum": after_fit.item()}
+    user_code = {
+        "rank": torch.distributed.get_rank(),
+        "world": torch.distributed.get_world_size(),
+        "sum": after_fit.item(),
+    }
     t.test(model)
     predictions = t.predict(model)
     torch.distributed.barrier()  # the group of the last run is there too
-    save(out, "user_split", {**model.seen, "predictions": [p.tolist() for p in predictions],
-                             "after_fit": user_code, "trainer_rank": t.global_rank})
+    save(
+        out,
+        "user_split",
+        {
+            **model.seen,
+            "predictions": [p.tolist() for p in predictions],
+            "after_fit": user_code,
+            "trainer_rank": t.global_rank,
+        },
+    )
+
     # Uneven user shards (12 and 8 samples: 3 and 2 batches): trained by default (uneven_inputs="join"); under
     # uneven_inputs="error" a clear error on every rank, not a hang; then each fix it suggests.
     def uneven_shards() -> DataLoader:
@@ -221,8 +245,13 @@ def scenario_data(out: Path) -> None:
     uneven = Seen({"train": uneven_shards})
     record: dict[str, Any] = {"error": None, "joined": joined.seen["train"]}
     try:
-        trainer(2, out, max_epochs=1, use_distributed_sampler=False,
-                strategy=MyDDPStrategy(start_method="popen", timeout=60, uneven_inputs="error")).fit(uneven)
+        trainer(
+            2,
+            out,
+            max_epochs=1,
+            use_distributed_sampler=False,
+            strategy=MyDDPStrategy(start_method="popen", timeout=60, uneven_inputs="error"),
+        ).fit(uneven)
     except ValueError as error:
         record.update(error=str(error), steps=len(uneven.seen["train"]))
     # Fix 1: let the strategy shard the whole data set (use_distributed_sampler=True, the default).
@@ -242,21 +271,37 @@ def scenario_data(out: Path) -> None:
     caught = record_warnings(lambda: t.test(iterable_model, [rows]))
     caught += record_warnings(lambda: t.test(iterable_model, Batches(9, 4)))
     caught += record_warnings(lambda: trainer(2, out, max_epochs=1).fit(iterable_model, Batches(9, 4)))
-    save(out, "iterables", {"test": iterable_model.seen["test"], "train": iterable_model.seen["train"],
-                            "weights": weights(iterable_model),
-                            "warnings": [w for w in caught if "MyDDPStrategy got a" in w]})
+    save(
+        out,
+        "iterables",
+        {
+            "test": iterable_model.seen["test"],
+            "train": iterable_model.seen["train"],
+            "weights": weights(iterable_model),
+            "warnings": [w for w in caught if "MyDDPStrategy got a" in w],
+        },
+    )
 
     # 3. DataLoader subclasses with custom batch samplers, built in the hooks (Lightning captures the arguments)
     # for training, passed ready-made for validation (Lightning reads the attributes).
-    val_loader = TaggedLoader(Indexed(N_REVERSED, 1), tag="val",
-                              batch_sampler=Reversed(SequentialSampler(range(N_REVERSED)), 4, False, reverse=True))
-    subclass_model = Seen({"train": lambda: TaggedLoader(Indexed(N_BUCKETS, 0), tag="train",
-                                                         batch_sampler=Buckets(N_BUCKETS, (2, 3)))})
+    val_loader = TaggedLoader(
+        Indexed(N_REVERSED, 1),
+        tag="val",
+        batch_sampler=Reversed(SequentialSampler(range(N_REVERSED)), 4, False, reverse=True),
+    )
+    subclass_model = Seen(
+        {"train": lambda: TaggedLoader(Indexed(N_BUCKETS, 0), tag="train", batch_sampler=Buckets(N_BUCKETS, (2, 3)))}
+    )
     t = trainer(2, out, max_epochs=1)
     t.fit(subclass_model, val_dataloaders=val_loader)
-    save(out, "subclass", {**subclass_model.seen,
-                           "loaders": [(type(dl).__name__, dl.tag) for dl in (t.train_dataloader,
-                                                                               t.val_dataloaders)]})
+    save(
+        out,
+        "subclass",
+        {
+            **subclass_model.seen,
+            "loaders": [(type(dl).__name__, dl.tag) for dl in (t.train_dataloader, t.val_dataloaders)],
+        },
+    )
 
     # 5. A fit with nothing to save leaves default_root_dir as it found it.
     root = out / "fast_dev_run"
@@ -323,25 +368,49 @@ def scenario_models(out: Path) -> None:
     kept = torch.distributed.is_initialized()  # for the user's code after fit, as under Lightning's ddp
     destroy_process_group()  # the group a successful fit leaves, with a compiled DDP wrapper in a reference cycle
     port_free = _can_bind(int(os.environ["MASTER_PORT"])) if rank() == 0 else True
-    save(out, "compile", {"kept": kept, "port_free": port_free, "plain": weights(plain), "compiled": weights(compiled),
-                          "initial": weights(Recorder(val=False)), "train": compiled.rec["train"],
-                          "frames": sum(torch._dynamo.utils.counters["frames"].values()),
-                          "compiler_ctx": compiled._compiler_ctx is not None})
+    save(
+        out,
+        "compile",
+        {
+            "kept": kept,
+            "port_free": port_free,
+            "plain": weights(plain),
+            "compiled": weights(compiled),
+            "initial": weights(Recorder(val=False)),
+            "train": compiled.rec["train"],
+            "frames": sum(torch._dynamo.utils.counters["frames"].values()),
+            "compiler_ctx": compiled._compiler_ctx is not None,
+        },
+    )
 
     # 7a. The LR finder's internal restore of its own temporary checkpoint (it holds the nn.MSELoss).
     model = Lossy()
     before = weights(model)
     t = trainer(2, out, max_epochs=1)
     finder = Tuner(t).lr_find(model, min_lr=1e-4, max_lr=1e-1, num_training=20, early_stop_threshold=None)
-    save(out, "lr_find", {"before": before, "after": weights(model), "lrs": len(finder.results["lr"]),
-                          "suggestion": finder.suggestion(), "lr": model.lr,
-                          "left": sorted(p.name for p in out.iterdir() if p.name.startswith(".lr_find"))})
+    save(
+        out,
+        "lr_find",
+        {
+            "before": before,
+            "after": weights(model),
+            "lrs": len(finder.results["lr"]),
+            "suggestion": finder.suggestion(),
+            "lr": model.lr,
+            "left": sorted(p.name for p in out.iterdir() if p.name.startswith(".lr_find")),
+        },
+    )
 
     # 7b. ckpt_path="best" after a fit: our own checkpoint, restored; then the same file in a new run is foreign.
     ckpt_dir = out / "lossy_ckpt"
     model = Lossy()
-    t = trainer(2, out, max_steps=2, enable_checkpointing=True,
-                callbacks=[ModelCheckpoint(dirpath=str(ckpt_dir), filename="last")])
+    t = trainer(
+        2,
+        out,
+        max_steps=2,
+        enable_checkpointing=True,
+        callbacks=[ModelCheckpoint(dirpath=str(ckpt_dir), filename="last")],
+    )
     t.fit(model)
     best = t.test(model, ckpt_path="best")[0]["test_loss"]
     ckpt = str(ckpt_dir / "last.ckpt")
@@ -356,8 +425,9 @@ def scenario_models(out: Path) -> None:
     resumed.fit(Lossy(), ckpt_path=ckpt, weights_only=False)
     record["weights_only_false_step"] = resumed.global_step
     # ... MyDDPStrategy(checkpoint_io=DDPCheckpointIO(weights_only=False)) ...
-    resumed = trainer(2, out, max_steps=3, strategy=MyDDPStrategy(timeout=60,
-                                                                  checkpoint_io=DDPCheckpointIO(weights_only=False)))
+    resumed = trainer(
+        2, out, max_steps=3, strategy=MyDDPStrategy(timeout=60, checkpoint_io=DDPCheckpointIO(weights_only=False))
+    )
     resumed.fit(Lossy(), ckpt_path=ckpt)
     record["checkpoint_io_step"] = resumed.global_step
     # ... and torch.serialization.add_safe_globals([<the named type>]) (last: it changes this process for good).

@@ -51,8 +51,13 @@ class Collectives(pl.LightningModule):
         self.layer = torch.nn.Linear(4, 1)
         self.step_mean = torchmetrics.MeanMetric(dist_sync_on_step=True)
         self.epoch_mean = torchmetrics.MeanMetric()
-        self.rec: dict[str, Any] = {"batches": [], "step_gathers": [], "step_metric": [], "reduced": [],
-                                    "broadcast": []}
+        self.rec: dict[str, Any] = {
+            "batches": [],
+            "step_gathers": [],
+            "step_metric": [],
+            "reduced": [],
+            "broadcast": [],
+        }
         self.outputs: list[torch.Tensor] = []
 
     def val_dataloader(self) -> Any:
@@ -98,16 +103,28 @@ def _validate(name: str, out: Path, strategy: Any, n: int, batch_size: int) -> N
         warnings.simplefilter("always")
         t = trainer(2, out, strategy=strategy, max_epochs=1)
         t.validate(model, verbose=False)
-    save(out, name, {**model.rec, "metrics": {k: float(v) for k, v in t.callback_metrics.items()},
-                     "warnings": [str(w.message) for w in caught]})
+    save(
+        out,
+        name,
+        {
+            **model.rec,
+            "metrics": {k: float(v) for k, v in t.callback_metrics.items()},
+            "warnings": [str(w.message) for w in caught],
+        },
+    )
 
 
 def scenario_collectives(out: Path) -> None:
     """The issue's inputs (3, 21, 17 samples, batch 4), a padded one (5, batch 1), exact_evaluation=False; ddp."""
     for n, b in ((3, 4), (21, 4), (17, 4), (5, 1)):
         _validate(f"mine_{n}_{b}", out, MyDDPStrategy(start_method="popen", timeout=60), n, b)
-    _validate("mine_lightning_layout_17_4", out, MyDDPStrategy(start_method="popen", timeout=60,
-                                                              exact_evaluation=False), 17, 4)
+    _validate(
+        "mine_lightning_layout_17_4",
+        out,
+        MyDDPStrategy(start_method="popen", timeout=60, exact_evaluation=False),
+        17,
+        4,
+    )
     one_rank = OneRankProcessing()
     trainer(2, out, strategy=MyDDPStrategy(start_method="popen", timeout=10), max_epochs=1).validate(one_rank)
     save(out, "one_rank_process_dataloader", one_rank.rec)
@@ -138,12 +155,18 @@ class OneRankProcessing(pl.LightningModule):
     def on_validation_epoch_end(self) -> None:
         if self.global_rank == 1:  # a collective here would wait for rank 0, which never calls it
             data = Samples(11)
-            loaders = (DataLoader(data, batch_size=4),
-                       DataLoader(data, batch_sampler=Mine(SequentialSampler(data), 4, drop_last=False)),
-                       DataLoader(data, batch_size=4, sampler=DistributedSampler(data, 2, 1, shuffle=False)))
+            loaders = (
+                DataLoader(data, batch_size=4),
+                DataLoader(data, batch_sampler=Mine(SequentialSampler(data), 4, drop_last=False)),
+                DataLoader(data, batch_size=4, sampler=DistributedSampler(data, 2, 1, shuffle=False)),
+            )
             got = [self.trainer.strategy.process_dataloader(loader) for loader in loaders]
-            self.rec = {"counts": [getattr(g, BATCH_COUNTS_ATTR, None) for g in got], "batches": [len(g) for g in got],
-                        "kept": [type(g.batch_sampler).__name__ for g in got], "own_unchanged": got[2] is loaders[2]}
+            self.rec = {
+                "counts": [getattr(g, BATCH_COUNTS_ATTR, None) for g in got],
+                "batches": [len(g) for g in got],
+                "kept": [type(g.batch_sampler).__name__ for g in got],
+                "own_unchanged": got[2] is loaders[2],
+            }
 
 
 class PredictMetric(pl.LightningModule):

@@ -44,8 +44,10 @@ def loaders(stage: str, salt: int) -> list[DataLoader]:
     """A ``drop_last=True`` loader and one with a :class:`Labelled` batch sampler (also ``drop_last=True``)."""
     data = Indexed(N, salt)
     inner = RandomSampler(data) if stage == "train" else SequentialSampler(data)
-    return [DataLoader(data, batch_size=BATCH, drop_last=True),
-            DataLoader(data, batch_sampler=Labelled(inner, BATCH, drop_last=True, label=stage))]
+    return [
+        DataLoader(data, batch_size=BATCH, drop_last=True),
+        DataLoader(data, batch_sampler=Labelled(inner, BATCH, drop_last=True, label=stage)),
+    ]
 
 
 def describe(loader: Any) -> dict[str, Any]:
@@ -54,10 +56,17 @@ def describe(loader: Any) -> dict[str, Any]:
     outer = loader.batch_sampler
     inner = getattr(outer, "_batch_sampler", outer)
     labelled = isinstance(inner, Labelled)
-    return {"class": type(outer).__name__, "inner": type(inner).__name__, "labelled": labelled,
-            "label": getattr(inner, "label", None), "describe": inner.describe() if labelled else None,
-            "drop_last": getattr(inner, "drop_last", None), "batch_size": getattr(inner, "batch_size", None),
-            "distributed": isinstance(getattr(inner, "sampler", None), DistributedSampler), "batches": len(loader)}
+    return {
+        "class": type(outer).__name__,
+        "inner": type(inner).__name__,
+        "labelled": labelled,
+        "label": getattr(inner, "label", None),
+        "describe": inner.describe() if labelled else None,
+        "drop_last": getattr(inner, "drop_last", None),
+        "batch_size": getattr(inner, "batch_size", None),
+        "distributed": isinstance(getattr(inner, "sampler", None), DistributedSampler),
+        "batches": len(loader),
+    }
 
 
 class Loaders(pl.LightningModule):
@@ -120,12 +129,27 @@ def run(out: Path, name: str, strategy: Any, world_size: int) -> None:
     record["val"], model.seen["val"] = model.seen["val"], [[], []]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        t.validate(model, [DataLoader(Indexed(n, 4), batch_sampler=Labelled(SequentialSampler(range(n)), BATCH, False))
-                           for n in UNEVEN], verbose=False)
+        t.validate(
+            model,
+            [
+                DataLoader(Indexed(n, 4), batch_sampler=Labelled(SequentialSampler(range(n)), BATCH, False))
+                for n in UNEVEN
+            ],
+            verbose=False,
+        )
     record["uneven_val"] = model.seen["val"]
     record["padded_warnings"] = [str(w.message) for w in caught if "are padded" in str(w.message)]
-    save(out, name, {**record, "train": model.seen["train"], "test": model.seen["test"],
-                     "predict": model.seen["predict"], "steps": t.global_step})
+    save(
+        out,
+        name,
+        {
+            **record,
+            "train": model.seen["train"],
+            "test": model.seen["test"],
+            "predict": model.seen["predict"],
+            "steps": t.global_step,
+        },
+    )
 
 
 def scenario(out: Path) -> None:

@@ -122,26 +122,50 @@ class IndexWriter(BasePredictionWriter):
 def trainer(world_size: int, root: Path, **kwargs: Any) -> pl.Trainer:
     """A quiet CPU trainer on ``world_size`` externally launched processes."""
     defaults: dict[str, Any] = dict(
-        accelerator="cpu", devices=world_size, strategy=MyDDPStrategy(start_method="popen", timeout=60),
-        max_epochs=EPOCHS, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, num_sanity_val_steps=0, default_root_dir=str(root),
+        accelerator="cpu",
+        devices=world_size,
+        strategy=MyDDPStrategy(start_method="popen", timeout=60),
+        max_epochs=EPOCHS,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        default_root_dir=str(root),
     )
     defaults.update(kwargs)
     return pl.Trainer(**defaults)
 
 
-def fit(name: str, out: Path, world_size: int, ckpt_path: str | None = None, save_every: int | None = None,
-        model: Recorder | None = None, **trainer_kwargs: Any) -> Recorder:
+def fit(
+    name: str,
+    out: Path,
+    world_size: int,
+    ckpt_path: str | None = None,
+    save_every: int | None = None,
+    model: Recorder | None = None,
+    **trainer_kwargs: Any,
+) -> Recorder:
     """Fit ``model`` (default: shuffled training, validation each epoch) and record it as ``name``."""
     model = model or Recorder()
     callbacks = []
     if save_every:
-        callbacks.append(ModelCheckpoint(dirpath=str(out / f"{name}_ckpt"), every_n_train_steps=save_every,
-                                         save_top_k=-1, filename="{step}"))
+        callbacks.append(
+            ModelCheckpoint(
+                dirpath=str(out / f"{name}_ckpt"), every_n_train_steps=save_every, save_top_k=-1, filename="{step}"
+            )
+        )
     t = trainer(world_size, out, callbacks=callbacks, enable_checkpointing=bool(save_every), **trainer_kwargs)
     t.fit(model, ckpt_path=ckpt_path)
-    save(out, name, {**model.rec, "weights": {k: v.detach().clone() for k, v in model.state_dict().items()},
-                     "global_step": t.global_step})
+    save(
+        out,
+        name,
+        {
+            **model.rec,
+            "weights": {k: v.detach().clone() for k, v in model.state_dict().items()},
+            "global_step": t.global_step,
+        },
+    )
     return model
 
 
@@ -152,8 +176,11 @@ def scenario_two(out: Path) -> None:
     fit("full2", out, 2, save_every=CKPT_STEP)
     fit("resume2to2", out, 2, ckpt_path=str(out / "full2_ckpt" / f"step={CKPT_STEP}.ckpt"))
     # A weighted sampler: injected exactly once (Lightning's own injection is off while we inject).
-    weighted = DataLoader(Indexed(N_TRAIN, 0), batch_size=BATCH,
-                          sampler=WeightedRandomSampler(torch.linspace(1, 3, N_TRAIN), num_samples=20))
+    weighted = DataLoader(
+        Indexed(N_TRAIN, 0),
+        batch_size=BATCH,
+        sampler=WeightedRandomSampler(torch.linspace(1, 3, N_TRAIN), num_samples=20),
+    )
     fit("weighted", out, 2, model=Recorder(train_loader=weighted, val=False), max_epochs=2)
     ordered = DataLoader(Indexed(N_TRAIN, 0), batch_size=BATCH, shuffle=False)
     fit("ordered", out, 2, model=Recorder(train_loader=ordered, val=False), max_epochs=1)
@@ -162,13 +189,24 @@ def scenario_two(out: Path) -> None:
     t.test(model)
     test_metrics = {k: float(v) for k, v in t.callback_metrics.items()}
     predictions = t.predict(model, return_predictions=True)
-    save(out, "eval", {"test": model.rec["test"], "test_metrics": test_metrics,
-                       "pairs": writer.pairs, "predictions": [p.tolist() for p in predictions]})
+    save(
+        out,
+        "eval",
+        {
+            "test": model.rec["test"],
+            "test_metrics": test_metrics,
+            "pairs": writer.pairs,
+            "predictions": [p.tolist() for p in predictions],
+        },
+    )
     # Per-step sync_dist in test_step: test shards hold equal batch counts (2 and 2), so it meets; exact epoch value.
     model, t = Recorder(step_sync=True), trainer(2, out)
     t.test(model)
-    save(out, "step_sync", {"test": model.rec["test"],
-                            "test_metrics": {k: float(v) for k, v in t.callback_metrics.items()}})
+    save(
+        out,
+        "step_sync",
+        {"test": model.rec["test"], "test_metrics": {k: float(v) for k, v in t.callback_metrics.items()}},
+    )
     try:
         trainer(2, out).predict(Recorder(step_sync=True))
         save(out, "guard", {"error": None})
@@ -195,8 +233,13 @@ def scenario_one_to_two(out: Path) -> None:
     fit("resume1to2", out, 2, ckpt_path=str(out / "full1_ckpt" / f"step={CKPT_STEP}.ckpt"))
     other = DataLoader(Indexed(N_TRAIN + 4, 0), batch_size=BATCH, shuffle=True)
     try:
-        fit("wronglen", out, 2, model=Recorder(train_loader=other),
-            ckpt_path=str(out / "full2_ckpt" / f"step={CKPT_STEP}.ckpt"))
+        fit(
+            "wronglen",
+            out,
+            2,
+            model=Recorder(train_loader=other),
+            ckpt_path=str(out / "full2_ckpt" / f"step={CKPT_STEP}.ckpt"),
+        )
         save(out, "wronglen", {"error": None})
     except ValueError as error:
         save(out, "wronglen", {"error": str(error)})

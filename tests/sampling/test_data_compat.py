@@ -46,11 +46,18 @@ def test_dataloader_subclasses_with_custom_batch_samplers_are_sharded_by_whole_b
     (a plain Sampler, or a BatchSampler subclass with an extra required argument): re-created with its class and
     argument, rank r reads batches r, r + 2, ... of the user's batches (training pads with the first ones,
     evaluation halves a batch of the rank one batch short)."""
-    loaders = [TaggedLoader(Indexed(N_BUCKETS, 0), tag="t", batch_sampler=Buckets(N_BUCKETS, (2, 3))),
-               TaggedLoader(Indexed(N_REVERSED, 0), tag="t",
-                            batch_sampler=Reversed(SequentialSampler(range(N_REVERSED)), 4, False, reverse=True))]
-    user_batches = [Buckets(N_BUCKETS, (2, 3)).batches,  # 8 batches of 2 and 3
-                    list(Reversed(SequentialSampler(range(N_REVERSED)), 4, False, reverse=True))]  # 5 batches
+    loaders = [
+        TaggedLoader(Indexed(N_BUCKETS, 0), tag="t", batch_sampler=Buckets(N_BUCKETS, (2, 3))),
+        TaggedLoader(
+            Indexed(N_REVERSED, 0),
+            tag="t",
+            batch_sampler=Reversed(SequentialSampler(range(N_REVERSED)), 4, False, reverse=True),
+        ),
+    ]
+    user_batches = [
+        Buckets(N_BUCKETS, (2, 3)).batches,  # 8 batches of 2 and 3
+        list(Reversed(SequentialSampler(range(N_REVERSED)), 4, False, reverse=True)),
+    ]  # 5 batches
     for loader, user in zip(loaders, user_batches, strict=True):
         shards = []
         for r in range(2):
@@ -61,7 +68,7 @@ def test_dataloader_subclasses_with_custom_batch_samplers_are_sharded_by_whole_b
         expected = [padded[0::2], padded[1::2]]
         if not pad and len(user) % 2:  # exact evaluation: the rank one batch short halves its first batch
             first = expected[1][0]
-            expected[1][:1] = [first[:len(first) // 2], first[len(first) // 2:]]
+            expected[1][:1] = [first[: len(first) // 2], first[len(first) // 2 :]]
         assert shards == expected
 
 
@@ -71,8 +78,11 @@ def test_a_lightning_captured_batch_sampler_subclass_in_a_loader_subclass():
     from lightning.fabric.utilities.data import _replace_dunder_methods  # what Lightning wraps hooks in
 
     with _replace_dunder_methods(DataLoader, "dataset"), _replace_dunder_methods(BatchSampler):
-        loader = TaggedLoader(Indexed(N_REVERSED, 0), "hooked",
-                              batch_sampler=Reversed(SequentialSampler(range(N_REVERSED)), 4, False, reverse=False))
+        loader = TaggedLoader(
+            Indexed(N_REVERSED, 0),
+            "hooked",
+            batch_sampler=Reversed(SequentialSampler(range(N_REVERSED)), 4, False, reverse=False),
+        )
     assert hasattr(loader, "__pl_saved_args")
     new = inject_distributed_sampler(loader, Shard(2, 1, pad=False))
     assert type(new) is TaggedLoader and new.tag == "hooked"
@@ -86,13 +96,25 @@ def test_a_training_order_lightning_would_shuffle_is_warned_about_once_with_what
     batches; shuffle=True, overfit_batches (Lightning keeps the order too), a user's DistributedSampler and a list of
     batches get none; the warning's filterwarnings silences it."""
     data = Indexed(6, 0)
-    cases = [(DataLoader(data, batch_size=2), 2, r"SequentialSampler \(shuffle=False\), so rank r of 2 reads positions"
-              r" r, r \+ 2, r \+ 4, .*shuffle=True\).*pass shuffle=True to the training DataLoader"),
-             (DataLoader(data, batch_size=2), 1, "the one process reads every position"),
-             (DataLoader(data, sampler=WeightedRandomSampler([1.0] * 6, 6)), 2,
-              "WeightedRandomSampler, drawn once per epoch.*DistributedSamplerWrapper.*no setting"),
-             (TaggedLoader(data, tag="t", batch_sampler=Buckets(6, (2, 3))), 3,
-              r"batch sampler is a Buckets.*rank r of 3 reads positions r, r \+ 3, r \+ 6")]
+    cases = [
+        (
+            DataLoader(data, batch_size=2),
+            2,
+            r"SequentialSampler \(shuffle=False\), so rank r of 2 reads positions"
+            r" r, r \+ 2, r \+ 4, .*shuffle=True\).*pass shuffle=True to the training DataLoader",
+        ),
+        (DataLoader(data, batch_size=2), 1, "the one process reads every position"),
+        (
+            DataLoader(data, sampler=WeightedRandomSampler([1.0] * 6, 6)),
+            2,
+            "WeightedRandomSampler, drawn once per epoch.*DistributedSamplerWrapper.*no setting",
+        ),
+        (
+            TaggedLoader(data, tag="t", batch_sampler=Buckets(6, (2, 3))),
+            3,
+            r"batch sampler is a Buckets.*rank r of 3 reads positions r, r \+ 3, r \+ 6",
+        ),
+    ]
     for loader, world_size, match in cases:
         with pytest.warns(UserWarning, match=f"^{ORDER_KEPT_WARNING}: .*{match}") as caught:
             warn_if_order_kept(loader, world_size)
@@ -185,7 +207,7 @@ def test_any_iterable_is_read_whole_by_every_rank_as_under_lightning_ddp(runs):
 def epochs_of(record: dict) -> list[list[list[int]]]:
     """The training batches of an order fit, per epoch (4 per epoch: 11 samples per rank in batches of 3)."""
     per_epoch = math.ceil(math.ceil(N_ORDER / 2) / ORDER_BATCH)
-    return [record["train"][e * per_epoch:(e + 1) * per_epoch] for e in range(2)]
+    return [record["train"][e * per_epoch : (e + 1) * per_epoch] for e in range(2)]
 
 
 @pytest.mark.multiprocess
@@ -205,8 +227,12 @@ def test_a_shuffled_fit_is_lightnings_ddp_fit_to_the_bit(runs):
     for epoch in range(2):
         read = flat(epochs_of(ours[0])[epoch]) + flat(epochs_of(ours[1])[epoch])
         assert len(read) == N_ORDER + 1 and set(read) == set(range(N_ORDER))  # all once, one padded
-    assert epochs_of(ours[0])[0] != epochs_of(ours[0])[1] and epochs_of(ours[0])[0] != [[0, 2, 4], [6, 8, 10],
-                                                                                        [12, 14, 16], [18, 20]]
+    assert epochs_of(ours[0])[0] != epochs_of(ours[0])[1] and epochs_of(ours[0])[0] != [
+        [0, 2, 4],
+        [6, 8, 10],
+        [12, 14, 16],
+        [18, 20],
+    ]
     assert not torch.equal(ours[0]["weights"]["layer.weight"], ours[0]["initial"]["layer.weight"])  # it trained
 
 
@@ -292,5 +318,3 @@ def test_unsafe_checkpoint_error_suggestions_work_where_raised(runs):
         assert "MyDDPStrategy(checkpoint_io=DDPCheckpointIO(weights_only=False))" in message
         assert "torch.serialization.add_safe_globals([torch.nn.modules.loss.MSELoss])" in message
         assert rec["weights_only_false_step"] == rec["checkpoint_io_step"] == rec["safe_globals_step"] == 3
-
-

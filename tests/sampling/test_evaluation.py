@@ -27,8 +27,16 @@ def test_counts_that_need_the_peers_are_agreed_at_the_stage_start_without_proces
 
 def _trainer(val, limit=1.0, sanity=False, sanity_steps=2):
     """The parts of a Trainer the guard reads."""
-    return type("Trainer", (), {"val_dataloaders": val, "limit_val_batches": limit, "sanity_checking": sanity,
-                                "num_sanity_val_steps": sanity_steps})()
+    return type(
+        "Trainer",
+        (),
+        {
+            "val_dataloaders": val,
+            "limit_val_batches": limit,
+            "sanity_checking": sanity,
+            "num_sanity_val_steps": sanity_steps,
+        },
+    )()
 
 
 def test_guard_refuses_collectives_only_inside_steps_on_uneven_loaders():
@@ -80,8 +88,14 @@ def test_guard_follows_lightning_limits_and_the_dataloader_index():
 
 def _layout(n: int, batch: int, world: int) -> list[list[list[int]]]:
     """Every rank's batches of an unshuffled evaluation loader of ``n`` samples."""
-    return [list(EqualCountBatchSampler(EpochSeededDistributedSampler(list(range(n)), world, r, shuffle=False,
-                                                                      pad=False), batch)) for r in range(world)]
+    return [
+        list(
+            EqualCountBatchSampler(
+                EpochSeededDistributedSampler(list(range(n)), world, r, shuffle=False, pad=False), batch
+            )
+        )
+        for r in range(world)
+    ]
 
 
 def test_equal_count_batches_match_the_documented_example():
@@ -89,8 +103,9 @@ def test_equal_count_batches_match_the_documented_example():
     assert _layout(17, 4, 2) == [[[0, 2, 4, 6], [8, 10, 12, 14], [16]], [[1, 3, 5], [7, 9, 11, 13], [15]]]
 
 
-@pytest.mark.parametrize(("n", "batch", "world"), [(3, 4, 2), (21, 4, 2), (9, 4, 2), (10, 3, 3), (23, 2, 3),
-                                                   (8, 2, 4), (7, 5, 3)])
+@pytest.mark.parametrize(
+    ("n", "batch", "world"), [(3, 4, 2), (21, 4, 2), (9, 4, 2), (10, 3, 3), (23, 2, 3), (8, 2, 4), (7, 5, 3)]
+)
 def test_equal_count_batches_keep_every_sample_once_in_lightnings_number_of_steps(n, batch, world):
     """Every rank makes ceil(ceil(N/W)/B) non-empty batches of at most B, and the samples are covered once."""
     layout = _layout(n, batch, world)
@@ -115,5 +130,3 @@ def test_custom_batch_sampler_shards_get_equal_counts_by_halving_a_batch():
     batches = [[0, 1, 2], [3], [4, 5], [6, 7], [8]]
     layout = [list(ShardedBatchSampler(batches, Shard(2, r, pad=False))) for r in range(2)]
     assert layout == [[[0, 1, 2], [4, 5], [8]], [[3], [6], [7]]]
-
-

@@ -84,8 +84,10 @@ def test_uneven_all_gather_pads_as_lightnings_sampler_and_warns_once(runs, n, ba
     # Per step (a nested collection): flatten(0, 1) over the epoch = every sample once + Lightning's repeat of 0.
     expected = collections.Counter(range(n)) + collections.Counter([0])
     assert collections.Counter(flat_steps(records, "idx")) == expected
-    torch.testing.assert_close(torch.tensor(sorted(flat_steps(records, "score"))),
-                               torch.sort(s[torch.tensor(sorted(expected.elements()))]).values)
+    torch.testing.assert_close(
+        torch.tensor(sorted(flat_steps(records, "score"))),
+        torch.sort(s[torch.tensor(sorted(expected.elements()))]).values,
+    )
     warned = [w for w in records[0]["warnings"] if "all_gather got first dimensions" in w]
     assert len(warned) == 1 and "all_gather_rows" in warned[0]
     assert not any("all_gather got" in w for w in records[1]["warnings"])  # rank 0 only
@@ -150,8 +152,12 @@ def test_process_dataloader_is_no_collective_as_lightnings(runs):
     DistributedSampler loader comes back as it was, its counts left to the stage's start."""
     rank0, rank1 = load(runs, "one_rank_process_dataloader", 2)
     assert rank0 == {}
-    assert rank1 == {"counts": [(2, 2), (2, 2), None], "batches": [2, 2, 2],
-                     "kept": ["EqualCountBatchSampler", "Mine", "BatchSampler"], "own_unchanged": True}
+    assert rank1 == {
+        "counts": [(2, 2), (2, 2), None],
+        "batches": [2, 2, 2],
+        "kept": ["EqualCountBatchSampler", "Mine", "BatchSampler"],
+        "own_unchanged": True,
+    }
 
 
 def test_exact_evaluation_false_gives_lightnings_batches_and_values(runs):

@@ -44,15 +44,20 @@ def test_a_loader_that_is_not_a_dataloader_is_accepted_with_a_warning(recwarn):
 
 def batches(dataloader: DataLoader, num_replicas: int, pad: bool = True) -> list[list[int]]:
     """Batch sizes each of ``num_replicas`` ranks reads from the injected loader, rank by rank."""
-    return [[len(b[0]) for b in inject_distributed_sampler(dataloader, Shard(num_replicas, r, pad=pad))]
-            for r in range(num_replicas)]
+    return [
+        [len(b[0]) for b in inject_distributed_sampler(dataloader, Shard(num_replicas, r, pad=pad))]
+        for r in range(num_replicas)
+    ]
 
 
 def test_drop_last_without_a_batch_error_suggestions_work():
     """5 samples, 2 ranks, batch_size=4, drop_last=True: no rank gets a batch. Lowering batch_size to 3,
     drop_last=False or one device each gives every rank a batch."""
-    with pytest.raises(ValueError, match="drop_last=True with batch_size=4, but a rank's shard has only 3 samples.*"
-                                         "Lower batch_size to at most 3, set drop_last=False, or use fewer devices"):
+    with pytest.raises(
+        ValueError,
+        match="drop_last=True with batch_size=4, but a rank's shard has only 3 samples.*"
+        "Lower batch_size to at most 3, set drop_last=False, or use fewer devices",
+    ):
         batches(loader(5, 4, drop_last=True), 2)
     with pytest.raises(ValueError, match="drop_last=True with batch_size=6"):  # an unpadded (evaluation) shard
         batches(loader(10, 6, drop_last=True), 2, pad=False)
@@ -63,8 +68,9 @@ def test_drop_last_without_a_batch_error_suggestions_work():
 
 def test_fewer_samples_than_ranks_error_suggestions_work():
     """An unpadded (evaluation) loader of 1 sample on 2 ranks is refused; 2 samples, or 1 device, reads each once."""
-    with pytest.raises(ValueError, match="1 samples but there are 2 ranks.* Use a data set with at least 2 samples, or"
-                                         " fewer devices"):
+    with pytest.raises(
+        ValueError, match="1 samples but there are 2 ranks.* Use a data set with at least 2 samples, or fewer devices"
+    ):
         batches(loader(1, 1), 2, pad=False)
     assert batches(loader(2, 1), 2, pad=False) == [[1], [1]]
     assert batches(loader(1, 1), 1, pad=False) == [[1]]
@@ -117,10 +123,12 @@ def test_changed_data_resume_error_suggestions_work(tmp_path, caplog):
     mid_ck = ModelCheckpoint(dirpath=tmp_path / "mid", every_n_train_steps=2, save_top_k=-1)
     end_ck = ModelCheckpoint(dirpath=tmp_path / "end")
     one_rank_trainer(tmp_path, max_epochs=1, callbacks=[mid_ck, end_ck], enable_checkpointing=True).fit(
-        Regressor(), loader(8))
+        Regressor(), loader(8)
+    )
     mid, end = tmp_path / "mid" / "epoch=0-step=2.ckpt", tmp_path / "end" / "epoch=0-step=4.ckpt"
-    message = error_of(lambda: one_rank_trainer(tmp_path, max_epochs=2).fit(Regressor(), loader(10), ckpt_path=mid),
-                       caplog)
+    message = error_of(
+        lambda: one_rank_trainer(tmp_path, max_epochs=2).fit(Regressor(), loader(10), ckpt_path=mid), caplog
+    )
     assert re.match("ValueError: .* or resume from a checkpoint saved at the end of an epoch", message, re.S), message
     same = one_rank_trainer(tmp_path, max_epochs=1)
     same.fit(Regressor(), loader(8), ckpt_path=mid)

@@ -26,7 +26,7 @@ def test_drop_last_evaluation_loaders_read_lightnings_samples_in_its_steps(runs)
     """10 samples, batch 4, drop_last=True, in fit's validation, validate and test: every rank evaluates the samples
     Lightning's ddp evaluates, in as many steps (1 process: 8 in 2; 2 processes: 4 each, in 1 step each)."""
     mine, lightning, world = runs
-    per_rank = (-(-N // world) // BATCH)
+    per_rank = -(-N // world) // BATCH
     for a, b in zip(mine, lightning, strict=True):
         for stage in ("fit_val", "val", "test"):
             assert a[stage][0] == b[stage][0], stage

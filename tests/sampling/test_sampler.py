@@ -163,8 +163,9 @@ def test_custom_batch_sampler_is_sharded_by_whole_batches():
     assert shards == [[[0, 1], [3, 4, 5], [7, 8]], [[2], [6], [0, 1]]]
     # Unpadded (exact evaluation) rank 1 is one batch short and has no batch of 2+ to halve: it reads one again.
     with pytest.warns(UserWarning, match=r"\[rank 1\] .* one batch is evaluated twice"):
-        unpadded = [[b[0].tolist() for b in inject_distributed_sampler(loader, Shard(2, r, 0, pad=False))]
-                    for r in range(2)]
+        unpadded = [
+            [b[0].tolist() for b in inject_distributed_sampler(loader, Shard(2, r, 0, pad=False))] for r in range(2)
+        ]
     assert unpadded == shards
 
 

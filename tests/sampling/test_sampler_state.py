@@ -26,7 +26,12 @@ def test_padding_repeats_the_head_like_distributed_sampler():
     """Padding repeats the stream's head, cycling when more than one round is needed; nothing pads nothing."""
     assert [list(EpochSeededDistributedSampler(range(3), 2, r, shuffle=False)) for r in range(2)] == [[0, 2], [1, 0]]
     assert [list(EpochSeededDistributedSampler(range(2), 5, r, shuffle=False)) for r in range(5)] == [
-        [0], [1], [0], [1], [0]]
+        [0],
+        [1],
+        [0],
+        [1],
+        [0],
+    ]
     assert [list(EpochSeededDistributedSampler(range(0), 3, r)) for r in range(3)] == [[], [], []]
 
 
@@ -58,8 +63,11 @@ def test_a_resumed_remainder_is_padded_for_training_only():
 def _fitting(loader) -> SimpleNamespace:
     """The parts of a fitting Trainer that save_positions reads: training loaders, 3 batches done."""
     progress = SimpleNamespace(current=SimpleNamespace(ready=3))
-    return SimpleNamespace(state=SimpleNamespace(fn=TrainerFn.FITTING), train_dataloader={"a": [loader]},
-                           fit_loop=SimpleNamespace(epoch_loop=SimpleNamespace(batch_progress=progress)))
+    return SimpleNamespace(
+        state=SimpleNamespace(fn=TrainerFn.FITTING),
+        train_dataloader={"a": [loader]},
+        fit_loop=SimpleNamespace(epoch_loop=SimpleNamespace(batch_progress=progress)),
+    )
 
 
 def test_save_and_read_positions_without_process_group_and_weights_only_roundtrip():
@@ -91,7 +99,8 @@ def test_every_rank_computes_every_ranks_position_after_earlier_layers():
     assert positions[0] == positions[1]
     assert positions[0]["layers"] == [*start["layers"], {"world_size": 2, "consumed": [3, 3]}]
     assert EpochSeededDistributedSampler(range(9), 3, 0).position(5)["layers"] == [
-        {"world_size": 3, "consumed": [0, 0, 0]}]  # no epoch started: nothing consumed
+        {"world_size": 3, "consumed": [0, 0, 0]}
+    ]  # no epoch started: nothing consumed
 
 
 def test_bad_entries_warn_or_raise():
@@ -109,13 +118,20 @@ def test_a_mid_epoch_resume_sets_lightnings_batch_counter_and_silences_its_warni
     """6 of 10 samples left (batch 2, one rank): Lightning's counter becomes 5 - 3 = 2 batches done; its 'not
     resumable' warning, which does not apply, is filtered only until teardown (later fits still see it)."""
     loader = inject_distributed_sampler(DataLoader(list(range(10)), batch_size=2), Shard(1, 0))
-    injected_sampler(loader).resume_from({"epoch": 0, "seed": 0, "length": 10, "kind": "index",
-                                          "layers": [{"world_size": 1, "consumed": [4]}]})
+    injected_sampler(loader).resume_from(
+        {"epoch": 0, "seed": 0, "length": 10, "kind": "index", "layers": [{"world_size": 1, "consumed": [4]}]}
+    )
     counters = {"ready": 1, "started": 1, "processed": 1, "completed": 1}
     progress = SimpleNamespace(current=SimpleNamespace(**counters), total=SimpleNamespace(**counters))
-    trainer = SimpleNamespace(train_dataloader=[loader], limit_train_batches=1.0, num_training_batches=5,
-                              fit_loop=SimpleNamespace(epoch_progress=SimpleNamespace(current=SimpleNamespace(processed=0)),
-                                                       epoch_loop=SimpleNamespace(batch_progress=progress)))
+    trainer = SimpleNamespace(
+        train_dataloader=[loader],
+        limit_train_batches=1.0,
+        num_training_batches=5,
+        fit_loop=SimpleNamespace(
+            epoch_progress=SimpleNamespace(current=SimpleNamespace(processed=0)),
+            epoch_loop=SimpleNamespace(batch_progress=progress),
+        ),
+    )
     sharding, before = LoaderSharding(), list(warnings.filters)
     restore_batch_counter(trainer, 1, sharding.until_teardown)
     assert progress.current.ready == progress.total.completed == 2 and injected_sampler(loader).batch_offset == 2

@@ -71,9 +71,18 @@ def test_checkpoint_holds_every_ranks_position_and_loads_weights_only(runs):
     """The mid-epoch checkpoint stores both ranks' positions as plain data, readable with weights_only=True."""
     checkpoint = load_file(runs / "full2_ckpt" / f"step={CKPT_STEP}.ckpt", weights_only=True)
     done = CKPT_STEP - steps_per_epoch(2)  # batches finished in epoch 1
-    assert checkpoint[CHECKPOINT_KEY] == {"version": 1, "loaders": [{
-        "epoch": 1, "seed": SEED, "length": N_TRAIN, "kind": "index",
-        "layers": [{"world_size": 2, "consumed": [done * BATCH, done * BATCH]}]}]}
+    assert checkpoint[CHECKPOINT_KEY] == {
+        "version": 1,
+        "loaders": [
+            {
+                "epoch": 1,
+                "seed": SEED,
+                "length": N_TRAIN,
+                "kind": "index",
+                "layers": [{"world_size": 2, "consumed": [done * BATCH, done * BATCH]}],
+            }
+        ],
+    }
 
 
 def test_mid_epoch_resume_equals_the_uninterrupted_run(runs):
@@ -142,7 +151,8 @@ def test_test_and_predict_see_each_sample_once_with_lightning_batch_indices(runs
     data = Indexed(N_TEST, 2)
     assert records[0]["test_metrics"]["test_value"] == pytest.approx(data.v.mean().item(), abs=1e-5)
     assert records[0]["test_metrics"]["test_acc"] == pytest.approx(
-        (fixed_prediction(data.x) == data.y).float().mean().item(), abs=1e-6)
+        (fixed_prediction(data.x) == data.y).float().mean().item(), abs=1e-6
+    )
     predicted = []
     for rec in records:
         for batch_indices, values in rec["pairs"]:

@@ -69,13 +69,20 @@ def rank_batches(counts: tuple[int, ...], batch_size: int, salt: int = TRAIN_SAL
     per_rank = []
     for r, n in enumerate(counts):
         x, y, idx = samples(r, n, salt)
-        per_rank.append([(x[s:s + batch_size], y[s:s + batch_size], idx[s:s + batch_size])
-                         for s in range(0, n, batch_size)])
+        per_rank.append(
+            [(x[s : s + batch_size], y[s : s + batch_size], idx[s : s + batch_size]) for s in range(0, n, batch_size)]
+        )
     return per_rank
 
 
-def reference(counts: tuple[int, ...], batch_size: int, by_world_size: bool = True, steps: int | None = None,
-              epochs: int = EPOCHS, accumulate: int = 1) -> SimpleNamespace:
+def reference(
+    counts: tuple[int, ...],
+    batch_size: int,
+    by_world_size: bool = True,
+    steps: int | None = None,
+    epochs: int = EPOCHS,
+    accumulate: int = 1,
+) -> SimpleNamespace:
     """One process, the documented rule: ``layer`` (final), ``after_step`` (the weights after each step), ``val``
     (after each epoch, the loss over all of ``VAL``'s samples) and ``val_of_batch_means`` (the mean of its batches'
     means, which weighs the one-sample batch more). ``steps``: batches per epoch (default: the most of any rank);
@@ -194,16 +201,20 @@ def test_refused_collectives_raise_uneven_inputs_error_on_every_rank_without_wai
     within seconds (the collective timeout is 60 s), naming the collective, the batch and the rank without data, with
     what to do; so does Trainer(sync_batchnorm=True) with a BatchNorm (refused before the step, no gloo abort)."""
     per_step_sync = "a per-step sync a rank without data cannot shadow (a torchmetrics Metric"
-    kinds = {"refuse_all_gather": ("an all_gather", 5),
-             "refuse_broadcast": ("a broadcast from a rank that has no data left", 5),
-             "refuse_metric": (per_step_sync, 4), "refuse_sync_batchnorm": (per_step_sync, 4)}
+    kinds = {
+        "refuse_all_gather": ("an all_gather", 5),
+        "refuse_broadcast": ("a broadcast from a rank that has no data left", 5),
+        "refuse_metric": (per_step_sync, 4),
+        "refuse_sync_batchnorm": (per_step_sync, 4),
+    }
     for name, (kind, batches_of_rank_0) in kinds.items():
         for r, rec in enumerate(load(runs, name, 2)):
             assert rec["error"] is not None, name
             error_type, message, seconds = rec["error"]
             assert error_type == UnevenInputsError.__name__ and seconds < 20, (name, rec["error"])
-            assert message.startswith(f"[rank {r}] training batch 5 (batch_idx 4) of epoch 0 on ranks [0] makes"
-                                      f" {kind}"), message
+            assert message.startswith(
+                f"[rank {r}] training batch 5 (batch_idx 4) of epoch 0 on ranks [0] makes {kind}"
+            ), message
             assert "in which ranks [1], out of training data, cannot take part" in message
             assert "uneven_inputs='stop'" in message
             assert rec["steps"] == 4 and len(rec["seen"][0]) == (batches_of_rank_0 if r == 0 else 4)
@@ -235,8 +246,10 @@ def test_a_checkpoint_in_a_tail_step_while_rank_0_has_fewer_raises_naming_rank_0
         assert rec["error"] is not None
         error_type, message, seconds = rec["error"]
         assert error_type == UnevenInputsError.__name__ and seconds < 20, rec["error"]
-        assert message.startswith(f"[rank {r}] training batch 5 (batch_idx 4) of epoch 0 on ranks [1] makes a"
-                                  " checkpoint save, which rank 0 writes")
+        assert message.startswith(
+            f"[rank {r}] training batch 5 (batch_idx 4) of epoch 0 on ranks [1] makes a"
+            " checkpoint save, which rank 0 writes"
+        )
         assert "in which ranks [0], out of training data" in message and "give rank 0 the longest shard" in message
     assert sorted(p.name for p in (runs / "ckpt_fewer").iterdir()) == [f"step={s}.ckpt" for s in range(1, 5)]
 
@@ -282,7 +295,7 @@ def test_buffers_keep_every_tail_batch_when_rank_0_has_run_out(runs):
     x = samples(1, BN_COUNTS[1], TRAIN_SALT)[0]
     running = torch.zeros(3)
     for s in range(0, BN_COUNTS[1], ITERABLE_BATCH):
-        running = (1 - BN_MOMENTUM) * running + BN_MOMENTUM * x[s:s + ITERABLE_BATCH].mean(0)
+        running = (1 - BN_MOMENTUM) * running + BN_MOMENTUM * x[s : s + ITERABLE_BATCH].mean(0)
     records = load(runs, "buffers", 2)
     assert_same_on_every_rank([r["weights"] for r in records], "parameters and buffers")
     assert records[0]["error"] is None and records[0]["epochs"] == {0: (1, 3)}
@@ -298,13 +311,17 @@ def test_error_refuses_known_counts_at_the_epoch_start_and_unknown_ones_where_a_
     for r, rec in enumerate(load(runs, "error_map", 2)):
         error_type, message, seconds = rec["error"]
         assert error_type == "ValueError" and seconds < 20 and rec["steps"] == 0 and rec["seen"] == {}
-        assert message.startswith(f"[rank {r}] ranks have different numbers of training batches in epoch 0:"
-                                  " {0: 4, 1: 3}, refused by MyDDPStrategy(uneven_inputs='error')"), message
+        assert message.startswith(
+            f"[rank {r}] ranks have different numbers of training batches in epoch 0:"
+            " {0: 4, 1: 3}, refused by MyDDPStrategy(uneven_inputs='error')"
+        ), message
     for r, rec in enumerate(load(runs, "error_iterable", 2)):
         error_type, message, seconds = rec["error"]
         assert error_type == UnevenInputsError.__name__ and seconds < 20 and rec["steps"] == 3
-        assert message.startswith(f"[rank {r}] ranks [1] reach the end of their training data at batch 4 of"
-                                  " epoch 0 while the others have more"), message
+        assert message.startswith(
+            f"[rank {r}] ranks [1] reach the end of their training data at batch 4 of"
+            " epoch 0 while the others have more"
+        ), message
 
 
 @pytest.mark.multiprocess
@@ -343,8 +360,9 @@ def test_accumulation_that_a_shorter_ranks_last_batch_ends_is_refused_on_every_r
     start, before any step."""
     accumulation = "on ranks with different numbers of training batches (epoch 0): the last batch of ranks [1] ends"
     records = load(runs, "accumulate_3", 2)
-    assert_refused(records, UnevenInputsError.__name__, f"accumulate_grad_batches=3 {accumulation}",
-                   "a multiple of 3 batches")
+    assert_refused(
+        records, UnevenInputsError.__name__, f"accumulate_grad_batches=3 {accumulation}", "a multiple of 3 batches"
+    )
     assert [rec["steps"] for rec in records] == [1, 1] and [len(rec["seen"][0]) for rec in records] == [3, 3]
     records = load(runs, "accumulate_map", 2)
     assert_refused(records, "ValueError", f"accumulate_grad_batches=2 {accumulation}", "a multiple of 2 batches")
@@ -376,8 +394,12 @@ def test_validation_inside_an_uneven_epoch_is_refused_on_every_rank(runs):
     assert_refused(records, UnevenInputsError.__name__, "validation run", "val_check_interval")
     assert [rec["steps"] for rec in records] == [4, 4] and [len(rec["val"]) for rec in records] == [1, 1]
     records = load(runs, "val_half_map", 2)
-    assert_refused(records, UnevenInputsError.__name__, "start a validation run while 1 train a batch",
-                   "Trainer(val_check_interval=0.5) counts each rank's own batches")
+    assert_refused(
+        records,
+        UnevenInputsError.__name__,
+        "start a validation run while 1 train a batch",
+        "Trainer(val_check_interval=0.5) counts each rank's own batches",
+    )
     assert [rec["val"] for rec in records] == [[], []]
 
 

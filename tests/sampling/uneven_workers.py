@@ -158,9 +158,17 @@ class Normed(Probed):
 def trainer(out: Path, strategy: Any = None, **kwargs: Any) -> pl.Trainer:
     """A quiet 2-process CPU trainer (externally launched) for ``EPOCHS`` epochs."""
     defaults: dict[str, Any] = dict(
-        accelerator="cpu", devices=2, strategy=strategy or MyDDPStrategy(start_method="popen", timeout=60),
-        max_epochs=EPOCHS, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, num_sanity_val_steps=0, default_root_dir=str(out))
+        accelerator="cpu",
+        devices=2,
+        strategy=strategy or MyDDPStrategy(start_method="popen", timeout=60),
+        max_epochs=EPOCHS,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        default_root_dir=str(out),
+    )
     defaults.update(kwargs)
     return pl.Trainer(**defaults)
 
@@ -180,9 +188,20 @@ def fit(out: Path, name: str, train: Any, val: Any = None, model: Probed | None 
         t.fit(model, train, val)
     except Exception as error:  # noqa: BLE001 - recorded for the test
         record["error"] = (type(error).__name__, str(error), time.monotonic() - start)
-    save(out, name, {**record, "seen": model.seen, "results": model.results, "val": model.val,
-                     "weights": weights(model), "initial": weights(make_layer()), "steps": t.global_step,
-                     "epochs": dict(t.strategy._uneven.epochs) if isinstance(t.strategy, MyDDPStrategy) else None})
+    save(
+        out,
+        name,
+        {
+            **record,
+            "seen": model.seen,
+            "results": model.results,
+            "val": model.val,
+            "weights": weights(model),
+            "initial": weights(make_layer()),
+            "steps": t.global_step,
+            "epochs": dict(t.strategy._uneven.epochs) if isinstance(t.strategy, MyDDPStrategy) else None,
+        },
+    )
 
 
 def every_step_checkpoint(folder: Path) -> ModelCheckpoint:
@@ -201,14 +220,31 @@ def scenario_join(out: Path) -> None:
     collective (an all_gather, a broadcast from the joined rank, torchmetrics' per-step sync, SyncBatchNorm); then
     the cases a probe found hanging: accumulate_grad_batches (refused, and one that trains), validation inside
     the epoch (val_check_interval), and an IterableDataset with limit_train_batches or a __len__ (both hints)."""
-    fit(out, "join_iterable", stream(ITERABLE, ITERABLE_BATCH), stream(VAL, VAL_BATCH, VAL_SALT), Probed(SHADOWED),
-        callbacks=[every_step_checkpoint(out / "ckpt_more")], enable_checkpointing=True)
+    fit(
+        out,
+        "join_iterable",
+        stream(ITERABLE, ITERABLE_BATCH),
+        stream(VAL, VAL_BATCH, VAL_SALT),
+        Probed(SHADOWED),
+        callbacks=[every_step_checkpoint(out / "ckpt_more")],
+        enable_checkpointing=True,
+    )
     fit(out, "join_map", own_shard(MAP, MAP_BATCH), own_shard(VAL, VAL_BATCH, VAL_SALT), use_distributed_sampler=False)
-    fit(out, "join_map_active", own_shard(MAP, MAP_BATCH), use_distributed_sampler=False,
-        strategy=strategy(divide_by_initial_world_size=False))
+    fit(
+        out,
+        "join_map_active",
+        own_shard(MAP, MAP_BATCH),
+        use_distributed_sampler=False,
+        strategy=strategy(divide_by_initial_world_size=False),
+    )
     fewer = tuple(reversed(ITERABLE))  # rank 0: 4 batches, rank 1: 5
-    fit(out, "ckpt_fewer", stream(fewer, ITERABLE_BATCH), callbacks=[every_step_checkpoint(out / "ckpt_fewer")],
-        enable_checkpointing=True)
+    fit(
+        out,
+        "ckpt_fewer",
+        stream(fewer, ITERABLE_BATCH),
+        callbacks=[every_step_checkpoint(out / "ckpt_fewer")],
+        enable_checkpointing=True,
+    )
     fit(out, "refuse_all_gather", stream(ITERABLE, ITERABLE_BATCH), model=Probed(("all_gather",)))
     fit(out, "refuse_broadcast", stream(ITERABLE, ITERABLE_BATCH), model=Probed(("broadcast_from_1",)))
     fit(out, "refuse_metric", stream(ITERABLE, ITERABLE_BATCH), model=Probed(metric=True))
@@ -219,8 +255,14 @@ def scenario_join(out: Path) -> None:
     fit(out, "accumulate_2", stream(ITERABLE, ITERABLE_BATCH), accumulate_grad_batches=2)
     val = stream(VAL, VAL_BATCH, VAL_SALT)
     fit(out, "val_every_2", stream(ITERABLE, ITERABLE_BATCH), val, val_check_interval=2, check_val_every_n_epoch=None)
-    fit(out, "val_half_map", own_shard(MAP, MAP_BATCH), own_shard(VAL, VAL_BATCH, VAL_SALT),
-        use_distributed_sampler=False, val_check_interval=0.5)
+    fit(
+        out,
+        "val_half_map",
+        own_shard(MAP, MAP_BATCH),
+        own_shard(VAL, VAL_BATCH, VAL_SALT),
+        use_distributed_sampler=False,
+        val_check_interval=0.5,
+    )
     fit(out, "limit_5", stream(ITERABLE, ITERABLE_BATCH), limit_train_batches=5)
     fit(out, "length_hint", DataLoader(Hinted(ITERABLE, TRAIN_SALT), batch_size=ITERABLE_BATCH))
 
@@ -230,10 +272,20 @@ def scenario_policies(out: Path) -> None:
     MyDDPStrategy, a loader the strategy shards, then the even inputs under Lightning's ddp (last: its teardown keeps
     the process group)."""
     fit(out, "stop_iterable", stream(ITERABLE, ITERABLE_BATCH), strategy=strategy(uneven_inputs="stop"))
-    fit(out, "stop_map", own_shard(MAP, MAP_BATCH), use_distributed_sampler=False,
-        strategy=strategy(uneven_inputs="stop"))
-    fit(out, "error_map", own_shard(MAP, MAP_BATCH), use_distributed_sampler=False,
-        strategy=strategy(uneven_inputs="error"))
+    fit(
+        out,
+        "stop_map",
+        own_shard(MAP, MAP_BATCH),
+        use_distributed_sampler=False,
+        strategy=strategy(uneven_inputs="stop"),
+    )
+    fit(
+        out,
+        "error_map",
+        own_shard(MAP, MAP_BATCH),
+        use_distributed_sampler=False,
+        strategy=strategy(uneven_inputs="error"),
+    )
     fit(out, "error_iterable", stream(ITERABLE, ITERABLE_BATCH), strategy=strategy(uneven_inputs="error"))
     none = (ITERABLE[0], 0)  # rank 1 has no batch at all
     fit(out, "stop_none", stream(none, ITERABLE_BATCH), strategy=strategy(uneven_inputs="stop"))

@@ -109,13 +109,27 @@ class UnevenData(DigitsDataModule):
 if __name__ == "__main__":
     L.seed_everything(3)
     timeout = 5 if SCENARIO == "skip_log" else 60  # skip_log waits for it: the ranks' collectives do not match
-    strategy = MyDDPStrategy(start_method=START_METHOD, timeout=timeout, monitored_barrier_timeout=5,
-                             checkpoint_on_sigterm=str(OUT / "sigterm.ckpt"),
-                             uneven_inputs="error" if SCENARIO == "uneven" else "join")  # the default trains them
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_epochs=3, limit_train_batches=6,
-                        limit_val_batches=3, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        callbacks=[Events()], default_root_dir=str(OUT))
+    strategy = MyDDPStrategy(
+        start_method=START_METHOD,
+        timeout=timeout,
+        monitored_barrier_timeout=5,
+        checkpoint_on_sigterm=str(OUT / "sigterm.ckpt"),
+        uneven_inputs="error" if SCENARIO == "uneven" else "join",
+    )  # the default trains them
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=strategy,
+        max_epochs=3,
+        limit_train_batches=6,
+        limit_val_batches=3,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[Events()],
+        default_root_dir=str(OUT),
+    )
     data = UnevenData() if SCENARIO == "uneven" else DigitsDataModule()
     try:
         try:
@@ -123,9 +137,18 @@ if __name__ == "__main__":
         except RuntimeError:  # refit: the user's script catches the failure and fits again in the same processes
             if SCENARIO != "refit":
                 raise
-            again = L.Trainer(accelerator="cpu", devices=2, strategy=MyDDPStrategy(start_method=START_METHOD),
-                              max_epochs=1, limit_train_batches=6, limit_val_batches=0, logger=False,
-                              enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+            again = L.Trainer(
+                accelerator="cpu",
+                devices=2,
+                strategy=MyDDPStrategy(start_method=START_METHOD),
+                max_epochs=1,
+                limit_train_batches=6,
+                limit_val_batches=0,
+                logger=False,
+                enable_checkpointing=False,
+                enable_progress_bar=False,
+                enable_model_summary=False,
+            )
             again.fit(Model(), DigitsDataModule())
             (OUT / f"refit_rank{again.global_rank}").write_text(str(again.global_step))
     finally:

@@ -19,11 +19,17 @@ from ddp_strategy import DigitsClassifier, DigitsDataModule, MyDDPStrategy
 class Record(L.Callback):
     def on_train_start(self, trainer, pl_module):
         s = trainer.strategy
-        self.seen = {"world_size": s.world_size, "global_rank": s.global_rank, "node_rank": s.node_rank,
-                     "local_rank": s.local_rank, "node_ranks": s.node_ranks,
-                     "env": type(s.cluster_environment).__name__,
-                     "rank_zero_only": rank_zero_only.rank, "backend": s.process_group_backend,
-                     "node_group_size": torch.distributed.get_world_size(s.node_group)}
+        self.seen = {
+            "world_size": s.world_size,
+            "global_rank": s.global_rank,
+            "node_rank": s.node_rank,
+            "local_rank": s.local_rank,
+            "node_ranks": s.node_ranks,
+            "env": type(s.cluster_environment).__name__,
+            "rank_zero_only": rank_zero_only.rank,
+            "backend": s.process_group_backend,
+            "node_group_size": torch.distributed.get_world_size(s.node_group),
+        }
 
 
 if __name__ == "__main__":
@@ -34,10 +40,18 @@ if __name__ == "__main__":
         os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:2])
         topology = {"devices": 3}
     record = Record()
-    trainer = L.Trainer(accelerator="cpu", strategy=MyDDPStrategy(timeout=60), logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        max_steps=5 if mode == "torchrun" else 2, limit_val_batches=2, callbacks=[record],
-                        **topology)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        strategy=MyDDPStrategy(timeout=60),
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        max_steps=5 if mode == "torchrun" else 2,
+        limit_val_batches=2,
+        callbacks=[record],
+        **topology,
+    )
     model = DigitsClassifier()
     trainer.fit(model, DigitsDataModule())
     torch.save({**record.seen, "final": model.state_dict()}, out / f"rank{trainer.global_rank}.pt")

@@ -35,24 +35,43 @@ class Record(pl.Callback):
         self.out = out
 
     def on_train_end(self, trainer, pl_module) -> None:
-        torch.save({"weights": {k: v.detach().clone() for k, v in pl_module.state_dict().items()},
-                    "epoch": trainer.current_epoch, "step": trainer.global_step,
-                    "val_acc": float(trainer.callback_metrics["val_acc"]), "built_for": BUILT_FOR,
-                    "namespaces": {name: _namespace.namespace_of(obj) for name, obj in
-                                   (("strategy", trainer.strategy), ("model", pl_module),
-                                    ("data", trainer.datamodule), ("checkpoint_io", trainer.strategy.checkpoint_io))}},
-                   self.out / f"rank{trainer.global_rank}.pt")
+        torch.save(
+            {
+                "weights": {k: v.detach().clone() for k, v in pl_module.state_dict().items()},
+                "epoch": trainer.current_epoch,
+                "step": trainer.global_step,
+                "val_acc": float(trainer.callback_metrics["val_acc"]),
+                "built_for": BUILT_FOR,
+                "namespaces": {
+                    name: _namespace.namespace_of(obj)
+                    for name, obj in (
+                        ("strategy", trainer.strategy),
+                        ("model", pl_module),
+                        ("data", trainer.datamodule),
+                        ("checkpoint_io", trainer.strategy.checkpoint_io),
+                    )
+                },
+            },
+            self.out / f"rank{trainer.global_rank}.pt",
+        )
 
 
 if __name__ == "__main__":
     out = Path(sys.argv[3])
     pl.seed_everything(321)
     trainer = pl.Trainer(
-        accelerator="cpu", devices=2, strategy=STRATEGY, plugins=[DDPCheckpointIO()],
-        max_epochs=2, logger=False, enable_progress_bar=False, enable_model_summary=False,
-        default_root_dir=str(out), limit_train_batches=10, limit_val_batches=2,
-        callbacks=[pl.callbacks.ModelCheckpoint(dirpath=out / "ckpts", filename="{epoch}", save_top_k=-1),
-                   Record(out)],
+        accelerator="cpu",
+        devices=2,
+        strategy=STRATEGY,
+        plugins=[DDPCheckpointIO()],
+        max_epochs=2,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=str(out),
+        limit_train_batches=10,
+        limit_val_batches=2,
+        callbacks=[pl.callbacks.ModelCheckpoint(dirpath=out / "ckpts", filename="{epoch}", save_top_k=-1), Record(out)],
     )
     assert trainer.strategy is STRATEGY
     trainer.fit(DigitsClassifier(), DigitsDataModule(batch_size=32))

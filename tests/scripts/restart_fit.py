@@ -65,9 +65,18 @@ class SlowTeardown(MyDDPStrategy):
 
 def trainer(args: argparse.Namespace, max_steps: int) -> L.Trainer:
     checkpoints = ModelCheckpoint(dirpath=args.out / "ckpts", every_n_train_steps=3, save_last=True, save_top_k=-1)
-    return L.Trainer(accelerator="cpu", devices=args.devices, max_steps=max_steps, limit_val_batches=2,
-                     strategy=SlowTeardown(args.slow_teardown, timeout=60), callbacks=[checkpoints], logger=False,
-                     enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(args.out))
+    return L.Trainer(
+        accelerator="cpu",
+        devices=args.devices,
+        max_steps=max_steps,
+        limit_val_batches=2,
+        strategy=SlowTeardown(args.slow_teardown, timeout=60),
+        callbacks=[checkpoints],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=str(args.out),
+    )
 
 
 if __name__ == "__main__":
@@ -88,10 +97,15 @@ if __name__ == "__main__":
         if stage == "fit":
             t = trainer(args, args.max_steps)
             t.fit(model, data, ckpt_path=args.ckpt)
-            record.update(global_step=t.global_step, batches=model.batches, listening=model.listening,
-                          final={k: v.detach().clone() for k, v in model.state_dict().items()},
-                          world_size=t.world_size, gloo_ifname=model.gloo_ifname,
-                          master_port=int(os.environ["MASTER_PORT"]))
+            record.update(
+                global_step=t.global_step,
+                batches=model.batches,
+                listening=model.listening,
+                final={k: v.detach().clone() for k, v in model.state_dict().items()},
+                world_size=t.world_size,
+                gloo_ifname=model.gloo_ifname,
+                master_port=int(os.environ["MASTER_PORT"]),
+            )
         elif stage == "test":
             record["test_acc"] = t.test(model, data, verbose=False)[0]["test_acc"]
         elif stage == "refit":  # a new Trainer in the same script: another rendezvous on the same port

@@ -60,8 +60,14 @@ def _state(module: nn.Module) -> dict[str, torch.Tensor]:
 class EquivClassifier(DigitsClassifier):
     """Digits classifier that records batches, per-micro-batch gradients, hook calls and weights."""
 
-    def __init__(self, optimizer: str = "sgd", manual: bool = False, net: nn.Module | None = None,
-                 counting: CountingState | None = None, corrupt_rank1_after_batch: int | None = None) -> None:
+    def __init__(
+        self,
+        optimizer: str = "sgd",
+        manual: bool = False,
+        net: nn.Module | None = None,
+        counting: CountingState | None = None,
+        corrupt_rank1_after_batch: int | None = None,
+    ) -> None:
         super().__init__(hidden_size=32)
         if net is not None:
             self.model = net
@@ -69,13 +75,20 @@ class EquivClassifier(DigitsClassifier):
         self.automatic_optimization = not manual
         self.counting = counting
         self.corrupt_after = corrupt_rank1_after_batch
-        self.record: dict[str, Any] = {"batches": [], "grads": [], "hook_calls": [], "grad_norms": [],
-                                       "buffers_in_step": [], "bn_classes": []}
+        self.record: dict[str, Any] = {
+            "batches": [],
+            "grads": [],
+            "hook_calls": [],
+            "grad_norms": [],
+            "buffers_in_step": [],
+            "bn_classes": [],
+        }
 
     def on_train_start(self) -> None:
         self.record["initial"] = _state(self.model)
-        self.record["bn_classes"] = sorted({type(m).__name__ for m in self.model.modules()
-                                            if isinstance(m, nn.modules.batchnorm._BatchNorm)})
+        self.record["bn_classes"] = sorted(
+            {type(m).__name__ for m in self.model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)}
+        )
 
     def training_step(self, batch, batch_idx):
         x, y, idx = batch
@@ -165,11 +178,19 @@ class HookClassifier(DigitsClassifier):
 
 def _trainer(**kwargs: Any) -> pl.Trainer:
     strategy_kwargs = kwargs.pop("strategy_kwargs", {})
-    defaults = dict(accelerator="cpu", devices=2, strategy=MyDDPStrategy(start_method="popen", timeout=60,
-                                                                          **strategy_kwargs),
-                    max_epochs=1, limit_train_batches=STEPS, limit_val_batches=0, num_sanity_val_steps=0,
-                    logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                    enable_model_summary=False)
+    defaults = dict(
+        accelerator="cpu",
+        devices=2,
+        strategy=MyDDPStrategy(start_method="popen", timeout=60, **strategy_kwargs),
+        max_epochs=1,
+        limit_train_batches=STEPS,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     return pl.Trainer(**{**defaults, **kwargs})
 
 
@@ -177,9 +198,17 @@ def _save(out: Path, name: str, rank: int, record: dict[str, Any]) -> None:
     torch.save(record, out / f"{name}_rank{rank}.pt")
 
 
-def _equivalence(name: str, rank: int, out: Path, optimizer: str = "sgd", manual: bool = False,
-                 accumulate: int = 1, clip: float | None = None, net: nn.Module | None = None,
-                 **trainer_kwargs: Any) -> None:
+def _equivalence(
+    name: str,
+    rank: int,
+    out: Path,
+    optimizer: str = "sgd",
+    manual: bool = False,
+    accumulate: int = 1,
+    clip: float | None = None,
+    net: nn.Module | None = None,
+    **trainer_kwargs: Any,
+) -> None:
     torch.manual_seed(1000 + rank)  # different RNG per rank: DDP's broadcast must make the ranks agree
     counting = CountingState()
     model = EquivClassifier(optimizer, manual, net=net, counting=counting)
@@ -187,11 +216,21 @@ def _equivalence(name: str, rank: int, out: Path, optimizer: str = "sgd", manual
     strategy_kwargs = trainer_kwargs.pop("strategy_kwargs", {})
     strategy_kwargs.setdefault("ddp_comm_hook", counting_allreduce_hook)
     strategy_kwargs.setdefault("ddp_comm_state", counting)
-    trainer = _trainer(limit_train_batches=STEPS * accumulate, accumulate_grad_batches=accumulate,
-                       gradient_clip_val=clip, strategy_kwargs=strategy_kwargs, **trainer_kwargs)
+    trainer = _trainer(
+        limit_train_batches=STEPS * accumulate,
+        accumulate_grad_batches=accumulate,
+        gradient_clip_val=clip,
+        strategy_kwargs=strategy_kwargs,
+        **trainer_kwargs,
+    )
     trainer.fit(model, IndexedDigits(batch_size=B))
-    record = {**model.record, "pre_wrap": pre_wrap, "after_fit_bn_classes": sorted(
-        {type(m).__name__ for m in model.model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)})}
+    record = {
+        **model.record,
+        "pre_wrap": pre_wrap,
+        "after_fit_bn_classes": sorted(
+            {type(m).__name__ for m in model.model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)}
+        ),
+    }
     if trainer_kwargs.get("sync_batchnorm"):
         ckpt = out / "syncbn.ckpt"
         trainer.save_checkpoint(ckpt)
@@ -220,26 +259,43 @@ def _scenarios(rank: int, out: Path) -> list[tuple[str, Any]]:
             strategy_kwargs: dict[str, Any] = {"ddp_comm_hook": hook}
             if hook == "powersgd":  # a user-made state: rank 2 instead of the default rank 1
                 strategy_kwargs["ddp_comm_state"] = PowerSGDState(
-                    process_group=None, matrix_approximation_rank=2, start_powerSGD_iter=10)
-            trainer = _trainer(max_epochs=HOOK_EPOCHS, limit_train_batches=None, limit_val_batches=None,
-                               strategy_kwargs=strategy_kwargs)
+                    process_group=None, matrix_approximation_rank=2, start_powerSGD_iter=10
+                )
+            trainer = _trainer(
+                max_epochs=HOOK_EPOCHS,
+                limit_train_batches=None,
+                limit_val_batches=None,
+                strategy_kwargs=strategy_kwargs,
+            )
             trainer.fit(model, DigitsDataModule(batch_size=32))
-            _save(out, f"hook_{hook}", rank, {
-                "val_acc": float(trainer.callback_metrics["val_acc"]), "step_bytes": model.step_bytes,
-                "by_dtype": model.step_dtypes, "final": _state(model.model)})
+            _save(
+                out,
+                f"hook_{hook}",
+                rank,
+                {
+                    "val_acc": float(trainer.callback_metrics["val_acc"]),
+                    "step_bytes": model.step_bytes,
+                    "by_dtype": model.step_dtypes,
+                    "final": _state(model.model),
+                },
+            )
+
         return run
 
     def unused(find: bool):
         def fit() -> None:
             torch.manual_seed(0)
             _trainer(limit_train_batches=2, strategy_kwargs={"find_unused_parameters": find}).fit(
-                EquivClassifier(net=UnusedParamNet()), IndexedDigits(batch_size=B))
+                EquivClassifier(net=UnusedParamNet()), IndexedDigits(batch_size=B)
+            )
+
         return fit
 
     def desync() -> None:
         torch.manual_seed(0)
         _trainer(limit_train_batches=6, strategy_kwargs={"verify_sync_every_n_steps": 2}).fit(
-            EquivClassifier(corrupt_rank1_after_batch=2), IndexedDigits(batch_size=B))
+            EquivClassifier(corrupt_rank1_after_batch=2), IndexedDigits(batch_size=B)
+        )
 
     return [
         ("sgd", lambda: _equivalence("sgd", rank, out, "sgd")),
@@ -247,12 +303,24 @@ def _scenarios(rank: int, out: Path) -> list[tuple[str, Any]]:
         ("accumulate", lambda: _equivalence("accumulate", rank, out, "adam", accumulate=4)),
         ("manual", lambda: _equivalence("manual", rank, out, "adam", manual=True)),
         ("clip", lambda: _equivalence("clip", rank, out, "sgd", clip=CLIP)),
-        ("user_group", lambda: _equivalence("user_group", rank, out, "sgd", strategy_kwargs={
-            "process_group": user_group, "bucket_cap_mb": 1, "static_graph": True})),
+        (
+            "user_group",
+            lambda: _equivalence(
+                "user_group",
+                rank,
+                out,
+                "sgd",
+                strategy_kwargs={"process_group": user_group, "bucket_cap_mb": 1, "static_graph": True},
+            ),
+        ),
         ("syncbn", lambda: _equivalence("syncbn", rank, out, "sgd", net=bn_net(), sync_batchnorm=True)),
         ("buffers_broadcast", lambda: _equivalence("buffers_broadcast", rank, out, "sgd", net=bn_net())),
-        ("buffers_local", lambda: _equivalence("buffers_local", rank, out, "sgd", net=bn_net(),
-                                               strategy_kwargs={"broadcast_buffers": False})),
+        (
+            "buffers_local",
+            lambda: _equivalence(
+                "buffers_local", rank, out, "sgd", net=bn_net(), strategy_kwargs={"broadcast_buffers": False}
+            ),
+        ),
         ("hooks_allreduce", hook_fit("allreduce")),
         ("hooks_fp16", hook_fit("fp16")),
         ("hooks_bf16", hook_fit("bf16")),
@@ -267,8 +335,9 @@ def run_rank(rank: int, ports: list[int], out_dir: str, only: list[str] | None =
     """Entry point of each rank: run every scenario (or ``only`` these), each on its own port."""
     out = Path(out_dir)
     torch.set_num_threads(1)
-    os.environ.update({"MASTER_ADDR": "127.0.0.1", "WORLD_SIZE": "2", "NODE_RANK": "0", "LOCAL_RANK": str(rank),
-                       "RANK": str(rank)})
+    os.environ.update(
+        {"MASTER_ADDR": "127.0.0.1", "WORLD_SIZE": "2", "NODE_RANK": "0", "LOCAL_RANK": str(rank), "RANK": str(rank)}
+    )
     os.chdir(out)  # Lightning may create lightning_logs/ etc.: keep them out of the test's cwd
     scenarios = _scenarios(rank, out)
     for port, (name, run) in zip(ports, scenarios, strict=False):
@@ -326,12 +395,23 @@ class BatchNormNet(pl.LightningModule):
 
 def scenario_batchnorm(out: Path) -> None:
     """Fit 2 epochs with validation, broadcast_buffers True and False; then Lightning's ddp."""
-    for name, strategy in (("bn_true", MyDDPStrategy(start_method="popen", timeout=60)),
-                           ("bn_false", MyDDPStrategy(start_method="popen", timeout=60, broadcast_buffers=False)),
-                           ("bn_lightning", "ddp")):
+    for name, strategy in (
+        ("bn_true", MyDDPStrategy(start_method="popen", timeout=60)),
+        ("bn_false", MyDDPStrategy(start_method="popen", timeout=60, broadcast_buffers=False)),
+        ("bn_lightning", "ddp"),
+    ):
         model = BatchNormNet()
-        pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_epochs=2, logger=False,
-                   enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                   num_sanity_val_steps=0, default_root_dir=str(out)).fit(model)
+        pl.Trainer(
+            accelerator="cpu",
+            devices=2,
+            strategy=strategy,
+            max_epochs=2,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            num_sanity_val_steps=0,
+            default_root_dir=str(out),
+        ).fit(model)
         save(out, name, model.rec)
     dist.destroy_process_group()

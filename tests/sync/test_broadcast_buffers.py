@@ -39,8 +39,10 @@ class EMANet(pl.LightningModule):
         return DataLoader(list(zip(x, torch.zeros(32), strict=True)), batch_size=4, shuffle=True)  # Lightning's shards
 
     def val_dataloader(self) -> Any:
-        return DataLoader(list(zip(torch.randn(8, 4, generator=torch.Generator().manual_seed(2)), torch.zeros(8),
-                                   strict=True)), batch_size=4)
+        return DataLoader(
+            list(zip(torch.randn(8, 4, generator=torch.Generator().manual_seed(2)), torch.zeros(8), strict=True)),
+            batch_size=4,
+        )
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         return self.net(batch[0] + 3 * self.global_rank).pow(2).mean()
@@ -61,9 +63,19 @@ def scenario_ema_then_batchnorm(out: Path) -> None:
     """Fit EMANet 2 epochs with EMAWeightAveraging under Lightning's ddp and MyDDPStrategy; then scenario_batchnorm."""
     for name, strategy in (("ema_lightning", "ddp"), ("ema_mine", MyDDPStrategy(start_method="popen", timeout=60))):
         model = EMANet()
-        pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_epochs=2, logger=False,
-                   callbacks=[EMAWeightAveraging(decay=0.5)], enable_checkpointing=False, enable_progress_bar=False,
-                   enable_model_summary=False, num_sanity_val_steps=0, default_root_dir=str(out)).fit(model)
+        pl.Trainer(
+            accelerator="cpu",
+            devices=2,
+            strategy=strategy,
+            max_epochs=2,
+            logger=False,
+            callbacks=[EMAWeightAveraging(decay=0.5)],
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            num_sanity_val_steps=0,
+            default_root_dir=str(out),
+        ).fit(model)
         save(out, name, model.rec)
     scenario_batchnorm(out)
 

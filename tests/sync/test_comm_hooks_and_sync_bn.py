@@ -16,10 +16,14 @@ def test_hook_names_resolve_and_bf16_is_replaced_off_nccl():
     assert comm_hooks.CommHookConfig().resolve("gloo") is None
     state, hook = comm_hooks.CommHookConfig("fp16").resolve("gloo")
     assert hook is default_hooks.fp16_compress_hook and state is None
-    assert comm_hooks.CommHookConfig(default_hooks.bf16_compress_hook).resolve("gloo")[1] is \
-        comm_hooks.bf16_all_reduce_hook
-    assert comm_hooks.CommHookConfig(default_hooks.bf16_compress_hook).resolve("nccl")[1] is \
-        default_hooks.bf16_compress_hook
+    assert (
+        comm_hooks.CommHookConfig(default_hooks.bf16_compress_hook).resolve("gloo")[1]
+        is comm_hooks.bf16_all_reduce_hook
+    )
+    assert (
+        comm_hooks.CommHookConfig(default_hooks.bf16_compress_hook).resolve("nccl")[1]
+        is default_hooks.bf16_compress_hook
+    )
     state, hook = comm_hooks.CommHookConfig("powersgd").resolve("gloo")
     assert isinstance(state, powersgd.PowerSGDState) and state.matrix_approximation_rank == 1
     _, wrapped = comm_hooks.CommHookConfig("allreduce", wrapper=default_hooks.bf16_compress_wrapper).resolve("gloo")

@@ -43,17 +43,21 @@ def _train_data() -> tuple[torch.Tensor, torch.Tensor]:
     return x, y
 
 
-def _reference(run: dict[int, dict], net: nn.Module, optimizer: str, accumulate: int = 1,
-               clip: float | None = None) -> dict[str, torch.Tensor]:
+def _reference(
+    run: dict[int, dict], net: nn.Module, optimizer: str, accumulate: int = 1, clip: float | None = None
+) -> dict[str, torch.Tensor]:
     """One process, initial weights of rank 0, fed the union of both ranks' micro-batches (2B each)."""
     x, y = _train_data()
     net.load_state_dict(run[0]["initial"])
-    opt = (torch.optim.Adam(net.parameters(), lr=ww.LR["adam"]) if optimizer == "adam"
-           else torch.optim.SGD(net.parameters(), lr=ww.LR["sgd"]))
+    opt = (
+        torch.optim.Adam(net.parameters(), lr=ww.LR["adam"])
+        if optimizer == "adam"
+        else torch.optim.SGD(net.parameters(), lr=ww.LR["sgd"])
+    )
     batches = list(zip(run[0]["batches"], run[1]["batches"], strict=True))
     for start in range(0, len(batches), accumulate):
         opt.zero_grad()
-        for b0, b1 in batches[start:start + accumulate]:
+        for b0, b1 in batches[start : start + accumulate]:
             union = torch.tensor(b0 + b1)
             (F.cross_entropy(net(x[union]), y[union]) / accumulate).backward()
         if clip is not None:
@@ -78,14 +82,17 @@ def _assert_matches_reference(run: dict[int, dict], reference: dict[str, torch.T
     assert not torch.equal(run[0]["final"]["layers.0.weight"], run[0]["initial"]["layers.0.weight"])
 
 
-@pytest.mark.parametrize("scenario, optimizer, accumulate, clip", [
-    ("sgd", "sgd", 1, None),
-    ("adam", "adam", 1, None),
-    ("accumulate", "adam", 4, None),
-    ("manual", "adam", 1, None),
-    ("clip", "sgd", 1, ww.CLIP),
-    ("user_group", "sgd", 1, None),
-])
+@pytest.mark.parametrize(
+    "scenario, optimizer, accumulate, clip",
+    [
+        ("sgd", "sgd", 1, None),
+        ("adam", "adam", 1, None),
+        ("accumulate", "adam", 4, None),
+        ("manual", "adam", 1, None),
+        ("clip", "sgd", 1, ww.CLIP),
+        ("user_group", "sgd", 1, None),
+    ],
+)
 def test_two_ranks_equal_one_process_on_the_global_batch(records, scenario, optimizer, accumulate, clip):
     """After k optimizer steps the weights equal one process's on the union of batches (2B), within 1e-5."""
     run = records[scenario]
@@ -152,8 +159,10 @@ def test_broadcast_buffers_keeps_rank_buffers_identical(records):
         for name, value in synced[0]["buffers_in_step"][step].items():
             assert torch.equal(value, synced[1]["buffers_in_step"][step][name]), (step, name)
     last = ww.STEPS - 1
-    assert not torch.equal(local[0]["buffers_in_step"][last]["layers.1.running_mean"],
-                           local[1]["buffers_in_step"][last]["layers.1.running_mean"])
+    assert not torch.equal(
+        local[0]["buffers_in_step"][last]["layers.1.running_mean"],
+        local[1]["buffers_in_step"][last]["layers.1.running_mean"],
+    )
 
 
 def test_unused_parameters_error_names_them_on_every_rank(records):
@@ -195,8 +204,11 @@ def test_comm_hook_bytes_per_step(records):
     count_collective_bytes counts the comm hooks' all-reduces only (not the strategy's own collectives).
     """
     n = sum(p.numel() for p in DigitsNet().parameters())
-    for hook, per_element, dtype in [("allreduce", 4, "torch.float32"), ("fp16", 2, "torch.float16"),
-                                     ("bf16", 2, "torch.bfloat16")]:
+    for hook, per_element, dtype in [
+        ("allreduce", 4, "torch.float32"),
+        ("fp16", 2, "torch.float16"),
+        ("bf16", 2, "torch.bfloat16"),
+    ]:
         step_bytes = records[f"hook_{hook}"][0]["step_bytes"]
         assert set(step_bytes) == {per_element * n}
         assert set(records[f"hook_{hook}"][0]["by_dtype"]) == {dtype}

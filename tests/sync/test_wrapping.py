@@ -16,13 +16,21 @@ from ddp_strategy.sync.comm_hooks import CommHookConfig
 def test_known_options_pass_through_with_ddps_defaults():
     """DDP options pass through; no default is changed from DDP's (Lightning's ddp passes none either)."""
     assert wrapping.validate_ddp_kwargs({}) == {}
-    named = {"find_unused_parameters": False, "static_graph": False, "gradient_as_bucket_view": False,
-             "bucket_cap_mb": None, "broadcast_buffers": True}
+    named = {
+        "find_unused_parameters": False,
+        "static_graph": False,
+        "gradient_as_bucket_view": False,
+        "bucket_cap_mb": None,
+        "broadcast_buffers": True,
+    }
     assert wrapping.non_default_options(named) == {}  # DDP's defaults, from its signature: nothing is passed
     assert wrapping.non_default_options({**named, "broadcast_buffers": False, "bucket_cap_mb": 5}) == {
-        "broadcast_buffers": False, "bucket_cap_mb": 5}
-    opts = wrapping.validate_ddp_kwargs({"find_unused_parameters": True, "bucket_cap_mb": 5,
-                                         "gradient_as_bucket_view": True})
+        "broadcast_buffers": False,
+        "bucket_cap_mb": 5,
+    }
+    opts = wrapping.validate_ddp_kwargs(
+        {"find_unused_parameters": True, "bucket_cap_mb": 5, "gradient_as_bucket_view": True}
+    )
     assert opts == {"find_unused_parameters": True, "bucket_cap_mb": 5, "gradient_as_bucket_view": True}
     assert {"static_graph", "broadcast_buffers", "process_group"} <= set(wrapping.DDP_OPTIONS)
 
@@ -54,4 +62,3 @@ def test_wrap_and_unwrap_in_a_one_rank_group():
     wrapping.broadcast_states(module)  # world size 1: a no-op that must not fail
     assert wrapping.unwrap(wrapped, failed=True) is module and wrapped.process_group is None
     dist.destroy_process_group()
-

@@ -34,8 +34,14 @@ def all_reduce_rank(rank: int, world_size: int, scale: float = 1.0) -> dict:
     """Each rank: its launch environment and the all-reduced sum of ``scale * (rank + 1)``."""
     value = torch.tensor([scale * (rank + 1)])
     dist.all_reduce(value)
-    return {"rank": rank, "world_size": world_size, "env_rank": int(os.environ["RANK"]),
-            "local_rank": int(os.environ["LOCAL_RANK"]), "sum": value.item(), "group_size": dist.get_world_size()}
+    return {
+        "rank": rank,
+        "world_size": world_size,
+        "env_rank": int(os.environ["RANK"]),
+        "local_rank": int(os.environ["LOCAL_RANK"]),
+        "sum": value.item(),
+        "group_size": dist.get_world_size(),
+    }
 
 
 def fail_on_rank_1(rank: int, world_size: int) -> None:
@@ -66,8 +72,12 @@ def read_with_two_workers(rank: int, world_size: int) -> dict:
     loader = DataLoader(data, batch_size=2, num_workers=2, sampler=DistributedSampler(data, shuffle=False))
     batches = list(loader)
     indices, squares, workers, parents = (torch.cat([b[field] for b in batches]).tolist() for field in range(4))
-    return {"indices": indices, "squares": squares, "workers": sorted(set(workers)),
-            "workers_forked_from_the_rank": set(parents) == {os.getpid()}}
+    return {
+        "indices": indices,
+        "squares": squares,
+        "workers": sorted(set(workers)),
+        "workers_forked_from_the_rank": set(parents) == {os.getpid()},
+    }
 
 
 def start_a_sleep(rank: int, world_size: int, pid_folder: str, then: str) -> int:
@@ -109,11 +119,22 @@ def fit_tiny(rank: int, world_size: int) -> dict:
     generator = torch.Generator().manual_seed(0)
     data = TensorDataset(torch.randn(16, 4, generator=generator), torch.randn(16, 1, generator=generator))
     model = TinyRegressor()
-    trainer = L.Trainer(accelerator="cpu", devices=world_size, strategy=MyDDPStrategy(), max_epochs=2, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=world_size,
+        strategy=MyDDPStrategy(),
+        max_epochs=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     trainer.fit(model, DataLoader(data, batch_size=4))
-    return {"weights": {k: v.detach().clone() for k, v in model.state_dict().items()},
-            "group_size": dist.get_world_size(), "steps": trainer.global_step}
+    return {
+        "weights": {k: v.detach().clone() for k, v in model.state_dict().items()},
+        "group_size": dist.get_world_size(),
+        "steps": trainer.global_step,
+    }
 
 
 def test_every_ranks_value_comes_back_in_rank_order():
@@ -171,8 +192,11 @@ def test_a_malformed_marker_says_how_to_write_it():
         _marker_options(pytest.mark.ddp(3, world_size=4).mark)
     with pytest.raises(ValueError, match=r"got \['worldsize'\], which run_on_ranks does not take.*'timeout_s'"):
         _marker_options(pytest.mark.ddp(worldsize=3).mark)
-    assert _marker_options(pytest.mark.ddp(3).mark) == _marker_options(pytest.mark.ddp(world_size=3).mark) == {
-        "world_size": 3}
+    assert (
+        _marker_options(pytest.mark.ddp(3).mark)
+        == _marker_options(pytest.mark.ddp(world_size=3).mark)
+        == {"world_size": 3}
+    )
     assert _marker_options(None) == {}
 
 
@@ -193,8 +217,10 @@ def test_no_process_a_rank_started_outlives_the_call(tmp_path):
     pids = run_on_ranks(start_a_sleep, 2, args=(str(tmp_path), "return"))
     assert sorted(int(p.read_text()) for p in tmp_path.glob("sleep_*.pid")) == sorted(pids)
     assert [pid for pid in pids if not is_gone(pid)] == []
-    for then, error in (("raise", "(?s)rank 0 raised.*rank 0 fails with its sleep running"),
-                        ("hang", "did not finish within 3 s")):
+    for then, error in (
+        ("raise", "(?s)rank 0 raised.*rank 0 fails with its sleep running"),
+        ("hang", "did not finish within 3 s"),
+    ):
         for p in tmp_path.glob("sleep_*.pid"):
             p.unlink()
         with pytest.raises(RankError, match=error):
@@ -208,13 +234,19 @@ def test_bad_arguments_are_refused_before_any_rank_starts():
     size that is not an int >= 1 (``ddp("2")``, ``True``, 0), a deadline or collective timeout that is not a finite
     number > 0 (0, -5, nan, inf, "x"), an unknown backend, args that are not a tuple or list, kwargs not a dict."""
     for world_size in ("2", True, 0, 2.0):
-        with pytest.raises(ValueError, match=rf"needs an int world_size >= 1 \(the number of ranks\), got"
-                                             rf" {re.escape(repr(world_size))}\."):
+        with pytest.raises(
+            ValueError,
+            match=rf"needs an int world_size >= 1 \(the number of ranks\), got"
+            rf" {re.escape(repr(world_size))}\.",
+        ):
             run_on_ranks(all_reduce_rank, world_size)
     for name in ("timeout_s", "collective_timeout_s"):
         for seconds in (0, -5, float("nan"), float("inf"), "x", True):
-            with pytest.raises(ValueError, match=rf"needs {name} as a finite number of seconds > 0, got"
-                                                 rf" {re.escape(repr(seconds))}: the deadline"):
+            with pytest.raises(
+                ValueError,
+                match=rf"needs {name} as a finite number of seconds > 0, got"
+                rf" {re.escape(repr(seconds))}: the deadline",
+            ):
                 run_on_ranks(all_reduce_rank, 2, **{name: seconds})
     with pytest.raises(ValueError, match=r"backend='bogus', which this torch does not have; pass 'gloo'"):
         run_on_ranks(all_reduce_rank, 2, backend="bogus")
@@ -224,8 +256,10 @@ def test_bad_arguments_are_refused_before_any_rank_starts():
     with pytest.raises(TypeError, match=r"needs kwargs as a dict of fn's keyword arguments, got \[1\]"):
         run_on_ranks(all_reduce_rank, 2, kwargs=[1])
     # what the messages ask for works: an int world size, numpy's included, and one argument as a 1-tuple
-    assert [v["sum"] for v in run_on_ranks(all_reduce_rank, np.int64(2), args=(2.0,), timeout_s=60.0,
-                                           collective_timeout_s=30)] == [6.0, 6.0]
+    assert [
+        v["sum"]
+        for v in run_on_ranks(all_reduce_rank, np.int64(2), args=(2.0,), timeout_s=60.0, collective_timeout_s=30)
+    ] == [6.0, 6.0]
 
 
 def exit_without_a_result(rank: int, world_size: int) -> None:
@@ -245,16 +279,26 @@ def test_a_rank_that_exits_without_a_result_is_reported_with_the_likely_causes()
 def environment_seen(rank: int, world_size: int) -> dict:
     """The scheduler variables this rank sees, and the cluster environment a Trainer built here picks."""
     trainer = L.Trainer(accelerator="cpu", devices=world_size, strategy=MyDDPStrategy(), logger=False)
-    return {"slurm": sorted(n for n in os.environ if n.startswith("SLURM_")), "kept": os.environ.get("MY_SETTING"),
-            "environment": type(trainer.strategy.cluster_environment).__name__,
-            "ranks": (trainer.global_rank, trainer.world_size)}
+    return {
+        "slurm": sorted(n for n in os.environ if n.startswith("SLURM_")),
+        "kept": os.environ.get("MY_SETTING"),
+        "environment": type(trainer.strategy.cluster_environment).__name__,
+        "ranks": (trainer.global_rank, trainer.world_size),
+    }
 
 
 def test_ranks_of_a_test_run_inside_a_slurm_job_do_not_take_the_job_for_their_ranks(monkeypatch):
     """Inside a SLURM allocation (SLURM_NTASKS=1 ...) a Trainer in a rank would see the job's one task and refuse
     devices=2; the ranks do not inherit the schedulers' variables, other variables they do."""
-    for name, value in {"SLURM_JOB_ID": "77", "SLURM_NTASKS": "1", "SLURM_JOB_NAME": "pytest", "SLURM_PROCID": "0",
-                        "SLURM_LOCALID": "0", "SLURM_NODEID": "0", "MY_SETTING": "kept"}.items():
+    for name, value in {
+        "SLURM_JOB_ID": "77",
+        "SLURM_NTASKS": "1",
+        "SLURM_JOB_NAME": "pytest",
+        "SLURM_PROCID": "0",
+        "SLURM_LOCALID": "0",
+        "SLURM_NODEID": "0",
+        "MY_SETTING": "kept",
+    }.items():
         monkeypatch.setenv(name, value)
     seen = run_on_ranks(environment_seen, 2, init_process_group=False, timeout_s=60)
     assert [s["slurm"] for s in seen] == [[], []] and [s["kept"] for s in seen] == ["kept", "kept"]
@@ -265,8 +309,11 @@ def test_ranks_of_a_test_run_inside_a_slurm_job_do_not_take_the_job_for_their_ra
 def test_a_start_method_not_offered_is_refused_and_the_suggested_ones_work():
     """'fork' is refused saying why and to use the default or 'spawn'; an unknown name is refused listing the
     accepted ones; both suggestions run the ranks."""
-    with pytest.raises(ValueError, match=r"does not offer start_method='fork': forking the test process.*hang a rank"
-                                         r"\. Pass start_method=None \(the default: forkserver.*or 'spawn'"):
+    with pytest.raises(
+        ValueError,
+        match=r"does not offer start_method='fork': forking the test process.*hang a rank"
+        r"\. Pass start_method=None \(the default: forkserver.*or 'spawn'",
+    ):
         run_on_ranks(all_reduce_rank, 2, start_method="fork")
     with pytest.raises(ValueError, match=r"got start_method='bogus'; pass None .* 'forkserver' or 'spawn'\."):
         run_on_ranks(all_reduce_rank, 2, start_method="bogus")
@@ -313,8 +360,9 @@ def test_same_on_every_rank_counts_nan_at_the_same_place_as_equal():
 
 def test_same_on_every_rank_compares_numpy_arrays_like_tensors():
     """NumPy arrays and scalars, alone or in dicts, are compared by value (no 'truth value is ambiguous')."""
-    assert_same_on_every_rank([{"w": np.array([1.0, 2.0]), "n": np.int64(3)}, {"w": np.array([1.0, 2.0]),
-                                                                               "n": np.int64(3)}])
+    assert_same_on_every_rank(
+        [{"w": np.array([1.0, 2.0]), "n": np.int64(3)}, {"w": np.array([1.0, 2.0]), "n": np.int64(3)}]
+    )
     with pytest.raises(AssertionError, match=r"rank 1 vs rank 0: value\['w'\]: max abs difference 0.5"):
         assert_same_on_every_rank([{"w": np.array([1.0, 2.0])}, {"w": np.array([1.0, 2.5])}])
     with pytest.raises(AssertionError, match=r"value: shapes \(3,\) and \(2,\)"):

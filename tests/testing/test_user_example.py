@@ -60,14 +60,24 @@ def fit_on_this_rank(rank: int, world_size: int) -> dict:
     """What each rank returns to the test: its weights, the validation samples it saw, the synced loss sum."""
     data = IndexedData()
     model = Regressor()
-    trainer = L.Trainer(accelerator="cpu", devices=world_size, strategy=MyDDPStrategy(), max_epochs=2,
-                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=world_size,
+        strategy=MyDDPStrategy(),
+        max_epochs=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     trainer.fit(model, DataLoader(data, batch_size=4, shuffle=True), DataLoader(data, batch_size=4))
     model.seen = []
     trainer.validate(model, DataLoader(data, batch_size=4), verbose=False)
-    return {"weights": {k: v.detach().clone() for k, v in model.state_dict().items()}, "seen": model.seen,
-            "val_sum_sq": trainer.callback_metrics["val_sum_sq"].item()}
+    return {
+        "weights": {k: v.detach().clone() for k, v in model.state_dict().items()},
+        "seen": model.seen,
+        "val_sum_sq": trainer.callback_metrics["val_sum_sq"].item(),
+    }
 
 
 def test_my_module_under_ddp(ddp_ranks):
