@@ -262,13 +262,45 @@ def inline_code(path: Path) -> list[tuple[int, str]]:
 
 _REPO_PATH = re.compile(r"(?<![\w./-])((?:ddp_strategy|benchmarks|notebooks|docs|tests|\.ci)/[\w./-]*[\w/])")
 _PUBLIC_NAME = re.compile(r"(?<![\w./-])ddp_strategy((?:\.\w+)+)")
+#: A bare file name (no folder) of a module or a page: it must be the name of some file of the repository.
+_FILE_NAME = re.compile(r"(?<![\w./<-])([\w-]+\.(?:py|md))(?![\w/])")
+#: Bare file names that are the user's, not the repository's: the script a docs example is saved as and run from
+#: (``python example.py``) and the user's training script of the launch commands (``torchrun ... train.py``).
+USER_FILES = {"example.py", "train.py"}
+
+
+def repository_file_names() -> set[str]:
+    """The names of the repository's files (hidden folders, caches and build outputs left out)."""
+    names = set()
+    for _folder, subfolders, files in os.walk(ROOT):
+        subfolders[:] = [d for d in subfolders if not d.startswith((".", "__")) and not d.endswith(".egg-info")]
+        names.update(files)
+    return names
+
+
+def names_of_tests() -> set[str]:
+    """Every test module's name without ``.py`` and every test function's name, under ``tests/``."""
+    names = set()
+    for module in (ROOT / "tests").rglob("test_*.py"):
+        names |= {module.stem, *re.findall(r"^\s*(?:async )?def (test_\w+)", module.read_text(), re.MULTILINE)}
+    return names
 
 
 def test_repository_paths_and_module_names_in_the_docs_exist():
-    """Every repository path in inline code exists, and every ``ddp_strategy.NAME`` is importable as written."""
+    """Every repository path in inline code exists, every bare ``name.py``/``name.md`` is one of the repository's
+    files (or the user's ``example.py``/``train.py``), every bare ``test_NAME`` is a test module or test function
+    of ``tests/`` (or a ``Trainer`` attribute, ``test_dataloaders``), and every ``ddp_strategy.NAME`` is importable
+    as written."""
     import importlib
     import importlib.util
 
+    from ddp_strategy._compat import namespace
+
+    files, tests, trainer = (
+        repository_file_names() | USER_FILES,
+        names_of_tests(),
+        namespace.default.get("pytorch:Trainer"),
+    )
     problems = []
     for path in doc_files():
         for number, span in inline_code(path):
@@ -276,6 +308,11 @@ def test_repository_paths_and_module_names_in_the_docs_exist():
             for found in _REPO_PATH.findall(span):
                 if "<" not in found and not (ROOT / found).exists():
                     problems.append(f"{where}: `{found}` does not exist")
+            for name in _FILE_NAME.findall(span):
+                if name not in files:
+                    problems.append(f"{where}: `{name}` is no file of the repository")
+            if re.fullmatch(r"test_\w+", span) and span not in tests and not hasattr(trainer, span):
+                problems.append(f"{where}: `{span}` is no test module or test function in tests/")
             for dotted in _PUBLIC_NAME.findall(span):
                 obj, names = importlib.import_module("ddp_strategy"), dotted.strip(".").split(".")
                 for name in names:
@@ -350,3 +387,9 @@ def test_link_and_anchor_helpers(tmp_path):
     assert relative_links(page) == [(3, "other.md#x-y"), (3, "#title"), (10, "k.md")]
     assert anchors(page) == {"title", "title-1"}
     assert inline_code(page) == [(3, "[d](e.md)"), (9, "span over [h](i.md) two lines")]
+
+
+def test_bare_file_names_are_found_in_inline_code():
+    """The docs check takes a bare module or page name from a span, and leaves paths and placeholders to the others."""
+    spans = "run a.py, see docs/b.md or c.md, not <name>.py, x.pyc or tests/d.py; my-notes.md"
+    assert _FILE_NAME.findall(spans) == ["a.py", "c.md", "my-notes.md"]
