@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import signal
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 import torch.distributed as dist
@@ -26,20 +28,12 @@ _LONG_LIVED_HELPERS = ("resource_tracker", "forkserver", "semaphore_tracker")
 
 def _child_pids() -> dict[int, str]:
     """Live (non-zombie) child processes of this process: pid -> command line."""
-    me = os.getpid()
     children: dict[int, str] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        fields = stat[stat.rindex(")") + 2 :].split()
-        state, ppid = fields[0], int(fields[1])
-        if ppid == me and state != "Z" and not any(h in cmdline for h in _LONG_LIVED_HELPERS):
-            children[int(entry.name)] = cmdline
+    for child in psutil.Process().children():
+        with contextlib.suppress(psutil.Error):  # gone, or a zombie (whose command line cannot be read)
+            cmdline = " ".join(child.cmdline())
+            if child.status() != psutil.STATUS_ZOMBIE and not any(h in cmdline for h in _LONG_LIVED_HELPERS):
+                children[child.pid] = cmdline
     return children
 
 

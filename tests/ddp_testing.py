@@ -4,6 +4,7 @@ ranks, each rank recording what it saw in ``out/<name>.rank<R>.pt``)."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import logging
 import os
@@ -16,6 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import psutil
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -114,47 +116,19 @@ def finish(proc: subprocess.Popen, timeout: float) -> tuple[int, str]:
 
 
 def session_members(sid: int) -> list[int]:
-    """Live processes whose session id is ``sid`` (everything a launched job started)."""
+    """Live (non-zombie) processes whose session id is ``sid`` (everything a job started in its own session)."""
     members = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            fields = stat[stat.rindex(")") + 2 :].split()
-            if int(fields[3]) == sid and fields[0] not in "ZX":
-                members.append(int(entry.name))
+    for proc in psutil.process_iter(["status"]):
+        with contextlib.suppress(OSError):  # gone meanwhile
+            if proc.info["status"] not in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD) and os.getsid(proc.pid) == sid:
+                members.append(proc.pid)
     return members
-
-
-def _proc_net_address(hex_address: str) -> tuple[str, int]:
-    """Decode ``/proc/net/tcp{,6}``'s ``ADDR:PORT`` (the address in 32-bit little-endian words)."""
-    addr, port = hex_address.split(":")
-    raw = b"".join(bytes.fromhex(addr[i : i + 8])[::-1] for i in range(0, len(addr), 8))
-    return socket.inet_ntop(socket.AF_INET if len(raw) == 4 else socket.AF_INET6, raw), int(port, 16)
 
 
 def listening_sockets(pid: int) -> list[tuple[str, int]]:
     """The TCP sockets process ``pid`` listens on, as ``(address, port)``: ``0.0.0.0`` or ``::`` is every interface."""
-    inodes = set()
-    for fd in Path(f"/proc/{pid}/fd").iterdir():
-        try:
-            target = os.readlink(fd)
-        except OSError:
-            continue
-        if target.startswith("socket:["):
-            inodes.add(target[len("socket:[") : -1])
-    found = []
-    for table in ("tcp", "tcp6"):
-        path = Path(f"/proc/{pid}/net/{table}")
-        if not path.exists():
-            continue
-        for line in path.read_text().splitlines()[1:]:
-            fields = line.split()
-            if fields[3] == "0A" and fields[9] in inodes:  # state 0A = LISTEN
-                found.append(_proc_net_address(fields[1]))
-    return sorted(found)
+    connections = psutil.Process(pid).net_connections(kind="tcp")
+    return sorted((c.laddr.ip, c.laddr.port) for c in connections if c.status == psutil.CONN_LISTEN)
 
 
 def is_loopback(address: str) -> bool:

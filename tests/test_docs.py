@@ -29,7 +29,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
 import pytest
+from ddp_testing import session_members
 
 ROOT = Path(__file__).resolve().parents[1]
 MARKER = "<!-- runnable -->"
@@ -85,22 +87,6 @@ def runnable_blocks() -> list[Block]:
     return [b for path in doc_files() for b in code_blocks(path) if b.runnable]
 
 
-def _session_processes(sid: int) -> list[int]:
-    """Live (non-zombie) processes of session ``sid``: the example's ranks and whatever they started."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        fields = stat[stat.rindex(")") + 2 :].split()
-        if fields[0] != "Z" and int(fields[3]) == sid:
-            found.append(int(entry.name))
-    return found
-
-
 def _kill_session(sid: int) -> None:
     try:
         os.killpg(sid, signal.SIGKILL)
@@ -136,7 +122,7 @@ def run_example(
         out, _ = proc.communicate()
         pytest.fail(f"the example did not finish within {timeout_s:g} s; its output:\n{out[-6000:]}")
     deadline = time.monotonic() + exit_grace_s
-    while (left := _session_processes(proc.pid)) and time.monotonic() < deadline:
+    while (left := session_members(proc.pid)) and time.monotonic() < deadline:
         time.sleep(0.2)
     _kill_session(proc.pid)
     assert not left, f"the example left processes running: {left}; its output:\n{out[-6000:]}"
@@ -344,14 +330,11 @@ def _processes_running(marker: str, wait_s: float = 5.0) -> list[int]:
     (SIGKILL takes effect asynchronously)."""
     deadline = time.monotonic() + wait_s
     while True:
-        found = []
-        for entry in Path("/proc").iterdir():
-            try:
-                if entry.name.isdigit() and marker in (entry / "cmdline").read_bytes().decode(errors="replace"):
-                    if (entry / "stat").read_text().split(") ")[-1][0] != "Z":
-                        found.append(int(entry.name))
-            except OSError:
-                continue
+        found = [
+            proc.pid
+            for proc in psutil.process_iter(["cmdline", "status"])
+            if marker in " ".join(proc.info["cmdline"] or ()) and proc.info["status"] != psutil.STATUS_ZOMBIE
+        ]
         if not found or time.monotonic() > deadline:
             return found
         time.sleep(0.1)

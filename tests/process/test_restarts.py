@@ -14,6 +14,7 @@ import threading
 from pathlib import Path
 
 import lightning.pytorch as pl
+import psutil
 import pytest
 import torch
 import torch.distributed as dist
@@ -199,10 +200,6 @@ def test_slurm_requeue_checkpoint_holds_the_sampler_position_and_resumes_exactly
         _weights_close(resumed["final"], full["final"])
 
 
-def _open_descriptors() -> int:
-    return len(os.listdir("/proc/self/fd"))
-
-
 @pytest.mark.timeout(600)
 def test_ten_fits_in_one_process_keep_descriptors_threads_and_children_flat(tmp_path):
     """As in a notebook (fork): 10 fits in one process leave descriptors, threads and child processes unchanged."""
@@ -221,17 +218,7 @@ def test_ten_fits_in_one_process_keep_descriptors_threads_and_children_flat(tmp_
             default_root_dir=str(tmp_path),
         )
         trainer.fit(model, DigitsDataModule())
-        children = [p for p in os.listdir("/proc") if p.isdigit() and _parent(p) == os.getpid()]
-        counts.append(
-            (_open_descriptors(), threading.active_count(), len(os.listdir("/proc/self/task")), len(children))
-        )
+        me = psutil.Process()
+        counts.append((me.num_fds(), threading.active_count(), me.num_threads(), len(me.children())))
     assert counts[1:] == [counts[0]] * 9, counts
     assert listening_sockets(os.getpid()) == [] and not dist.is_initialized()
-
-
-def _parent(pid: str) -> int:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return -1
-    return int(stat[stat.rindex(")") + 2 :].split()[1])

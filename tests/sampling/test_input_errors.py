@@ -16,7 +16,6 @@ from ddp_testing import Regressor, error_of, loader, one_rank_trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, TensorDataset
 
-from ddp_strategy.process.collectives import check_gatherable
 from ddp_strategy.sampling.loaders import (
     inject_distributed_sampler,
     needs_padding,
@@ -101,19 +100,6 @@ def test_padded_evaluation_warning_suggestions_give_exact_shards():
         shards = [[len(b[0]) for b in shard_for_evaluation(exact, Shard(2, r), "validation")] for r in (0, 1)]
         assert sum(map(sum, shards)) == len(exact.dataset)
         assert len(shards[0]) == len(shards[1])
-
-
-def test_all_gather_shape_error_names_every_shape_and_its_suggestion_works():
-    """Only the first dimension may differ: anything else is refused with every rank's shape; padded to a common
-    trailing shape they pass."""
-    check_gatherable([(3, 2), (1, 2)], 0)
-    with pytest.raises(ValueError, match=r"\[rank 1\].*rank 0: \(3, 2\), rank 1: \(3, 4\)"):
-        check_gatherable([(3, 2), (3, 4)], 1)
-    with pytest.raises(ValueError, match="rank 0: \\(\\)"):
-        check_gatherable([(), ()], 0)
-    with pytest.raises(ValueError, match="Pad or reshape them to a common shape"):
-        check_gatherable([(3, 4), (2, 5)], 0)
-    check_gatherable([(3, 5), (2, 5)], 0)
 
 
 # ---------------------------------------------------------------------------- resumed positions

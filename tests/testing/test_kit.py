@@ -11,6 +11,7 @@ from pathlib import Path
 
 import lightning as L
 import numpy as np
+import psutil
 import pytest
 import torch
 import torch.distributed as dist
@@ -94,10 +95,9 @@ def start_a_sleep(rank: int, world_size: int, pid_folder: str, then: str) -> int
 def is_gone(pid: int) -> bool:
     """The process is absent, or a zombie (dead, waiting to be reaped by init)."""
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
         return True
-    return stat[stat.rindex(")") + 2] == "Z"
 
 
 class TinyRegressor(L.LightningModule):
@@ -411,21 +411,28 @@ class _RaisingInWorkers(Dataset):
         return torch.tensor([float(i)])
 
 
-def read_through_failing_workers(rank: int, world_size: int) -> None:
-    """Rank 1's DataLoader workers raise; rank 0 waits in an all-reduce for rank 1."""
+def read_through_failing_workers(rank: int, world_size: int, folder: str) -> None:
+    """Rank 1's DataLoader workers raise (rank 1 notes when, in ``folder``); rank 0 waits in an all-reduce for rank 1,
+    and raises saying whether that all-reduce broke within 3 s of rank 1's failure."""
     if rank == 1:
-        list(DataLoader(_RaisingInWorkers(), batch_size=4, num_workers=2))
-    dist.all_reduce(torch.ones(1))
+        try:
+            list(DataLoader(_RaisingInWorkers(), batch_size=4, num_workers=2))
+        finally:
+            (Path(folder) / "rank_1_failed_at").write_text(repr(time.monotonic()))  # one clock for every process
+    try:
+        dist.all_reduce(torch.ones(1))
+    except Exception as e:
+        waited = time.monotonic() - float((Path(folder) / "rank_1_failed_at").read_text())
+        raise RuntimeError(f"the all-reduce broke within 3 s of rank 1's failure: {waited < 3.0}") from e
 
 
-def test_a_rank_failing_with_dataloader_workers_releases_its_peers_at_once(monkeypatch):
+def test_a_rank_failing_with_dataloader_workers_releases_its_peers_at_once(tmp_path):
     """Rank 1 fails while its DataLoader workers are alive: the kit stops them with it, so rank 0's all-reduce breaks
-    at once and rank 0 fails too, inside a 3 s grace period, instead of being stopped at its end (orphaned, the
-    workers, which hold copies of rank 1's connections, would notice their parent is gone only up to 5 s later)."""
-    from ddp_strategy.testing import ranks
-
-    monkeypatch.setattr(ranks, "FAILURE_GRACE_S", 3.0)
+    at once, within 3 s, and rank 0 fails too, in the kit's grace period, instead of being stopped at its end
+    (orphaned, the workers, which hold copies of rank 1's connections, would notice their parent is gone only up to
+    5 s later)."""
     with pytest.raises(RankError, match="2 of 2 ranks failed") as raised:
-        run_on_ranks(read_through_failing_workers, 2, timeout_s=60)
+        run_on_ranks(read_through_failing_workers, 2, args=(str(tmp_path),), timeout_s=60)
     assert "a DataLoader worker of rank 1 failed on purpose" in raised.value.reports[1]
     assert raised.value.reports[0].startswith("raised:")  # rank 0's all-reduce broke; it was not stopped
+    assert "the all-reduce broke within 3 s of rank 1's failure: True" in raised.value.reports[0]
