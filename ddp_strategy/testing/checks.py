@@ -7,8 +7,7 @@ per epoch across ranks (a ``DistributedSampler`` without padding), a gathered va
 
 from __future__ import annotations
 
-import operator
-import sys
+import numbers
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -17,13 +16,13 @@ import torch
 
 def _array(value: Any) -> torch.Tensor | None:
     """``value`` as a CPU tensor if it is a tensor, a numeric NumPy array or scalar, or a float (float64); else None."""
-    numpy = sys.modules.get("numpy")  # a value cannot be a NumPy array unless NumPy is imported
     if isinstance(value, torch.Tensor):
         return value.detach().cpu()
-    if numpy is not None and isinstance(value, (numpy.ndarray, numpy.generic)) and value.dtype.kind in "biufc":
-        return torch.as_tensor(numpy.asarray(value))
     if isinstance(value, float):
         return torch.tensor(value, dtype=torch.float64)
+    # NumPy's arrays and scalars of numbers (told apart without importing NumPy), as torch.as_tensor takes them
+    if hasattr(value, "__array_interface__") and getattr(getattr(value, "dtype", None), "kind", None) in tuple("biufc"):
+        return torch.as_tensor(value)
     return None
 
 
@@ -54,8 +53,11 @@ def _differences(a: Any, b: Any, where: str, atol: float, rtol: float) -> list[s
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
         if len(a) != len(b):
             return [f"{where}: lengths {len(a)} and {len(b)}"]
-        pairs = enumerate(zip(a, b, strict=True))
-        return [d for i, (x, y) in pairs for d in _differences(x, y, f"{where}[{i}]", atol, rtol)]
+        return [
+            d
+            for i, (x, y) in enumerate(zip(a, b, strict=True))
+            for d in _differences(x, y, f"{where}[{i}]", atol, rtol)
+        ]
     if isinstance(a, torch.nn.Module) and isinstance(b, torch.nn.Module):
         return _differences(a.state_dict(), b.state_dict(), where, atol, rtol)
     x, y = _array(a), _array(b)
@@ -132,24 +134,16 @@ def assert_each_sample_once(per_rank_indices: Sequence[Any], num_samples: int) -
 def _flat_indices(indices: Any, rank: int) -> list[int]:
     """One rank's indices as a flat list of ints, from ints, tensors, NumPy arrays and (nested) lists of them."""
     array = _array(indices)
-    if array is not None:
-        values = array.flatten().tolist()
-    elif isinstance(indices, (str, bytes)) or not isinstance(indices, Iterable):
-        values = [indices]
-    else:
+    if array is None and isinstance(indices, Iterable) and not isinstance(indices, (str, bytes)):
         return [i for item in indices for i in _flat_indices(item, rank)]
-    flat = []
-    for value in values:
-        if isinstance(value, float) and value.is_integer():
-            value = int(value)
-        try:
-            flat.append(operator.index(value))
-        except TypeError as e:
-            raise TypeError(
-                f"assert_each_sample_once: rank {rank} read {value!r}, which is not a sample index;"
-                " pass each rank's integer indices (ints, integer tensors or arrays, lists of them)."
-            ) from e
-    return flat
+    values = [indices] if array is None else array.flatten().tolist()
+    wrong = [v for v in values if not isinstance(v, numbers.Integral) and not (isinstance(v, float) and v.is_integer())]
+    if wrong:
+        raise TypeError(
+            f"assert_each_sample_once: rank {rank} read {wrong[0]!r}, which is not a sample index;"
+            " pass each rank's integer indices (ints, integer tensors or arrays, lists of them)."
+        )
+    return [int(v) for v in values]
 
 
 def assert_matches_single_process(

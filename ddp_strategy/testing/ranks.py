@@ -40,7 +40,6 @@ START_METHODS = ("forkserver", "spawn")
 #: inside a SLURM job would otherwise have a ``Trainer`` in the rank take the job's tasks for its ranks.
 _SCHEDULER_PREFIXES = ("SLURM_", "LSB_", "JSM_NAMESPACE_")
 _STACK_SIGNAL = signal.SIGUSR1
-_configured_forkserver = False
 
 
 class RankError(AssertionError):
@@ -58,7 +57,6 @@ class RankError(AssertionError):
 def _rank_main(
     rank: int,
     world_size: int,
-    port: int,
     folder: str,
     fn: Callable[..., Any],
     args: tuple[Any, ...],
@@ -69,7 +67,8 @@ def _rank_main(
     environ: dict[str, str],
     caller_start_method: str | None,
 ) -> None:
-    """One rank: the caller's environment plus the launch variables, the group if asked, ``fn``, its result."""
+    """One rank: ``environ`` (the caller's environment plus the launch variables), the group if asked, ``fn``, its
+    result."""
     os.setpgrp()  # the leader of its own process group: run_on_ranks ends it with everything it started
     # The rank's own children (DataLoader workers) start as the caller's would, as in a rank Lightning launches:
     # not by the start method that started the rank, which would start a fresh forkserver in each rank.
@@ -77,33 +76,16 @@ def _rank_main(
     out = Path(folder)
     os.environ.clear()
     os.environ.update(environ)  # the caller's environment now, not the forkserver's from when it started
-    stack_file = open(out / f"stack_{rank}.txt", "w")  # noqa: SIM115 - faulthandler writes to it until exit
-    faulthandler.register(_STACK_SIGNAL, file=stack_file, all_threads=True)
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-        NODE_RANK="0",
-        GROUP_RANK="0",
-        LOCAL_WORLD_SIZE=str(world_size),
-    )
+    # faulthandler holds the file, and writes to it until exit
+    faulthandler.register(_STACK_SIGNAL, file=open(out / f"stack_{rank}.txt", "w"), all_threads=True)  # noqa: SIM115
     import torch.distributed as dist
 
     code = 0
     try:
         if init_process_group:
-            dist.init_process_group(
-                backend,
-                init_method=f"tcp://127.0.0.1:{port}",
-                rank=rank,
-                world_size=world_size,
-                timeout=timedelta(seconds=collective_timeout_s),
-            )
-        result = fn(rank, world_size, *args, **kwargs)
-        (out / f"result_{rank}.pkl.tmp").write_bytes(pickle.dumps(result))
-        os.replace(out / f"result_{rank}.pkl.tmp", out / f"result_{rank}.pkl")
+            dist.init_process_group(backend, timeout=timedelta(seconds=collective_timeout_s))  # env://
+        # read only after a 0 exit status, so never half-written
+        (out / f"result_{rank}.pkl").write_bytes(pickle.dumps(fn(rank, world_size, *args, **kwargs)))
     except BaseException:  # noqa: BLE001 - everything a rank raises is reported to the test
         (out / f"error_{rank}.txt").write_text(traceback.format_exc())
         code = 1
@@ -158,7 +140,6 @@ def run_on_ranks(
         RankError: a rank raised (its traceback is in the message), exited without a result, or the deadline
             passed (each live rank's stack is in the message). No rank, nor any process it started, is left.
     """
-    global _configured_forkserver
     # Refused before any rank starts: each would otherwise fail inside every rank or never end.
     if not isinstance(world_size, numbers.Integral) or isinstance(world_size, bool) or world_size < 1:
         raise ValueError(f"run_on_ranks needs an int world_size >= 1 (the number of ranks), got {world_size!r}.")
@@ -192,28 +173,31 @@ def run_on_ranks(
             " function), and pass picklable arguments."
         ) from e
     available = [m for m in START_METHODS if m in multiprocessing.get_all_start_methods()]
-    if start_method == "fork":
+    if start_method not in (None, *available):
         raise ValueError(
             "run_on_ranks does not offer start_method='fork': forking the test process, which may have"
             " used torch's thread pools or a process group, can copy a lock another thread holds and"
             " hang a rank. Pass start_method=None (the default: forkserver, which forks each rank"
             " from a parent that never ran torch's threads) or 'spawn'."
-        )
-    if start_method is not None and start_method not in available:
-        raise ValueError(
-            f"run_on_ranks got start_method={start_method!r}; pass None (the default: the first of"
+            if start_method == "fork"
+            else f"run_on_ranks got start_method={start_method!r}; pass None (the default: the first of"
             f" {available} this platform has), " + " or ".join(map(repr, available)) + "."
         )
-    method = start_method or available[0]
-    ctx = multiprocessing.get_context(method)
-    if method == "forkserver" and not _configured_forkserver:
-        ctx.set_forkserver_preload(list(PRELOAD))
-        _configured_forkserver = True
+    ctx = multiprocessing.get_context(start_method or available[0])
+    if ctx.get_start_method() == "forkserver":
+        ctx.set_forkserver_preload(list(PRELOAD))  # read only when the forkserver starts (at the first call)
     folder = tempfile.mkdtemp(prefix="ddp_ranks_")
     with socket.socket() as probe:  # a port free a moment ago, for the ranks' rendezvous on 127.0.0.1
         probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    environ = {name: value for name, value in os.environ.items() if not name.startswith(_SCHEDULER_PREFIXES)}
+        environ = {
+            **{name: value for name, value in os.environ.items() if not name.startswith(_SCHEDULER_PREFIXES)},
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(probe.getsockname()[1]),
+            "WORLD_SIZE": str(world_size),
+            "NODE_RANK": "0",
+            "GROUP_RANK": "0",
+            "LOCAL_WORLD_SIZE": str(world_size),
+        }
     # Not daemonic: a daemonic process may not start children, and a rank may (DataLoader workers, a subprocess).
     procs = [
         ctx.Process(
@@ -223,7 +207,6 @@ def run_on_ranks(
             args=(
                 rank,
                 world_size,
-                port,
                 folder,
                 fn,
                 tuple(args),
@@ -231,7 +214,7 @@ def run_on_ranks(
                 init_process_group,
                 backend,
                 collective_timeout_s,
-                environ,
+                {**environ, "RANK": str(rank), "LOCAL_RANK": str(rank)},
                 multiprocessing.get_start_method(True),
             ),
         )
@@ -253,26 +236,25 @@ def _end(procs: list[Any]) -> None:
     groups = [proc.pid for proc in procs if proc.pid is not None]
     for pgid in groups:
         with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(pgid, signal.SIGKILL)  # a rank that had not yet made its group is killed by pid below
+            os.killpg(pgid, signal.SIGKILL)
     for proc in procs:
-        if proc.is_alive():
-            proc.kill()
         if proc.pid is not None:
+            proc.kill()  # a rank that had not yet made its group; a no-op for one that has exited
             proc.join(END_WAIT_S)
-    # Not os.killpg(pgid, 0): it succeeds for a zombie, and an orphan's zombie may wait for its reaper (proc(5)).
     deadline = time.monotonic() + END_WAIT_S
-    while time.monotonic() < deadline:
-        alive = False
-        for entry in Path("/proc").glob("[0-9]*"):
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            fields = stat[stat.rindex(")") + 2 :].split()  # state, ppid, pgrp, ...
-            alive = alive or (fields[0] != "Z" and int(fields[2]) in groups)
-        if not alive:
-            return
+    while time.monotonic() < deadline and any(_alive_in(entry, groups) for entry in Path("/proc").glob("[0-9]*")):
         time.sleep(0.02)
+
+
+def _alive_in(process: Path, groups: list[int]) -> bool:
+    """Whether the process of ``/proc/<pid>`` is alive and in one of the process ``groups``. Not
+    ``os.killpg(pgid, 0)``: it succeeds for a zombie, and an orphan's zombie may wait for its reaper (proc(5))."""
+    try:
+        stat = (process / "stat").read_text()
+    except OSError:  # gone meanwhile
+        return False
+    state, _, group = stat[stat.rindex(")") + 2 :].split()[:3]
+    return state != "Z" and int(group) in groups
 
 
 def _wait(procs: list[Any], folder: Path, deadline: float) -> bool:
@@ -301,16 +283,15 @@ def _collect(procs: list[Any], folder: Path, timed_out: bool, timeout_s: float) 
         if result.exists() and proc.exitcode == 0:
             results.append(pickle.loads(result.read_bytes()))
             continue
-        if error.exists():
-            reports[rank] = f"raised:\n{error.read_text()}"
-        elif proc.is_alive():
-            reports[rank] = f"still running; its stack:\n{stack.read_text() if stack.exists() else '(none)'}"
-        else:
-            reports[rank] = (
-                f"exited with code {proc.exitcode} without a result (killed, os._exit, or it never"
-                " reached fn: called from a script, run_on_ranks must be under"
-                " `if __name__ == '__main__':`, because the ranks' parent imports the main module)"
-            )
+        reports[rank] = (
+            f"raised:\n{error.read_text()}"
+            if error.exists()
+            else f"still running; its stack:\n{stack.read_text() if stack.exists() else '(none)'}"
+            if proc.is_alive()
+            else f"exited with code {proc.exitcode} without a result (killed, os._exit, or it never"
+            " reached fn: called from a script, run_on_ranks must be under"
+            " `if __name__ == '__main__':`, because the ranks' parent imports the main module)"
+        )
     if not reports:
         return results
     why = f"did not finish within {timeout_s:g} s" if timed_out else "failed"
