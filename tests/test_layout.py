@@ -25,7 +25,7 @@ ALLOWED = {
     "sync": {"_compat", "process"},
     "checkpoint": {"_compat"},
     "diagnostics": {"_compat", "process"},
-    "reference": {"_compat", "process", "sampling", "diagnostics"},
+    "reference": {"_compat", "process", "sampling", "diagnostics", "testing"},
     "options": {"_compat", "process", "sync"},
     "strategy": {"_compat", "process", "sampling", "sync", "checkpoint", "diagnostics", "options"},
     "cli": {"_compat", "reference", "strategy"},

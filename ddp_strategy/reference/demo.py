@@ -1,27 +1,24 @@
 """Small, real CPU demonstrations of synchronous data parallelism for ``notebooks/ddp_reference.ipynb``, on the
-strategy's own code paths (its sampler, its process group); nothing here is used by the strategy itself."""
+strategy's own sampler, with ranks started by the package's testing kit; nothing here is used by the strategy."""
 
 from __future__ import annotations
 
-import tempfile
+import copy
 from dataclasses import dataclass
-from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data.distributed import DistributedSampler
 
-from ddp_strategy import process
 from ddp_strategy._compat import torch_private as _torch_private
 from ddp_strategy.diagnostics import CommStats
 from ddp_strategy.reference.data import load_digits_tensors
 from ddp_strategy.reference.model import DigitsNet
 from ddp_strategy.sampling import EpochSeededDistributedSampler
+from ddp_strategy.testing import run_on_ranks
 
 __all__ = ["AllReduceDemo", "allreduce_demo", "epoch_shards", "forgotten_set_epoch"]
 
@@ -71,10 +68,9 @@ def forgotten_set_epoch(dataset_size: int, epochs: int = 3, seed: int = 0) -> di
         ``orders[epoch]`` is rank 0's index list (world size 2). The first repeats the same list every epoch.
     """
     plain = DistributedSampler(range(dataset_size), num_replicas=2, rank=0, shuffle=True, seed=seed)
-    ours = [shards[0] for shards in epoch_shards(dataset_size, 2, epochs, seed)]
     return {
         "DistributedSampler without set_epoch": [list(plain) for _ in range(epochs)],
-        "EpochSeededDistributedSampler": ours,
+        "EpochSeededDistributedSampler": [shards[0] for shards in epoch_shards(dataset_size, 2, epochs, seed)],
     }
 
 
@@ -107,37 +103,17 @@ def _grads(net: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {name: p.grad.detach().clone() for name, p in net.named_parameters() if p.grad is not None}
 
 
-def _demo_worker(
-    rank: int, world_size: int, port: int, batch_size: int, lr: float, timed_steps: int, out_dir: str
-) -> None:
-    """One rank of :func:`allreduce_demo` (module level so ``spawn`` can import it)."""
-    torch.set_num_threads(1)
-    process.init_process_group(
-        "gloo",
-        rank=rank,
-        world_size=world_size,
-        main_address="127.0.0.1",
-        main_port=port,
-        timeout=timedelta(seconds=60),
-    )
-    try:
-        record = _demo_steps(rank, world_size, batch_size, lr, timed_steps)
-        torch.save(record, Path(out_dir) / f"rank{rank}.pt")
-        dist.barrier()  # both ranks are done with every collective before the group goes
-    finally:
-        # _demo_steps has returned, so its DDP wrapper is already released: wrapper first, then the group
-        # (destroying the group under a live gloo DDP wrapper was seen to hang a rank at exit).
-        process.destroy_process_group()
-
-
 def _demo_steps(rank: int, world_size: int, batch_size: int, lr: float, timed_steps: int) -> dict[str, Any]:
-    """The demonstration itself, in its own frame so its DDP wrapper is freed when it returns."""
+    """One rank of :func:`allreduce_demo`, in the testing kit's gloo group; its DDP wrapper is freed when it returns,
+    before the kit destroys the group (destroying the group under a live gloo DDP wrapper was seen to hang a rank)."""
+    torch.set_num_threads(1)
     x, y = load_digits_tensors()
     torch.manual_seed(rank)  # different initial weights per rank on purpose: the broadcast fixes that
     net = DigitsNet(hidden_size=32)
     for p in net.parameters():  # what DDP does when it wraps the module: rank 0's weights everywhere
         dist.broadcast(p.data, src=0)
     initial = {k: v.clone() for k, v in net.state_dict().items()}
+    ddp = DistributedDataParallel(copy.deepcopy(net))
     shard = epoch_shards(len(y), world_size, epochs=1, seed=0)[0][rank]
     batch = shard[:batch_size]
     F.cross_entropy(net(x[batch]), y[batch]).backward()
@@ -146,35 +122,26 @@ def _demo_steps(rank: int, world_size: int, batch_size: int, lr: float, timed_st
         dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
         p.grad /= world_size
     averaged = _grads(net)
-    with torch.no_grad():
-        for p in net.parameters():
-            p -= lr * p.grad
-    after = {k: v.clone() for k, v in net.state_dict().items()}
+    torch.optim.SGD(net.parameters(), lr=lr).step()  # one plain SGD step: w -= lr * grad
 
-    ddp_net = DigitsNet(hidden_size=32)
-    ddp_net.load_state_dict(initial)
-    ddp = DistributedDataParallel(ddp_net)
     F.cross_entropy(ddp(x[batch]), y[batch]).backward()
-    ddp_grads = _grads(ddp_net)
+    ddp_grads = _grads(ddp.module)
     optimizer = torch.optim.SGD(ddp.parameters(), lr=lr)
     for step in range(timed_steps):  # DDP times iterations 1-10 itself
         idx = shard[(step % 10) * batch_size : (step % 10 + 1) * batch_size]
         optimizer.zero_grad()
         F.cross_entropy(ddp(x[idx]), y[idx]).backward()
         optimizer.step()
-    stats = CommStats.from_ddp_logging_data(_torch_private.ddp_logging_data(ddp))
-    record: dict[str, Any] = {
+    return {
         "batches": batch,
         "initial": initial,
         "local_grads": local,
         "averaged_grads": averaged,
-        "weights_after_step": after,
+        "weights_after_step": {k: v.clone() for k, v in net.state_dict().items()},
         "ddp_grads": ddp_grads,
-        "comm_stats": stats.as_tensor() if stats is not None else None,
+        "ddp_state_dict": {k: v.clone() for k, v in ddp.state_dict().items()},
+        "comm_stats": CommStats.from_ddp_logging_data(_torch_private.ddp_logging_data(ddp)),
     }
-    if rank == 0:
-        record["ddp_state_dict"] = {k: v.clone() for k, v in ddp.state_dict().items()}
-    return record
 
 
 def allreduce_demo(
@@ -188,27 +155,24 @@ def allreduce_demo(
     (the same averaged gradients) and times ``timed_steps`` more DDP steps with DDP's own timers. A few seconds.
 
     Args:
-        world_size: W processes (gloo, 127.0.0.1, a free port).
+        world_size: W processes, started by the testing kit (:func:`ddp_strategy.testing.run_on_ranks`: gloo,
+            127.0.0.1, a free port).
         batch_size: B, samples per rank; lr: SGD learning rate.
         timed_steps: DDP steps to time after the demonstration step (DDP times iterations 1-10).
-        start_method: ``"fork"``, ``"spawn"`` (the default: safe from a Jupyter kernel, whose I/O threads may
-            hold a lock when it forks) or ``"forkserver"``.
+        start_method: ``None`` (the default: ``"forkserver"``, which forks each rank from a fresh parent, safe
+            from a Jupyter kernel, whose I/O threads may hold a lock when it forks) or ``"spawn"``.
 
     Returns:
         What every rank recorded.
 
     Raises:
-        torch.multiprocessing.ProcessRaisedException: a rank failed (its traceback is in the message).
+        ddp_strategy.testing.RankError: a rank failed (its traceback is in the message), or the ranks did not
+            finish within 120 s.
     """
-    with tempfile.TemporaryDirectory(prefix="ddp_demo_") as out_dir:
-        mp.start_processes(
-            _demo_worker,
-            args=(world_size, process.free_port(), batch_size, lr, timed_steps, out_dir),
-            nprocs=world_size,
-            start_method=start_method or "spawn",
-        )
-        records = [torch.load(Path(out_dir) / f"rank{r}.pt", weights_only=True) for r in range(world_size)]
-    timed = [r["comm_stats"] for r in records if r["comm_stats"] is not None]
+    records = run_on_ranks(
+        _demo_steps, world_size, args=(batch_size, lr, timed_steps), timeout_s=120, start_method=start_method
+    )
+    timed = [r["comm_stats"].as_tensor() for r in records if r["comm_stats"] is not None]
     per_rank = ("batches", "local_grads", "averaged_grads", "ddp_grads", "weights_after_step")
     return AllReduceDemo(
         **{key: [r[key] for r in records] for key in per_rank},
