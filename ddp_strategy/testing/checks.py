@@ -36,8 +36,7 @@ def _tensor_differences(
         return [f"{where}: dtypes {x.dtype} and {y.dtype} (with atol=rtol=0 the values must be bitwise equal)"]
     nan_x, nan_y = torch.isnan(x), torch.isnan(y)
     if not torch.equal(nan_x, nan_y):
-        first = (nan_x != nan_y).nonzero()[0].tolist()
-        return [f"{where}: NaN at different positions, first at index {first}"]
+        return [f"{where}: NaN at different positions, first at index {(nan_x != nan_y).nonzero()[0].tolist()}"]
     wide = torch.promote_types(torch.promote_types(x.dtype, y.dtype), torch.float64)  # complex stays complex
     x, y = x[~nan_x].to(wide), y[~nan_y].to(wide)
     if torch.equal(x, y) if atol == rtol == 0 else torch.allclose(x, y, rtol, atol):
@@ -66,8 +65,10 @@ def _differences(a: Any, b: Any, where: str, atol: float, rtol: float) -> list[s
             x, y = (torch.as_tensor(v) if t is None else t for v, t in ((a, x), (b, y)))
         except (TypeError, ValueError, RuntimeError):
             return [f"{where}: a {type(a).__name__} and a {type(b).__name__}"]
-        both_arrays = not isinstance(a, (int, float)) and not isinstance(b, (int, float))
-        return _tensor_differences(x, y, where, atol, rtol, same_dtype=both_arrays)
+        # a dtype counts only when both are arrays: a Python number against a tensor is compared by value
+        return _tensor_differences(
+            x, y, where, atol, rtol, not isinstance(a, (int, float)) and not isinstance(b, (int, float))
+        )
     return [] if a == b else [f"{where}: {a!r} != {b!r}"]
 
 

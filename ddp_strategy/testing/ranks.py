@@ -27,6 +27,8 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import torch.distributed as dist
+
 #: Imported once by the forkserver, so that ranks start from a warm parent.
 PRELOAD = ("torch", "torch.distributed", "ddp_strategy")
 #: How long ranks that did not fail may run on after a peer failed, before they are stopped (seconds): time for
@@ -57,7 +59,7 @@ class RankError(AssertionError):
 def _rank_main(
     rank: int,
     world_size: int,
-    folder: str,
+    out: Path,
     fn: Callable[..., Any],
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
@@ -73,13 +75,10 @@ def _rank_main(
     # The rank's own children (DataLoader workers) start as the caller's would, as in a rank Lightning launches:
     # not by the start method that started the rank, which would start a fresh forkserver in each rank.
     multiprocessing.set_start_method(caller_start_method, force=True)
-    out = Path(folder)
     os.environ.clear()
     os.environ.update(environ)  # the caller's environment now, not the forkserver's from when it started
     # faulthandler holds the file, and writes to it until exit
     faulthandler.register(_STACK_SIGNAL, file=open(out / f"stack_{rank}.txt", "w"), all_threads=True)  # noqa: SIM115
-    import torch.distributed as dist
-
     code = 0
     try:
         if init_process_group:
@@ -149,8 +148,6 @@ def run_on_ranks(
                 f"run_on_ranks needs {name} as a finite number of seconds > 0, got {value!r}: the"
                 " deadline is what turns a hang into a failed test with each rank's stack."
             )
-    import torch.distributed as dist
-
     if not isinstance(backend, str) or not dist.is_backend_available(backend):
         raise ValueError(
             f"run_on_ranks got backend={backend!r}, which this torch does not have; pass 'gloo' (CPU,"
@@ -186,7 +183,7 @@ def run_on_ranks(
     ctx = multiprocessing.get_context(start_method or available[0])
     if ctx.get_start_method() == "forkserver":
         ctx.set_forkserver_preload(list(PRELOAD))  # read only when the forkserver starts (at the first call)
-    folder = tempfile.mkdtemp(prefix="ddp_ranks_")
+    folder = Path(tempfile.mkdtemp(prefix="ddp_ranks_"))
     with socket.socket() as probe:  # a port free a moment ago, for the ranks' rendezvous on 127.0.0.1
         probe.bind(("127.0.0.1", 0))
         environ = {
@@ -223,8 +220,8 @@ def run_on_ranks(
     try:
         for proc in procs:
             proc.start()
-        timed_out = _wait(procs, Path(folder), time.monotonic() + timeout_s)
-        return _collect(procs, Path(folder), timed_out, timeout_s)
+        timed_out = _wait(procs, folder, time.monotonic() + timeout_s)
+        return _collect(procs, folder, timed_out, timeout_s)
     finally:
         _end(procs)
         shutil.rmtree(folder, ignore_errors=True)
