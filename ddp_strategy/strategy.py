@@ -405,7 +405,12 @@ class MyDDPStrategy(sync.wrapping.LightningDDPAttributes, ParallelStrategy):
         sampling.restore_batch_counter(self._trainer, self.world_size, self._sharding.until_teardown)
         if self._trainer is not None and isinstance(self.model, DistributedDataParallel):
             self._diagnostics = diagnostics.on_fit_start(
-                self._trainer, str(self._process_group_backend), self.start_method, self._options.ddp_kwargs, self.model
+                self._trainer,
+                sampling.flat_loaders(self._trainer.train_dataloader),
+                str(self._process_group_backend),
+                self.start_method,
+                self._options.ddp_kwargs,
+                self.model,
             )
 
     @override
