@@ -16,8 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils.data import DataLoader
-from torch.utils.data.distributed import DistributedSampler
+from torch.utils.data import DataLoader, DistributedSampler
 
 from ddp_strategy._compat import torch_private as _torch_private
 from ddp_strategy._compat.namespace import (
@@ -90,8 +89,7 @@ class FitSummary:
             )
         data = f"{self.dataset_size} training samples" if self.dataset_size is not None else "training samples: ?"
         if self.samples_per_rank is not None:
-            data += f", {self.samples_per_rank} per rank per epoch"
-            data += (
+            data += f", {self.samples_per_rank} per rank per epoch" + (
                 f" ({self.padding} repeated as padding)"
                 if self.padding >= 0
                 else f" ({-self.padding} dropped by drop_last)"

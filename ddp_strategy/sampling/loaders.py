@@ -11,11 +11,10 @@ collective inside a step before any rank enters it (counted at the stage's start
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 from collections.abc import Iterator, Mapping, Sequence
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack, contextmanager, suppress
 from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
@@ -25,7 +24,6 @@ from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSa
 from ddp_strategy._compat import lightning_private as _pl
 from ddp_strategy._compat.namespace import RunningStage, TrainerFn, rank_zero_warn, sized_len
 from ddp_strategy.sampling import sampler as samplers
-from ddp_strategy.sampling.sampler import Shard
 
 if TYPE_CHECKING:
     from lightning.pytorch import Trainer
@@ -72,7 +70,9 @@ class LoaderSharding:
         if self._injecting:
             warn_if_not_shardable(dataloader, world_size)
         ours = self._injecting and trainer.state.fn != TrainerFn.PREDICTING
-        shard = Shard(world_size, rank, seed, epoch_fn=lambda: trainer.fit_loop.epoch_progress.current.processed)
+        shard = samplers.Shard(
+            world_size, rank, seed, epoch_fn=lambda: trainer.fit_loop.epoch_progress.current.processed
+        )
         if trainer.state.stage != RunningStage.TRAINING:
             stage = "test" if trainer.state.stage == RunningStage.TESTING else "validation"
             loader = shard_for_evaluation(dataloader, shard, stage, self.exact_evaluation) if ours else dataloader
@@ -103,7 +103,7 @@ class LoaderSharding:
         if world > 1:
             dist.all_gather_object(gathered, gathered[0])
         for loader, counts in zip(pending, zip(*gathered, strict=True), strict=True):
-            with contextlib.suppress(AttributeError):  # a loader that forbids attributes: the guard sees no counts
+            with suppress(AttributeError):  # a loader that forbids attributes: the guard sees no counts
                 setattr(loader, BATCH_COUNTS_ATTR, None if None in counts else counts)
 
 
@@ -138,8 +138,8 @@ def _read(dataloader: object) -> _Loader | None:
     if not isinstance(dataloader, DataLoader) or isinstance(dataloader.dataset, IterableDataset):
         return None
     batch_sampler = dataloader.batch_sampler
-    samplers_in = (dataloader.sampler, batch_sampler, getattr(batch_sampler, "sampler", None))
-    if any(hasattr(s, "num_replicas") and hasattr(s, "rank") for s in samplers_in):  # ours and DistributedSampler
+    held = (dataloader.sampler, batch_sampler, getattr(batch_sampler, "sampler", None))
+    if any(hasattr(s, "num_replicas") and hasattr(s, "rank") for s in held):  # ours, or a DistributedSampler
         return None
     whole = batch_sampler is not None and not (
         hasattr(batch_sampler, "batch_size") and hasattr(batch_sampler, "drop_last")
@@ -170,7 +170,7 @@ def needs_distributed_sampler(dataloader: object) -> bool:
     return _read(dataloader) is not None
 
 
-def _check_shard_sizes(loader: _Loader, shard: Shard, training: bool) -> None:
+def _check_shard_sizes(loader: _Loader, shard: samplers.Shard, training: bool) -> None:
     """Raise (the same on every rank) where ``loader`` cannot be sharded; warn where Lightning's ddp runs it."""
     source, n, w = loader.source, loader.n, shard.num_replicas
     what = "samples" if source is not None else "batches"
@@ -203,7 +203,7 @@ def _check_shard_sizes(loader: _Loader, shard: Shard, training: bool) -> None:
         )
 
 
-def inject_distributed_sampler(dataloader: object, shard: Shard, training: bool | None = None) -> object:
+def inject_distributed_sampler(dataloader: object, shard: samplers.Shard, training: bool | None = None) -> object:
     """Return ``dataloader`` re-created around a distributed sampler for ``shard``, or unchanged if it needs none.
 
     ``shuffle=True/False`` loaders get an :class:`~ddp_strategy.sampling.sampler.EpochSeededDistributedSampler`,
@@ -245,7 +245,7 @@ def inject_distributed_sampler(dataloader: object, shard: Shard, training: bool 
     built.items_per_batch = int(batch_sampler.batch_size)  # type: ignore[attr-defined]
     built.drop_last_batch = bool(batch_sampler.drop_last)  # type: ignore[attr-defined]
     if type(batch_sampler) is not BatchSampler:  # the user's class, re-created around ``built`` (Lightning's code)
-        with contextlib.suppress(TypeError):  # Lightning cannot (an argument it does not know): its batches, whole
+        with suppress(TypeError):  # Lightning cannot (an argument it does not know): its batches, whole
             return _pl.update_dataloader(dataloader, built)
         return _pl.update_dataloader_batch_sampler(dataloader, samplers.ShardedBatchSampler(batch_sampler, shard))
     if shard.pad and dataloader.batch_size is not None:
@@ -280,7 +280,7 @@ def needs_padding(dataloader: DataLoader | _Loader, num_replicas: int) -> str | 
     return None
 
 
-def shard_for_evaluation(dataloader: object, shard: Shard, stage: str, exact: bool = True) -> object:
+def shard_for_evaluation(dataloader: object, shard: samplers.Shard, stage: str, exact: bool = True) -> object:
     """A validation (``stage="validation"``) or test loader with each sample once and equal batch counts, else
     (``exact=False``, ``drop_last=True``, or no such layout: :func:`needs_padding`, or uneven counts from the user's
     batch sampler class) padded as Lightning's ddp pads it, with a rank-0 warning where exactness is lost. Keeps
@@ -309,7 +309,7 @@ def shard_for_evaluation(dataloader: object, shard: Shard, stage: str, exact: bo
     return padded_loader
 
 
-def count_batches(dataloader: _Loader, loader: DataLoader, shard: Shard) -> tuple[int, ...]:
+def count_batches(dataloader: _Loader, loader: DataLoader, shard: samplers.Shard) -> tuple[int, ...]:
     """``(batches on rank 0, ..., rank W-1)`` of ``loader`` (``dataloader`` injected for ``shard``), also kept on it,
     without a collective: our batch samplers make as many on every rank; the user's class is re-created per rank."""
     if type(loader.batch_sampler) in (
@@ -416,10 +416,12 @@ class EvaluationStepGuard:
         (Lightning passes the index third, with several loaders), its counts cut to ``limit_*_batches``
         (``num_sanity_val_steps`` in the sanity check; an int caps, a float takes a share)."""
         kind = {"validation_step": "val", "test_step": "test", "predict_step": "predict"}[stage]
-        loaders, limit = getattr(trainer, f"{kind}_dataloaders"), getattr(trainer, f"limit_{kind}_batches")
+        loaders, limit = (
+            flat_loaders(getattr(trainer, f"{kind}_dataloaders")),
+            getattr(trainer, f"limit_{kind}_batches"),
+        )
         if kind == "val" and trainer.sanity_checking:
             limit = trainer.num_sanity_val_steps
-        loaders = flat_loaders(loaders)
         index = kwargs.get("dataloader_idx", args[2] if len(args) > 2 else 0)
         counts = getattr(loaders[index] if 0 <= index < len(loaders) else None, BATCH_COUNTS_ATTR, None)
         if counts is not None:

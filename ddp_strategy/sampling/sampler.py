@@ -24,8 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.utils.data import BatchSampler, Dataset, Sampler, get_worker_info
-from torch.utils.data.distributed import DistributedSampler
+from torch.utils.data import BatchSampler, Dataset, DistributedSampler, Sampler, get_worker_info
 
 from ddp_strategy._compat.namespace import isolate_rng
 
