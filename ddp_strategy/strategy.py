@@ -280,15 +280,19 @@ class MyDDPStrategy(sync.wrapping.LightningDDPAttributes, ParallelStrategy):
         if self._buffers_due:  # once per run; Lightning's ddp copies rank 0's buffers in every step's DDP forward
             self._buffers_due = False
             sync.broadcast_states(self.model.module, parameters=False)
-        guard = self._sharding.guard.step(self._trainer, "validation_step", args, kwargs)
-        with self.precision_plugin.val_step_context(), guard:
+        with (
+            self.precision_plugin.val_step_context(),
+            self._sharding.guard.step(self._trainer, "validation_step", args, kwargs),
+        ):
             return self.lightning_module.validation_step(*args, **kwargs)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
         """As :meth:`validation_step`."""
-        guard = self._sharding.guard.step(self._trainer, "test_step", args, kwargs)
-        with self.precision_plugin.test_step_context(), guard:
+        with (
+            self.precision_plugin.test_step_context(),
+            self._sharding.guard.step(self._trainer, "test_step", args, kwargs),
+        ):
             return self.lightning_module.test_step(*args, **kwargs)
 
     @override
