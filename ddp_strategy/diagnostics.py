@@ -8,7 +8,6 @@ gradient (docs/diagnostics.md shows each). The message functions take plain numb
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
 from dataclasses import astuple, dataclass, field
@@ -17,11 +16,16 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils.data import DataLoader
-from torch.utils.data.distributed import DistributedSampler
+from torch.utils.data import DataLoader, DistributedSampler
 
 from ddp_strategy._compat import torch_private as _torch_private
-from ddp_strategy._compat.namespace import lightning_getattr, lightning_hasattr, rank_zero_info, rank_zero_warn
+from ddp_strategy._compat.namespace import (
+    lightning_getattr,
+    lightning_hasattr,
+    rank_zero_info,
+    rank_zero_warn,
+    sized_len,
+)
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -85,8 +89,7 @@ class FitSummary:
             )
         data = f"{self.dataset_size} training samples" if self.dataset_size is not None else "training samples: ?"
         if self.samples_per_rank is not None:
-            data += f", {self.samples_per_rank} per rank per epoch"
-            data += (
+            data += f", {self.samples_per_rank} per rank per epoch" + (
                 f" ({self.padding} repeated as padding)"
                 if self.padding >= 0
                 else f" ({-self.padding} dropped by drop_last)"
@@ -286,32 +289,35 @@ class FitRecord:
 
 
 def on_fit_start(
-    trainer: pl.Trainer, backend: str, start_method: str, ddp_options: dict[str, Any], ddp_model: nn.Module
+    trainer: pl.Trainer,
+    loaders: list[Any],
+    backend: str,
+    start_method: str,
+    ddp_options: dict[str, Any],
+    ddp_model: nn.Module,
 ) -> FitRecord:
     """Log the fit summary and batch-size warnings on rank 0; start tracking gradients on every rank.
 
-    Called on every rank after the DDP wrapper (and its comm hook) and the training loader exist; no collective.
-    Reads the first training DataLoader (every rank computes the same numbers).
+    Called on every rank after the DDP wrapper (and its comm hook) and the training loaders exist; no collective.
+    Reads the first of the training ``loaders`` (flattened, ``sampling.flat_loaders``) if it is a DataLoader
+    (every rank computes the same numbers).
     """
-    data = trainer.train_dataloader
-    while isinstance(data, (list, tuple, dict)) and data:  # a loader, or a list/tuple/dict of them
-        data = next(iter(data.values() if isinstance(data, dict) else data))
-    loader = data if isinstance(data, DataLoader) else None
+    loader = next(iter(loaders), None)
     batch_size, n, per_rank, padding = None, None, None, 0
-    if loader is not None:
+    if isinstance(loader, DataLoader):
         size = loader.batch_size if loader.batch_size is not None else getattr(loader.batch_sampler, "batch_size", None)
         batch_size = int(size) if isinstance(size, int) else None
-        sampler = (
-            loader.sampler
-            if isinstance(loader.sampler, DistributedSampler)
-            else getattr(loader.batch_sampler, "sampler", None)
+        n = sized_len(loader.dataset)  # None for an iterable data set
+        sampler = next(
+            (
+                s
+                for s in (loader.sampler, getattr(loader.batch_sampler, "sampler", None))
+                if isinstance(s, DistributedSampler)
+            ),
+            None,
         )
-        if isinstance(sampler, DistributedSampler):
-            n = len(sampler.dataset)  # type: ignore[arg-type]
-            per_rank, padding = int(sampler.num_samples), int(sampler.total_size) - n
-        else:
-            with contextlib.suppress(TypeError):  # an iterable data set has no len
-                n = len(loader.dataset)  # type: ignore[arg-type]
+        if sampler is not None:
+            per_rank, padding = int(sampler.num_samples), int(sampler.total_size) - len(sampler.dataset)
     summary = FitSummary(
         world_size=trainer.world_size,
         num_nodes=trainer.num_nodes,

@@ -280,15 +280,19 @@ class MyDDPStrategy(sync.wrapping.LightningDDPAttributes, ParallelStrategy):
         if self._buffers_due:  # once per run; Lightning's ddp copies rank 0's buffers in every step's DDP forward
             self._buffers_due = False
             sync.broadcast_states(self.model.module, parameters=False)
-        guard = self._sharding.guard.step(self._trainer, "validation_step", args, kwargs)
-        with self.precision_plugin.val_step_context(), guard:
+        with (
+            self.precision_plugin.val_step_context(),
+            self._sharding.guard.step(self._trainer, "validation_step", args, kwargs),
+        ):
             return self.lightning_module.validation_step(*args, **kwargs)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
         """As :meth:`validation_step`."""
-        guard = self._sharding.guard.step(self._trainer, "test_step", args, kwargs)
-        with self.precision_plugin.test_step_context(), guard:
+        with (
+            self.precision_plugin.test_step_context(),
+            self._sharding.guard.step(self._trainer, "test_step", args, kwargs),
+        ):
             return self.lightning_module.test_step(*args, **kwargs)
 
     @override
@@ -405,7 +409,12 @@ class MyDDPStrategy(sync.wrapping.LightningDDPAttributes, ParallelStrategy):
         sampling.restore_batch_counter(self._trainer, self.world_size, self._sharding.until_teardown)
         if self._trainer is not None and isinstance(self.model, DistributedDataParallel):
             self._diagnostics = diagnostics.on_fit_start(
-                self._trainer, str(self._process_group_backend), self.start_method, self._options.ddp_kwargs, self.model
+                self._trainer,
+                sampling.flat_loaders(self._trainer.train_dataloader),
+                str(self._process_group_backend),
+                self.start_method,
+                self._options.ddp_kwargs,
+                self.model,
             )
 
     @override

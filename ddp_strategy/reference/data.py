@@ -33,9 +33,7 @@ def load_digits_tensors() -> tuple[torch.Tensor, torch.Tensor]:
     from sklearn.datasets import load_digits  # imported here: scikit-learn costs ~0.3 s and ~15 MiB per rank
 
     data = load_digits()
-    x = torch.tensor(data.data, dtype=torch.float32) / 16.0
-    y = torch.tensor(data.target, dtype=torch.int64)
-    return x, y
+    return torch.tensor(data.data, dtype=torch.float32) / 16.0, torch.tensor(data.target, dtype=torch.int64)
 
 
 class DigitsDataModule(LightningDataModule):
@@ -60,22 +58,19 @@ class DigitsDataModule(LightningDataModule):
             raise ValueError(f"batch_size is the per-device batch size and must be >= 1, got {batch_size}.")
         if num_workers < 0:
             raise ValueError(f"num_workers must be >= 0, got {num_workers}.")
-        self.save_hyperparameters()
-        self.batch_size = batch_size
-        self.val_fraction = val_fraction
-        self.split_seed = split_seed
-        self.num_workers = num_workers
+        self.save_hyperparameters()  # val_fraction, split_seed and num_workers are read from self.hparams
+        self.batch_size = batch_size  #: an attribute, where Lightning's batch-size finder looks
         self.train_set: TensorDataset | None = None
         self.val_set: TensorDataset | None = None
 
     def setup(self, stage: str | None = None) -> None:
         """Load the digits and split off ``round(N * val_fraction)`` for validation with ``random_split``, seeded
         by ``split_seed`` (the same split on every rank and run); ``ValueError`` unless 0 < val_fraction < 1."""
-        if not 0.0 < self.val_fraction < 1.0:
-            raise ValueError(f"val_fraction must be between 0 and 1 (exclusive), got {self.val_fraction}.")
+        if not 0.0 < self.hparams.val_fraction < 1.0:
+            raise ValueError(f"val_fraction must be between 0 and 1 (exclusive), got {self.hparams.val_fraction}.")
         x, y = load_digits_tensors()
-        n_val = round(len(y) * self.val_fraction)
-        generator = torch.Generator().manual_seed(self.split_seed)
+        n_val = round(len(y) * self.hparams.val_fraction)
+        generator = torch.Generator().manual_seed(self.hparams.split_seed)
         val, train = random_split(range(len(y)), [n_val, len(y) - n_val], generator)
         self.train_set = TensorDataset(x[train.indices], y[train.indices])
         self.val_set = TensorDataset(x[val.indices], y[val.indices])
@@ -88,13 +83,13 @@ class DigitsDataModule(LightningDataModule):
             f"Digits: per-device batch size {self.batch_size} x world size {world}"
             f" = global batch size {self.batch_size * world}"
         )
-        return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=True, num_workers=self.num_workers)
+        return DataLoader(
+            self.train_set, batch_size=self.batch_size, shuffle=True, num_workers=self.hparams.num_workers
+        )
 
     def val_dataloader(self) -> DataLoader:
-        """Validation batches in data-set order."""
+        """Validation batches in data-set order; also the test loader (digits has no separate test split here)."""
         assert self.val_set is not None, "call setup() first"
-        return DataLoader(self.val_set, batch_size=self.batch_size, shuffle=False, num_workers=self.num_workers)
+        return DataLoader(self.val_set, batch_size=self.batch_size, shuffle=False, num_workers=self.hparams.num_workers)
 
-    def test_dataloader(self) -> DataLoader:
-        """The validation split (digits has no separate test split here)."""
-        return self.val_dataloader()
+    test_dataloader = val_dataloader

@@ -7,7 +7,7 @@ numbers of batches (:mod:`~ddp_strategy.sampling.uneven`, :class:`UnevenInputs`)
 lifetime, the model, checkpoint files (positions go into the checkpoint dict the strategy hands over).
 """
 
-from ddp_strategy.sampling.loaders import LoaderSharding
+from ddp_strategy.sampling.loaders import LoaderSharding, flat_loaders
 from ddp_strategy.sampling.sampler import EpochSeededDistributedSampler, Shard, shard_iterable, shared_seed
 from ddp_strategy.sampling.state import read_positions, restore_batch_counter, save_positions
 from ddp_strategy.sampling.uneven import UnevenInputs, UnevenInputsError
@@ -18,6 +18,7 @@ __all__ = [
     "Shard",
     "UnevenInputs",
     "UnevenInputsError",
+    "flat_loaders",
     "read_positions",
     "restore_batch_counter",
     "save_positions",

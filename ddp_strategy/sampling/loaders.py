@@ -11,20 +11,19 @@ collective inside a step before any rank enters it (counted at the stage's start
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
-from collections.abc import Iterator, Sequence
-from contextlib import ExitStack, contextmanager
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import ExitStack, contextmanager, suppress
 from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
+from lightning_utilities.core.apply_func import apply_to_collection
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, SequentialSampler
 
 from ddp_strategy._compat import lightning_private as _pl
-from ddp_strategy._compat.namespace import RunningStage, TrainerFn, rank_zero_warn
+from ddp_strategy._compat.namespace import RunningStage, TrainerFn, rank_zero_warn, sized_len
 from ddp_strategy.sampling import sampler as samplers
-from ddp_strategy.sampling.sampler import Shard
 
 if TYPE_CHECKING:
     from lightning.pytorch import Trainer
@@ -68,20 +67,22 @@ class LoaderSharding:
         whole by every rank, as under ``ddp``, with a warning. No collective (see :meth:`agree_counts`).
         Raises ``ValueError`` as :func:`inject_distributed_sampler` and where a saved position does not fit the loader.
         """
-        training = trainer.state.stage == RunningStage.TRAINING
         if self._injecting:
             warn_if_not_shardable(dataloader, world_size)
         ours = self._injecting and trainer.state.fn != TrainerFn.PREDICTING
-        shard = Shard(world_size, rank, seed, epoch_fn=lambda: trainer.fit_loop.epoch_progress.current.processed)
-        if not training:
+        shard = samplers.Shard(
+            world_size, rank, seed, epoch_fn=lambda: trainer.fit_loop.epoch_progress.current.processed
+        )
+        if trainer.state.stage != RunningStage.TRAINING:
             stage = "test" if trainer.state.stage == RunningStage.TESTING else "validation"
             loader = shard_for_evaluation(dataloader, shard, stage, self.exact_evaluation) if ours else dataloader
             self._pending += [loader] if injected_sampler(loader) is None else []  # not ours (or predict): agree_counts
             return loader
         if not ours:
             return dataloader
-        warn_if_order_kept(dataloader, world_size, trainer.overfit_batches)
-        loader = inject_distributed_sampler(dataloader, shard)
+        facts = _read(dataloader)  # read once, for the warning and the injection
+        warn_if_order_kept(facts or dataloader, world_size, trainer.overfit_batches)
+        loader = inject_distributed_sampler(facts or dataloader, shard)
         if self.positions and (injected := injected_sampler(loader)) is not None:
             injected.resume_from(self.positions.pop(0))
         elif self.positions:
@@ -98,27 +99,53 @@ class LoaderSharding:
         (the user's distributed sampler, an ``IterableDataset``, predict); none if none (every rank has the same)."""
         pending, self._pending = self._pending, []
         world = dist.get_world_size() if pending and dist.is_available() and dist.is_initialized() else 1
-        gathered = [[_length(loader) for loader in pending]] * world
+        gathered = [[sized_len(loader) for loader in pending]] * world
         if world > 1:
             dist.all_gather_object(gathered, gathered[0])
         for loader, counts in zip(pending, zip(*gathered, strict=True), strict=True):
-            with contextlib.suppress(AttributeError):  # a loader that forbids attributes: the guard sees no counts
+            with suppress(AttributeError):  # a loader that forbids attributes: the guard sees no counts
                 setattr(loader, BATCH_COUNTS_ATTR, None if None in counts else counts)
 
 
-def _length(loader: object) -> int | None:
-    with contextlib.suppress(TypeError, NotImplementedError):  # an IterableDataset without __len__
-        return len(loader)  # type: ignore[arg-type]
-    return None
+def flat_loaders(collection: object) -> list[Any]:
+    """The loaders in one of Lightning's loader collections (``trainer.train_dataloader``, ``val_dataloaders``, ...):
+    a loader, or lists, tuples and dicts of them, nested, in the order of ``CombinedLoader.flattened``
+    (``dataloader_idx``). ``[loader]`` for one loader (also for ``None``), ``[]`` for an empty collection."""
+    found: list[Any] = []
+    apply_to_collection(collection, object, found.append, wrong_dtype=(list, tuple, Mapping))
+    return found
 
 
-def _original_sampler(dataloader: DataLoader) -> Any:
-    """The sampler of indices behind ``dataloader``, also inside a batch sampler with ``batch_size`` and ``drop_last``
-    (Lightning re-creates those around a distributed one; the loader's own if it has no ``sampler``), else ``None``."""
+@dataclasses.dataclass(frozen=True)
+class _Loader:
+    """A user's ``DataLoader`` that needs a distributed sampler, and what the injection reads off it, once.
+
+    ``source`` is the sampler of indices behind it, also inside a batch sampler with ``batch_size`` and ``drop_last``
+    (Lightning re-creates those around a distributed one; the loader's own if it has no ``sampler``); ``None`` for a
+    batch sampler without them, whose whole batches are sharded. ``n``: items per epoch (indices, or batches).
+    """
+
+    dataloader: DataLoader
+    source: Any
+    n: int
+
+
+def _read(dataloader: object) -> _Loader | None:
+    """``dataloader``'s facts (itself if already read), or ``None`` where it is left alone
+    (:func:`needs_distributed_sampler`)."""
+    if isinstance(dataloader, _Loader):
+        return dataloader
+    if not isinstance(dataloader, DataLoader) or isinstance(dataloader.dataset, IterableDataset):
+        return None
     batch_sampler = dataloader.batch_sampler
-    if batch_sampler is None or hasattr(batch_sampler, "batch_size") and hasattr(batch_sampler, "drop_last"):
-        return getattr(batch_sampler, "sampler", dataloader.sampler)
-    return None
+    held = (dataloader.sampler, batch_sampler, getattr(batch_sampler, "sampler", None))
+    if any(hasattr(s, "num_replicas") and hasattr(s, "rank") for s in held):  # ours, or a DistributedSampler
+        return None
+    whole = batch_sampler is not None and not (
+        hasattr(batch_sampler, "batch_size") and hasattr(batch_sampler, "drop_last")
+    )
+    source = None if whole else getattr(batch_sampler, "sampler", dataloader.sampler)
+    return _Loader(dataloader, source, len(source if source is not None else batch_sampler))
 
 
 def _is_plain_permutation(sampler: Any) -> bool:
@@ -140,16 +167,12 @@ def injected_sampler(dataloader: object) -> samplers._EpochShards | None:
 def needs_distributed_sampler(dataloader: object) -> bool:
     """False for non-``DataLoader`` objects, ``IterableDataset`` loaders, loaders that carry one of our samplers
     (injection happens once) and loaders whose (batch) sampler is already distributed (the user's is respected)."""
-    if not isinstance(dataloader, DataLoader) or isinstance(dataloader.dataset, IterableDataset):
-        return False
-    samplers = (dataloader.sampler, dataloader.batch_sampler, getattr(dataloader.batch_sampler, "sampler", None))
-    return not any(hasattr(s, "num_replicas") and hasattr(s, "rank") for s in samplers)  # ours and DistributedSampler
+    return _read(dataloader) is not None
 
 
-def _check_shard_sizes(dataloader: DataLoader, shard: Shard, training: bool) -> None:
-    """Raise (the same on every rank) where ``dataloader`` cannot be sharded; warn where Lightning's ddp runs it."""
-    source, w = _original_sampler(dataloader), shard.num_replicas
-    n = len(source if source is not None else dataloader.batch_sampler)  # type: ignore[arg-type]
+def _check_shard_sizes(loader: _Loader, shard: samplers.Shard, training: bool) -> None:
+    """Raise (the same on every rank) where ``loader`` cannot be sharded; warn where Lightning's ddp runs it."""
+    source, n, w = loader.source, loader.n, shard.num_replicas
     what = "samples" if source is not None else "batches"
     if n < w and not shard.pad:
         raise ValueError(
@@ -162,7 +185,7 @@ def _check_shard_sizes(dataloader: DataLoader, shard: Shard, training: bool) -> 
             f" DistributedSampler pads them), so some ranks read the same {what}. Use a data set with at least {w}"
             f" {what}, or fewer devices."
         )
-    if source is None or (batch_sampler := dataloader.batch_sampler) is None:
+    if source is None or (batch_sampler := loader.dataloader.batch_sampler) is None:
         return
     batch_size, drop_last = int(batch_sampler.batch_size), bool(batch_sampler.drop_last)  # type: ignore[attr-defined]
     smallest = math.ceil(n / w) if shard.pad else n // w
@@ -180,7 +203,7 @@ def _check_shard_sizes(dataloader: DataLoader, shard: Shard, training: bool) -> 
         )
 
 
-def inject_distributed_sampler(dataloader: object, shard: Shard, training: bool | None = None) -> object:
+def inject_distributed_sampler(dataloader: object, shard: samplers.Shard, training: bool | None = None) -> object:
     """Return ``dataloader`` re-created around a distributed sampler for ``shard``, or unchanged if it needs none.
 
     ``shuffle=True/False`` loaders get an :class:`~ddp_strategy.sampling.sampler.EpochSeededDistributedSampler`,
@@ -198,11 +221,11 @@ def inject_distributed_sampler(dataloader: object, shard: Shard, training: bool 
         ValueError: fewer items than ranks unpadded; ``drop_last=True`` with a shard smaller than one batch.
         MisconfigurationException: a ``DataLoader`` subclass whose ``__init__`` arguments Lightning cannot find.
     """
-    if not needs_distributed_sampler(dataloader):
+    loader = _read(dataloader)
+    if loader is None:
         return dataloader
-    assert isinstance(dataloader, DataLoader)
-    _check_shard_sizes(dataloader, shard, shard.pad if training is None else training)
-    source, batch_sampler = _original_sampler(dataloader), dataloader.batch_sampler
+    _check_shard_sizes(loader, shard, shard.pad if training is None else training)
+    source, dataloader, batch_sampler = loader.source, loader.dataloader, loader.dataloader.batch_sampler
     if source is None:
         return _pl.update_dataloader_batch_sampler(dataloader, samplers.ShardedBatchSampler(batch_sampler, shard))
     if _is_plain_permutation(source) or isinstance(source, SequentialSampler):
@@ -222,7 +245,7 @@ def inject_distributed_sampler(dataloader: object, shard: Shard, training: bool 
     built.items_per_batch = int(batch_sampler.batch_size)  # type: ignore[attr-defined]
     built.drop_last_batch = bool(batch_sampler.drop_last)  # type: ignore[attr-defined]
     if type(batch_sampler) is not BatchSampler:  # the user's class, re-created around ``built`` (Lightning's code)
-        with contextlib.suppress(TypeError):  # Lightning cannot (an argument it does not know): its batches, whole
+        with suppress(TypeError):  # Lightning cannot (an argument it does not know): its batches, whole
             return _pl.update_dataloader(dataloader, built)
         return _pl.update_dataloader_batch_sampler(dataloader, samplers.ShardedBatchSampler(batch_sampler, shard))
     if shard.pad and dataloader.batch_size is not None:
@@ -236,42 +259,44 @@ def inject_distributed_sampler(dataloader: object, shard: Shard, training: bool 
     return _pl.update_dataloader_batch_sampler(dataloader, batches)
 
 
-def needs_padding(dataloader: DataLoader, num_replicas: int) -> str | None:
+def needs_padding(dataloader: DataLoader | _Loader, num_replicas: int) -> str | None:
     """Why ``dataloader`` has no exact layout with equal batch counts (a phrase for the warning), or ``None``.
 
     One exists when N is a multiple of W, or when B >= 2, N >= W and the incomplete last batch is kept; whole custom
     batches always have one (``ShardedBatchSampler``); for the user's batch sampler class, see the counts.
     """
-    source = _original_sampler(dataloader)
-    if source is None or len(source) % num_replicas == 0:
+    loader = _read(dataloader)
+    if loader is None or loader.source is None or loader.n % num_replicas == 0:
         return None
-    batch_sampler = dataloader.batch_sampler
+    batch_sampler = loader.dataloader.batch_sampler
     if batch_sampler is None:
         return "the loader does not batch (batch_size=None)"
     if bool(getattr(batch_sampler, "drop_last", False)):
         return "the loader drops its incomplete last batch (drop_last=True)"
     if int(getattr(batch_sampler, "batch_size", 1)) < 2:
         return "batch_size=1 leaves a shorter rank no batch to make one sample smaller"
-    if len(source) < num_replicas:
-        return f"there are fewer samples ({len(source)}) than ranks ({num_replicas})"
+    if loader.n < num_replicas:
+        return f"there are fewer samples ({loader.n}) than ranks ({num_replicas})"
     return None
 
 
-def shard_for_evaluation(dataloader: object, shard: Shard, stage: str, exact: bool = True) -> object:
+def shard_for_evaluation(dataloader: object, shard: samplers.Shard, stage: str, exact: bool = True) -> object:
     """A validation (``stage="validation"``) or test loader with each sample once and equal batch counts, else
     (``exact=False``, ``drop_last=True``, or no such layout: :func:`needs_padding`, or uneven counts from the user's
     batch sampler class) padded as Lightning's ddp pads it, with a rank-0 warning where exactness is lost. Keeps
     every rank's batch counts on it where it is ours (:func:`count_batches`; no collective)."""
-    sharded = exact and needs_distributed_sampler(dataloader)
-    reason = needs_padding(dataloader, shard.num_replicas) if sharded else None  # type: ignore[arg-type]
-    if sharded and reason is None:  # drop_last=True (N a multiple of W here): Lightning's batches
-        drops = bool(getattr(dataloader.batch_sampler, "drop_last", False))  # type: ignore[attr-defined]
-        loader = inject_distributed_sampler(dataloader, exact_shard := dataclasses.replace(shard, pad=drops))
-        if len(set(counts := count_batches(dataloader, loader, exact_shard))) == 1:
-            return loader
-        reason = f"its {type(loader.batch_sampler).__name__} makes {list(counts)} batches of the exact shards"
+    loader = _read(dataloader)
+    if loader is None:
+        return dataloader
+    reason = needs_padding(loader, shard.num_replicas) if exact else None
+    if exact and reason is None:  # drop_last=True (N a multiple of W here): Lightning's batches
+        drops = bool(getattr(loader.dataloader.batch_sampler, "drop_last", False))
+        exact_loader = inject_distributed_sampler(loader, exact_shard := dataclasses.replace(shard, pad=drops))
+        if len(set(counts := count_batches(loader, exact_loader, exact_shard))) == 1:
+            return exact_loader
+        reason = f"its {type(exact_loader.batch_sampler).__name__} makes {list(counts)} batches of the exact shards"
     if reason is not None:
-        n, w = len(_original_sampler(dataloader)), shard.num_replicas  # type: ignore[arg-type]
+        n, w = loader.n, shard.num_replicas
         rank_zero_warn(
             f"The {stage} loader has {n} samples for {w} ranks and {reason}, so the ranks cannot hold the"
             f" same number of batches with every sample exactly once. Like Lightning's ddp, its shards are"
@@ -279,14 +304,12 @@ def shard_for_evaluation(dataloader: object, shard: Shard, stage: str, exact: bo
             f" exact metrics use batch_size >= 2 and drop_last=False with at least {w} samples, or a data"
             f" set whose size is a multiple of {w}."
         )
-    if (
-        loader := inject_distributed_sampler(dataloader, padded := dataclasses.replace(shard, pad=True), training=False)
-    ) is not dataloader:
-        count_batches(dataloader, loader, padded)
-    return loader
+    padded_loader = inject_distributed_sampler(loader, padded := dataclasses.replace(shard, pad=True), training=False)
+    count_batches(loader, padded_loader, padded)
+    return padded_loader
 
 
-def count_batches(dataloader: object, loader: DataLoader, shard: Shard) -> tuple[int, ...]:
+def count_batches(dataloader: _Loader, loader: DataLoader, shard: samplers.Shard) -> tuple[int, ...]:
     """``(batches on rank 0, ..., rank W-1)`` of ``loader`` (``dataloader`` injected for ``shard``), also kept on it,
     without a collective: our batch samplers make as many on every rank; the user's class is re-created per rank."""
     if type(loader.batch_sampler) in (
@@ -311,18 +334,16 @@ def warn_if_order_kept(dataloader: object, world_size: int, overfit_batches: int
     Lightning's ``ddp`` shuffles every training loader it shards (but under ``overfit_batches``); we shuffle only a
     loader built with ``shuffle=True`` (the same shards as Lightning's) and keep any other's order.
     """
-    if overfit_batches or not needs_distributed_sampler(dataloader):
-        return
-    assert isinstance(dataloader, DataLoader)
-    source = _original_sampler(dataloader)
-    if _is_plain_permutation(source):
+    loader = _read(dataloader)
+    if overfit_batches or loader is None or _is_plain_permutation(loader.source):
         return
     shards = (
         f"rank r of {world_size} reads positions r, r + {world_size}, r + {2 * world_size}, ..."
         if world_size > 1
         else "the one process reads every position"
     )
-    advice, batch_sampler = "MyDDPStrategy has no setting that gives Lightning's batches here", dataloader.batch_sampler
+    advice = "MyDDPStrategy has no setting that gives Lightning's batches here"
+    source, batch_sampler = loader.source, loader.dataloader.batch_sampler
     if type(batch_sampler) not in (BatchSampler, type(None)):  # the user's batch sampler (whole batches, or indices)
         what = (
             f"its batch sampler is a {type(batch_sampler).__name__}, read in its order ({shards} of each epoch's"
@@ -395,17 +416,14 @@ class EvaluationStepGuard:
         (Lightning passes the index third, with several loaders), its counts cut to ``limit_*_batches``
         (``num_sanity_val_steps`` in the sanity check; an int caps, a float takes a share)."""
         kind = {"validation_step": "val", "test_step": "test", "predict_step": "predict"}[stage]
-        loaders, limit = getattr(trainer, f"{kind}_dataloaders"), getattr(trainer, f"limit_{kind}_batches")
+        loaders, limit = (
+            flat_loaders(getattr(trainer, f"{kind}_dataloaders")),
+            getattr(trainer, f"limit_{kind}_batches"),
+        )
         if kind == "val" and trainer.sanity_checking:
             limit = trainer.num_sanity_val_steps
-        loaders = (
-            list(loaders.values())
-            if isinstance(loaders, dict)
-            else (list(loaders) if isinstance(loaders, (list, tuple)) else [loaders])
-        )
         index = kwargs.get("dataloader_idx", args[2] if len(args) > 2 else 0)
         counts = getattr(loaders[index] if 0 <= index < len(loaders) else None, BATCH_COUNTS_ATTR, None)
-        previous = self._active
         if counts is not None:
             capped = isinstance(limit, int) and limit >= 0
             counts = tuple(min(c, limit) if capped else int(c * limit) if 0 <= limit < 1.0 else c for c in counts)
@@ -414,7 +432,7 @@ class EvaluationStepGuard:
         try:
             yield
         finally:
-            self._active = previous
+            self._active = None  # Lightning runs one step at a time
 
     def end_stage(self) -> None:
         """Forget the stage's uneven batch counts."""

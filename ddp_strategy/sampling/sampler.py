@@ -24,8 +24,9 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.utils.data import BatchSampler, Dataset, Sampler, get_worker_info
-from torch.utils.data.distributed import DistributedSampler
+from torch.utils.data import BatchSampler, Dataset, DistributedSampler, Sampler, get_worker_info
+
+from ddp_strategy._compat.namespace import isolate_rng
 
 #: Seed used for shuffling when neither the strategy nor ``seed_everything`` set one.
 DEFAULT_SEED = 0
@@ -66,8 +67,7 @@ def draw_epoch(source: Iterable[Any], seed: int, epoch: int) -> list[Any]:
         source.set_epoch(epoch)  # type: ignore[attr-defined]
     holders = [h for h in (source, getattr(source, "sampler", None)) if h is not None and hasattr(h, "generator")]
     saved = [h.generator for h in holders]
-    py_state, np_state = random.getstate(), np.random.get_state()
-    with torch.random.fork_rng(devices=[]):
+    with isolate_rng(include_cuda=False):  # Lightning's: torch's, Python's and NumPy's states restored on exit
         torch.manual_seed(seed + epoch)
         random.seed(seed + epoch)
         np.random.seed((seed + epoch) % 2**32)
@@ -78,8 +78,6 @@ def draw_epoch(source: Iterable[Any], seed: int, epoch: int) -> list[Any]:
         finally:
             for holder, generator in zip(holders, saved, strict=True):
                 holder.generator = generator
-            random.setstate(py_state)
-            np.random.set_state(np_state)
 
 
 def remaining_positions(length: int, layers: list[dict[str, Any]]) -> list[int]:

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from ddp_strategy._compat import lightning_private as _pl
 from ddp_strategy._compat.namespace import TrainerFn, rank_zero_info, rank_zero_warn
-from ddp_strategy.sampling.loaders import injected_sampler
+from ddp_strategy.sampling.loaders import flat_loaders, injected_sampler
 from ddp_strategy.sampling.sampler import _EpochShards
 
 if TYPE_CHECKING:
@@ -36,12 +36,7 @@ LIGHTNING_NOT_RESUMABLE_WARNING = "You're resuming from a checkpoint that ended 
 
 def _train_samplers(trainer: Trainer) -> list[_EpochShards]:
     """The samplers MyDDPStrategy injected into ``trainer``'s training loaders (one, or lists/dicts of them)."""
-
-    def leaves(item: Any) -> list[Any]:
-        item = list(item.values()) if isinstance(item, dict) else item
-        return [leaf for x in item for leaf in leaves(x)] if isinstance(item, (list, tuple)) else [item]
-
-    return [s for s in map(injected_sampler, leaves(trainer.train_dataloader)) if s is not None]
+    return [s for s in map(injected_sampler, flat_loaders(trainer.train_dataloader)) if s is not None]
 
 
 def save_positions(trainer: Trainer | None, checkpoint: dict[str, Any]) -> None:
