@@ -35,10 +35,7 @@ log = logging.getLogger(__name__)
 
 
 # --------------------------------------------------------------------------------------------- writes
-def _host_tag() -> str:
-    return re.sub(r"[^A-Za-z0-9-]", "-", socket.gethostname()) or "host"
-
-
+_HOST = re.sub(r"[^A-Za-z0-9-]", "-", socket.gethostname()) or "host"  # as it appears in temporary file names
 #: ``.<target>.<host>.<pid>.<random>.tmp``: hidden, never ``*.ckpt``, and its writer can be recognised.
 _TMP_PATTERN = re.compile(r"^\.(?P<name>.+)\.(?P<host>[A-Za-z0-9-]+)\.(?P<pid>\d+)\.[A-Za-z0-9_]+\.tmp$")
 
@@ -57,18 +54,18 @@ def remove_stale_temp_files(folder: str | os.PathLike) -> list[Path]:
     """Delete (and return) the :func:`atomic_save` temporary files in ``folder`` whose writer, on this host, died
     (other hosts' are left alone; a missing folder is fine)."""
     folder = Path(folder)
-    if not folder.is_dir():
-        return []
-    removed = []
-    for entry in folder.iterdir():
-        m = _TMP_PATTERN.match(entry.name)
-        if not m or m["host"] != _host_tag() or int(m["pid"]) == os.getpid() or _pid_alive(int(m["pid"])):
-            continue
-        with contextlib.suppress(FileNotFoundError):
-            entry.unlink()
-            removed.append(entry)
-            log.info("removed the temporary file of a checkpoint writer that died: %s", entry)
-    return removed
+    stale = [
+        entry
+        for entry in (folder.iterdir() if folder.is_dir() else ())
+        if (m := _TMP_PATTERN.match(entry.name))
+        and m["host"] == _HOST
+        and int(m["pid"]) != os.getpid()
+        and not _pid_alive(int(m["pid"]))
+    ]
+    for entry in stale:
+        entry.unlink(missing_ok=True)
+        log.info("removed the temporary file of a checkpoint writer that died: %s", entry)
+    return stale
 
 
 def atomic_save(obj: Any, path: str | os.PathLike, save_fn: Callable[[Any, Any], None] = torch.save) -> None:
@@ -83,7 +80,7 @@ def atomic_save(obj: Any, path: str | os.PathLike, save_fn: Callable[[Any, Any],
     folder = os.path.dirname(path)
     os.makedirs(folder, exist_ok=True)
     remove_stale_temp_files(folder)
-    tmp = os.path.join(folder, f".{os.path.basename(path)}.{_host_tag()}.{os.getpid()}.{secrets.token_hex(6)}.tmp")
+    tmp = os.path.join(folder, f".{os.path.basename(path)}.{_HOST}.{os.getpid()}.{secrets.token_hex(6)}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
     try:
         with os.fdopen(fd, "wb") as f:
@@ -92,8 +89,7 @@ def atomic_save(obj: Any, path: str | os.PathLike, save_fn: Callable[[Any, Any],
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(tmp)
+        Path(tmp).unlink(missing_ok=True)
         raise
     with contextlib.suppress(OSError):  # make the rename durable (POSIX; folders cannot be opened on Windows)
         folder_fd = os.open(folder, os.O_RDONLY)
@@ -101,7 +97,6 @@ def atomic_save(obj: Any, path: str | os.PathLike, save_fn: Callable[[Any, Any],
             os.fsync(folder_fd)
         finally:
             os.close(folder_fd)
-    log.debug("saved %s atomically", path)
 
 
 def prepare_folders(callbacks: list[Any]) -> None:
@@ -127,36 +122,35 @@ def prepare_folders(callbacks: list[Any]) -> None:
             return
 
 
+def _stamp(path: Any) -> tuple[str, int, int] | None:
+    """``(real path, size in bytes, mtime in ns)`` of a local file; None for a remote or missing one."""
+    if not isinstance(path, (str, os.PathLike)) or "://" in os.fspath(path):
+        return None
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return os.path.realpath(path), st.st_size, st.st_mtime_ns
+
+
 class WrittenFiles:
     """Local checkpoint files this rank saw written in this process, each with its size (bytes) and mtime (ns): a
     file loaded back unchanged was written by this run's rank 0, so it is trusted (``weights_only=False``)."""
 
     def __init__(self) -> None:
-        self._stamps: dict[str, tuple[int, int]] = {}
-
-    @staticmethod
-    def _stamp(path: Any) -> tuple[str, tuple[int, int]] | None:
-        if not isinstance(path, (str, os.PathLike)) or "://" in os.fspath(path):
-            return None
-        try:
-            st = os.stat(path)
-        except OSError:
-            return None
-        return os.path.realpath(path), (st.st_size, st.st_mtime_ns)
+        self._stamps: set[tuple[str, int, int] | None] = set()
 
     def add(self, path: Any) -> None:
         """Remember ``path`` as it is now (after its write completed); remote or missing paths are ignored."""
-        if (stamp := self._stamp(path)) is not None:
-            self._stamps[stamp[0]] = stamp[1]
+        self._stamps.add(_stamp(path))
 
     def discard(self, path: Any) -> None:
-        """Forget ``path`` (before it is removed)."""
-        if (stamp := self._stamp(path)) is not None:
-            self._stamps.pop(stamp[0], None)
+        """Forget ``path`` as it is now (before it is removed)."""
+        self._stamps.discard(_stamp(path))
 
     def __contains__(self, path: Any) -> bool:
-        stamp = self._stamp(path)
-        return stamp is not None and self._stamps.get(stamp[0]) == stamp[1]
+        stamp = _stamp(path)
+        return stamp is not None and stamp in self._stamps
 
 
 # ---------------------------------------------------------------------------------------------- loads
@@ -234,11 +228,8 @@ def _open_error(path: str, error: OSError) -> OSError:
             f" (uid {os.getuid() if hasattr(os, 'getuid') else '?'}). Make it readable"
             " (chmod u+r) or run as its owner."
         )
-    if os.path.isdir(path):
-        try:
-            found = sorted(name for name in os.listdir(path) if name.endswith((".ckpt", ".pt", ".pth")))[:5]
-        except OSError:
-            found = []
+    if os.path.isdir(path):  # Path.glob lists nothing in a folder it cannot read
+        found = sorted(p.name for p in Path(path).glob("*") if p.suffix in (".ckpt", ".pt", ".pth"))[:5]
         return FileNotFoundError(
             f"Checkpoint path {path} is a directory, not a checkpoint file. Pass a file"
             f" inside it{f' (found {found})' if found else ''}."
@@ -309,9 +300,8 @@ def _verify_zip_checksums(f: Any, path: str, size: int) -> None:
 
 # ----------------------------------------------------------------------------------- Lightning plugin
 def _is_local(path: Any) -> bool:
-    if isinstance(path, (str, os.PathLike)) and "://" not in os.fspath(path):
-        return True
-    return type(_namespace.get_filesystem(path)).__name__ == "LocalFileSystem"
+    local_name = isinstance(path, (str, os.PathLike)) and "://" not in os.fspath(path)
+    return local_name or type(_namespace.get_filesystem(path)).__name__ == "LocalFileSystem"
 
 
 class DDPCheckpointIO(TorchCheckpointIO):
@@ -341,11 +331,8 @@ class DDPCheckpointIO(TorchCheckpointIO):
         (unsupported, as in Lightning's)."""
         if isinstance(checkpoint.get("state_dict"), Mapping):
             checkpoint = {**checkpoint, "state_dict": strip_compile_prefixes(checkpoint["state_dict"])}
-        if not _is_local(path):
-            super().save_checkpoint(checkpoint, path, storage_options=storage_options)
-            return
-        if storage_options is not None:
-            raise TypeError(f"{type(self).__name__} does not support storage_options; got {storage_options!r}.")
+        if storage_options is not None or not _is_local(path):  # Lightning's: refuses storage_options (TypeError)
+            return super().save_checkpoint(checkpoint, path, storage_options=storage_options)
         atomic_save(checkpoint, path)
 
     def load_checkpoint(
