@@ -62,13 +62,16 @@ def find_model_state_dict(checkpoint: Any, path: str | os.PathLike | None = None
 def plain_state_dict(checkpoint: Any, path: str | os.PathLike, submodule: str = "model") -> dict[str, torch.Tensor]:
     """:func:`load_plain_state_dict` for a checkpoint already loaded from ``path`` (named in errors)."""
     state_dict = strip_ddp_prefix(strip_compile_prefixes(find_model_state_dict(checkpoint, path)))
-    if not submodule:
-        return state_dict
-    prefix = submodule + "."
+    return _submodule_weights(state_dict, submodule, os.fspath(path))
+
+
+def _submodule_weights(state_dict: Mapping[str, Any], submodule: str, where: str) -> dict[str, Any]:
+    """The entries under ``<submodule>.``, that prefix removed (all of them for ``""``); else ``KeyError``."""
+    prefix = submodule + "." if submodule else ""
     picked = {key[len(prefix) :]: value for key, value in state_dict.items() if key.startswith(prefix)}
     if not picked:
         raise KeyError(
-            f"No key in {os.fspath(path)} starts with {prefix!r}; found e.g. {list(state_dict)[:5]}."
+            f"No key in {where} starts with {prefix!r}; found e.g. {list(state_dict)[:5]}."
             " Pass submodule='' for the whole state dict, or the attribute name of your model."
         )
     return picked
@@ -100,9 +103,7 @@ def load_plain_state_dict(
 def _int_entry(checkpoint: Mapping[str, Any], keys: tuple[str, ...], source: str) -> int:
     """The first of ``keys`` in ``checkpoint`` as an int >= 0 (0 if none is); else ``DamagedCheckpointError``."""
     key = next((k for k in keys if k in checkpoint), None)
-    if key is None:
-        return 0
-    value = checkpoint[key]
+    value = checkpoint[key] if key is not None else 0
     try:
         number = int(value)
         whole = number == value or isinstance(value, str)
@@ -300,11 +301,7 @@ def export_weights(
         TypeError: ``source`` is a module whose state dict holds a non-tensor (extra state) under ``submodule``.
     """
     if isinstance(source, nn.Module):
-        full = unwrapped_state_dict(source)
-        prefix = submodule + "." if submodule else ""
-        weights = {k[len(prefix) :]: v for k, v in full.items() if k.startswith(prefix)}
-        if not weights:
-            raise KeyError(f"{type(source).__name__} has no key under {prefix!r}; found e.g. {list(full)[:5]}.")
+        weights = _submodule_weights(unwrapped_state_dict(source), submodule, type(source).__name__)
     else:
         checkpoint = load_file(source, weights_only=weights_only, opt_out="export_weights(..., weights_only=False)")
         weights = plain_state_dict(checkpoint, source, submodule)
