@@ -164,10 +164,8 @@ def _fit_loop_state(epochs_completed: int, global_step: int) -> dict[str, Any]:
     state = trainer.fit_loop.state_dict()
     steps = state["epoch_loop.automatic_optimization.optim_progress"]["optimizer"]["step"]
     for scope in ("total", "current"):
-        for field in state["epoch_progress"][scope]:
-            state["epoch_progress"][scope][field] = epochs_completed
-        for counter in steps[scope]:
-            steps[scope][counter] = global_step if scope == "total" else 0
+        state["epoch_progress"][scope] = dict.fromkeys(state["epoch_progress"][scope], epochs_completed)
+        steps[scope] = dict.fromkeys(steps[scope], global_step if scope == "total" else 0)
     state["epoch_loop.state_dict"]["_batches_that_stepped"] = global_step
     return state
 
@@ -228,11 +226,12 @@ def import_plain_checkpoint(
         find_model_state_dict(checkpoint, name), model, strict=strict, source=name, prefixes=list(parts)
     )
     own = model.state_dict()
-    for key, value in loadable.items():
-        if isinstance(own[key], torch.Tensor) and not isinstance(value, torch.Tensor):
-            raise DamagedCheckpointError(
-                f"{name}: the weight for {key!r} is a {type(value).__name__}, not a tensor. Is this file a checkpoint?"
-            )
+    odd = next((k for k, v in loadable.items() if isinstance(own[k], torch.Tensor) and not torch.is_tensor(v)), None)
+    if odd is not None:
+        raise DamagedCheckpointError(
+            f"{name}: the weight for {odd!r} is a {type(loadable[odd]).__name__}, not a tensor. Is this file a"
+            " checkpoint?"
+        )
     model.load_state_dict(loadable, strict=strict)
 
     if epochs_completed is None:

@@ -193,9 +193,8 @@ def load_file(
         raise _open_error(path, e) from e
     own_errors: list[Exception] = []  # raised by the caller's map_location callable: not the file's fault
     if callable(map_location):
-        user_map = map_location
 
-        def tagged(storage: Any, location: str) -> Any:
+        def tagged(storage: Any, location: str, user_map: Callable = map_location) -> Any:
             try:
                 return user_map(storage, location)
             except Exception as e:
