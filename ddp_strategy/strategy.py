@@ -363,7 +363,7 @@ class MyDDPStrategy(sync.wrapping.LightningDDPAttributes, ParallelStrategy):
         checkpoint dumped since the last save: :meth:`lightning_module_state_dict`), at its barrier on every rank."""
         sampling.save_positions(self._trainer, checkpoint)
         for_trainer, self._dumped = self._dumped, False
-        error = None
+        self._saving = (filepath, None)  # rank 0's outcome, for the barrier that ends Trainer.save_checkpoint
         if self.is_global_zero:
             try:
                 self.checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
@@ -371,8 +371,7 @@ class MyDDPStrategy(sync.wrapping.LightningDDPAttributes, ParallelStrategy):
             except Exception as e:
                 if not for_trainer:
                     raise
-                error = e
-        self._saving = (filepath, error)
+                self._saving = (filepath, e)
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:

@@ -313,8 +313,7 @@ def export_weights(
             f"The model state dict in {os.fspath(source)} holds a {what}. Is this file a checkpoint?"
         )
     weights = {k: v.detach().cpu().contiguous() for k, v in weights.items()}
-    if safetensors is None:
-        safetensors = os.fspath(path).endswith(".safetensors")
+    safetensors = os.fspath(path).endswith(".safetensors") if safetensors is None else safetensors
     if not safetensors:
         atomic_save(weights, path)
         return weights

@@ -108,9 +108,8 @@ def prepare_folders(callbacks: list[Any]) -> None:
     for folder in folders:
         remove_stale_temp_files(folder)
     for folder in [f for f in folders if "://" not in f]:
-        existing = os.path.abspath(folder)
-        while not os.path.exists(existing):
-            existing = os.path.dirname(existing)
+        absolute = Path(folder).absolute()
+        existing = next(p for p in (absolute, *absolute.parents) if p.exists())
         try:
             tempfile.TemporaryFile(dir=existing).close()
         except OSError as e:
@@ -240,8 +239,11 @@ def _load_error(path: str, size: int, weights_only: bool, error: Exception, opt_
     """The documented error for a file ``torch.load`` failed on: unsafe content, else damaged."""
     message = str(error)
     if weights_only is not False and "Unsupported global" in message:  # None: torch.load's default, True
-        first = next(line for line in message.splitlines() if "Unsupported global" in line)
-        first = first.split("Unsupported global:")[-1].split(" was not")[0].strip()
+        first = next(
+            line.split("Unsupported global:")[-1].split(" was not")[0].strip()
+            for line in message.splitlines()
+            if "Unsupported global" in line
+        )
         return UnsafeCheckpointError(
             f"Checkpoint {path} holds an object that weights_only=True loading refuses ({first}). If you"
             f" trust this file, load it with {opt_out}, or allow the type before loading (on every rank) with"
@@ -256,8 +258,7 @@ def _load_error(path: str, size: int, weights_only: bool, error: Exception, opt_
             f" pickle ({reason}); torch.save(..., pickle_protocol=N) with N > 2 does this. If you trust this file,"
             f" load it with {opt_out}, or save it again with the default protocol."
         )
-    if "WeightsUnpickler error:" in message:  # skip torch's long preamble about weights_only defaults
-        message = message.split("WeightsUnpickler error:", 1)[1]
+    message = message.split("WeightsUnpickler error:", 1)[-1]  # skip torch's long preamble about weights_only
     detail = next((line.strip() for line in message.splitlines() if line.strip()), "")[:200]
     return DamagedCheckpointError(
         f"Checkpoint file {path} is damaged (truncated or corrupt, {size} bytes) or is not a PyTorch"
@@ -283,16 +284,15 @@ def _verify_zip_checksums(f: Any, path: str, size: int) -> None:
         with zipfile.ZipFile(f) as archive:
             for info in archive.infolist():
                 member = info.filename
-                if info.CRC == 0 and info.file_size > 0:  # written with torch's CRC-32 switched off
-                    continue
-                with archive.open(info) as data:
-                    while data.read(1 << 24):
-                        pass
+                if info.CRC or not info.file_size:  # else written with torch's CRC-32 switched off: skipped
+                    with archive.open(info) as data:
+                        while data.read(1 << 24):
+                            pass
     except Exception as e:  # zipfile raises BadZipFile, EOFError, ValueError, struct.error, ... on bad bytes
-        where = f" (member {member})" if member else ""
         raise DamagedCheckpointError(
             f"Checkpoint file {path} is damaged (truncated or corrupt, {size} bytes): its zip structure or a"
-            f" checksum does not check out{where}: {type(e).__name__}: {str(e)[:200]}. Use an earlier"
+            f" checksum does not check out{f' (member {member})' if member else ''}: {type(e).__name__}:"
+            f" {str(e)[:200]}. Use an earlier"
             " checkpoint or save this one again."
         ) from e
 

@@ -45,15 +45,15 @@ def unwrapped_state_dict(module: nn.Module) -> dict[str, Any]:
     Raises:
         RuntimeError: two keys map to the same clean name (a sub-module literally called ``_orig_mod``).
     """
-    clean: dict[str, Any] = {}
-    for key, value in module.state_dict().items():
-        name = unwrapped_name(module, key)
-        if name in clean:
-            raise RuntimeError(
-                f"Two state_dict keys of {type(module).__name__} map to {name!r} once wrapper"
-                f" segments are removed (one is {key!r}); rename the sub-module."
-            )
-        clean[name] = value
+    state_dict = module.state_dict()
+    names = [unwrapped_name(module, key) for key in state_dict]
+    if len(set(names)) < len(names):
+        raise RuntimeError(
+            f"Several state_dict keys of {type(module).__name__} map to each of"
+            f" {sorted({n for n in names if names.count(n) > 1})} once wrapper segments are removed (a sub-module"
+            " literally called '_orig_mod'?); rename the sub-module."
+        )
+    clean = dict(zip(names, state_dict.values(), strict=True))
     return clean
 
 

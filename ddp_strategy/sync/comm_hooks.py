@@ -89,13 +89,12 @@ class CommHookConfig:
     wrapper: Callable[[CommHook], CommHook] | None = None
 
     def __post_init__(self) -> None:
-        if isinstance(self.hook, str):
-            if self.hook not in HOOKS_BY_NAME:
-                raise ValueError(
-                    f"Unknown ddp_comm_hook={self.hook!r}; use one of {sorted(HOOKS_BY_NAME)} or a"
-                    " callable hook(state, bucket) -> torch.futures.Future."
-                )
-        elif self.hook is not None and not callable(self.hook):
+        if isinstance(self.hook, str) and self.hook not in HOOKS_BY_NAME:
+            raise ValueError(
+                f"Unknown ddp_comm_hook={self.hook!r}; use one of {sorted(HOOKS_BY_NAME)} or a"
+                " callable hook(state, bucket) -> torch.futures.Future."
+            )
+        if not isinstance(self.hook, str | None) and not callable(self.hook):
             raise TypeError(f"ddp_comm_hook must be a callable or a name, got {type(self.hook).__name__}.")
         if self.wrapper is not None and not callable(self.wrapper):
             raise TypeError(f"ddp_comm_wrapper must be callable, got {type(self.wrapper).__name__}.")
@@ -149,9 +148,13 @@ class CollectiveBytes:
     """
 
     calls: int = 0
-    bytes_sent: int = 0
     by_dtype: dict[str, int] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    @property
+    def bytes_sent(self) -> int:
+        """Bytes all-reduced by this rank, all dtypes together."""
+        return sum(self.by_dtype.values())
 
 
 _open: list[CollectiveBytes] = []  # the counters of the count_collective_bytes() blocks now open
@@ -162,9 +165,7 @@ def _count(tensors: list[torch.Tensor]) -> None:
         with counts._lock:
             counts.calls += 1
             for t in tensors:
-                n = t.numel() * t.element_size()
-                counts.bytes_sent += n
-                counts.by_dtype[str(t.dtype)] = counts.by_dtype.get(str(t.dtype), 0) + n
+                counts.by_dtype[str(t.dtype)] = counts.by_dtype.get(str(t.dtype), 0) + t.numel() * t.element_size()
 
 
 @contextmanager

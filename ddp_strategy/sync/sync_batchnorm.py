@@ -84,9 +84,8 @@ class CPUSyncBatchNorm(_BatchNorm):
             with torch.no_grad():
                 self.num_batches_tracked.add_(1)
                 momentum = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
-                n = count.item()
                 self.running_mean.lerp_(mean.detach(), momentum)
-                self.running_var.lerp_(var.detach() * (n / max(n - 1.0, 1.0)), momentum)
+                self.running_var.lerp_(var.detach() * count / (count - 1).clamp(min=1), momentum)
         return y
 
 
