@@ -75,15 +75,13 @@ def call_with_weights_only(method: Any, *args: Any, weights_only: bool | None, *
     return method(*args, **kwargs)
 
 
-def load_checkpoint_with_weights_only(method: Any, path: Any, map_location: Any, weights_only: bool) -> Any:
-    """``TorchCheckpointIO.load_checkpoint`` (``method``) honouring ``weights_only``: Lightning 2.6's takes it;
-    for 2.4 and 2.5 the same existence check, then Fabric's ``cloud_io._load``, which takes it.
+def load_checkpoint_with_weights_only(path: Any, map_location: Any, weights_only: bool) -> Any:
+    """What Lightning 2.6's ``TorchCheckpointIO.load_checkpoint`` does, also for 2.4 and 2.5 (whose method does not
+    take ``weights_only``): an existence check, then Fabric's ``cloud_io._load``, which takes ``weights_only``.
 
     Raises:
         FileNotFoundError: no file at ``path``.
     """
-    if takes_weights_only(method):
-        return method(path, map_location=map_location, weights_only=weights_only)
     fs = _namespace.get_filesystem(path)
     if not fs.exists(path):
         raise FileNotFoundError(f"Checkpoint file not found: {path}")

@@ -36,9 +36,8 @@ def find_model_state_dict(checkpoint: Any, path: str | os.PathLike | None = None
     where = os.fspath(path) if path else "the checkpoint"
     state_dict: Mapping[str, Any] | None = None
     if isinstance(checkpoint, Mapping):
-        state_dict = next((checkpoint[k] for k in MODEL_STATE_KEYS if isinstance(checkpoint.get(k), Mapping)), None)
-        if state_dict is None and checkpoint and all(isinstance(v, torch.Tensor) for v in checkpoint.values()):
-            state_dict = checkpoint
+        bare = checkpoint if checkpoint and all(isinstance(v, torch.Tensor) for v in checkpoint.values()) else None
+        state_dict = next((checkpoint[k] for k in MODEL_STATE_KEYS if isinstance(checkpoint.get(k), Mapping)), bare)
     if state_dict is None:
         found = (
             [repr(k)[:40] for k in list(checkpoint)[:10]]
@@ -218,10 +217,9 @@ def import_plain_checkpoint(
         if isinstance(source, (str, os.PathLike))
         else source
     )
-    parts: dict[str, nn.Module] = {}  # "<clean path>." -> sub-module, shortest path first
-    for sub, module in model.named_modules():
-        parts.setdefault(unwrapped_name(model, sub + ".x")[:-1] if sub else "", module)
-    parts = dict(sorted(parts.items(), key=lambda item: (item[0].count("."), item[0])))
+    named = [(unwrapped_name(model, sub + ".x")[:-1] if sub else "", m) for sub, m in model.named_modules()]
+    # "<clean path>." -> sub-module (a wrapper rather than the module it wraps: the first named), shortest path first
+    parts = dict(sorted(dict(reversed(named)).items(), key=lambda item: (item[0].count("."), item[0])))
     loadable = match_state_dict(
         find_model_state_dict(checkpoint, name), model, strict=strict, source=name, prefixes=list(parts)
     )
@@ -305,12 +303,11 @@ def export_weights(
         checkpoint = load_file(source, weights_only=weights_only, opt_out="export_weights(..., weights_only=False)")
         weights = plain_state_dict(checkpoint, source, submodule)
     odd = next((k for k, v in weights.items() if not isinstance(v, torch.Tensor)), None)
-    if odd is not None:
-        what = f"{type(weights[odd]).__name__} under {odd!r}, not a tensor"
-        if isinstance(source, nn.Module):
-            raise TypeError(f"{type(source).__name__}'s state dict holds a {what}; only tensors can be exported.")
-        raise DamagedCheckpointError(
-            f"The model state dict in {os.fspath(source)} holds a {what}. Is this file a checkpoint?"
+    if odd is not None:  # a module's extra state (TypeError), or a file that is no checkpoint
+        module = isinstance(source, nn.Module)
+        raise (TypeError if module else DamagedCheckpointError)(
+            f"The model state dict in {type(source).__name__ if module else os.fspath(source)} holds a"
+            f" {type(weights[odd]).__name__} under {odd!r}, not a tensor; only tensors can be exported."
         )
     weights = {k: v.detach().cpu().contiguous() for k, v in weights.items()}
     safetensors = os.fspath(path).endswith(".safetensors") if safetensors is None else safetensors

@@ -341,7 +341,7 @@ class DDPCheckpointIO(TorchCheckpointIO):
         errors of :func:`load_file`, or ``DamagedCheckpointError`` when it holds something other than a dict."""
         weights_only = self.weights_only if weights_only is None else weights_only
         if not _is_local(path):
-            return _pl.load_checkpoint_with_weights_only(super().load_checkpoint, path, map_location, weights_only)
+            return _pl.load_checkpoint_with_weights_only(path, map_location, weights_only)
         checkpoint = load_file(
             path,
             map_location=map_location,

@@ -96,11 +96,8 @@ _ORIGINAL_CLASS = "_ddp_strategy_original_class"
 def _rebuilt(source: _BatchNorm, cls: type[_BatchNorm]) -> _BatchNorm:
     """A ``cls`` layer with the settings, parameters and buffers (same tensors) and train/eval mode of ``source``."""
     target = cls(source.num_features, source.eps, source.momentum, source.affine, source.track_running_stats)
-    if source.affine:
-        target.weight, target.bias = source.weight, source.bias
-    target.running_mean = source.running_mean
-    target.running_var = source.running_var
-    target.num_batches_tracked = source.num_batches_tracked
+    for name in [*(("weight", "bias") if source.affine else ()), "running_mean", "running_var", "num_batches_tracked"]:
+        setattr(target, name, getattr(source, name))
     target.train(source.training)
     if hasattr(source, "qconfig"):
         target.qconfig = source.qconfig
