@@ -232,14 +232,12 @@ def import_plain_checkpoint(
         )
     model.load_state_dict(loadable, strict=strict)
 
-    if epochs_completed is None:
-        epochs_completed = _int_entry(checkpoint, ("epoch",), name)
+    epochs_completed = _int_entry(checkpoint, ("epoch",), name) if epochs_completed is None else epochs_completed
     global_step = _int_entry(checkpoint, ("global_step", "step"), name)
-    namespace = _namespace.load(_namespace.namespace_of(model) or _namespace.default.name)
     result: dict[str, Any] = {
         "epoch": max(epochs_completed - 1, 0),
         "global_step": global_step,
-        "pytorch-lightning_version": namespace.version,
+        "pytorch-lightning_version": _namespace.load(_namespace.namespace_of(model) or _namespace.default.name).version,
         "state_dict": unwrapped_state_dict(model),
         "loops": {"fit_loop": _fit_loop_state(epochs_completed, global_step)},
         "lr_schedulers": [],
