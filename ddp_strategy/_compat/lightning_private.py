@@ -75,15 +75,13 @@ def call_with_weights_only(method: Any, *args: Any, weights_only: bool | None, *
     return method(*args, **kwargs)
 
 
-def load_checkpoint_with_weights_only(method: Any, path: Any, map_location: Any, weights_only: bool) -> Any:
-    """``TorchCheckpointIO.load_checkpoint`` (``method``) honouring ``weights_only``: Lightning 2.6's takes it;
-    for 2.4 and 2.5 the same existence check, then Fabric's ``cloud_io._load``, which takes it.
+def load_checkpoint_with_weights_only(path: Any, map_location: Any, weights_only: bool) -> Any:
+    """What Lightning 2.6's ``TorchCheckpointIO.load_checkpoint`` does, also for 2.4 and 2.5 (whose method does not
+    take ``weights_only``): an existence check, then Fabric's ``cloud_io._load``, which takes ``weights_only``.
 
     Raises:
         FileNotFoundError: no file at ``path``.
     """
-    if takes_weights_only(method):
-        return method(path, map_location=map_location, weights_only=weights_only)
     fs = _namespace.get_filesystem(path)
     if not fs.exists(path):
         raise FileNotFoundError(f"Checkpoint file not found: {path}")
@@ -227,20 +225,10 @@ all_gather_ddp_if_available = _default.get(PRIVATE_NAMES["all_gather_ddp_if_avai
 #: ``(tensor, group=None)``: every rank's tensor, shapes may differ in every dimension (padded, gathered, trimmed).
 gather_all_tensors = _default.get(PRIVATE_NAMES["gather_all_tensors"])
 
-#: Lightning's ``Trainer.save_checkpoint`` calls ``strategy.save_checkpoint`` on every rank, then
-#: ``strategy.barrier(SAVE_BARRIER)`` (Lightning 2.4-2.6): that barrier carries rank 0's write outcome.
+#: Lightning's ``Trainer.save_checkpoint`` calls ``strategy.lightning_module_state_dict()`` (in ``dump_checkpoint``),
+#: ``strategy.save_checkpoint`` on every rank, then ``strategy.barrier(SAVE_BARRIER)`` (Lightning 2.4-2.6): that
+#: barrier carries rank 0's write outcome.
 SAVE_BARRIER = "Trainer.save_checkpoint"
-_TRAINER_MODULES = ("lightning.pytorch.trainer.trainer", "pytorch_lightning.trainer.trainer")
-
-
-def saving_for_trainer(frame: Any) -> bool:
-    """Whether ``frame``, the caller of ``Strategy.save_checkpoint``, is Lightning's ``Trainer.save_checkpoint``
-    (either namespace), so that ``barrier(SAVE_BARRIER)`` follows on every rank."""
-    return (
-        frame is not None
-        and frame.f_code.co_name == "save_checkpoint"
-        and frame.f_globals.get("__name__") in _TRAINER_MODULES
-    )
 
 
 # Lightning's SIGTERM handling; the strategy agrees on a SIGTERM at a step boundary itself (process/boundaries.py).

@@ -36,9 +36,8 @@ def find_model_state_dict(checkpoint: Any, path: str | os.PathLike | None = None
     where = os.fspath(path) if path else "the checkpoint"
     state_dict: Mapping[str, Any] | None = None
     if isinstance(checkpoint, Mapping):
-        state_dict = next((checkpoint[k] for k in MODEL_STATE_KEYS if isinstance(checkpoint.get(k), Mapping)), None)
-        if state_dict is None and checkpoint and all(isinstance(v, torch.Tensor) for v in checkpoint.values()):
-            state_dict = checkpoint
+        bare = checkpoint if checkpoint and all(isinstance(v, torch.Tensor) for v in checkpoint.values()) else None
+        state_dict = next((checkpoint[k] for k in MODEL_STATE_KEYS if isinstance(checkpoint.get(k), Mapping)), bare)
     if state_dict is None:
         found = (
             [repr(k)[:40] for k in list(checkpoint)[:10]]
@@ -62,13 +61,16 @@ def find_model_state_dict(checkpoint: Any, path: str | os.PathLike | None = None
 def plain_state_dict(checkpoint: Any, path: str | os.PathLike, submodule: str = "model") -> dict[str, torch.Tensor]:
     """:func:`load_plain_state_dict` for a checkpoint already loaded from ``path`` (named in errors)."""
     state_dict = strip_ddp_prefix(strip_compile_prefixes(find_model_state_dict(checkpoint, path)))
-    if not submodule:
-        return state_dict
-    prefix = submodule + "."
+    return _submodule_weights(state_dict, submodule, os.fspath(path))
+
+
+def _submodule_weights(state_dict: Mapping[str, Any], submodule: str, where: str) -> dict[str, Any]:
+    """The entries under ``<submodule>.``, that prefix removed (all of them for ``""``); else ``KeyError``."""
+    prefix = submodule + "." if submodule else ""
     picked = {key[len(prefix) :]: value for key, value in state_dict.items() if key.startswith(prefix)}
     if not picked:
         raise KeyError(
-            f"No key in {os.fspath(path)} starts with {prefix!r}; found e.g. {list(state_dict)[:5]}."
+            f"No key in {where} starts with {prefix!r}; found e.g. {list(state_dict)[:5]}."
             " Pass submodule='' for the whole state dict, or the attribute name of your model."
         )
     return picked
@@ -100,9 +102,7 @@ def load_plain_state_dict(
 def _int_entry(checkpoint: Mapping[str, Any], keys: tuple[str, ...], source: str) -> int:
     """The first of ``keys`` in ``checkpoint`` as an int >= 0 (0 if none is); else ``DamagedCheckpointError``."""
     key = next((k for k in keys if k in checkpoint), None)
-    if key is None:
-        return 0
-    value = checkpoint[key]
+    value = checkpoint[key] if key is not None else 0
     try:
         number = int(value)
         whole = number == value or isinstance(value, str)
@@ -163,10 +163,8 @@ def _fit_loop_state(epochs_completed: int, global_step: int) -> dict[str, Any]:
     state = trainer.fit_loop.state_dict()
     steps = state["epoch_loop.automatic_optimization.optim_progress"]["optimizer"]["step"]
     for scope in ("total", "current"):
-        for field in state["epoch_progress"][scope]:
-            state["epoch_progress"][scope][field] = epochs_completed
-        for counter in steps[scope]:
-            steps[scope][counter] = global_step if scope == "total" else 0
+        state["epoch_progress"][scope] = dict.fromkeys(state["epoch_progress"][scope], epochs_completed)
+        steps[scope] = dict.fromkeys(steps[scope], global_step if scope == "total" else 0)
     state["epoch_loop.state_dict"]["_batches_that_stepped"] = global_step
     return state
 
@@ -219,29 +217,27 @@ def import_plain_checkpoint(
         if isinstance(source, (str, os.PathLike))
         else source
     )
-    parts: dict[str, nn.Module] = {}  # "<clean path>." -> sub-module, shortest path first
-    for sub, module in model.named_modules():
-        parts.setdefault(unwrapped_name(model, sub + ".x")[:-1] if sub else "", module)
-    parts = dict(sorted(parts.items(), key=lambda item: (item[0].count("."), item[0])))
+    named = [(unwrapped_name(model, sub + ".x")[:-1] if sub else "", m) for sub, m in model.named_modules()]
+    # "<clean path>." -> sub-module (a wrapper rather than the module it wraps: the first named), shortest path first
+    parts = dict(sorted(dict(reversed(named)).items(), key=lambda item: (item[0].count("."), item[0])))
     loadable = match_state_dict(
         find_model_state_dict(checkpoint, name), model, strict=strict, source=name, prefixes=list(parts)
     )
     own = model.state_dict()
-    for key, value in loadable.items():
-        if isinstance(own[key], torch.Tensor) and not isinstance(value, torch.Tensor):
-            raise DamagedCheckpointError(
-                f"{name}: the weight for {key!r} is a {type(value).__name__}, not a tensor. Is this file a checkpoint?"
-            )
+    odd = next((k for k, v in loadable.items() if isinstance(own[k], torch.Tensor) and not torch.is_tensor(v)), None)
+    if odd is not None:
+        raise DamagedCheckpointError(
+            f"{name}: the weight for {odd!r} is a {type(loadable[odd]).__name__}, not a tensor. Is this file a"
+            " checkpoint?"
+        )
     model.load_state_dict(loadable, strict=strict)
 
-    if epochs_completed is None:
-        epochs_completed = _int_entry(checkpoint, ("epoch",), name)
+    epochs_completed = _int_entry(checkpoint, ("epoch",), name) if epochs_completed is None else epochs_completed
     global_step = _int_entry(checkpoint, ("global_step", "step"), name)
-    namespace = _namespace.load(_namespace.namespace_of(model) or _namespace.default.name)
     result: dict[str, Any] = {
         "epoch": max(epochs_completed - 1, 0),
         "global_step": global_step,
-        "pytorch-lightning_version": namespace.version,
+        "pytorch-lightning_version": _namespace.load(_namespace.namespace_of(model) or _namespace.default.name).version,
         "state_dict": unwrapped_state_dict(model),
         "loops": {"fit_loop": _fit_loop_state(epochs_completed, global_step)},
         "lr_schedulers": [],
@@ -300,25 +296,19 @@ def export_weights(
         TypeError: ``source`` is a module whose state dict holds a non-tensor (extra state) under ``submodule``.
     """
     if isinstance(source, nn.Module):
-        full = unwrapped_state_dict(source)
-        prefix = submodule + "." if submodule else ""
-        weights = {k[len(prefix) :]: v for k, v in full.items() if k.startswith(prefix)}
-        if not weights:
-            raise KeyError(f"{type(source).__name__} has no key under {prefix!r}; found e.g. {list(full)[:5]}.")
+        weights = _submodule_weights(unwrapped_state_dict(source), submodule, type(source).__name__)
     else:
         checkpoint = load_file(source, weights_only=weights_only, opt_out="export_weights(..., weights_only=False)")
         weights = plain_state_dict(checkpoint, source, submodule)
     odd = next((k for k, v in weights.items() if not isinstance(v, torch.Tensor)), None)
-    if odd is not None:
-        what = f"{type(weights[odd]).__name__} under {odd!r}, not a tensor"
-        if isinstance(source, nn.Module):
-            raise TypeError(f"{type(source).__name__}'s state dict holds a {what}; only tensors can be exported.")
-        raise DamagedCheckpointError(
-            f"The model state dict in {os.fspath(source)} holds a {what}. Is this file a checkpoint?"
+    if odd is not None:  # a module's extra state (TypeError), or a file that is no checkpoint
+        module = isinstance(source, nn.Module)
+        raise (TypeError if module else DamagedCheckpointError)(
+            f"The model state dict in {type(source).__name__ if module else os.fspath(source)} holds a"
+            f" {type(weights[odd]).__name__} under {odd!r}, not a tensor; only tensors can be exported."
         )
     weights = {k: v.detach().cpu().contiguous() for k, v in weights.items()}
-    if safetensors is None:
-        safetensors = os.fspath(path).endswith(".safetensors")
+    safetensors = os.fspath(path).endswith(".safetensors") if safetensors is None else safetensors
     if not safetensors:
         atomic_save(weights, path)
         return weights

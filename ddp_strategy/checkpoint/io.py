@@ -35,10 +35,7 @@ log = logging.getLogger(__name__)
 
 
 # --------------------------------------------------------------------------------------------- writes
-def _host_tag() -> str:
-    return re.sub(r"[^A-Za-z0-9-]", "-", socket.gethostname()) or "host"
-
-
+_HOST = re.sub(r"[^A-Za-z0-9-]", "-", socket.gethostname()) or "host"  # as it appears in temporary file names
 #: ``.<target>.<host>.<pid>.<random>.tmp``: hidden, never ``*.ckpt``, and its writer can be recognised.
 _TMP_PATTERN = re.compile(r"^\.(?P<name>.+)\.(?P<host>[A-Za-z0-9-]+)\.(?P<pid>\d+)\.[A-Za-z0-9_]+\.tmp$")
 
@@ -57,18 +54,18 @@ def remove_stale_temp_files(folder: str | os.PathLike) -> list[Path]:
     """Delete (and return) the :func:`atomic_save` temporary files in ``folder`` whose writer, on this host, died
     (other hosts' are left alone; a missing folder is fine)."""
     folder = Path(folder)
-    if not folder.is_dir():
-        return []
-    removed = []
-    for entry in folder.iterdir():
-        m = _TMP_PATTERN.match(entry.name)
-        if not m or m["host"] != _host_tag() or int(m["pid"]) == os.getpid() or _pid_alive(int(m["pid"])):
-            continue
-        with contextlib.suppress(FileNotFoundError):
-            entry.unlink()
-            removed.append(entry)
-            log.info("removed the temporary file of a checkpoint writer that died: %s", entry)
-    return removed
+    stale = [
+        entry
+        for entry in (folder.iterdir() if folder.is_dir() else ())
+        if (m := _TMP_PATTERN.match(entry.name))
+        and m["host"] == _HOST
+        and int(m["pid"]) != os.getpid()
+        and not _pid_alive(int(m["pid"]))
+    ]
+    for entry in stale:
+        entry.unlink(missing_ok=True)
+        log.info("removed the temporary file of a checkpoint writer that died: %s", entry)
+    return stale
 
 
 def atomic_save(obj: Any, path: str | os.PathLike, save_fn: Callable[[Any, Any], None] = torch.save) -> None:
@@ -83,7 +80,7 @@ def atomic_save(obj: Any, path: str | os.PathLike, save_fn: Callable[[Any, Any],
     folder = os.path.dirname(path)
     os.makedirs(folder, exist_ok=True)
     remove_stale_temp_files(folder)
-    tmp = os.path.join(folder, f".{os.path.basename(path)}.{_host_tag()}.{os.getpid()}.{secrets.token_hex(6)}.tmp")
+    tmp = os.path.join(folder, f".{os.path.basename(path)}.{_HOST}.{os.getpid()}.{secrets.token_hex(6)}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
     try:
         with os.fdopen(fd, "wb") as f:
@@ -92,8 +89,7 @@ def atomic_save(obj: Any, path: str | os.PathLike, save_fn: Callable[[Any, Any],
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(tmp)
+        Path(tmp).unlink(missing_ok=True)
         raise
     with contextlib.suppress(OSError):  # make the rename durable (POSIX; folders cannot be opened on Windows)
         folder_fd = os.open(folder, os.O_RDONLY)
@@ -101,7 +97,6 @@ def atomic_save(obj: Any, path: str | os.PathLike, save_fn: Callable[[Any, Any],
             os.fsync(folder_fd)
         finally:
             os.close(folder_fd)
-    log.debug("saved %s atomically", path)
 
 
 def prepare_folders(callbacks: list[Any]) -> None:
@@ -113,9 +108,8 @@ def prepare_folders(callbacks: list[Any]) -> None:
     for folder in folders:
         remove_stale_temp_files(folder)
     for folder in [f for f in folders if "://" not in f]:
-        existing = os.path.abspath(folder)
-        while not os.path.exists(existing):
-            existing = os.path.dirname(existing)
+        absolute = Path(folder).absolute()
+        existing = next(p for p in (absolute, *absolute.parents) if p.exists())
         try:
             tempfile.TemporaryFile(dir=existing).close()
         except OSError as e:
@@ -127,36 +121,35 @@ def prepare_folders(callbacks: list[Any]) -> None:
             return
 
 
+def _stamp(path: Any) -> tuple[str, int, int] | None:
+    """``(real path, size in bytes, mtime in ns)`` of a local file; None for a remote or missing one."""
+    if not isinstance(path, (str, os.PathLike)) or "://" in os.fspath(path):
+        return None
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return os.path.realpath(path), st.st_size, st.st_mtime_ns
+
+
 class WrittenFiles:
     """Local checkpoint files this rank saw written in this process, each with its size (bytes) and mtime (ns): a
     file loaded back unchanged was written by this run's rank 0, so it is trusted (``weights_only=False``)."""
 
     def __init__(self) -> None:
-        self._stamps: dict[str, tuple[int, int]] = {}
-
-    @staticmethod
-    def _stamp(path: Any) -> tuple[str, tuple[int, int]] | None:
-        if not isinstance(path, (str, os.PathLike)) or "://" in os.fspath(path):
-            return None
-        try:
-            st = os.stat(path)
-        except OSError:
-            return None
-        return os.path.realpath(path), (st.st_size, st.st_mtime_ns)
+        self._stamps: set[tuple[str, int, int] | None] = set()
 
     def add(self, path: Any) -> None:
         """Remember ``path`` as it is now (after its write completed); remote or missing paths are ignored."""
-        if (stamp := self._stamp(path)) is not None:
-            self._stamps[stamp[0]] = stamp[1]
+        self._stamps.add(_stamp(path))
 
     def discard(self, path: Any) -> None:
-        """Forget ``path`` (before it is removed)."""
-        if (stamp := self._stamp(path)) is not None:
-            self._stamps.pop(stamp[0], None)
+        """Forget ``path`` as it is now (before it is removed)."""
+        self._stamps.discard(_stamp(path))
 
     def __contains__(self, path: Any) -> bool:
-        stamp = self._stamp(path)
-        return stamp is not None and self._stamps.get(stamp[0]) == stamp[1]
+        stamp = _stamp(path)
+        return stamp is not None and stamp in self._stamps
 
 
 # ---------------------------------------------------------------------------------------------- loads
@@ -199,9 +192,8 @@ def load_file(
         raise _open_error(path, e) from e
     own_errors: list[Exception] = []  # raised by the caller's map_location callable: not the file's fault
     if callable(map_location):
-        user_map = map_location
 
-        def tagged(storage: Any, location: str) -> Any:
+        def tagged(storage: Any, location: str, user_map: Callable = map_location) -> Any:
             try:
                 return user_map(storage, location)
             except Exception as e:
@@ -234,11 +226,8 @@ def _open_error(path: str, error: OSError) -> OSError:
             f" (uid {os.getuid() if hasattr(os, 'getuid') else '?'}). Make it readable"
             " (chmod u+r) or run as its owner."
         )
-    if os.path.isdir(path):
-        try:
-            found = sorted(name for name in os.listdir(path) if name.endswith((".ckpt", ".pt", ".pth")))[:5]
-        except OSError:
-            found = []
+    if os.path.isdir(path):  # Path.glob lists nothing in a folder it cannot read
+        found = sorted(p.name for p in Path(path).glob("*") if p.suffix in (".ckpt", ".pt", ".pth"))[:5]
         return FileNotFoundError(
             f"Checkpoint path {path} is a directory, not a checkpoint file. Pass a file"
             f" inside it{f' (found {found})' if found else ''}."
@@ -250,8 +239,11 @@ def _load_error(path: str, size: int, weights_only: bool, error: Exception, opt_
     """The documented error for a file ``torch.load`` failed on: unsafe content, else damaged."""
     message = str(error)
     if weights_only is not False and "Unsupported global" in message:  # None: torch.load's default, True
-        first = next(line for line in message.splitlines() if "Unsupported global" in line)
-        first = first.split("Unsupported global:")[-1].split(" was not")[0].strip()
+        first = next(
+            line.split("Unsupported global:")[-1].split(" was not")[0].strip()
+            for line in message.splitlines()
+            if "Unsupported global" in line
+        )
         return UnsafeCheckpointError(
             f"Checkpoint {path} holds an object that weights_only=True loading refuses ({first}). If you"
             f" trust this file, load it with {opt_out}, or allow the type before loading (on every rank) with"
@@ -266,8 +258,7 @@ def _load_error(path: str, size: int, weights_only: bool, error: Exception, opt_
             f" pickle ({reason}); torch.save(..., pickle_protocol=N) with N > 2 does this. If you trust this file,"
             f" load it with {opt_out}, or save it again with the default protocol."
         )
-    if "WeightsUnpickler error:" in message:  # skip torch's long preamble about weights_only defaults
-        message = message.split("WeightsUnpickler error:", 1)[1]
+    message = message.split("WeightsUnpickler error:", 1)[-1]  # skip torch's long preamble about weights_only
     detail = next((line.strip() for line in message.splitlines() if line.strip()), "")[:200]
     return DamagedCheckpointError(
         f"Checkpoint file {path} is damaged (truncated or corrupt, {size} bytes) or is not a PyTorch"
@@ -293,25 +284,23 @@ def _verify_zip_checksums(f: Any, path: str, size: int) -> None:
         with zipfile.ZipFile(f) as archive:
             for info in archive.infolist():
                 member = info.filename
-                if info.CRC == 0 and info.file_size > 0:  # written with torch's CRC-32 switched off
-                    continue
-                with archive.open(info) as data:
-                    while data.read(1 << 24):
-                        pass
+                if info.CRC or not info.file_size:  # else written with torch's CRC-32 switched off: skipped
+                    with archive.open(info) as data:
+                        while data.read(1 << 24):
+                            pass
     except Exception as e:  # zipfile raises BadZipFile, EOFError, ValueError, struct.error, ... on bad bytes
-        where = f" (member {member})" if member else ""
         raise DamagedCheckpointError(
             f"Checkpoint file {path} is damaged (truncated or corrupt, {size} bytes): its zip structure or a"
-            f" checksum does not check out{where}: {type(e).__name__}: {str(e)[:200]}. Use an earlier"
+            f" checksum does not check out{f' (member {member})' if member else ''}: {type(e).__name__}:"
+            f" {str(e)[:200]}. Use an earlier"
             " checkpoint or save this one again."
         ) from e
 
 
 # ----------------------------------------------------------------------------------- Lightning plugin
 def _is_local(path: Any) -> bool:
-    if isinstance(path, (str, os.PathLike)) and "://" not in os.fspath(path):
-        return True
-    return type(_namespace.get_filesystem(path)).__name__ == "LocalFileSystem"
+    local_name = isinstance(path, (str, os.PathLike)) and "://" not in os.fspath(path)
+    return local_name or type(_namespace.get_filesystem(path)).__name__ == "LocalFileSystem"
 
 
 class DDPCheckpointIO(TorchCheckpointIO):
@@ -341,11 +330,8 @@ class DDPCheckpointIO(TorchCheckpointIO):
         (unsupported, as in Lightning's)."""
         if isinstance(checkpoint.get("state_dict"), Mapping):
             checkpoint = {**checkpoint, "state_dict": strip_compile_prefixes(checkpoint["state_dict"])}
-        if not _is_local(path):
-            super().save_checkpoint(checkpoint, path, storage_options=storage_options)
-            return
-        if storage_options is not None:
-            raise TypeError(f"{type(self).__name__} does not support storage_options; got {storage_options!r}.")
+        if storage_options is not None or not _is_local(path):  # Lightning's: refuses storage_options (TypeError)
+            return super().save_checkpoint(checkpoint, path, storage_options=storage_options)
         atomic_save(checkpoint, path)
 
     def load_checkpoint(
@@ -355,7 +341,7 @@ class DDPCheckpointIO(TorchCheckpointIO):
         errors of :func:`load_file`, or ``DamagedCheckpointError`` when it holds something other than a dict."""
         weights_only = self.weights_only if weights_only is None else weights_only
         if not _is_local(path):
-            return _pl.load_checkpoint_with_weights_only(super().load_checkpoint, path, map_location, weights_only)
+            return _pl.load_checkpoint_with_weights_only(path, map_location, weights_only)
         checkpoint = load_file(
             path,
             map_location=map_location,

@@ -28,24 +28,15 @@ def unwrapped_name(module: nn.Module, key: str) -> str:
     """``key`` of ``module.state_dict()`` without the segments DDP and ``torch.compile`` wrappers add, dropped only
     where the parent really is one: for ``DDP(torch.compile(net))`` ``"module._orig_mod.fc.weight"`` ->
     ``"fc.weight"``; a real child called ``module`` stays."""
-    parts = key.split(".")
+    *path, leaf = key.split(".")
     kept: list[str] = []
-    current: nn.Module | None = module
-    for i, part in enumerate(parts[:-1]):
-        if current is None:
-            kept.extend(parts[i:-1])
-            break
-        wrapped = (
-            "module"
-            if isinstance(current, DistributedDataParallel)
-            else COMPILE_SEGMENT
-            if (_torch.compiled_original(current) is not None)
-            else None
-        )
-        if part != wrapped:
+    current: nn.Module | None = module  # None below a segment that names no child module
+    for part in path:
+        wrapper = "module" if isinstance(current, DistributedDataParallel) else None
+        if part != wrapper and not (part == COMPILE_SEGMENT and _torch.compiled_original(current) is not None):
             kept.append(part)
-        current = dict(current.named_children()).get(part)
-    return ".".join([*kept, parts[-1]])
+        current = dict(current.named_children()).get(part) if current is not None else None
+    return ".".join([*kept, leaf])
 
 
 def unwrapped_state_dict(module: nn.Module) -> dict[str, Any]:
@@ -54,15 +45,15 @@ def unwrapped_state_dict(module: nn.Module) -> dict[str, Any]:
     Raises:
         RuntimeError: two keys map to the same clean name (a sub-module literally called ``_orig_mod``).
     """
-    clean: dict[str, Any] = {}
-    for key, value in module.state_dict().items():
-        name = unwrapped_name(module, key)
-        if name in clean:
-            raise RuntimeError(
-                f"Two state_dict keys of {type(module).__name__} map to {name!r} once wrapper"
-                f" segments are removed (one is {key!r}); rename the sub-module."
-            )
-        clean[name] = value
+    state_dict = module.state_dict()
+    names = [unwrapped_name(module, key) for key in state_dict]
+    if len(set(names)) < len(names):
+        raise RuntimeError(
+            f"Several state_dict keys of {type(module).__name__} map to each of"
+            f" {sorted({n for n in names if names.count(n) > 1})} once wrapper segments are removed (a sub-module"
+            " literally called '_orig_mod'?); rename the sub-module."
+        )
+    clean = dict(zip(names, state_dict.values(), strict=True))
     return clean
 
 
@@ -116,9 +107,7 @@ class StateDictMismatchError(RuntimeError):
         mismatched_shapes: dict[str, tuple[tuple[int, ...], tuple[int, ...]]],
     ) -> None:
         super().__init__(message)
-        self.missing = missing
-        self.unexpected = unexpected
-        self.mismatched_shapes = mismatched_shapes
+        self.missing, self.unexpected, self.mismatched_shapes = missing, unexpected, mismatched_shapes
 
 
 def _best_key_mapping(keys: list[str], expected: set[str], prefixes: Iterable[str]) -> dict[str, str]:
@@ -176,21 +165,17 @@ def match_state_dict(
     missing = [name for name in own if name not in found]
     if strict and (missing or unexpected or shapes):
         where = f"Checkpoint {os.fspath(source)}" if source is not None else "The checkpoint's state_dict"
-
-        def listing(keys: list[str]) -> str:
-            more = f", ... and {len(keys) - MAX_LISTED_KEYS} more" if len(keys) > MAX_LISTED_KEYS else ""
-            return ", ".join(repr(k) for k in keys[:MAX_LISTED_KEYS]) + more
-
-        parts = []
-        if missing:
-            parts.append(f"{len(missing)} missing key(s) (in the model, not in the file): {listing(missing)}")
-        if unexpected:
-            parts.append(f"{len(unexpected)} unexpected key(s) (in the file, not in the model): {listing(unexpected)}")
-        if shapes:
-            parts.append(
-                "shape mismatch(es) (file vs model): "
-                + ", ".join(f"{k!r}: {a} vs {b}" for k, (a, b) in list(shapes.items())[:MAX_LISTED_KEYS])
-            )
+        listed = {
+            "missing key(s) (in the model, not in the file)": [repr(k) for k in missing],
+            "unexpected key(s) (in the file, not in the model)": [repr(k) for k in unexpected],
+            "shape mismatch(es) (file vs model)": [f"{k!r}: {a} vs {b}" for k, (a, b) in shapes.items()],
+        }
+        parts = [
+            f"{len(items)} {what}: {', '.join(items[:MAX_LISTED_KEYS])}"
+            + (f", ... and {len(items) - MAX_LISTED_KEYS} more" if len(items) > MAX_LISTED_KEYS else "")
+            for what, items in listed.items()
+            if items
+        ]
         raise StateDictMismatchError(
             f"{where} does not fit {type(model).__name__}: " + "; ".join(parts) + ". Keys were compared after"
             " removing DDP's 'module.' and torch.compile's '_orig_mod.' prefixes. Check that the file was"

@@ -36,7 +36,7 @@ def bf16_all_reduce_hook(
     process_group: dist.ProcessGroup | None, bucket: dist.GradBucket
 ) -> torch.futures.Future[torch.Tensor]:
     """All-reduce a gradient bucket in bfloat16 on any backend that sums bfloat16 (gloo, NCCL): PyTorch's
-    ``default_hooks.bf16_compress_hook`` without its CUDA/NCCL-only check.
+    ``default_hooks.bf16_compress_hook`` itself, under a name DDP does not refuse off CUDA+NCCL.
 
     Args:
         process_group: the group to reduce over; ``None`` = the world (the hook's ``state``).
@@ -46,34 +46,16 @@ def bf16_all_reduce_hook(
         A future of the bucket buffer (N,), float32, holding the average over ranks of the gradients,
         rounded to bfloat16 (8 mantissa bits) on the way. 2 bytes per element go over the wire.
     """
-    group = process_group if process_group is not None else dist.group.WORLD
-    buffer = bucket.buffer()
-    compressed = buffer.to(torch.bfloat16).div_(group.size())
-
-    def decompress(fut: torch.futures.Future) -> torch.Tensor:
-        buffer.copy_(fut.value()[0])
-        return buffer
-
-    return dist.all_reduce(compressed, group=group, async_op=True).get_future().then(decompress)
+    return default_hooks.bf16_compress_hook(process_group, bucket)
 
 
 def bf16_compress_wrapper(hook: CommHook) -> CommHook:
-    """Run ``hook`` on a bfloat16 copy of the bucket and cast its result back (any backend): PyTorch's
-    ``default_hooks.bf16_compress_wrapper`` (e.g. around PowerSGD) without its CUDA/NCCL-only check."""
-
-    # Not named "bf16_compress_wrapper_hook": DDP refuses that name off NCCL.
-    def bf16_wrapped_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-        buffer = bucket.buffer()
-        bucket.set_buffer(buffer.to(torch.bfloat16))
-        fut = hook(state, bucket)
-
-        def decompress(fut: torch.futures.Future) -> torch.Tensor:
-            buffer.copy_(fut.value())
-            return buffer
-
-        return fut.then(decompress)
-
-    return bf16_wrapped_hook
+    """Run ``hook`` on a bfloat16 copy of the bucket, its result copied back into the gradients (any backend):
+    PyTorch's ``default_hooks.bf16_compress_wrapper`` (e.g. around PowerSGD), renamed ``bf16_wrapped_hook``, since
+    DDP refuses the name ``bf16_compress_wrapper_hook`` off CUDA+NCCL."""
+    wrapped = default_hooks.bf16_compress_wrapper(hook)
+    wrapped.__name__ = wrapped.__qualname__ = "bf16_wrapped_hook"
+    return wrapped
 
 
 #: Hook names accepted by ``MyDDPStrategy(ddp_comm_hook=...)``.
@@ -107,13 +89,12 @@ class CommHookConfig:
     wrapper: Callable[[CommHook], CommHook] | None = None
 
     def __post_init__(self) -> None:
-        if isinstance(self.hook, str):
-            if self.hook not in HOOKS_BY_NAME:
-                raise ValueError(
-                    f"Unknown ddp_comm_hook={self.hook!r}; use one of {sorted(HOOKS_BY_NAME)} or a"
-                    " callable hook(state, bucket) -> torch.futures.Future."
-                )
-        elif self.hook is not None and not callable(self.hook):
+        if isinstance(self.hook, str) and self.hook not in HOOKS_BY_NAME:
+            raise ValueError(
+                f"Unknown ddp_comm_hook={self.hook!r}; use one of {sorted(HOOKS_BY_NAME)} or a"
+                " callable hook(state, bucket) -> torch.futures.Future."
+            )
+        if not isinstance(self.hook, str | None) and not callable(self.hook):
             raise TypeError(f"ddp_comm_hook must be a callable or a name, got {type(self.hook).__name__}.")
         if self.wrapper is not None and not callable(self.wrapper):
             raise TypeError(f"ddp_comm_wrapper must be callable, got {type(self.wrapper).__name__}.")
@@ -127,18 +108,17 @@ class CommHookConfig:
             return None
         hook = HOOKS_BY_NAME[self.hook] if isinstance(self.hook, str) else self.hook
         wrapper = self.wrapper
-        if backend != "nccl":
-            if hook is default_hooks.bf16_compress_hook:
-                hook = bf16_all_reduce_hook
-            if wrapper is default_hooks.bf16_compress_wrapper:
-                wrapper = bf16_compress_wrapper
+        if backend != "nccl" and hook is default_hooks.bf16_compress_hook:
+            hook = bf16_all_reduce_hook
+        if backend != "nccl" and wrapper is default_hooks.bf16_compress_wrapper:
+            wrapper = bf16_compress_wrapper
         state = self.state
-        if state is None and hook is powersgd.powerSGD_hook:
-            state = powersgd.PowerSGDState(
-                process_group=process_group, matrix_approximation_rank=1, start_powerSGD_iter=10, min_compression_rate=2
+        if state is None:
+            state = (
+                powersgd.PowerSGDState(process_group, matrix_approximation_rank=1, start_powerSGD_iter=10)
+                if hook is powersgd.powerSGD_hook
+                else process_group
             )
-        elif state is None:
-            state = process_group
         return state, wrapper(hook) if wrapper is not None else hook
 
 
@@ -168,9 +148,13 @@ class CollectiveBytes:
     """
 
     calls: int = 0
-    bytes_sent: int = 0
     by_dtype: dict[str, int] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    @property
+    def bytes_sent(self) -> int:
+        """Bytes all-reduced by this rank, all dtypes together."""
+        return sum(self.by_dtype.values())
 
 
 _open: list[CollectiveBytes] = []  # the counters of the count_collective_bytes() blocks now open
@@ -181,9 +165,7 @@ def _count(tensors: list[torch.Tensor]) -> None:
         with counts._lock:
             counts.calls += 1
             for t in tensors:
-                n = t.numel() * t.element_size()
-                counts.bytes_sent += n
-                counts.by_dtype[str(t.dtype)] = counts.by_dtype.get(str(t.dtype), 0) + n
+                counts.by_dtype[str(t.dtype)] = counts.by_dtype.get(str(t.dtype), 0) + t.numel() * t.element_size()
 
 
 @contextmanager

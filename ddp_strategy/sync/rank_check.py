@@ -12,6 +12,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ddp_strategy._compat import lightning_private as _pl
+
 
 def parameter_checksums(module: nn.Module) -> tuple[list[str], torch.Tensor]:
     """``(names, sums)``: parameter names and a float64 CPU tensor (P, 2) of each one's sum and sum of |x|."""
@@ -26,9 +28,10 @@ def parameter_checksums(module: nn.Module) -> tuple[list[str], torch.Tensor]:
 def verify_parameters_in_sync(module: nn.Module, step: int, device: torch.device) -> None:
     """Raise on every rank if any parameter of ``module`` differs between ranks.
 
-    A collective: every rank must call it, with the same module structure. All-gathers each rank's
-    :func:`parameter_checksums` (16 bytes per parameter tensor, placed on ``device``: NCCL needs CUDA) and
-    compares them exactly, so every rank reaches the same verdict. A no-op without a group or with one rank.
+    A collective: every rank must call it, with the same module structure. All-gathers (Lightning's
+    ``_all_gather_ddp_if_available``) each rank's :func:`parameter_checksums` (16 bytes per parameter tensor, placed
+    on ``device``: NCCL needs CUDA) and compares them exactly, so every rank reaches the same verdict. A no-op
+    without a group or with one rank.
 
     Raises:
         RuntimeError: naming the differing parameters, the ranks holding other values than rank 0, and ``step``
@@ -37,13 +40,11 @@ def verify_parameters_in_sync(module: nn.Module, step: int, device: torch.device
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return
     names, sums = parameter_checksums(module)
-    gathered = [torch.empty_like(sums, device=device) for _ in range(dist.get_world_size())]
-    dist.all_gather(gathered, sums.to(device))
-    reference = gathered[0].cpu()
-    differing: dict[str, list[int]] = {}
-    for rank, other in enumerate(gathered[1:], start=1):
-        for i in (other.cpu() != reference).any(dim=1).nonzero().flatten().tolist():
-            differing.setdefault(names[i], []).append(rank)
+    gathered = _pl.all_gather_ddp_if_available(sums.to(device)).cpu()  # (W, P, 2)
+    differs = (gathered != gathered[0]).any(dim=2)  # (W, P): rank r's parameter p is not rank 0's
+    differing = {
+        name: differs[:, i].nonzero().flatten().tolist() for i, name in enumerate(names) if differs[:, i].any()
+    }
     if differing:
         detail = ", ".join(f"{name} (ranks {ranks} differ from rank 0)" for name, ranks in differing.items())
         raise RuntimeError(

@@ -84,9 +84,8 @@ class CPUSyncBatchNorm(_BatchNorm):
             with torch.no_grad():
                 self.num_batches_tracked.add_(1)
                 momentum = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
-                n = count.item()
                 self.running_mean.lerp_(mean.detach(), momentum)
-                self.running_var.lerp_(var.detach() * (n / max(n - 1.0, 1.0)), momentum)
+                self.running_var.lerp_(var.detach() * count / (count - 1).clamp(min=1), momentum)
         return y
 
 
@@ -97,11 +96,8 @@ _ORIGINAL_CLASS = "_ddp_strategy_original_class"
 def _rebuilt(source: _BatchNorm, cls: type[_BatchNorm]) -> _BatchNorm:
     """A ``cls`` layer with the settings, parameters and buffers (same tensors) and train/eval mode of ``source``."""
     target = cls(source.num_features, source.eps, source.momentum, source.affine, source.track_running_stats)
-    if source.affine:
-        target.weight, target.bias = source.weight, source.bias
-    target.running_mean = source.running_mean
-    target.running_var = source.running_var
-    target.num_batches_tracked = source.num_batches_tracked
+    for name in [*(("weight", "bias") if source.affine else ()), "running_mean", "running_var", "num_batches_tracked"]:
+        setattr(target, name, getattr(source, name))
     target.train(source.training)
     if hasattr(source, "qconfig"):
         target.qconfig = source.qconfig

@@ -3,11 +3,8 @@
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import signal
-import sys
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -88,7 +85,7 @@ def test_forward_redirection_hooks_exist(namespace):
 
 def test_checkpoint_loading_takes_weights_only_or_we_load_ourselves(namespace):
     """Strategy.load_checkpoint and TorchCheckpointIO.load_checkpoint take weights_only together (2.6) or not at
-    all (2.4, 2.5); where not, Fabric's cloud_io._load, which we then call, takes it."""
+    all (2.4, 2.5); Fabric's cloud_io._load, which DDPCheckpointIO calls for remote files, takes it everywhere."""
     strategy_takes = _pl.takes_weights_only(namespace.get("pytorch.strategies:Strategy.load_checkpoint"))
     io_method = namespace.get("fabric.plugins.io.torch_io:TorchCheckpointIO.load_checkpoint")
     assert _pl.takes_weights_only(io_method) == strategy_takes == namespace.version.startswith("2.6.")
@@ -342,31 +339,30 @@ def test_lightnings_collectives_keep_their_signatures_and_world_of_one_behaviour
     assert _private(namespace, "all_gather_ddp_if_available")(t, sync_grads=True) is t
 
 
-def test_trainer_save_checkpoint_saves_then_calls_the_named_barrier(namespace):
-    """Trainer.save_checkpoint calls strategy.save_checkpoint, then strategy.barrier(SAVE_BARRIER), and its frame is
-    recognised: the barrier that carries rank 0's write outcome (MyDDPStrategy.save_checkpoint) is still there."""
-    trainer_cls = namespace.get("pytorch:Trainer")
-    source = inspect.getsource(trainer_cls.save_checkpoint)
-    save = source.index("self.strategy.save_checkpoint(")
-    assert source.index(f'self.strategy.barrier("{_pl.SAVE_BARRIER}")') > save
-
-    class Recorder:
-        def save_checkpoint(self, *args, **kwargs):
-            self.saw = _pl.saving_for_trainer(sys._getframe(1))
-
-        def barrier(self, name=None):
-            self.barrier_name = name
-
-    recorder = Recorder()
-    fake = SimpleNamespace(
-        model=object(),
-        strategy=recorder,
-        profiler=SimpleNamespace(profile=lambda _: contextlib.nullcontext()),
-        _checkpoint_connector=SimpleNamespace(dump_checkpoint=lambda weights_only=None: {}),
+def test_trainer_save_checkpoint_dumps_the_state_dict_saves_then_calls_the_named_barrier(namespace, tmp_path):
+    """Trainer.save_checkpoint (weights only or not) calls strategy.lightning_module_state_dict, save_checkpoint and
+    barrier(SAVE_BARRIER), in that order: how MyDDPStrategy.save_checkpoint knows its barrier follows, which carries
+    rank 0's write outcome."""
+    trainer = namespace.pytorch.Trainer(
+        accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, enable_model_summary=False
     )
-    trainer_cls.save_checkpoint(fake, "x.ckpt")
-    assert recorder.saw is True and recorder.barrier_name == _pl.SAVE_BARRIER
-    assert _pl.saving_for_trainer(sys._getframe()) is False
+    model = namespace.get("pytorch.demos.boring_classes:BoringModel")()
+    trainer.strategy.connect(model)
+    model.trainer = trainer
+    calls = []
+    for name in ("lightning_module_state_dict", "save_checkpoint", "barrier"):
+        method = getattr(trainer.strategy, name)
+
+        def recorded(*args, _name=name, _method=method, **kwargs):
+            calls.append(args[-1] if _name == "barrier" else _name)
+            return _method(*args, **kwargs)
+
+        setattr(trainer.strategy, name, recorded)
+    for weights_only in (False, True):
+        calls.clear()
+        trainer.save_checkpoint(tmp_path / f"{weights_only}.ckpt", weights_only=weights_only)
+        assert calls == ["lightning_module_state_dict", "save_checkpoint", _pl.SAVE_BARRIER]
+        assert (tmp_path / f"{weights_only}.ckpt").is_file()
 
 
 def test_sigterm_notifier_is_taken_over_and_the_per_batch_broadcast_turned_off(namespace):

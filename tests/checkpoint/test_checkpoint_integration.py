@@ -182,11 +182,13 @@ def _save_and_remove_on_kit_rank(rank: int, world_size: int, folder: str, strate
     strategy = strategy_cls(
         parallel_devices=[torch.device("cpu")] * world_size, cluster_environment=env, checkpoint_io=_FailingIO()
     )
+    strategy.connect(torch.nn.Linear(2, 1))
+    dump = lambda weights_only=None: {"state_dict": strategy.lightning_module_state_dict()}  # noqa: E731 (Lightning's)
     trainer = SimpleNamespace(
-        model=object(),
+        model=strategy.model,
         strategy=strategy,
         profiler=pl.profilers.PassThroughProfiler(),
-        _checkpoint_connector=SimpleNamespace(dump_checkpoint=lambda weights_only=None: {}),
+        _checkpoint_connector=SimpleNamespace(dump_checkpoint=dump),
     )
     path, raised = f"{folder}/x.ckpt", {}
     calls = {"save": lambda: strategy.save_checkpoint({}, path), "remove": lambda: strategy.remove_checkpoint(path)}
