@@ -110,7 +110,6 @@ class MyDDPStrategy(sync.wrapping.LightningDDPAttributes, ParallelStrategy):
         self._written = checkpoint.WrittenFiles()  # checkpoints saved by this run, trusted when loaded back unchanged
         self._diagnostics: diagnostics.FitRecord | None = None
         self._saving: tuple[Any, Exception | None] | None = None  # path, rank 0's error: for the save's barrier
-        self._dumped = False  # lightning_module_state_dict ran since the last save: the next is the Trainer's
 
     @property
     @override
@@ -353,20 +352,15 @@ class MyDDPStrategy(sync.wrapping.LightningDDPAttributes, ParallelStrategy):
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        """The LightningModule's state dict without DDP ``module.`` or torch.compile ``_orig_mod.`` segments.
-
-        Lightning calls it in ``Trainer.save_checkpoint`` (its ``dump_checkpoint``) just before :meth:`save_checkpoint`
-        and ``barrier(SAVE_BARRIER)``: the next save is the Trainer's, whose barrier carries rank 0's outcome.
-        """
-        self._dumped = True
+        """The LightningModule's state dict without DDP ``module.`` or torch.compile ``_orig_mod.`` segments."""
         return checkpoint.unwrapped_state_dict(self.lightning_module)
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
-        """Global rank 0 writes (no collective); a failure raises there, or, in ``Trainer.save_checkpoint`` (the
-        checkpoint dumped since the last save: :meth:`lightning_module_state_dict`), at its barrier on every rank."""
+        """Global rank 0 writes (no collective); a failure raises there, or, called by ``Trainer.save_checkpoint``
+        (``_compat.lightning_private.saving_for_trainer``), at the barrier that follows, on every rank."""
         sampling.save_positions(self._trainer, checkpoint)
-        for_trainer, self._dumped = self._dumped, False
+        for_trainer = _pl.saving_for_trainer()
         self._saving = (filepath, None)  # rank 0's outcome, for the barrier that ends Trainer.save_checkpoint
         if self.is_global_zero:
             try:

@@ -339,10 +339,10 @@ def test_lightnings_collectives_keep_their_signatures_and_world_of_one_behaviour
     assert _private(namespace, "all_gather_ddp_if_available")(t, sync_grads=True) is t
 
 
-def test_trainer_save_checkpoint_dumps_the_state_dict_saves_then_calls_the_named_barrier(namespace, tmp_path):
-    """Trainer.save_checkpoint (weights only or not) calls strategy.lightning_module_state_dict, save_checkpoint and
-    barrier(SAVE_BARRIER), in that order: how MyDDPStrategy.save_checkpoint knows its barrier follows, which carries
-    rank 0's write outcome."""
+def test_trainer_save_checkpoint_saves_then_calls_the_named_barrier_and_is_recognised(namespace, tmp_path):
+    """Trainer.save_checkpoint (weights only or not) calls strategy.save_checkpoint, then barrier(SAVE_BARRIER), and
+    saving_for_trainer recognises it as the caller (a direct call is not): the barrier that carries rank 0's write
+    outcome (MyDDPStrategy.save_checkpoint) is still there."""
     trainer = namespace.pytorch.Trainer(
         accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, enable_model_summary=False
     )
@@ -350,19 +350,23 @@ def test_trainer_save_checkpoint_dumps_the_state_dict_saves_then_calls_the_named
     trainer.strategy.connect(model)
     model.trainer = trainer
     calls = []
-    for name in ("lightning_module_state_dict", "save_checkpoint", "barrier"):
-        method = getattr(trainer.strategy, name)
+    save, barrier = trainer.strategy.save_checkpoint, trainer.strategy.barrier
 
-        def recorded(*args, _name=name, _method=method, **kwargs):
-            calls.append(args[-1] if _name == "barrier" else _name)
-            return _method(*args, **kwargs)
+    class Recorder:
+        def save_checkpoint(self, *args, **kwargs):
+            calls.append(("save", _pl.saving_for_trainer()))
+            return save(*args, **kwargs)
 
-        setattr(trainer.strategy, name, recorded)
+    trainer.strategy.save_checkpoint = Recorder().save_checkpoint
+    trainer.strategy.barrier = lambda name=None: calls.append(name) or barrier(name)
     for weights_only in (False, True):
         calls.clear()
         trainer.save_checkpoint(tmp_path / f"{weights_only}.ckpt", weights_only=weights_only)
-        assert calls == ["lightning_module_state_dict", "save_checkpoint", _pl.SAVE_BARRIER]
+        assert calls == [("save", True), _pl.SAVE_BARRIER]
         assert (tmp_path / f"{weights_only}.ckpt").is_file()
+    calls.clear()
+    trainer.strategy.save_checkpoint({}, tmp_path / "direct.ckpt")
+    assert calls == [("save", False)]
 
 
 def test_sigterm_notifier_is_taken_over_and_the_per_batch_broadcast_turned_off(namespace):
