@@ -196,16 +196,15 @@ class MyDDPStrategy(sync.wrapping.LightningDDPAttributes, ParallelStrategy):
             if self._layer_sync:  # Trainer(sync_batchnorm=True): Lightning's plugin, made CPU-capable
                 self._layer_sync = sync.cpu_capable(self._layer_sync)
                 self.model = self._layer_sync.apply(self.model)
-            process.boundaries.add_fit_callbacks(
+            process.boundaries.add_fit_callbacks(  # the uneven-inputs callback first: it ends an uneven epoch
                 trainer,
                 self._run,
                 self.global_rank,
                 self.world_size,
+                self._uneven.callback,
                 self._uneven.begin_epoch,
                 lambda: self._uneven.tail,
             )
-            if self._uneven.callback not in trainer.callbacks:  # first: it ends an uneven epoch before anything else
-                trainer.callbacks.insert(0, self._uneven.callback)
             if self.is_global_zero:
                 checkpoint.prepare_folders(trainer.checkpoint_callbacks)
             self.model = sync.wrap(self.model, self.root_device, kwargs, self._options.comm_hook)
@@ -459,8 +458,7 @@ class MyDDPStrategy(sync.wrapping.LightningDDPAttributes, ParallelStrategy):
         self._sharding.hand_back(trainer)
         self._uneven.abandon()
         if trainer is not None:
-            process.boundaries.remove_fit_callbacks(trainer)
-            trainer.callbacks[:] = [cb for cb in trainer.callbacks if cb is not self._uneven.callback]
+            process.boundaries.remove_fit_callbacks(trainer, self._uneven.callback)
         super().teardown()
         process.failures.teardown(self._run, self.global_rank, self.world_size)
 

@@ -146,23 +146,34 @@ class SignalsAtStepBoundary(Callback):
 
 
 def add_fit_callbacks(
-    trainer: Any, run: Any, rank: int, world_size: int, then: Callable[[Any], None], in_tail: Callable[[], bool]
+    trainer: Any,
+    run: Any,
+    rank: int,
+    world_size: int,
+    first: Any,
+    then: Callable[[Any], None],
+    in_tail: Callable[[], bool],
 ) -> None:
-    """Add both callbacks to ``trainer.callbacks`` (replacing earlier ones), on ``run``'s barrier group (a
-    ``ProcessGroupRun``): ``then(trainer)`` runs after each epoch's barrier, ``in_tail()`` says whether this rank is in
-    a step that only some ranks take (the strategy's uneven-inputs policy)."""
-    remove_fit_callbacks(trainer)
-    trainer.callbacks += [
+    """Put both callbacks last in ``trainer.callbacks`` (replacing earlier ones), on ``run``'s barrier group (a
+    ``ProcessGroupRun``), and ``first`` first; ``then(trainer)`` runs after each epoch's barrier, ``in_tail()`` says
+    whether this rank is in a step only some ranks take (``first``, ``then``, ``in_tail``: the strategy's uneven-inputs
+    policy's callback, epoch start and tail)."""
+    remove_fit_callbacks(trainer, first)
+    trainer.callbacks[:] = [
+        first,
+        *trainer.callbacks,
         EpochBoundaryCheck(run.barrier_group, run.barrier_timeout, rank, world_size, then),
         SignalsAtStepBoundary(run.barrier_group, world_size, in_tail),
     ]
 
 
-def remove_fit_callbacks(trainer: Any) -> None:
+def remove_fit_callbacks(trainer: Any, first: Any) -> None:
     """Remove what :func:`add_fit_callbacks` added, giving the requeue signal back to Lightning's handler."""
     for cb in trainer.callbacks:
         if isinstance(cb, SignalsAtStepBoundary):
             cb.on_train_end()
     trainer.callbacks[:] = [
-        cb for cb in trainer.callbacks if not isinstance(cb, (EpochBoundaryCheck, SignalsAtStepBoundary))
+        cb
+        for cb in trainer.callbacks
+        if cb is not first and not isinstance(cb, (EpochBoundaryCheck, SignalsAtStepBoundary))
     ]

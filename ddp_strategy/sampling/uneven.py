@@ -6,24 +6,25 @@ after the epoch barrier). ``uneven_inputs="stop"`` ends every rank's epoch with 
 ``"error"`` refuses; equal known counts (the strategy's own shards) cost nothing.
 
 ``"join"`` (default) runs the epoch in torch's generic join context manager
-(``torch.distributed.algorithms.Join``), :class:`UnevenInputs` its ``Joinable``: each step's ranks notify it
-(``Join.notify_join_context``: an all-reduce of one number); a rank past its last batch enters ``Join.__exit__``,
-whose hook (:class:`_Shadow`) takes part in the others' steps. ``Join([ddp])``, DDP's own join, cannot serve: its
-hook shadows one DDP forward and backward per step, but a Lightning step makes collectives of its own between them
-(``self.log(sync_dist=True)``, ``reduce_boolean_decision``, a checkpoint's barrier and broadcast) that would meet
-the wrong collective on a rank out of data. So in a *tail* step (one that some ranks only shadow) the active ranks
-announce each collective before making it, one message (an all-reduce, MAX, of ``5 + W`` integers) of a kind in
-:data:`_KINDS`, the one table both sides read: DDP's forward and gradient buckets (the calls of DDP's own join
-hook), reductions (a neutral value), barriers, broadcasts from an active rank, a save's agreement; what a rank out
-of data cannot take part in (:class:`Refusal`) raises :class:`UnevenInputsError` on every rank. At the end every
-rank takes the longest rank's module and training state.
+(``torch.distributed.algorithms.Join``), :class:`UnevenInputs` its ``Joinable`` and its own join hook: each step's
+ranks notify it (the all-reduce of one number ``Join.notify_join_context`` makes); a rank past its last batch
+enters ``Join.__exit__``, whose hook takes part in the others' steps. ``Join([ddp])``, DDP's own join, cannot
+serve: its hook shadows one DDP forward and backward per step, but a Lightning step makes collectives of its own
+between them (``self.log(sync_dist=True)``, ``reduce_boolean_decision``, a checkpoint's barrier and broadcast)
+that would meet the wrong collective on a rank out of data. So in a *tail* step (one that some ranks only shadow)
+the active ranks announce each collective before making it, one message (an all-reduce, MAX, of ``5 + W``
+integers) of a kind in :data:`_KINDS`, the one table both sides read: DDP's forward and gradient buckets (the calls
+of DDP's own join hook, in two halves, since the step's own collectives come between), reductions (a neutral
+value), barriers, broadcasts from an active rank, a save's agreement; what a rank out of data cannot take part in
+(:data:`Refusal`) raises :class:`UnevenInputsError` on every rank. At the end every rank takes the longest rank's
+module and training state. This rank's state in such an epoch is one :class:`_Epoch`.
 """
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -181,10 +182,9 @@ class UnevenInputs(Joinable, JoinHook):
         return self._epoch is not None and self._epoch.tail
 
     @property
-    def ddp(self) -> DistributedDataParallel | None:
-        """The strategy's DDP wrapper (None if the model is not wrapped)."""
-        model = self._trainer.strategy.model
-        return model if isinstance(model, DistributedDataParallel) else None
+    def ddp(self) -> DistributedDataParallel:
+        """The strategy's DDP wrapper (``sync.wrap`` wraps every module that fits)."""
+        return self._trainer.strategy.model
 
     @property
     def join_device(self) -> torch.device:
@@ -272,40 +272,40 @@ class UnevenInputs(Joinable, JoinHook):
             return
         if epoch.tail:
             self._exchange("end")
-        stepping, validating, work = self._notify(1)
-        if validating:
-            self._out_of_step(stepping, validating)
+        stepping, work = self._notify(1)
         epoch.tail = stepping < trainer.world_size
-        if epoch.tail and not self.divide_by_initial_world_size and self.ddp is not None:
+        if epoch.tail and not self.divide_by_initial_world_size:
             _tp.set_gradient_divisor(self.ddp, work, False)
         if k > 1 and not epoch.tail and not epoch.known:
             syncs = self._flags(1 + (progress.is_last_batch or (progress.current.ready + 1) % k == 0))
             if len(set(syncs)) > 1:
                 raise UnevenInputsError(self._accumulation_message([r for r, f in enumerate(syncs) if f == 2]))
 
-    def _notify(self, value: int) -> tuple[int, int, Any]:
+    def _notify(self, value: int) -> tuple[int, Any]:
         """One all-reduce of one number, the one ``Join.notify_join_context`` makes and ``Join.__exit__`` shadows
         with 0 on the ranks out of data: a step's (each rank 1) or a validation run's (each rank W + 1, so they are
-        told apart). Returns the ranks stepping, validating, and the all-reduce's work (its sum: the ranks stepping)."""
-        world_size = self._trainer.world_size
+        told apart). Returns the ranks stepping and the all-reduce's work (its sum: the divisor DDP may read).
+
+        Raises:
+            UnevenInputsError: on every rank, where some ranks validate while others train or are out of data
+                (``val_check_interval`` on uneven counts; the refusal, where ranks are out of data).
+        """
+        trainer = self._trainer
         work = dist.all_reduce(torch.full((1,), float(value), device=self.join_device), async_op=True)
         work.wait()
         total = int(work.get_future().value()[0].item())
-        return total % (world_size + 1), total // (world_size + 1), work
-
-    def _out_of_step(self, stepping: int, validating: int) -> NoReturn:
-        """Some ranks validate while others train (``val_check_interval`` on uneven counts): raise on every rank (the
-        refusal, where ranks are out of data)."""
-        trainer = self._trainer
-        if stepping + validating < trainer.world_size:
-            self.refuse(Refusal.VALIDATION)
-        raise UnevenInputsError(
-            f"[rank {trainer.global_rank}] in training epoch {trainer.current_epoch}, {validating} rank(s) start a"
-            f" validation run while {stepping} train a batch: Trainer(val_check_interval="
-            f"{trainer.val_check_interval!r}) counts each rank's own batches, and the ranks hold different numbers"
-            " (uneven inputs). Validate at the epoch's end (val_check_interval=1.0), or pass"
-            " MyDDPStrategy(uneven_inputs='stop'), or give every rank the same number of batches."
-        )
+        stepping, validating = total % (trainer.world_size + 1), total // (trainer.world_size + 1)
+        if 0 < validating < trainer.world_size:  # some ranks validate while the others train or are out of data
+            if stepping + validating < trainer.world_size:
+                self.refuse(Refusal.VALIDATION)
+            raise UnevenInputsError(
+                f"[rank {trainer.global_rank}] in training epoch {trainer.current_epoch}, {validating} rank(s) start a"
+                f" validation run while {stepping} train a batch: Trainer(val_check_interval="
+                f"{trainer.val_check_interval!r}) counts each rank's own batches, and the ranks hold different numbers"
+                " (uneven inputs). Validate at the epoch's end (val_check_interval=1.0), or pass"
+                " MyDDPStrategy(uneven_inputs='stop'), or give every rank the same number of batches."
+            )
+        return stepping, work
 
     def _flags(self, flag: int) -> list[int]:
         """One all-reduce (MAX) of every rank's small flag (this rank's ``flag``, at least 0); returns them by rank."""
@@ -337,36 +337,33 @@ class UnevenInputs(Joinable, JoinHook):
             for m in self._trainer.lightning_module.modules()
         ):
             self.refuse(Refusal.PER_STEP_SYNC)
-        if self.ddp is not None:
-            _tp.set_ddp_join_mode(self.ddp, True)  # buffers from an active rank; whether the backward syncs: told
-            self._exchange("forward")
+        _tp.set_ddp_join_mode(self.ddp, True)  # buffers from an active rank; whether the backward syncs: told
+        self._exchange("forward")
 
     def before_backward(self) -> None:
         """Before a backward through DDP in a step with fewer ranks: announce its gradient all-reduce."""
-        if self.tail and self.ddp is not None:
+        if self.tail:
             self._exchange("backward", self.ddp.require_backward_grad_sync)
 
     def before_validation(self) -> None:
         """At a validation run's start: refused in a step with fewer ranks; mid-epoch, every rank must validate.
         After this rank's last batch the epoch ends first (:meth:`announce`)."""
-        if self.announce("validation"):
-            self.refuse(Refusal.VALIDATION)
+        self.announce("validation")
         if self._epoch is not None and self._epoch.join is not None:
-            stepping, validating, _ = self._notify(self._trainer.world_size + 1)
-            if validating < self._trainer.world_size:
-                self._out_of_step(stepping, validating)
+            self._notify(self._trainer.world_size + 1)
 
     def announce(self, collective: str, src: int = 0) -> bool:
-        """Before each strategy collective: whether it is in a step with fewer ranks, where ``"barrier"``,
-        ``"broadcast"`` (from ``src``) and ``"save"`` (a save's agreement) are announced and ``"all_gather"`` is
-        refused; a broadcast from a rank out of data or a save while rank 0 is raise :class:`UnevenInputsError` on
-        every rank. If this rank has finished its last batch, it first waits for the others (:meth:`finish`)."""
+        """Before each strategy collective (and validation run): whether it is in a step with fewer ranks, where
+        ``"barrier"``, ``"broadcast"`` (from ``src``) and ``"save"`` (a save's agreement) are announced, and
+        ``"all_gather"`` and ``"validation"`` refused (they need every rank); a broadcast from a rank out of data or a
+        save while rank 0 is raise :class:`UnevenInputsError` on every rank (a reduce announces itself, :meth:`reduce`).
+        If this rank has finished its last batch, it first waits for the others (:meth:`finish`)."""
         if self._epoch is not None and self._epoch.join is not None:
             progress = self._trainer.fit_loop.epoch_loop.batch_progress
             if progress.is_last_batch and progress.current.completed == progress.current.ready:
                 self.finish()
-        if self.tail and collective == "all_gather":
-            self.refuse(Refusal.ALL_GATHER)
+        if self.tail and collective in ("all_gather", "validation"):  # they need every rank
+            self.refuse(Refusal[collective.upper()])
         if self.tail and collective in ("barrier", "broadcast", "save"):
             self._exchange(collective, src)
         return self.tail
@@ -413,7 +410,6 @@ class UnevenInputs(Joinable, JoinHook):
         else:
             if epoch.tail:
                 self._exchange("end")
-            epoch.tail = False
             epoch.join.__exit__(None, None, None)
         self._epoch = None
 
@@ -430,12 +426,11 @@ class UnevenInputs(Joinable, JoinHook):
     def post_hook(self, is_last_joiner: bool) -> None:
         """``Join``'s post-hook, on every rank: record the batch counts; after a step with fewer ranks every rank
         takes the module (parameters, buffers) and training state of the highest rank that trained longest."""
-        trainer, ddp = self._trainer, self.ddp
+        trainer = self._trainer
         flags = self._flags(2 * self._epoch.trained + is_last_joiner)  # every rank's steps, and whether it was last
         self.epochs[trainer.current_epoch] = tuple(f // 2 for f in flags)
-        if ddp is not None:  # the next epochs: DDP's own divisor and forward again
-            _tp.set_gradient_divisor(ddp, None, True)
-            _tp.set_ddp_join_mode(ddp, False)
+        _tp.set_gradient_divisor(self.ddp, None, True)  # the next epochs: DDP's own divisor and forward again
+        _tp.set_ddp_join_mode(self.ddp, False)
         if all(f % 2 for f in flags):
             return
         source, module = max(r for r, f in enumerate(flags) if f % 2), trainer.lightning_module
