@@ -29,7 +29,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 from lightning_utilities.core.apply_func import apply_to_collection
-from torch import Tensor
 from torch.distributed.algorithms import Join, Joinable, JoinHook
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import IterableDataset
@@ -37,7 +36,6 @@ from torch.utils.data import IterableDataset
 from ddp_strategy._compat import lightning_private as _pl
 from ddp_strategy._compat import namespace as _namespace
 from ddp_strategy._compat import torch_private as _tp
-from ddp_strategy._compat.namespace import rank_zero_info
 from ddp_strategy.process import agree_on_rank_zero_failure
 
 if TYPE_CHECKING:
@@ -207,14 +205,7 @@ class UnevenInputs(Joinable, JoinHook):
                 not dividing a shorter rank's count (its last batch would sync gradients alone).
         """
         self._trainer, self._epoch, batches = trainer, None, trainer.num_training_batches
-        loaders = trainer.train_dataloader
-        loaders = (
-            loaders.values()
-            if isinstance(loaders, dict)
-            else loaders
-            if isinstance(loaders, (list, tuple))
-            else [loaders]
-        )
+        loaders = _namespace.default.get("pytorch.utilities:CombinedLoader")(trainer.train_dataloader).flattened
         if batches == float("inf") or any(isinstance(getattr(dl, "dataset", None), IterableDataset) for dl in loaders):
             batches = -1
         counts = [c - 1 for c in self._flags(int(batches) + 1)]
@@ -368,7 +359,7 @@ class UnevenInputs(Joinable, JoinHook):
             self._exchange(collective, src)
         return self.tail
 
-    def reduce(self, tensor: Tensor, group: Any, reduce_op: Any) -> Tensor:
+    def reduce(self, tensor: torch.Tensor, group: Any, reduce_op: Any) -> torch.Tensor:
         """``strategy.reduce`` in a step with fewer ranks: in place, over the active ranks (a mean divides by
         their number); the joined ranks give a neutral value (0, 1, the dtype's lowest or highest)."""
         name = (
@@ -435,7 +426,7 @@ class UnevenInputs(Joinable, JoinHook):
             return
         source, module = max(r for r, f in enumerate(flags) if f % 2), trainer.lightning_module
         _tp.broadcast_coalesced([t.detach() for t in (*module.parameters(), *module.buffers())], src=source)
-        state = apply_to_collection(_pl.training_state(trainer), Tensor, Tensor.cpu)
+        state = apply_to_collection(_pl.training_state(trainer), torch.Tensor, torch.Tensor.cpu)
         box = [state if trainer.global_rank == source else None]
         dist.broadcast_object_list(box, src=source)
         if trainer.global_rank != source:
@@ -509,4 +500,6 @@ class _EpochEnd(Callback):
                 "stop": "; the longer ranks' later batches not trained",
             }.get(u.policy, "")
             epochs = ", ".join(f"epoch {epoch}: {list(counts)}" for epoch, counts in u.epochs.items())
-            rank_zero_info(f"Uneven inputs (uneven_inputs={u.policy!r}{rule}): batches trained per rank, {epochs}")
+            _namespace.rank_zero_info(
+                f"Uneven inputs (uneven_inputs={u.policy!r}{rule}): batches trained per rank, {epochs}"
+            )
