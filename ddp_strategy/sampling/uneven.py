@@ -284,8 +284,7 @@ class UnevenInputs(Joinable, JoinHook):
         trainer = self._trainer
         work = dist.all_reduce(torch.full((1,), float(value), device=self.join_device), async_op=True)
         work.wait()
-        total = int(work.get_future().value()[0].item())
-        stepping, validating = total % (trainer.world_size + 1), total // (trainer.world_size + 1)
+        validating, stepping = divmod(int(work.get_future().value()[0].item()), trainer.world_size + 1)
         if 0 < validating < trainer.world_size:  # some ranks validate while the others train or are out of data
             if stepping + validating < trainer.world_size:
                 self.refuse(Refusal.VALIDATION)
@@ -426,8 +425,11 @@ class UnevenInputs(Joinable, JoinHook):
             return
         source, module = max(r for r, f in enumerate(flags) if f % 2), trainer.lightning_module
         _tp.broadcast_coalesced([t.detach() for t in (*module.parameters(), *module.buffers())], src=source)
-        state = apply_to_collection(_pl.training_state(trainer), torch.Tensor, torch.Tensor.cpu)
-        box = [state if trainer.global_rank == source else None]
+        box = [
+            apply_to_collection(_pl.training_state(trainer), torch.Tensor, torch.Tensor.cpu)
+            if trainer.global_rank == source
+            else None
+        ]
         dist.broadcast_object_list(box, src=source)
         if trainer.global_rank != source:
             _pl.load_training_state(trainer, box[0])
