@@ -195,7 +195,15 @@ class MyDDPStrategy(sync.wrapping.LightningDDPAttributes, ParallelStrategy):
             if self._layer_sync:  # Trainer(sync_batchnorm=True): Lightning's plugin, made CPU-capable
                 self._layer_sync = sync.cpu_capable(self._layer_sync)
                 self.model = self._layer_sync.apply(self.model)
-            process.boundaries.add_fit_callbacks(trainer, self._run, self.global_rank, self.world_size, self._uneven)
+            process.boundaries.add_fit_callbacks(  # the uneven-inputs callback first: it ends an uneven epoch
+                trainer,
+                self._run,
+                self.global_rank,
+                self.world_size,
+                self._uneven.callback,
+                self._uneven.begin_epoch,
+                lambda: self._uneven.tail,
+            )
             if self.is_global_zero:
                 checkpoint.prepare_folders(trainer.checkpoint_callbacks)
             self.model = sync.wrap(self.model, self.root_device, kwargs, self._options.comm_hook)
@@ -226,7 +234,7 @@ class MyDDPStrategy(sync.wrapping.LightningDDPAttributes, ParallelStrategy):
     @override
     def pre_backward(self, closure_loss: Tensor) -> None:
         """Under manual optimization, prepare DDP's reducer before ``manual_backward`` (as Lightning's DDP does)."""
-        self._uneven.before_backward(self.model)  # in a step some ranks only shadow: announce the all-reduce
+        self._uneven.before_backward()  # in a step some ranks only shadow: announce the all-reduce
         if isinstance(self.model, DistributedDataParallel) and not self.model.module.automatic_optimization:
             _pl.prepare_for_backward(self.model, closure_loss)
 
@@ -303,8 +311,7 @@ class MyDDPStrategy(sync.wrapping.LightningDDPAttributes, ParallelStrategy):
     @override
     def barrier(self, name: str | None = None) -> None:
         """Wait for every rank (NCCL: on this rank's device); a no-op without a process group."""
-        self._sharding.guard.check("barrier", self.global_rank)
-        self._uneven.announce("save" if name == _pl.SAVE_BARRIER and self._saving is not None else "barrier")
+        self._before_collective("save" if name == _pl.SAVE_BARRIER and self._saving is not None else "barrier")
         if name == _pl.SAVE_BARRIER and self._saving is not None:  # Trainer.save_checkpoint's: rank 0's outcome
             (path, error), self._saving = self._saving, None
             process.agree_on_rank_zero_failure(error, f"saving checkpoint {path}", self.global_rank, self.root_device)
@@ -315,8 +322,7 @@ class MyDDPStrategy(sync.wrapping.LightningDDPAttributes, ParallelStrategy):
     @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         """Rank ``src``'s ``obj`` on every rank (pickled); ``obj`` itself without a process group."""
-        self._sharding.guard.check("broadcast", self.global_rank)
-        self._uneven.announce("broadcast", src)
+        self._before_collective("broadcast", src)
         box = [obj]
         if dist.is_available() and dist.is_initialized():
             dist.broadcast_object_list(box, src)
@@ -325,30 +331,38 @@ class MyDDPStrategy(sync.wrapping.LightningDDPAttributes, ParallelStrategy):
     @override
     def reduce(self, tensor: Tensor | Any, group: Any | None = None, reduce_op: Any | None = "mean") -> Tensor | Any:
         """Lightning's ``DDPStrategy.reduce`` over ``group`` (a collective), but an integer mean is exact float32."""
-        self._sharding.guard.check("reduce (e.g. self.log(..., on_step=True, sync_dist=True))", self.global_rank)
+        tail = self._before_collective("reduce (e.g. self.log(..., on_step=True, sync_dist=True))")
         if isinstance(tensor, Tensor) and reduce_op in ("mean", "avg") and not tensor.is_floating_point():
             tensor = tensor.float()  # exact: epoch values over uneven shards divide by their mean batch size
-        if isinstance(tensor, Tensor) and self._uneven.tail_step():
+        if isinstance(tensor, Tensor) and tail:
             return self._uneven.reduce(tensor, group, reduce_op)
         return _pl.sync_ddp_if_available(tensor, group, reduce_op=reduce_op) if isinstance(tensor, Tensor) else tensor
 
     @override
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
-        """Lightning's (all ranks' decisions, or any); in a step some ranks only shadow, over the ranks taking it."""
-        if not self._uneven.tail_step():
-            return super().reduce_boolean_decision(decision, all)
-        flag = torch.tensor([int(decision)], device=self.root_device)
-        return bool(self._uneven.reduce(flag, None, "min" if all else "max"))
+        """All ranks' decisions (``all``), or any, as Lightning's: the minimum or maximum by :meth:`reduce` (in a step
+        some ranks only shadow, over the ranks taking it)."""
+        return bool(
+            self.reduce(torch.tensor([int(decision)], device=self.root_device), reduce_op="min" if all else "max")
+        )
 
     @override
     def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
         """``(W, *shape)``; uneven first dims: ``(W, max n_r, *rest)`` padded, warned once; else ``ValueError``."""
-        self._sharding.guard.check("all_gather", self.global_rank)
-        self._uneven.announce("all_gather")
+        self._before_collective("all_gather")
         if len(set(shapes := process.gather_shapes(tensor, group))) == 1:
             return super().all_gather(tensor, group=group, sync_grads=sync_grads)
         warn, self._warned_padded_gather = not self._warned_padded_gather, True
         return process.all_gather_padded(tensor, shapes, group, sync_grads, warn=warn)
+
+    def _before_collective(self, collective: str, src: int = 0) -> bool:
+        """First in each of the strategy's collectives, on every rank: inside an evaluation step on uneven loaders,
+        refused (``RuntimeError``, :class:`~ddp_strategy.sampling.LoaderSharding`); in a training step that ranks out
+        of data only shadow, announced to them or refused (``UnevenInputsError``, ``sampling.uneven``). Returns
+        whether it is in such a step (``collective``: ``"barrier"``, ``"save"``, ``"broadcast"`` from ``src``,
+        ``"all_gather"``, else a reduce, which the uneven-inputs policy then makes itself)."""
+        self._sharding.guard.check(collective, self.global_rank)
+        return self._uneven.announce(collective, src)
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
@@ -453,7 +467,7 @@ class MyDDPStrategy(sync.wrapping.LightningDDPAttributes, ParallelStrategy):
         self._sharding.hand_back(trainer)
         self._uneven.abandon()
         if trainer is not None:
-            process.boundaries.remove_fit_callbacks(trainer, self._uneven)
+            process.boundaries.remove_fit_callbacks(trainer, self._uneven.callback)
         super().teardown()
         process.failures.teardown(self._run, self.global_rank, self.world_size)
 

@@ -159,6 +159,7 @@ def shadow_ddp_backward(ddp: Any) -> None:
 
 def set_gradient_divisor(ddp: Any, work: Any, static: bool) -> None:
     """Have ``ddp``'s reducer divide the next backward's gradients by the sum ``work`` (an all-reduce of one
-    number per rank with inputs, torch's ``Join.notify_join_context``) computes, or (``static``) by the world size:
-    DDP's ``divide_by_initial_world_size`` (``Reducer._set_forward_pass_work_handle``)."""
+    number per rank with inputs, as torch's ``Join.notify_join_context`` makes) computes, or (``static``, or ``work``
+    None: no handle, as outside a join) by the world size: DDP's ``divide_by_initial_world_size``
+    (``Reducer._set_forward_pass_work_handle``)."""
     ddp.reducer._set_forward_pass_work_handle(work, static)

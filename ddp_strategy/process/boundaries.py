@@ -9,6 +9,7 @@ import logging
 import signal
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -29,19 +30,18 @@ log = logging.getLogger(__name__)
 
 class EpochBoundaryCheck(Callback):
     """At each training epoch's start, on every rank: a gloo ``monitored_barrier`` on ``group`` (``None``: the world),
-    then gather every rank's number of batches (-1: unknown) for ``on_counts(trainer, counts)`` (the strategy's
-    uneven-inputs policy). Before the data iterator exists, so a rank that stalled between epochs is named; with one
-    rank nothing is done.
+    then ``then(trainer)`` (the strategy's: the uneven-inputs policy gathers the batch counts), once every rank is
+    there. Before the data iterator exists and after the other callbacks' epoch start, so a rank that stalled
+    between epochs is named; with one rank nothing is done.
 
     Raises:
         StalledRankError: a rank did not reach the barrier in ``timeout`` (a barrier broken sooner, by a peer that
             failed and left the group, raises gloo's error for :mod:`ddp_strategy.process.failures` to explain).
-        ValueError: from ``on_counts``.
+        ValueError: from ``then``.
     """
 
-    def __init__(self, group: Any, timeout: timedelta, rank: int, world_size: int, on_counts: Any) -> None:
-        self.group, self.timeout, self.rank, self.world_size = group, timeout, rank, world_size
-        self.on_counts = on_counts
+    def __init__(self, group: Any, timeout: timedelta, rank: int, world_size: int, then: Callable[[Any], None]) -> None:
+        self.group, self.timeout, self.rank, self.world_size, self.then = group, timeout, rank, world_size, then
 
     def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
         if self.world_size == 1:
@@ -57,10 +57,7 @@ class EpochBoundaryCheck(Callback):
                 f" {self.timeout.total_seconds():.0f} s: {e}. That rank is stalled (an endless loop, a deadlocked"
                 " DataLoader worker, slow storage) or has died."
             ) from e
-        batches = trainer.num_training_batches
-        counts: list[Any] = [None] * self.world_size
-        dist.all_gather_object(counts, int(batches) if batches != float("inf") else -1, group=self.group)
-        self.on_counts(trainer, counts)
+        self.then(trainer)
 
 
 class SignalsAtStepBoundary(Callback):
@@ -68,14 +65,14 @@ class SignalsAtStepBoundary(Callback):
 
     A signal sets a flag. At each step's end every rank starts an asynchronous all-reduce (MAX) of its flags (CPU,
     on the gloo side ``group``: no world-group collective, no host-device sync) and waits for the one it started a
-    step before (at an epoch's end, this step's). So a signal during step ``s`` acts on every rank at the end of step
-    ``s + 1`` (or of the epoch, if sooner; a validation run in between ends first; steps that only some ranks take,
-    (``uneven.tail``), send nothing: their flags are agreed at the epoch's end): SIGTERM sets
+    step before; at an epoch's end, for this step's and then once more for every flag raised since (steps that only
+    some ranks take, ``in_tail()`` on those, send nothing). So a signal during step ``s`` acts on every rank at the
+    end of step ``s + 1`` (or of the epoch, if sooner; a validation run in between ends first): SIGTERM sets
     ``trainer.received_sigterm``, Lightning raises ``SIGTERMException`` there (``checkpoint_on_sigterm`` saves);
     the requeue signal runs Lightning's handler (save, requeue)."""
 
-    def __init__(self, group: Any, world_size: int, uneven: Any) -> None:
-        self.group, self.world_size, self.uneven, self._stopping = group, world_size, uneven, False
+    def __init__(self, group: Any, world_size: int, in_tail: Callable[[], bool]) -> None:
+        self.group, self.world_size, self.in_tail, self._stopping = group, world_size, in_tail, False
         self._signal: int | None = None
         self._lightning_handler = self._launcher = self._sent = None  # _sent: (the flags in flight, their work)
 
@@ -113,7 +110,7 @@ class SignalsAtStepBoundary(Callback):
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         """Act on the flags sent a step ago; send this step's (a collective, every rank)."""
         self._agree(trainer)
-        if not self.uneven.tail:
+        if not self.in_tail():
             self._send()
 
     def _send(self) -> None:
@@ -125,12 +122,11 @@ class SignalsAtStepBoundary(Callback):
             self._sent = (flags, work)
 
     def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
-        """Act on the last step's flags (Lightning stops at the epoch's end on SIGTERM); after an uneven epoch, also
-        on those of the steps only some ranks took. Collective."""
+        """Act on the last step's flags, then on those raised since (in the steps of an uneven epoch that only some
+        ranks took, too): Lightning stops at the epoch's end on SIGTERM. Collective."""
         self._agree(trainer)
-        if len(set(self.uneven.epochs.get(trainer.current_epoch, ()))) > 1:  # the same on every rank
-            self._send()
-            self._agree(trainer)
+        self._send()
+        self._agree(trainer)
 
     def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
         if self._stopping:  # the validation loop would stop at its first batch: it ends first
@@ -149,20 +145,29 @@ class SignalsAtStepBoundary(Callback):
         self._signal = self._lightning_handler = self._launcher = self._sent = None
 
 
-def add_fit_callbacks(trainer: Any, run: Any, rank: int, world_size: int, uneven: Any) -> None:
-    """Add both callbacks to ``trainer.callbacks`` (once each), on ``run``'s barrier group (a ``ProcessGroupRun``),
-    for ``uneven`` (a ``sampling.UnevenInputs``), whose own epoch-end callback goes first."""
-    if not any(isinstance(cb, EpochBoundaryCheck) for cb in trainer.callbacks):
-        trainer.callbacks.append(
-            EpochBoundaryCheck(run.barrier_group, run.barrier_timeout, rank, world_size, uneven.begin_epoch)
-        )
-    if not any(isinstance(cb, SignalsAtStepBoundary) for cb in trainer.callbacks):
-        trainer.callbacks.append(SignalsAtStepBoundary(run.barrier_group, world_size, uneven))
-    if uneven.callback not in trainer.callbacks:
-        trainer.callbacks.insert(0, uneven.callback)
+def add_fit_callbacks(
+    trainer: Any,
+    run: Any,
+    rank: int,
+    world_size: int,
+    first: Any,
+    then: Callable[[Any], None],
+    in_tail: Callable[[], bool],
+) -> None:
+    """Put both callbacks last in ``trainer.callbacks`` (replacing earlier ones), on ``run``'s barrier group (a
+    ``ProcessGroupRun``), and ``first`` first; ``then(trainer)`` runs after each epoch's barrier, ``in_tail()`` says
+    whether this rank is in a step only some ranks take (``first``, ``then``, ``in_tail``: the strategy's uneven-inputs
+    policy's callback, epoch start and tail)."""
+    remove_fit_callbacks(trainer, first)
+    trainer.callbacks[:] = [
+        first,
+        *trainer.callbacks,
+        EpochBoundaryCheck(run.barrier_group, run.barrier_timeout, rank, world_size, then),
+        SignalsAtStepBoundary(run.barrier_group, world_size, in_tail),
+    ]
 
 
-def remove_fit_callbacks(trainer: Any, uneven: Any) -> None:
+def remove_fit_callbacks(trainer: Any, first: Any) -> None:
     """Remove what :func:`add_fit_callbacks` added, giving the requeue signal back to Lightning's handler."""
     for cb in trainer.callbacks:
         if isinstance(cb, SignalsAtStepBoundary):
@@ -170,5 +175,5 @@ def remove_fit_callbacks(trainer: Any, uneven: Any) -> None:
     trainer.callbacks[:] = [
         cb
         for cb in trainer.callbacks
-        if cb is not uneven.callback and not isinstance(cb, (EpochBoundaryCheck, SignalsAtStepBoundary))
+        if cb is not first and not isinstance(cb, (EpochBoundaryCheck, SignalsAtStepBoundary))
     ]

@@ -143,10 +143,15 @@ def test_ddp_join_mode_and_the_shadows_use_ddps_own_join_internals(one_rank_grou
 @pytest.mark.parametrize("static", [True, False])
 def test_set_gradient_divisor_divides_by_the_works_sum_or_the_world_size(one_rank_group, static):
     """Reducer._set_forward_pass_work_handle(work, static): the next backward's gradients are divided by the world
-    size (static, here 1) or by the number the work all-reduced (4, what Join.notify_join_context counts)."""
+    size (static, here 1) or by the number the work all-reduced (4, what Join.notify_join_context counts); with no
+    work (None), by the world size again."""
     ddp = DistributedDataParallel(nn.Linear(4, 1, bias=False))
     work = dist.all_reduce(torch.tensor([4]), async_op=True)
     work.wait()
     _torch_private.set_gradient_divisor(ddp, work, static)
     ddp(torch.ones(1, 4)).sum().backward()
     assert ddp.module.weight.grad.tolist() == [[1.0 if static else 0.25] * 4]
+    _torch_private.set_gradient_divisor(ddp, None, True)  # no handle, as an uneven epoch's end resets it
+    ddp.module.weight.grad = None
+    ddp(torch.ones(1, 4)).sum().backward()
+    assert ddp.module.weight.grad.tolist() == [[1.0] * 4]
