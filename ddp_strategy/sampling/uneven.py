@@ -37,6 +37,7 @@ from ddp_strategy._compat import lightning_private as _pl
 from ddp_strategy._compat import namespace as _namespace
 from ddp_strategy._compat import torch_private as _tp
 from ddp_strategy.process import agree_on_rank_zero_failure
+from ddp_strategy.sampling.loaders import flat_loaders
 
 if TYPE_CHECKING:
     from lightning.pytorch import Callback
@@ -205,7 +206,7 @@ class UnevenInputs(Joinable, JoinHook):
                 not dividing a shorter rank's count (its last batch would sync gradients alone).
         """
         self._trainer, self._epoch, batches = trainer, None, trainer.num_training_batches
-        loaders = _namespace.default.get("pytorch.utilities:CombinedLoader")(trainer.train_dataloader).flattened
+        loaders = flat_loaders(trainer.train_dataloader)
         if batches == float("inf") or any(isinstance(getattr(dl, "dataset", None), IterableDataset) for dl in loaders):
             batches = -1
         counts = [c - 1 for c in self._flags(int(batches) + 1)]
