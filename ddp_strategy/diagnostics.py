@@ -8,7 +8,6 @@ gradient (docs/diagnostics.md shows each). The message functions take plain numb
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import astuple, dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -61,32 +60,25 @@ class FitSummary:
     @property
     def global_batch_size(self) -> int | None:
         """Samples per optimizer step over all ranks: ``B * W * accumulate_grad_batches``, or None."""
-        if self.per_device_batch_size is None:
-            return None
-        return self.per_device_batch_size * self.world_size * self.accumulate_grad_batches
+        b = self.per_device_batch_size
+        return None if b is None else b * self.world_size * self.accumulate_grad_batches
 
     @property
     def optimizer_steps_per_epoch(self) -> float:
         """``ceil(batches_per_epoch / accumulate_grad_batches)`` (inf if the batch count is)."""
-        if math.isinf(self.batches_per_epoch):
-            return math.inf
-        return math.ceil(self.batches_per_epoch / self.accumulate_grad_batches)
+        batches = self.batches_per_epoch
+        return batches if math.isinf(batches) else math.ceil(batches / self.accumulate_grad_batches)
 
     def format(self) -> str:
         """The summary as 4 lines of text (example in docs/diagnostics.md)."""
         nodes = f"{_plural(self.num_nodes, 'node')} x {_plural(self.world_size // max(self.num_nodes, 1), 'process')}"
-        lines = [
-            f"DDP fit summary: world size {self.world_size} ({nodes}), backend {self.backend},"
-            f" start method {self.start_method}"
-        ]
-        if self.per_device_batch_size is None:
-            lines.append("  batch: per-device batch size unknown (the loader has no batch_size)")
-        else:
-            lines.append(
-                f"  batch: {self.per_device_batch_size} per device x {_plural(self.world_size, 'process')}"
-                f" x {self.accumulate_grad_batches} accumulation = global batch size"
-                f" {self.global_batch_size} samples per step"
-            )
+        batch = (
+            "per-device batch size unknown (the loader has no batch_size)"
+            if self.per_device_batch_size is None
+            else f"{self.per_device_batch_size} per device x {_plural(self.world_size, 'process')}"
+            f" x {self.accumulate_grad_batches} accumulation = global batch size"
+            f" {self.global_batch_size} samples per step"
+        )
         data = f"{self.dataset_size} training samples" if self.dataset_size is not None else "training samples: ?"
         if self.samples_per_rank is not None:
             data += f", {self.samples_per_rank} per rank per epoch" + (
@@ -100,7 +92,11 @@ class FitSummary:
             f" {count(self.optimizer_steps_per_epoch)} optimizer steps"
         )
         options = ", ".join(f"{k}={v!r}" for k, v in sorted(self.ddp_options.items())) or "defaults"
-        return "\n".join([*lines, "  data: " + data, f"  DDP options: {options}; comm hook: {self.comm_hook}"])
+        return (
+            f"DDP fit summary: world size {self.world_size} ({nodes}), backend {self.backend},"
+            f" start method {self.start_method}\n  batch: {batch}\n  data: {data}\n"
+            f"  DDP options: {options}; comm hook: {self.comm_hook}"
+        )
 
 
 def _plural(count: int, word: str) -> str:
@@ -167,9 +163,8 @@ class CommStats:
     @classmethod
     def from_ddp_logging_data(cls, data: dict[str, Any]) -> CommStats | None:
         """Build from ``DistributedDataParallel._get_ddp_logging_data()`` (ns); None before DDP timed a step."""
-        if not all(key in data for key in _torch_private.DDP_TIMING_KEYS):
-            return None
-        return cls(*(float(data[key]) / 1e6 for key in _torch_private.DDP_TIMING_KEYS))
+        keys = _torch_private.DDP_TIMING_KEYS
+        return cls(*(float(data[key]) / 1e6 for key in keys)) if all(key in data for key in keys) else None
 
     def as_tensor(self) -> torch.Tensor:
         """``[forward, backward compute, all-reduce, overlap]`` in ms, float64, shape (4,)."""
@@ -262,11 +257,8 @@ class GradientTracker:
         self.names: list[str] = [name for name, _ in params]
         self.seen: list[bool] = [False] * len(params)
         self._handles: dict[int, Any] = {
-            i: p.register_hook(functools.partial(self._mark, i)) for i, (_, p) in enumerate(params)
+            i: p.register_hook(lambda grad, i=i: self.seen.__setitem__(i, True)) for i, (_, p) in enumerate(params)
         }
-
-    def _mark(self, index: int, grad: torch.Tensor) -> None:
-        self.seen[index] = True
 
     def prune(self) -> None:
         """Remove the hooks of parameters that have already received a gradient (not from inside a hook)."""
