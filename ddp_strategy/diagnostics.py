@@ -86,15 +86,12 @@ class FitSummary:
                 if self.padding >= 0
                 else f" ({-self.padding} dropped by drop_last)"
             )
-        count = lambda v: "inf" if math.isinf(v) else str(int(v))  # noqa: E731
-        data += (
-            f", {count(self.batches_per_epoch)} batches per epoch per rank ="
-            f" {count(self.optimizer_steps_per_epoch)} optimizer steps"
-        )
         options = ", ".join(f"{k}={v!r}" for k, v in sorted(self.ddp_options.items())) or "defaults"
         return (
             f"DDP fit summary: world size {self.world_size} ({nodes}), backend {self.backend},"
-            f" start method {self.start_method}\n  batch: {batch}\n  data: {data}\n"
+            f" start method {self.start_method}\n  batch: {batch}\n  data: {data},"
+            f" {self.batches_per_epoch:.0f} batches per epoch per rank ="  # .0f: whole numbers, or inf
+            f" {self.optimizer_steps_per_epoch:.0f} optimizer steps\n"
             f"  DDP options: {options}; comm hook: {self.comm_hook}"
         )
 
@@ -127,16 +124,14 @@ def batch_size_warnings(
         'Global batch size 2048 (batch_size=1024 per device x 2 proce'
     """
     b, w, configured, messages = per_device_batch_size, world_size, configured_batch_size, []
-    if b is None:
-        return []
-    if dataset_size is not None and b * w > dataset_size:
+    if b is not None and dataset_size is not None and b * w > dataset_size:
         messages.append(
             f"Global batch size {b * w} (batch_size={b} per device x {w} processes) exceeds the {dataset_size}"
             f" training samples: each rank holds only {math.ceil(dataset_size / w)} samples, so every epoch is one"
             f" partial step. batch_size is the per-device batch size: for a global batch of {b} pass"
             f" batch_size={max(b // w, 1)}, and keep batch_size x {w} <= {dataset_size}."
         )
-    if configured is not None and w > 1 and configured > 0 and b == configured * w:
+    if b is not None and configured is not None and w > 1 and configured > 0 and b == configured * w:
         messages.append(
             f"The training loader's batch_size={b} is the configured batch_size={configured} x {w} processes."
             f" DDP does not split a batch across devices: batch_size is already per device, so each step sees"
@@ -210,27 +205,6 @@ def communication_messages(
         ``infos``: the communication summary, plus a hint when the un-overlapped all-reduce exceeds
         :data:`COMM_DOMINATES_FRACTION` of the step. ``warnings``: one naming the unused parameters, if any.
     """
-    infos: list[str] = []
-    if stats is None:
-        infos.append("DDP communication: no step was timed (DDP times iterations 1-10 and every 100th after).")
-    else:
-        infos.append(
-            f"DDP communication per step (ms, averaged over DDP's sampled steps and {_plural(world_size, 'rank')}):"
-            f" compute {stats.compute_ms:.2f} (forward {stats.forward_ms:.2f} + backward"
-            f" {stats.backward_compute_ms:.2f}), gradient all-reduce {stats.allreduce_ms:.2f}, of which"
-            f" {stats.overlap_ms:.2f} ({stats.overlap_fraction:.0%}) overlapped with backward; waiting for"
-            f" communication {stats.exposed_comm_ms:.2f} = {stats.comm_fraction:.0%} of the step."
-        )
-        if stats.comm_fraction > COMM_DOMINATES_FRACTION:
-            batch = f" than {per_device_batch_size}" if per_device_batch_size is not None else ""
-            bucket = f" (now {bucket_cap_mb:g} MiB)" if bucket_cap_mb is not None else ""
-            infos.append(
-                f"Hint: communication dominates ({stats.comm_fraction:.0%} of each step waits for the gradient"
-                f" all-reduce), so {world_size} processes may be slower than one. Give each all-reduce more work:"
-                f" a larger per-device batch_size{batch} or accumulate_grad_batches; a larger"
-                f" MyDDPStrategy(bucket_cap_mb=...){bucket}; a compression comm hook such as"
-                " torch.distributed.algorithms.ddp_comm_hooks.default_hooks.fp16_compress_hook; or fewer devices."
-            )
     warnings = (
         [
             f"{len(unused)} parameter(s) never received a gradient on any rank during fit: {', '.join(unused)}."
@@ -240,6 +214,25 @@ def communication_messages(
         if unused
         else []
     )
+    if stats is None:
+        return ["DDP communication: no step was timed (DDP times iterations 1-10 and every 100th after)."], warnings
+    infos = [
+        f"DDP communication per step (ms, averaged over DDP's sampled steps and {_plural(world_size, 'rank')}):"
+        f" compute {stats.compute_ms:.2f} (forward {stats.forward_ms:.2f} + backward"
+        f" {stats.backward_compute_ms:.2f}), gradient all-reduce {stats.allreduce_ms:.2f}, of which"
+        f" {stats.overlap_ms:.2f} ({stats.overlap_fraction:.0%}) overlapped with backward; waiting for"
+        f" communication {stats.exposed_comm_ms:.2f} = {stats.comm_fraction:.0%} of the step."
+    ]
+    if stats.comm_fraction > COMM_DOMINATES_FRACTION:
+        batch = f" than {per_device_batch_size}" if per_device_batch_size is not None else ""
+        bucket = f" (now {bucket_cap_mb:g} MiB)" if bucket_cap_mb is not None else ""
+        infos.append(
+            f"Hint: communication dominates ({stats.comm_fraction:.0%} of each step waits for the gradient"
+            f" all-reduce), so {world_size} processes may be slower than one. Give each all-reduce more work:"
+            f" a larger per-device batch_size{batch} or accumulate_grad_batches; a larger"
+            f" MyDDPStrategy(bucket_cap_mb=...){bucket}; a compression comm hook such as"
+            " torch.distributed.algorithms.ddp_comm_hooks.default_hooks.fp16_compress_hook; or fewer devices."
+        )
     return infos, warnings
 
 
@@ -267,9 +260,8 @@ class GradientTracker:
 
     def close(self) -> None:
         """Remove the hooks (idempotent)."""
-        for handle in self._handles.values():
-            handle.remove()
-        self._handles = {}
+        while self._handles:
+            self._handles.popitem()[1].remove()
 
 
 @dataclass
@@ -347,8 +339,12 @@ def on_fit_end(record: FitRecord, ddp_model: nn.Module, device: torch.device) ->
     tracker.close()
     data = _torch_private.ddp_logging_data(ddp_model)
     local = CommStats.from_ddp_logging_data(data)
-    timed = local.as_tensor() if local is not None else torch.zeros(4, dtype=torch.float64)
-    total = torch.cat([timed, torch.tensor([local is not None, *tracker.seen], dtype=torch.float64)]).to(device)
+    total = torch.cat(
+        [
+            local.as_tensor() if local is not None else torch.zeros(4, dtype=torch.float64),
+            torch.tensor([local is not None, *tracker.seen], dtype=torch.float64),  # ranks timed, gradient flags
+        ]
+    ).to(device)
     if dist.is_initialized():
         dist.all_reduce(total)
     world_size, total = dist.get_world_size() if dist.is_initialized() else 1, total.cpu()

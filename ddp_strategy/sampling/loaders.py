@@ -230,8 +230,8 @@ def inject_distributed_sampler(dataloader: object, shard: samplers.Shard, traini
     source, dataloader, batch_sampler = loader.source, loader.dataloader, loader.dataloader.batch_sampler
     if source is None:
         return _pl.update_dataloader_batch_sampler(dataloader, samplers.ShardedBatchSampler(batch_sampler, shard))
-    if _is_plain_permutation(source) or isinstance(source, SequentialSampler):
-        built: samplers._EpochShards = samplers.EpochSeededDistributedSampler(
+    built: samplers._EpochShards = (
+        samplers.EpochSeededDistributedSampler(
             dataloader.dataset,
             shard.num_replicas,
             shard.rank,
@@ -240,17 +240,21 @@ def inject_distributed_sampler(dataloader: object, shard: samplers.Shard, traini
             epoch_fn=shard.epoch_fn,
             pad=shard.pad,
         )
-    else:
-        built = samplers.ShardedSampler(source, shard)
-    if batch_sampler is None:
-        return _pl.update_dataloader(dataloader, built)
-    built.items_per_batch, built.drop_last_batch = int(batch_sampler.batch_size), bool(batch_sampler.drop_last)  # type: ignore[attr-defined]
+        if _is_plain_permutation(source) or isinstance(source, SequentialSampler)
+        else samplers.ShardedSampler(source, shard)
+    )
+    built.items_per_batch, built.drop_last_batch = (  # no batch sampler (batch_size=None): 1 and False
+        int(getattr(batch_sampler, "batch_size", 1)),
+        bool(getattr(batch_sampler, "drop_last", False)),
+    )
+    if batch_sampler is None or (
+        type(batch_sampler) is BatchSampler and shard.pad and dataloader.batch_size is not None
+    ):
+        return _pl.update_dataloader(dataloader, built)  # Lightning re-creates DataLoader(batch_size=B, ...)
     if type(batch_sampler) is not BatchSampler:  # the user's class, re-created around ``built`` (Lightning's code)
         with suppress(TypeError):  # Lightning cannot (an argument it does not know): its batches, whole
             return _pl.update_dataloader(dataloader, built)
         return _pl.update_dataloader_batch_sampler(dataloader, samplers.ShardedBatchSampler(batch_sampler, shard))
-    if shard.pad and dataloader.batch_size is not None:
-        return _pl.update_dataloader(dataloader, built)
     # Unpadded: equal batch counts; DataLoader(batch_sampler=BatchSampler(s, B, drop_last)): keep B and drop_last.
     return _pl.update_dataloader_batch_sampler(
         dataloader,
