@@ -177,12 +177,8 @@ class _EpochShards:
         """Batches this rank reads in ``epoch`` if a resume applies to it, else ``None``; equal on every rank."""
         if self._resume is None or int(self._resume["epoch"]) != epoch:
             return None
-        left = len(remaining_positions(self.stream_length(), self._resume["layers"]))
-        return int(
-            (math.floor if self.drop_last_batch else math.ceil)(
-                math.ceil(left / self.num_replicas) / self.items_per_batch
-            )
-        )
+        per_rank = math.ceil(len(remaining_positions(self.stream_length(), self._resume["layers"])) / self.num_replicas)
+        return per_rank // self.items_per_batch if self.drop_last_batch else math.ceil(per_rank / self.items_per_batch)
 
     def position(self, batches_done: int) -> dict[str, Any]:
         """Every rank's place in the epoch after ``batches_done`` batches (Lightning's
