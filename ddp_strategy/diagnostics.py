@@ -335,14 +335,13 @@ def on_fit_end(record: FitRecord, ddp_model: nn.Module, device: torch.device) ->
     Returns ``(stats, unused)``: the rank-averaged timings (None if no rank has any) and the names of the
     parameters without a gradient. ``ddp_model`` is the wrapper (DDP's timings); ``device`` this rank's (NCCL: CUDA).
     """
-    tracker = record.tracker
-    tracker.close()
+    record.tracker.close()
     data = _torch_private.ddp_logging_data(ddp_model)
     local = CommStats.from_ddp_logging_data(data)
     total = torch.cat(
         [
             local.as_tensor() if local is not None else torch.zeros(4, dtype=torch.float64),
-            torch.tensor([local is not None, *tracker.seen], dtype=torch.float64),  # ranks timed, gradient flags
+            torch.tensor([local is not None, *record.tracker.seen], dtype=torch.float64),  # timed?, gradients seen
         ]
     ).to(device)
     if dist.is_initialized():
@@ -350,7 +349,7 @@ def on_fit_end(record: FitRecord, ddp_model: nn.Module, device: torch.device) ->
     world_size, total = dist.get_world_size() if dist.is_initialized() else 1, total.cpu()
     ranks_timed = int(total[4].item())
     stats = CommStats(*(total[:4] / ranks_timed).tolist()) if ranks_timed else None
-    unused = [name for name, count in zip(tracker.names, total[5:].tolist(), strict=True) if count == 0]
+    unused = [name for name, count in zip(record.tracker.names, total[5:].tolist(), strict=True) if count == 0]
     bucket_bytes = data.get("bucket_cap_bytes")
     bucket_mb = bucket_bytes / 2**20 if isinstance(bucket_bytes, (int, float)) and bucket_bytes > 0 else None
     infos, warnings = communication_messages(stats, unused, world_size, record.summary.per_device_batch_size, bucket_mb)

@@ -326,9 +326,9 @@ def count_batches(dataloader: _Loader, loader: DataLoader, shard: samplers.Shard
         (len(loader),) * shard.num_replicas
         if type(loader.batch_sampler) in ours
         else tuple(
-            len(inject_distributed_sampler(dataloader, dataclasses.replace(shard, rank=r), training=False))  # type: ignore[arg-type]
+            len(inject_distributed_sampler(dataloader, dataclasses.replace(shard, rank=r), training=False))
             for r in range(shard.num_replicas)
-        )
+        )  # type: ignore[arg-type]
     )
     setattr(loader, BATCH_COUNTS_ATTR, counts)
     return counts
