@@ -73,9 +73,12 @@ class DigitsCLI(LightningCLI):
         """The trainer; :class:`EpochLines` is its progress bar if stdout is no terminal and the config chose none."""
         config = (self.config_init[self.subcommand] if self.subcommand else self.config_init).trainer
         callbacks = config.callbacks if isinstance(config.callbacks, list) else [c for c in [config.callbacks] if c]
-        if config.enable_progress_bar is None and not sys.stdout.isatty():
-            if not any(isinstance(c, ProgressBar) for c in callbacks):
-                kwargs.setdefault("callbacks", [*callbacks, EpochLines()])
+        if (
+            config.enable_progress_bar is None
+            and not any(isinstance(c, ProgressBar) for c in callbacks)
+            and not sys.stdout.isatty()
+        ):
+            kwargs.setdefault("callbacks", [*callbacks, EpochLines()])
         return super().instantiate_trainer(**kwargs)
 
     def after_fit(self) -> None:

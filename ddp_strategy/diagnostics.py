@@ -8,7 +8,6 @@ gradient (docs/diagnostics.md shows each). The message functions take plain numb
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import astuple, dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -61,32 +60,25 @@ class FitSummary:
     @property
     def global_batch_size(self) -> int | None:
         """Samples per optimizer step over all ranks: ``B * W * accumulate_grad_batches``, or None."""
-        if self.per_device_batch_size is None:
-            return None
-        return self.per_device_batch_size * self.world_size * self.accumulate_grad_batches
+        b = self.per_device_batch_size
+        return None if b is None else b * self.world_size * self.accumulate_grad_batches
 
     @property
     def optimizer_steps_per_epoch(self) -> float:
         """``ceil(batches_per_epoch / accumulate_grad_batches)`` (inf if the batch count is)."""
-        if math.isinf(self.batches_per_epoch):
-            return math.inf
-        return math.ceil(self.batches_per_epoch / self.accumulate_grad_batches)
+        batches = self.batches_per_epoch
+        return batches if math.isinf(batches) else math.ceil(batches / self.accumulate_grad_batches)
 
     def format(self) -> str:
         """The summary as 4 lines of text (example in docs/diagnostics.md)."""
         nodes = f"{_plural(self.num_nodes, 'node')} x {_plural(self.world_size // max(self.num_nodes, 1), 'process')}"
-        lines = [
-            f"DDP fit summary: world size {self.world_size} ({nodes}), backend {self.backend},"
-            f" start method {self.start_method}"
-        ]
-        if self.per_device_batch_size is None:
-            lines.append("  batch: per-device batch size unknown (the loader has no batch_size)")
-        else:
-            lines.append(
-                f"  batch: {self.per_device_batch_size} per device x {_plural(self.world_size, 'process')}"
-                f" x {self.accumulate_grad_batches} accumulation = global batch size"
-                f" {self.global_batch_size} samples per step"
-            )
+        batch = (
+            "per-device batch size unknown (the loader has no batch_size)"
+            if self.per_device_batch_size is None
+            else f"{self.per_device_batch_size} per device x {_plural(self.world_size, 'process')}"
+            f" x {self.accumulate_grad_batches} accumulation = global batch size"
+            f" {self.global_batch_size} samples per step"
+        )
         data = f"{self.dataset_size} training samples" if self.dataset_size is not None else "training samples: ?"
         if self.samples_per_rank is not None:
             data += f", {self.samples_per_rank} per rank per epoch" + (
@@ -94,13 +86,14 @@ class FitSummary:
                 if self.padding >= 0
                 else f" ({-self.padding} dropped by drop_last)"
             )
-        count = lambda v: "inf" if math.isinf(v) else str(int(v))  # noqa: E731
-        data += (
-            f", {count(self.batches_per_epoch)} batches per epoch per rank ="
-            f" {count(self.optimizer_steps_per_epoch)} optimizer steps"
-        )
         options = ", ".join(f"{k}={v!r}" for k, v in sorted(self.ddp_options.items())) or "defaults"
-        return "\n".join([*lines, "  data: " + data, f"  DDP options: {options}; comm hook: {self.comm_hook}"])
+        return (
+            f"DDP fit summary: world size {self.world_size} ({nodes}), backend {self.backend},"
+            f" start method {self.start_method}\n  batch: {batch}\n  data: {data},"
+            f" {self.batches_per_epoch:.0f} batches per epoch per rank ="  # .0f: whole numbers, or inf
+            f" {self.optimizer_steps_per_epoch:.0f} optimizer steps\n"
+            f"  DDP options: {options}; comm hook: {self.comm_hook}"
+        )
 
 
 def _plural(count: int, word: str) -> str:
@@ -131,16 +124,14 @@ def batch_size_warnings(
         'Global batch size 2048 (batch_size=1024 per device x 2 proce'
     """
     b, w, configured, messages = per_device_batch_size, world_size, configured_batch_size, []
-    if b is None:
-        return []
-    if dataset_size is not None and b * w > dataset_size:
+    if b is not None and dataset_size is not None and b * w > dataset_size:
         messages.append(
             f"Global batch size {b * w} (batch_size={b} per device x {w} processes) exceeds the {dataset_size}"
             f" training samples: each rank holds only {math.ceil(dataset_size / w)} samples, so every epoch is one"
             f" partial step. batch_size is the per-device batch size: for a global batch of {b} pass"
             f" batch_size={max(b // w, 1)}, and keep batch_size x {w} <= {dataset_size}."
         )
-    if configured is not None and w > 1 and configured > 0 and b == configured * w:
+    if b is not None and configured is not None and w > 1 and configured > 0 and b == configured * w:
         messages.append(
             f"The training loader's batch_size={b} is the configured batch_size={configured} x {w} processes."
             f" DDP does not split a batch across devices: batch_size is already per device, so each step sees"
@@ -167,9 +158,8 @@ class CommStats:
     @classmethod
     def from_ddp_logging_data(cls, data: dict[str, Any]) -> CommStats | None:
         """Build from ``DistributedDataParallel._get_ddp_logging_data()`` (ns); None before DDP timed a step."""
-        if not all(key in data for key in _torch_private.DDP_TIMING_KEYS):
-            return None
-        return cls(*(float(data[key]) / 1e6 for key in _torch_private.DDP_TIMING_KEYS))
+        keys = _torch_private.DDP_TIMING_KEYS
+        return cls(*(float(data[key]) / 1e6 for key in keys)) if all(key in data for key in keys) else None
 
     def as_tensor(self) -> torch.Tensor:
         """``[forward, backward compute, all-reduce, overlap]`` in ms, float64, shape (4,)."""
@@ -215,27 +205,6 @@ def communication_messages(
         ``infos``: the communication summary, plus a hint when the un-overlapped all-reduce exceeds
         :data:`COMM_DOMINATES_FRACTION` of the step. ``warnings``: one naming the unused parameters, if any.
     """
-    infos: list[str] = []
-    if stats is None:
-        infos.append("DDP communication: no step was timed (DDP times iterations 1-10 and every 100th after).")
-    else:
-        infos.append(
-            f"DDP communication per step (ms, averaged over DDP's sampled steps and {_plural(world_size, 'rank')}):"
-            f" compute {stats.compute_ms:.2f} (forward {stats.forward_ms:.2f} + backward"
-            f" {stats.backward_compute_ms:.2f}), gradient all-reduce {stats.allreduce_ms:.2f}, of which"
-            f" {stats.overlap_ms:.2f} ({stats.overlap_fraction:.0%}) overlapped with backward; waiting for"
-            f" communication {stats.exposed_comm_ms:.2f} = {stats.comm_fraction:.0%} of the step."
-        )
-        if stats.comm_fraction > COMM_DOMINATES_FRACTION:
-            batch = f" than {per_device_batch_size}" if per_device_batch_size is not None else ""
-            bucket = f" (now {bucket_cap_mb:g} MiB)" if bucket_cap_mb is not None else ""
-            infos.append(
-                f"Hint: communication dominates ({stats.comm_fraction:.0%} of each step waits for the gradient"
-                f" all-reduce), so {world_size} processes may be slower than one. Give each all-reduce more work:"
-                f" a larger per-device batch_size{batch} or accumulate_grad_batches; a larger"
-                f" MyDDPStrategy(bucket_cap_mb=...){bucket}; a compression comm hook such as"
-                " torch.distributed.algorithms.ddp_comm_hooks.default_hooks.fp16_compress_hook; or fewer devices."
-            )
     warnings = (
         [
             f"{len(unused)} parameter(s) never received a gradient on any rank during fit: {', '.join(unused)}."
@@ -245,6 +214,25 @@ def communication_messages(
         if unused
         else []
     )
+    if stats is None:
+        return ["DDP communication: no step was timed (DDP times iterations 1-10 and every 100th after)."], warnings
+    infos = [
+        f"DDP communication per step (ms, averaged over DDP's sampled steps and {_plural(world_size, 'rank')}):"
+        f" compute {stats.compute_ms:.2f} (forward {stats.forward_ms:.2f} + backward"
+        f" {stats.backward_compute_ms:.2f}), gradient all-reduce {stats.allreduce_ms:.2f}, of which"
+        f" {stats.overlap_ms:.2f} ({stats.overlap_fraction:.0%}) overlapped with backward; waiting for"
+        f" communication {stats.exposed_comm_ms:.2f} = {stats.comm_fraction:.0%} of the step."
+    ]
+    if stats.comm_fraction > COMM_DOMINATES_FRACTION:
+        batch = f" than {per_device_batch_size}" if per_device_batch_size is not None else ""
+        bucket = f" (now {bucket_cap_mb:g} MiB)" if bucket_cap_mb is not None else ""
+        infos.append(
+            f"Hint: communication dominates ({stats.comm_fraction:.0%} of each step waits for the gradient"
+            f" all-reduce), so {world_size} processes may be slower than one. Give each all-reduce more work:"
+            f" a larger per-device batch_size{batch} or accumulate_grad_batches; a larger"
+            f" MyDDPStrategy(bucket_cap_mb=...){bucket}; a compression comm hook such as"
+            " torch.distributed.algorithms.ddp_comm_hooks.default_hooks.fp16_compress_hook; or fewer devices."
+        )
     return infos, warnings
 
 
@@ -262,11 +250,8 @@ class GradientTracker:
         self.names: list[str] = [name for name, _ in params]
         self.seen: list[bool] = [False] * len(params)
         self._handles: dict[int, Any] = {
-            i: p.register_hook(functools.partial(self._mark, i)) for i, (_, p) in enumerate(params)
+            i: p.register_hook(lambda grad, i=i: self.seen.__setitem__(i, True)) for i, (_, p) in enumerate(params)
         }
-
-    def _mark(self, index: int, grad: torch.Tensor) -> None:
-        self.seen[index] = True
 
     def prune(self) -> None:
         """Remove the hooks of parameters that have already received a gradient (not from inside a hook)."""
@@ -275,9 +260,8 @@ class GradientTracker:
 
     def close(self) -> None:
         """Remove the hooks (idempotent)."""
-        for handle in self._handles.values():
-            handle.remove()
-        self._handles = {}
+        while self._handles:
+            self._handles.popitem()[1].remove()
 
 
 @dataclass
@@ -351,18 +335,21 @@ def on_fit_end(record: FitRecord, ddp_model: nn.Module, device: torch.device) ->
     Returns ``(stats, unused)``: the rank-averaged timings (None if no rank has any) and the names of the
     parameters without a gradient. ``ddp_model`` is the wrapper (DDP's timings); ``device`` this rank's (NCCL: CUDA).
     """
-    tracker = record.tracker
-    tracker.close()
+    record.tracker.close()
     data = _torch_private.ddp_logging_data(ddp_model)
     local = CommStats.from_ddp_logging_data(data)
-    timed = local.as_tensor() if local is not None else torch.zeros(4, dtype=torch.float64)
-    total = torch.cat([timed, torch.tensor([local is not None, *tracker.seen], dtype=torch.float64)]).to(device)
+    total = torch.cat(
+        [
+            local.as_tensor() if local is not None else torch.zeros(4, dtype=torch.float64),
+            torch.tensor([local is not None, *record.tracker.seen], dtype=torch.float64),  # timed?, gradients seen
+        ]
+    ).to(device)
     if dist.is_initialized():
         dist.all_reduce(total)
     world_size, total = dist.get_world_size() if dist.is_initialized() else 1, total.cpu()
     ranks_timed = int(total[4].item())
     stats = CommStats(*(total[:4] / ranks_timed).tolist()) if ranks_timed else None
-    unused = [name for name, count in zip(tracker.names, total[5:].tolist(), strict=True) if count == 0]
+    unused = [name for name, count in zip(record.tracker.names, total[5:].tolist(), strict=True) if count == 0]
     bucket_bytes = data.get("bucket_cap_bytes")
     bucket_mb = bucket_bytes / 2**20 if isinstance(bucket_bytes, (int, float)) and bucket_bytes > 0 else None
     infos, warnings = communication_messages(stats, unused, world_size, record.summary.per_device_batch_size, bucket_mb)

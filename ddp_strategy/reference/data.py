@@ -70,8 +70,9 @@ class DigitsDataModule(LightningDataModule):
             raise ValueError(f"val_fraction must be between 0 and 1 (exclusive), got {self.hparams.val_fraction}.")
         x, y = load_digits_tensors()
         n_val = round(len(y) * self.hparams.val_fraction)
-        generator = torch.Generator().manual_seed(self.hparams.split_seed)
-        val, train = random_split(range(len(y)), [n_val, len(y) - n_val], generator)
+        val, train = random_split(
+            range(len(y)), [n_val, len(y) - n_val], torch.Generator().manual_seed(self.hparams.split_seed)
+        )
         self.train_set = TensorDataset(x[train.indices], y[train.indices])
         self.val_set = TensorDataset(x[val.indices], y[val.indices])
 

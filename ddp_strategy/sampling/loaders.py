@@ -135,11 +135,13 @@ def _read(dataloader: object) -> _Loader | None:
     (:func:`needs_distributed_sampler`)."""
     if isinstance(dataloader, _Loader):
         return dataloader
-    if not isinstance(dataloader, DataLoader) or isinstance(dataloader.dataset, IterableDataset):
-        return None
-    batch_sampler = dataloader.batch_sampler
-    held = (dataloader.sampler, batch_sampler, getattr(batch_sampler, "sampler", None))
-    if any(hasattr(s, "num_replicas") and hasattr(s, "rank") for s in held):  # ours, or a DistributedSampler
+    batch_sampler = getattr(dataloader, "batch_sampler", None)
+    held = (getattr(dataloader, "sampler", None), batch_sampler, getattr(batch_sampler, "sampler", None))
+    if (
+        not isinstance(dataloader, DataLoader)
+        or isinstance(dataloader.dataset, IterableDataset)
+        or any(hasattr(s, "num_replicas") and hasattr(s, "rank") for s in held)  # ours, or a DistributedSampler
+    ):
         return None
     whole = batch_sampler is not None and not (
         hasattr(batch_sampler, "batch_size") and hasattr(batch_sampler, "drop_last")
@@ -228,8 +230,8 @@ def inject_distributed_sampler(dataloader: object, shard: samplers.Shard, traini
     source, dataloader, batch_sampler = loader.source, loader.dataloader, loader.dataloader.batch_sampler
     if source is None:
         return _pl.update_dataloader_batch_sampler(dataloader, samplers.ShardedBatchSampler(batch_sampler, shard))
-    if _is_plain_permutation(source) or isinstance(source, SequentialSampler):
-        built: samplers._EpochShards = samplers.EpochSeededDistributedSampler(
+    built: samplers._EpochShards = (
+        samplers.EpochSeededDistributedSampler(
             dataloader.dataset,
             shard.num_replicas,
             shard.rank,
@@ -238,25 +240,28 @@ def inject_distributed_sampler(dataloader: object, shard: samplers.Shard, traini
             epoch_fn=shard.epoch_fn,
             pad=shard.pad,
         )
-    else:
-        built = samplers.ShardedSampler(source, shard)
-    if batch_sampler is None:
-        return _pl.update_dataloader(dataloader, built)
-    built.items_per_batch = int(batch_sampler.batch_size)  # type: ignore[attr-defined]
-    built.drop_last_batch = bool(batch_sampler.drop_last)  # type: ignore[attr-defined]
+        if _is_plain_permutation(source) or isinstance(source, SequentialSampler)
+        else samplers.ShardedSampler(source, shard)
+    )
+    built.items_per_batch, built.drop_last_batch = (  # no batch sampler (batch_size=None): 1 and False
+        int(getattr(batch_sampler, "batch_size", 1)),
+        bool(getattr(batch_sampler, "drop_last", False)),
+    )
+    if batch_sampler is None or (
+        type(batch_sampler) is BatchSampler and shard.pad and dataloader.batch_size is not None
+    ):
+        return _pl.update_dataloader(dataloader, built)  # Lightning re-creates DataLoader(batch_size=B, ...)
     if type(batch_sampler) is not BatchSampler:  # the user's class, re-created around ``built`` (Lightning's code)
         with suppress(TypeError):  # Lightning cannot (an argument it does not know): its batches, whole
             return _pl.update_dataloader(dataloader, built)
         return _pl.update_dataloader_batch_sampler(dataloader, samplers.ShardedBatchSampler(batch_sampler, shard))
-    if shard.pad and dataloader.batch_size is not None:
-        return _pl.update_dataloader(dataloader, built)
     # Unpadded: equal batch counts; DataLoader(batch_sampler=BatchSampler(s, B, drop_last)): keep B and drop_last.
-    batches = (
+    return _pl.update_dataloader_batch_sampler(
+        dataloader,
         samplers.EqualCountBatchSampler(built, built.items_per_batch)
         if not shard.pad
-        else BatchSampler(built, built.items_per_batch, built.drop_last_batch)
+        else BatchSampler(built, built.items_per_batch, built.drop_last_batch),
     )
-    return _pl.update_dataloader_batch_sampler(dataloader, batches)
 
 
 def needs_padding(dataloader: DataLoader | _Loader, num_replicas: int) -> str | None:
@@ -269,15 +274,19 @@ def needs_padding(dataloader: DataLoader | _Loader, num_replicas: int) -> str | 
     if loader is None or loader.source is None or loader.n % num_replicas == 0:
         return None
     batch_sampler = loader.dataloader.batch_sampler
-    if batch_sampler is None:
-        return "the loader does not batch (batch_size=None)"
-    if bool(getattr(batch_sampler, "drop_last", False)):
-        return "the loader drops its incomplete last batch (drop_last=True)"
-    if int(getattr(batch_sampler, "batch_size", 1)) < 2:
-        return "batch_size=1 leaves a shorter rank no batch to make one sample smaller"
-    if loader.n < num_replicas:
-        return f"there are fewer samples ({loader.n}) than ranks ({num_replicas})"
-    return None
+    reasons = (  # the first that applies
+        (batch_sampler is None, "the loader does not batch (batch_size=None)"),
+        (
+            bool(getattr(batch_sampler, "drop_last", False)),
+            "the loader drops its incomplete last batch (drop_last=True)",
+        ),
+        (
+            int(getattr(batch_sampler, "batch_size", 1)) < 2,
+            "batch_size=1 leaves a shorter rank no batch to make one sample smaller",
+        ),
+        (loader.n < num_replicas, f"there are fewer samples ({loader.n}) than ranks ({num_replicas})"),
+    )
+    return next((reason for applies, reason in reasons if applies), None)
 
 
 def shard_for_evaluation(dataloader: object, shard: samplers.Shard, stage: str, exact: bool = True) -> object:
@@ -312,18 +321,15 @@ def shard_for_evaluation(dataloader: object, shard: samplers.Shard, stage: str, 
 def count_batches(dataloader: _Loader, loader: DataLoader, shard: samplers.Shard) -> tuple[int, ...]:
     """``(batches on rank 0, ..., rank W-1)`` of ``loader`` (``dataloader`` injected for ``shard``), also kept on it,
     without a collective: our batch samplers make as many on every rank; the user's class is re-created per rank."""
-    if type(loader.batch_sampler) in (
-        BatchSampler,
-        samplers.EqualCountBatchSampler,
-        samplers.ShardedBatchSampler,
-        type(None),
-    ):
-        counts = (len(loader),) * shard.num_replicas
-    else:
-        counts = tuple(
+    ours = (BatchSampler, samplers.EqualCountBatchSampler, samplers.ShardedBatchSampler, type(None))
+    counts = (
+        (len(loader),) * shard.num_replicas
+        if type(loader.batch_sampler) in ours
+        else tuple(
             len(inject_distributed_sampler(dataloader, dataclasses.replace(shard, rank=r), training=False))
             for r in range(shard.num_replicas)
         )  # type: ignore[arg-type]
+    )
     setattr(loader, BATCH_COUNTS_ATTR, counts)
     return counts
 
@@ -342,33 +348,31 @@ def warn_if_order_kept(dataloader: object, world_size: int, overfit_batches: int
         if world_size > 1
         else "the one process reads every position"
     )
-    advice = "MyDDPStrategy has no setting that gives Lightning's batches here"
+    no_setting = "MyDDPStrategy has no setting that gives Lightning's batches here"
     source, batch_sampler = loader.source, loader.dataloader.batch_sampler
+    # what is read, what Lightning's ddp does instead, and what to do
     if type(batch_sampler) not in (BatchSampler, type(None)):  # the user's batch sampler (whole batches, or indices)
-        what = (
+        what, lightning, advice = (
             f"its batch sampler is a {type(batch_sampler).__name__}, read in its order ({shards} of each epoch's"
-            f" {'batches' if source is None else 'indices'})"
-        )
-        lightning = (
+            f" {'batches' if source is None else 'indices'})",
             "re-creates the batch sampler around a shuffling DistributedSampler of the data set (or raises"
-            " TypeError where it cannot)"
+            " TypeError where it cannot)",
+            "For Lightning's batches build it on a RandomSampler" if source is not None else no_setting,
         )
-        advice = "For Lightning's batches build it on a RandomSampler" if source is not None else advice
     elif isinstance(source, SequentialSampler):
-        what = f"its sampler is a SequentialSampler (shuffle=False), so {shards} of the data set, every epoch"
-        lightning = (
+        what, lightning, advice = (
+            f"its sampler is a SequentialSampler (shuffle=False), so {shards} of the data set, every epoch",
             "shuffles training data even with shuffle=False (its DistributedSampler for training always has"
-            " shuffle=True)"
+            " shuffle=True)",
+            "For Lightning's batches and weights pass shuffle=True to the training DataLoader",
         )
-        advice = "For Lightning's batches and weights pass shuffle=True to the training DataLoader"
     else:
-        what = (
+        what, lightning, advice = (
             f"its sampler is a {type(source).__name__}, drawn once per epoch (the same draw on every rank), and"
-            f" {shards} of that draw, in its order"
-        )
-        lightning = (
+            f" {shards} of that draw, in its order",
             "has each rank draw with its own global random state and shuffles the positions (its"
-            " DistributedSamplerWrapper for training always has shuffle=True)"
+            " DistributedSamplerWrapper for training always has shuffle=True)",
+            no_setting,
         )
     rank_zero_warn(
         f"{ORDER_KEPT_WARNING}: {what}. Lightning's strategy='ddp' {lightning}, so the batches each rank reads, and"
@@ -416,12 +420,12 @@ class EvaluationStepGuard:
         (Lightning passes the index third, with several loaders), its counts cut to ``limit_*_batches``
         (``num_sanity_val_steps`` in the sanity check; an int caps, a float takes a share)."""
         kind = {"validation_step": "val", "test_step": "test", "predict_step": "predict"}[stage]
-        loaders, limit = (
-            flat_loaders(getattr(trainer, f"{kind}_dataloaders")),
-            getattr(trainer, f"limit_{kind}_batches"),
+        loaders = flat_loaders(getattr(trainer, f"{kind}_dataloaders"))
+        limit = (
+            trainer.num_sanity_val_steps
+            if kind == "val" and trainer.sanity_checking
+            else getattr(trainer, f"limit_{kind}_batches")
         )
-        if kind == "val" and trainer.sanity_checking:
-            limit = trainer.num_sanity_val_steps
         index = kwargs.get("dataloader_idx", args[2] if len(args) > 2 else 0)
         counts = getattr(loaders[index] if 0 <= index < len(loaders) else None, BATCH_COUNTS_ATTR, None)
         if counts is not None:

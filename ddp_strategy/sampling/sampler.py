@@ -95,8 +95,9 @@ def remaining_positions(length: int, layers: list[dict[str, Any]]) -> list[int]:
 
 
 class _EpochShards:
-    """Stream -> (resume) -> pad -> stride, and the position reached; subclasses give ``_stream`` and
-    ``stream_length``."""
+    """Stream -> (resume) -> pad -> stride, and the position reached; subclasses give ``_stream(epoch)`` (the
+    epoch's stream, a list) and ``stream_length()`` (N, the number of items the original sampler yields per
+    epoch)."""
 
     kind = "index"
 
@@ -111,12 +112,6 @@ class _EpochShards:
         self._start_layers: list[dict[str, Any]] = []
         self._iter_epoch: int | None = None
         self._iter_total = 0  # stream positions dealt to all ranks this epoch (padding included)
-
-    def _stream(self, epoch: int) -> list[Any]:
-        raise NotImplementedError
-
-    def stream_length(self) -> int:  # N, the number of items the original sampler yields per epoch
-        raise NotImplementedError
 
     def set_epoch(self, epoch: int) -> None:
         """Use ``epoch``'s stream for the next iterator (``epoch_fn``, when given, overrides it then)."""
@@ -182,9 +177,8 @@ class _EpochShards:
         """Batches this rank reads in ``epoch`` if a resume applies to it, else ``None``; equal on every rank."""
         if self._resume is None or int(self._resume["epoch"]) != epoch:
             return None
-        left = len(remaining_positions(self.stream_length(), self._resume["layers"]))
-        rounding = math.floor if self.drop_last_batch else math.ceil
-        return int(rounding(math.ceil(left / self.num_replicas) / self.items_per_batch))
+        per_rank = math.ceil(len(remaining_positions(self.stream_length(), self._resume["layers"])) / self.num_replicas)
+        return per_rank // self.items_per_batch if self.drop_last_batch else math.ceil(per_rank / self.items_per_batch)
 
     def position(self, batches_done: int) -> dict[str, Any]:
         """Every rank's place in the epoch after ``batches_done`` batches (Lightning's
@@ -240,13 +234,13 @@ class EpochSeededDistributedSampler(_EpochShards, DistributedSampler):
     ) -> None:
         if not pad and drop_last:
             raise ValueError("pad=False keeps every sample exactly once; it cannot be combined with drop_last=True.")
-        shard = Shard(num_replicas, rank, seed, epoch_fn, pad)
+        self._init_shards(Shard(num_replicas, rank, seed, epoch_fn, pad))  # checks the rank first
         DistributedSampler.__init__(
             self, dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed, drop_last=drop_last
         )
-        self._init_shards(shard)
-        self.num_samples = len(self)
-        self.total_size = self.num_samples * num_replicas if pad else self.stream_length()
+        # PyTorch's num_samples and total_size hold padded (also for drop_last); unpadded, each sample once
+        if not pad:
+            self.num_samples, self.total_size = len(self), self.stream_length()
 
     def stream_length(self) -> int:
         n = len(self.dataset)  # type: ignore[arg-type]

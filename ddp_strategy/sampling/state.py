@@ -59,16 +59,16 @@ def read_positions(checkpoint: dict[str, Any]) -> list[dict[str, Any]]:
     epoch's data then restarts, as under Lightning.
     """
     entry = checkpoint.get(CHECKPOINT_KEY)
-    if entry is None:
-        return []
-    if isinstance(entry, dict) and entry.get("version") == STATE_VERSION and isinstance(entry.get("loaders"), list):
-        return list(entry["loaders"])
-    rank_zero_warn(
-        f"The checkpoint's {CHECKPOINT_KEY!r} entry is not a version-{STATE_VERSION} sampler position:"
-        f" {entry!r}. It was written by another version of ddp_strategy. It is ignored: the checkpoint"
-        " loads, and a mid-epoch resume restarts the epoch's data as under Lightning's ddp."
+    readable = (
+        isinstance(entry, dict) and entry.get("version") == STATE_VERSION and isinstance(entry.get("loaders"), list)
     )
-    return []
+    if entry is not None and not readable:
+        rank_zero_warn(
+            f"The checkpoint's {CHECKPOINT_KEY!r} entry is not a version-{STATE_VERSION} sampler position:"
+            f" {entry!r}. It was written by another version of ddp_strategy. It is ignored: the checkpoint"
+            " loads, and a mid-epoch resume restarts the epoch's data as under Lightning's ddp."
+        )
+    return list(entry["loaders"]) if readable else []  # type: ignore[index]
 
 
 def restore_batch_counter(trainer: Trainer | None, world_size: int, until_teardown: ExitStack) -> None:
