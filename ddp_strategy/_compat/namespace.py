@@ -43,8 +43,9 @@ _TOPS = {"lightning": "lightning", "pytorch_lightning": "pytorch_lightning", "li
 def _found(top: str, sub: str = "") -> bool:
     # find_spec("lightning.pytorch") would import the package "lightning": look for the folder instead.
     spec = importlib.util.find_spec(top)
-    locations = (spec.submodule_search_locations or []) if spec is not None else []
-    return spec is not None and (not sub or any(os.path.isdir(os.path.join(loc, sub)) for loc in locations))
+    return spec is not None and (
+        not sub or any(os.path.isdir(os.path.join(loc, sub)) for loc in spec.submodule_search_locations or ())
+    )
 
 
 @cache
