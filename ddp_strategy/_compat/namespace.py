@@ -20,6 +20,8 @@ import copyreg
 import importlib
 import importlib.util
 import os
+import pkgutil
+import re
 import sys
 import types
 from functools import cache
@@ -38,18 +40,18 @@ _ROOTS: dict[str, tuple[str, str]] = {
 _TOPS = {"lightning": "lightning", "pytorch_lightning": "pytorch_lightning", "lightning_fabric": "pytorch_lightning"}
 
 
+def _found(top: str, sub: str = "") -> bool:
+    # find_spec("lightning.pytorch") would import the package "lightning": look for the folder instead.
+    spec = importlib.util.find_spec(top)
+    return spec is not None and (
+        not sub or any(os.path.isdir(os.path.join(loc, sub)) for loc in spec.submodule_search_locations or ())
+    )
+
+
 @cache
 def installed() -> tuple[str, ...]:
     """The namespaces installed (found by ``importlib.util.find_spec``, nothing imported), default first."""
-    found = []
-    for name in NAMESPACES:
-        # find_spec("lightning.pytorch") would import the package "lightning": look for the folder instead.
-        top, _, sub = _ROOTS[name][0].partition(".")
-        spec = importlib.util.find_spec(top)
-        locations = (spec.submodule_search_locations or []) if spec is not None else []
-        if spec is not None and (not sub or any(os.path.isdir(os.path.join(loc, sub)) for loc in locations)):
-            found.append(name)
-    return tuple(found)
+    return tuple(name for name in NAMESPACES if _found(*_ROOTS[name][0].split(".")))
 
 
 def imported() -> tuple[str, ...]:
@@ -85,17 +87,18 @@ def _caller_namespace() -> str | None:
     module whose globals hold modules, classes or functions of exactly one namespace."""
     frame = sys._getframe(1)
     while frame is not None:
-        module = frame.f_globals.get("__name__", "")
-        if not str(module).startswith("ddp_strategy"):
-            found = {_namespace_of_module(module)} - {None}
-            if not found:
-                found = {
-                    _namespace_of_module(value.__name__ if isinstance(value, types.ModuleType) else value.__module__)
-                    for value in list(frame.f_globals.values())
-                    if isinstance(value, (types.ModuleType, type, types.FunctionType))
-                } - {None}
-            if found:
-                return found.pop() if len(found) == 1 else None
+        module = str(frame.f_globals.get("__name__", ""))
+        found = not module.startswith("ddp_strategy") and (
+            {_namespace_of_module(module)} - {None}
+            or {
+                _namespace_of_module(value.__name__ if isinstance(value, types.ModuleType) else value.__module__)
+                for value in list(frame.f_globals.values())
+                if isinstance(value, (types.ModuleType, type, types.FunctionType))
+            }
+            - {None}
+        )
+        if found:
+            return found.pop() if len(found) == 1 else None
         frame = frame.f_back
     return None
 
@@ -109,19 +112,20 @@ def resolve() -> str:
         ValueError: ``DDP_STRATEGY_LIGHTNING`` names no namespace.
         ModuleNotFoundError: it names one that is not installed, or neither is installed.
     """
-    chosen = _chosen_by_variable()
-    if chosen is not None:
-        return chosen
+    chosen = _chosen_by_variable()  # raises for a wrong name, so a name chosen is installed
     if not installed():
         raise ModuleNotFoundError(
             "ddp_strategy needs Lightning, and neither lightning nor pytorch_lightning is"
             " installed: pip install 'ddp_strategy[lightning]' (or"
             " 'ddp_strategy[pytorch-lightning]' for import pytorch_lightning)."
         )
-    if len(installed()) == 1:
-        return installed()[0]
-    chosen = _caller_namespace() or (imported()[0] if len(imported()) == 1 else None)
-    return chosen or default.name
+    return (
+        chosen
+        or (installed()[0] if len(installed()) == 1 else None)
+        or _caller_namespace()
+        or (imported()[0] if len(imported()) == 1 else None)
+        or default.name
+    )
 
 
 class Namespace:
@@ -133,25 +137,21 @@ class Namespace:
 
     def __init__(self, name: str) -> None:
         self.name = name
-        self.pytorch_name, self.fabric_name = _ROOTS[name]
-        self.pytorch: types.ModuleType = importlib.import_module(self.pytorch_name)
-        self.fabric: types.ModuleType = importlib.import_module(self.fabric_name)
+        self.pytorch, self.fabric = map(importlib.import_module, _ROOTS[name])
+        self.pytorch_name: str = self.pytorch.__name__
 
     @property
     def version(self) -> str:
         """The installed version, e.g. ``"2.6.6"``."""
-        return str(sys.modules[self.pytorch_name.partition(".")[0]].__version__)
+        return str(self.pytorch.__version__)
 
     def get(self, path: str) -> Any:
         """The object at ``path``: ``"<pytorch|fabric>.<module>:<attribute>"``, e.g.
         ``"pytorch.strategies:ParallelStrategy"``; no attribute gives the module."""
-        module_path, _, attribute = path.partition(":")
-        level, _, rest = module_path.partition(".")
-        root = {"pytorch": self.pytorch_name, "fabric": self.fabric_name}[level]
-        obj: Any = importlib.import_module(f"{root}.{rest}" if rest else root)
-        for part in filter(None, attribute.split(".")):
-            obj = getattr(obj, part)
-        return obj
+        level = re.split("[.:]", path, maxsplit=1)[0]
+        return pkgutil.resolve_name(
+            {"pytorch": self.pytorch, "fabric": self.fabric}[level].__name__ + path[len(level) :]
+        )
 
     def __repr__(self) -> str:
         return f"Namespace({self.name!r})"
@@ -163,12 +163,11 @@ _ON_LOAD: list[Any] = []
 
 def load(name: str) -> Namespace:
     """The namespace ``name``, imported on first use; runs the :func:`on_load` registrations for it."""
-    namespace = _LOADED.get(name)
-    if namespace is None:
-        namespace = _LOADED[name] = Namespace(name)
+    if name not in _LOADED:
+        _LOADED[name] = Namespace(name)
         for callback in list(_ON_LOAD):
-            callback(namespace)
-    return namespace
+            callback(_LOADED[name])
+    return _LOADED[name]
 
 
 def on_load(callback: Any) -> None:
@@ -181,8 +180,9 @@ def on_load(callback: Any) -> None:
 def namespace_of(obj: Any) -> str | None:
     """The namespace ``obj`` (an object or a class) belongs to, from its class's modules; None if neither."""
     cls = obj if isinstance(obj, type) else type(obj)
-    own = getattr(cls, "_ddp_namespace", None)
-    return own or next(filter(None, (_namespace_of_module(getattr(k, "__module__", "")) for k in cls.__mro__)), None)
+    return getattr(cls, "_ddp_namespace", None) or next(
+        filter(None, (_namespace_of_module(getattr(k, "__module__", "")) for k in cls.__mro__)), None
+    )
 
 
 # ----------------------------------------------------------------------------------- flavoured classes
@@ -221,61 +221,55 @@ class Flavoured:
             TypeError: ``cls`` subclasses the flavour of another namespace.
         """
         name = _check_name(name, "the namespace")
-        if cls._ddp_namespace is not None:
-            if cls._ddp_namespace == name:
-                return cls
-            if "_ddp_namespace" not in cls.__dict__:
-                raise TypeError(
-                    f"{cls.__qualname__} subclasses the {cls._ddp_namespace} flavour of a ddp_strategy"
-                    f" class, so it cannot be built for {name}; subclass the public class instead."
-                )
-            cls = cls.__bases__[0]
-        flavour = _FLAVOURS.get((cls, name))
-        if flavour is None:
-            namespace = load(name)
-            base = namespace.get(cls._ddp_base)
-            mixins = tuple(mixin for path, mixin in MIXINS if issubclass(base, namespace.get(path)))
-            flavour = _FLAVOURS[(cls, name)] = type(base)(
-                cls.__name__,
-                (cls, *mixins, base),
-                {
-                    "__module__": cls.__module__,
-                    "__qualname__": cls.__qualname__,
-                    "__doc__": cls.__doc__,
-                    "_ddp_namespace": name,
-                },
+        if cls._ddp_namespace == name:
+            return cls
+        if cls._ddp_namespace is not None and "_ddp_namespace" not in cls.__dict__:
+            raise TypeError(
+                f"{cls.__qualname__} subclasses the {cls._ddp_namespace} flavour of a ddp_strategy"
+                f" class, so it cannot be built for {name}; subclass the public class instead."
             )
-        return flavour
+        return _flavour(cls.__bases__[0] if cls._ddp_namespace else cls, name)
 
 
-_FLAVOURS: dict[tuple[type, str], type] = {}
+@cache
+def _flavour(public: type, name: str) -> type:
+    """The flavour of the public class ``public`` for namespace ``name``, made once."""
+    namespace = load(name)
+    base = namespace.get(public._ddp_base)  # type: ignore[attr-defined]
+    mixins = tuple(mixin for path, mixin in MIXINS if issubclass(base, namespace.get(path)))
+    return type(base)(
+        public.__name__,
+        (public, *mixins, base),
+        {
+            "__module__": public.__module__,
+            "__qualname__": public.__qualname__,
+            "__doc__": public.__doc__,
+            "_ddp_namespace": name,
+        },
+    )
 
 
 def _new_flavour(public: type, name: str, *args: Any) -> Any:
     """Unpickling: a new, empty instance of the flavour of ``public`` for namespace ``name``."""
-    flavour = public.for_namespace(name)  # type: ignore[attr-defined]
-    return flavour.__new__(flavour, *args)
-
-
-def _load_from_checkpoint(cls: Any, *args: Any, **kwargs: Any) -> Any:
-    """Lightning's ``load_from_checkpoint``, on the flavour of ``cls`` for :func:`resolve`'s namespace."""
-    flavour = cls.for_namespace(cls._ddp_namespace or resolve())
-    public_base = next(k for k in flavour.__mro__ if "_ddp_base" in k.__dict__)
-    return super(public_base, flavour).load_from_checkpoint(*args, **kwargs)
+    return copyreg.__newobj__(public.for_namespace(name), *args)  # type: ignore[attr-defined]
 
 
 def lightning_base(path: str) -> type:
     """A :class:`Flavoured` base standing for the Lightning class at ``path`` (see :meth:`Namespace.get`) in
     whichever namespace the user runs: ``class MyDDPStrategy(lightning_base(...))``."""
+
+    def load_from_checkpoint(cls: Any, *args: Any, **kwargs: Any) -> Any:
+        """Lightning's ``load_from_checkpoint``, on the flavour of ``cls`` for :func:`resolve`'s namespace."""
+        return super(base, cls.for_namespace(cls._ddp_namespace or resolve())).load_from_checkpoint(*args, **kwargs)
+
     body: dict[str, Any] = {"_ddp_base": path, "__module__": __name__}
     if hasattr(default.get(path), "load_from_checkpoint"):  # LightningModule, LightningDataModule
-        body["load_from_checkpoint"] = classmethod(_load_from_checkpoint)
+        body["load_from_checkpoint"] = classmethod(load_from_checkpoint)
     base = type(f"LightningBase[{path}]", (Flavoured,), body)
 
     def register(namespace: Namespace) -> None:
-        lightning_class = namespace.get(path)
-        if isinstance(lightning_class, abc.ABCMeta):
-            lightning_class.register(base)
+        if isinstance(namespace.get(path), abc.ABCMeta):
+            namespace.get(path).register(base)
 
     on_load(register)
     return base
@@ -315,13 +309,10 @@ def any_namespace(path: str) -> type:
 
 def _load_at_import() -> Namespace:
     chosen = _chosen_by_variable()
-    for name in imported() or ([chosen] if chosen else installed()):
+    names = imported() or ([chosen] if chosen else installed())
+    for name in names:
         load(name)
-    if chosen is not None:
-        return load(chosen)
-    if not _LOADED:
-        resolve()  # raises: nothing installed
-    return next(iter(_LOADED.values())) if len(_LOADED) == 1 else load(NAMESPACES[0])
+    return load(chosen or (names[0] if names else resolve()))  # resolve() raises: nothing installed
 
 
 #: The namespace of the namespace-neutral helpers.

@@ -60,8 +60,9 @@ def find_model_state_dict(checkpoint: Any, path: str | os.PathLike | None = None
 
 def plain_state_dict(checkpoint: Any, path: str | os.PathLike, submodule: str = "model") -> dict[str, torch.Tensor]:
     """:func:`load_plain_state_dict` for a checkpoint already loaded from ``path`` (named in errors)."""
-    state_dict = strip_ddp_prefix(strip_compile_prefixes(find_model_state_dict(checkpoint, path)))
-    return _submodule_weights(state_dict, submodule, os.fspath(path))
+    return _submodule_weights(
+        strip_ddp_prefix(strip_compile_prefixes(find_model_state_dict(checkpoint, path))), submodule, os.fspath(path)
+    )
 
 
 def _submodule_weights(state_dict: Mapping[str, Any], submodule: str, where: str) -> dict[str, Any]:
@@ -95,8 +96,11 @@ def load_plain_state_dict(
         FileNotFoundError, PermissionError, DamagedCheckpointError, UnsafeCheckpointError: see
             :func:`~ddp_strategy.checkpoint.io.load_file`; KeyError: no key starts with ``<submodule>.``.
     """
-    checkpoint = load_file(path, weights_only=weights_only, opt_out="load_plain_state_dict(..., weights_only=False)")
-    return plain_state_dict(checkpoint, path, submodule)
+    return plain_state_dict(
+        load_file(path, weights_only=weights_only, opt_out="load_plain_state_dict(..., weights_only=False)"),
+        path,
+        submodule,
+    )
 
 
 def _int_entry(checkpoint: Mapping[str, Any], keys: tuple[str, ...], source: str) -> int:
@@ -298,8 +302,11 @@ def export_weights(
     if isinstance(source, nn.Module):
         weights = _submodule_weights(unwrapped_state_dict(source), submodule, type(source).__name__)
     else:
-        checkpoint = load_file(source, weights_only=weights_only, opt_out="export_weights(..., weights_only=False)")
-        weights = plain_state_dict(checkpoint, source, submodule)
+        weights = plain_state_dict(
+            load_file(source, weights_only=weights_only, opt_out="export_weights(..., weights_only=False)"),
+            source,
+            submodule,
+        )
     odd = next((k for k, v in weights.items() if not isinstance(v, torch.Tensor)), None)
     if odd is not None:  # a module's extra state (TypeError), or a file that is no checkpoint
         module = isinstance(source, nn.Module)
@@ -308,17 +315,16 @@ def export_weights(
             f" {type(weights[odd]).__name__} under {odd!r}, not a tensor; only tensors can be exported."
         )
     weights = {k: v.detach().cpu().contiguous() for k, v in weights.items()}
-    safetensors = os.fspath(path).endswith(".safetensors") if safetensors is None else safetensors
-    if not safetensors:
+    if os.fspath(path).endswith(".safetensors") if safetensors is None else safetensors:
+        try:
+            from safetensors.torch import save as to_safetensors_bytes
+        except ImportError as e:
+            raise ImportError(
+                "Writing safetensors needs the safetensors package: pip install 'ddp_strategy[safetensors]',"
+                " or export a PyTorch file instead (a path not ending in .safetensors, such as weights.pt:"
+                " torch.load reads any *.safetensors path as safetensors)."
+            ) from e
+        atomic_save(weights, path, save_fn=lambda obj, f: f.write(to_safetensors_bytes(obj)))
+    else:
         atomic_save(weights, path)
-        return weights
-    try:
-        from safetensors.torch import save as to_safetensors_bytes
-    except ImportError as e:
-        raise ImportError(
-            "Writing safetensors needs the safetensors package: pip install 'ddp_strategy[safetensors]',"
-            " or export a PyTorch file instead (a path not ending in .safetensors, such as weights.pt:"
-            " torch.load reads any *.safetensors path as safetensors)."
-        ) from e
-    atomic_save(weights, path, save_fn=lambda obj, f: f.write(to_safetensors_bytes(obj)))
     return weights

@@ -299,8 +299,9 @@ def _verify_zip_checksums(f: Any, path: str, size: int) -> None:
 
 # ----------------------------------------------------------------------------------- Lightning plugin
 def _is_local(path: Any) -> bool:
-    local_name = isinstance(path, (str, os.PathLike)) and "://" not in os.fspath(path)
-    return local_name or type(_namespace.get_filesystem(path)).__name__ == "LocalFileSystem"
+    return (isinstance(path, (str, os.PathLike)) and "://" not in os.fspath(path)) or (
+        type(_namespace.get_filesystem(path)).__name__ == "LocalFileSystem"
+    )
 
 
 class DDPCheckpointIO(TorchCheckpointIO):

@@ -53,8 +53,7 @@ def unwrapped_state_dict(module: nn.Module) -> dict[str, Any]:
             f" {sorted({n for n in names if names.count(n) > 1})} once wrapper segments are removed (a sub-module"
             " literally called '_orig_mod'?); rename the sub-module."
         )
-    clean = dict(zip(names, state_dict.values(), strict=True))
-    return clean
+    return dict(zip(names, state_dict.values(), strict=True))
 
 
 def _without_compile_segments(key: str) -> str:

@@ -107,18 +107,20 @@ class CommHookConfig:
         if self.hook is None:
             return None
         hook = HOOKS_BY_NAME[self.hook] if isinstance(self.hook, str) else self.hook
-        wrapper = self.wrapper
         if backend != "nccl" and hook is default_hooks.bf16_compress_hook:
             hook = bf16_all_reduce_hook
-        if backend != "nccl" and wrapper is default_hooks.bf16_compress_wrapper:
-            wrapper = bf16_compress_wrapper
-        state = self.state
-        if state is None:
-            state = (
-                powersgd.PowerSGDState(process_group, matrix_approximation_rank=1, start_powerSGD_iter=10)
-                if hook is powersgd.powerSGD_hook
-                else process_group
-            )
+        wrapper = (
+            bf16_compress_wrapper
+            if backend != "nccl" and self.wrapper is default_hooks.bf16_compress_wrapper
+            else self.wrapper
+        )
+        state = (
+            self.state
+            if self.state is not None
+            else powersgd.PowerSGDState(process_group, matrix_approximation_rank=1, start_powerSGD_iter=10)
+            if hook is powersgd.powerSGD_hook
+            else process_group
+        )
         return state, wrapper(hook) if wrapper is not None else hook
 
 

@@ -24,8 +24,6 @@ if TYPE_CHECKING:
 else:  # built for the user's Lightning namespace on construction (see ddp_strategy._compat.namespace)
     TorchSyncBatchNorm = _namespace.lightning_base("pytorch.plugins:TorchSyncBatchNorm")
 
-_TORCH_SYNC_BATCHNORM = "pytorch.plugins:TorchSyncBatchNorm"
-
 
 class CPUSyncBatchNorm(_BatchNorm):
     """Batch normalisation whose training statistics are computed over all ranks, for CPU tensors (gloo).
@@ -145,6 +143,6 @@ class DDPSyncBatchNorm(TorchSyncBatchNorm):
 def cpu_capable(layer_sync: LayerSync | None) -> LayerSync | None:
     """Swap Lightning's default ``TorchSyncBatchNorm`` for :class:`DDPSyncBatchNorm`; keep any other plugin."""
     namespace = _namespace.namespace_of(layer_sync)  # the Trainer's: it made the plugin
-    if namespace is not None and type(layer_sync) is _namespace.load(namespace).get(_TORCH_SYNC_BATCHNORM):
+    if namespace is not None and type(layer_sync) is _namespace.load(namespace).get(TorchSyncBatchNorm._ddp_base):
         return DDPSyncBatchNorm.for_namespace(namespace)()
     return layer_sync
