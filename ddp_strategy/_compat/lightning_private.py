@@ -6,10 +6,17 @@ moves one fails there, not inside a run. Classes we derive from are per namespac
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import copy
 import inspect
+import logging
+import os
 import signal
+import subprocess
 import sys
+import threading
+import time
 from typing import TYPE_CHECKING, Any
 
 from torch.utils.data import BatchSampler, SequentialSampler
@@ -27,6 +34,8 @@ PRIVATE_NAMES: dict[str, str] = {
     "prepare_for_backward": "pytorch.overrides.distributed:prepare_for_backward",
     "MultiProcessingLauncher": "pytorch.strategies.launchers.multiprocessing:_MultiProcessingLauncher",
     "SubprocessScriptLauncher": "pytorch.strategies.launchers.subprocess_script:_SubprocessScriptLauncher",
+    "ChildProcessObserver": "fabric.strategies.launchers.subprocess_script:_ChildProcessObserver",
+    "set_num_threads_if_needed": "fabric.utilities.distributed:_set_num_threads_if_needed",
     "DDPForwardRedirection": "pytorch.strategies.ddp:_DDPForwardRedirection",
     "update_dataloader": "pytorch.utilities.data:_update_dataloader",
     "given_hyperparameters": "pytorch.core.mixins.hparams_mixin:_given_hyperparameters",
@@ -41,8 +50,64 @@ PRIVATE_NAMES: dict[str, str] = {
 _default = _namespace.default
 
 
+log = logging.getLogger(__name__)
+#: After a rank it launched exited non-zero, how long the popen launching process has to name it and exit by itself
+#: before :class:`Supervisor` SIGKILLs it and every rank (seconds; Lightning's observer: at its next 5 s poll).
+REPORT_GRACE_S = 30.0
+#: How long the popen launching process waits at its exit for the ranks it launched before SIGKILLing them (seconds).
+EXIT_GRACE_S = 30.0
+
+
 class SubprocessScriptLauncher(_namespace.lightning_base(PRIVATE_NAMES["SubprocessScriptLauncher"])):  # type: ignore[misc]
-    """Lightning's launcher that re-runs the user's script per extra local rank (``start_method="popen"``)."""
+    """Lightning's launcher that re-runs the user's script per extra local rank (``start_method="popen"``), with
+    :class:`Supervisor` watching the ranks it starts in place of Lightning's ``_ChildProcessObserver``."""
+
+    def launch(self, function: Any, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
+        """Lightning's ``launch`` (2.4-2.6, compared by the guard test), starting :class:`Supervisor` as observer."""
+        self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
+        if not self.cluster_environment.creates_processes_externally:
+            self._call_children_scripts()
+            Supervisor(os.getpid(), self.procs).start()
+        _set_num_threads_if_needed(num_processes=self.num_processes)
+        return function(*args, **kwargs)
+
+
+class Supervisor(_default.get(PRIVATE_NAMES["ChildProcessObserver"])):  # type: ignore[misc]
+    """The one supervisor of the ranks popen's launching process starts (once per process: later launches find
+    ``LOCAL_RANK`` set and start none). Lightning's observer, a daemon thread that polls them every 5 s, except:
+
+    - when one exited non-zero, it SIGKILLs them and this process only if this process still runs
+      :data:`REPORT_GRACE_S` later (Lightning's does at once, before this rank could name the failed one and its
+      error reach the user's ``except``/``finally``); the failure protocol ends the run well before that;
+    - at this process's exit (``atexit``) it waits up to :data:`EXIT_GRACE_S` for them, then SIGKILLs and reaps those
+      still running (a stalled rank), so that no rank outlives the launching process (Lightning's leaves them).
+    """
+
+    def __init__(self, main_pid: int, child_processes: list[subprocess.Popen]) -> None:
+        super().__init__(main_pid, child_processes)
+        self.exiting = threading.Event()
+        atexit.register(self.stop)
+
+    def _terminate_all(self) -> None:
+        if not self.exiting.wait(REPORT_GRACE_S):
+            super()._terminate_all()
+
+    def stop(self) -> None:
+        """Wait up to :data:`EXIT_GRACE_S` for the ranks to exit, SIGKILL those left, reap them all."""
+        self.exiting.set()
+        deadline = time.monotonic() + EXIT_GRACE_S
+        for local_rank, proc in enumerate(self._child_processes, start=1):
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(max(0.0, deadline - time.monotonic()))
+            if proc.poll() is None:
+                log.warning(
+                    "local rank %d (pid %d) is still running %.0f s after the launching process: SIGKILL",
+                    local_rank,
+                    proc.pid,
+                    EXIT_GRACE_S,
+                )
+                proc.kill()
+                proc.wait()
 
 
 #: Lightning's launcher for ``spawn``, ``fork`` and ``forkserver`` (``torch.multiprocessing``): a base class
@@ -52,6 +117,7 @@ MultiProcessingLauncher: type = _namespace.lightning_base(PRIVATE_NAMES["MultiPr
 #: gradient sync off inside it under manual optimization (plain Python, namespace-neutral).
 DDPForwardRedirection: type = _default.get(PRIVATE_NAMES["DDPForwardRedirection"])
 prepare_for_backward = _default.get(PRIVATE_NAMES["prepare_for_backward"])
+_set_num_threads_if_needed = _default.get(PRIVATE_NAMES["set_num_threads_if_needed"])
 _IS_INTERACTIVE: bool = _default.get(PRIVATE_NAMES["is_interactive"])
 #: ``update_dataloader(dataloader, sampler)``: re-create ``dataloader`` with ``sampler``, keeping its other arguments.
 update_dataloader = _default.get(PRIVATE_NAMES["update_dataloader"])

@@ -17,19 +17,12 @@ apart):
    ``explained/<rank>``.
 4. **At teardown after a failure** (:func:`teardown`) the world group is destroyed, so the failing rank's
    connections close and its peers' collectives break now (step 3), not at the timeout; its store is kept
-   (:data:`KEPT_STORES`) for the process's next run. A failing rank that did
-   not launch others and has no live ``multiprocessing`` children (DataLoader workers hold forked copies of the
-   connections, so the peers learn only at its exit) then waits up to :data:`EXPLAIN_WAIT_S` until every peer
-   explained, failed itself or exited: its exit is what Lightning's supervisors act on (popen's
-   ``_ChildProcessObserver`` SIGKILLs every rank, spawn's ``ProcessContext.join`` terminates them).
-5. **The launching rank of popen** (rank 0: Lightning's launcher holds the other ranks' ``Popen`` objects)
-   empties, first thing in :func:`on_exception`, the list the observer polls every 5 s: that observer SIGKILLs
-   the launching process 0-5 s after a child exits non-zero, before its own error reaches the user's
-   ``except``/``finally``, and a SIGKILLed child (the OOM killer) cannot wait for it to finish; Lightning has no
-   hook to stop it. At teardown, after the group is gone, it reaps those that exit within 5 s (30 s after a
-   SIGTERM save); one still running (it caught the error, as a script that fits again does, or it is stalled) goes
-   back into the observer's list and is stopped at this process's exit (:func:`stop_processes`: the same wait,
-   then SIGKILL).
+   (:data:`KEPT_STORES`) for the process's next run. A failing rank with no live ``multiprocessing`` children
+   (DataLoader workers hold forked copies of the connections, so the peers learn only at its exit) then waits up
+   to :data:`EXPLAIN_WAIT_S` until every peer explained, failed itself or exited: its exit is what the launchers'
+   supervisors act on (popen's ``_compat.lightning_private.Supervisor`` SIGKILLs every rank if the launching
+   process still runs 30 s after a rank exited non-zero, and stops at the launching process's exit the ranks still
+   running 30 s later; spawn's ``ProcessContext.join`` terminates them).
 
 Every store operation while failing has a :data:`STORE_TIMEOUT_S` timeout: rank 0, which serves the store, may
 be the rank that failed.
@@ -37,12 +30,10 @@ be the rank that failed.
 
 from __future__ import annotations
 
-import atexit
 import gc
 import logging
 import multiprocessing
 import os
-import signal
 import socket
 import time
 import traceback
@@ -53,7 +44,6 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ddp_strategy._compat import lightning_private as _pl
 from ddp_strategy._compat import torch_private as _torch
 from ddp_strategy._compat.namespace import SIGTERMException, rank_zero_info
 
@@ -106,20 +96,14 @@ def on_exception(
     world_size: int,
     known_cause: str | None,
     sigterm_save: Callable[[], None] | None,
-    launcher: Any,
 ) -> None:
-    """Steps 2, 3 and 5 where ``exception`` was raised (no collective); ``known_cause``: one the strategy knows
+    """Steps 2 and 3 where ``exception`` was raised (no collective); ``known_cause``: one the strategy knows
     (uneven evaluation batches); ``sigterm_save``: the SIGTERM checkpoint (a collective: every rank got it)."""
     run.failed, store = True, run.reports
-    if isinstance(launcher, _pl.SubprocessScriptLauncher) and launcher.procs:
-        run.stopping, run.observed = list(launcher.procs), launcher.procs
-        launcher.procs[:] = []  # emptied in place: the observer's own list
-    run.grace_s = 5.0
     if isinstance(exception, SIGTERMException) and sigterm_save is not None:
         path = getattr(sigterm_save, "args", ("the checkpoint path",))[0]
         rank_zero_info(f"SIGTERM: saving a checkpoint to {path} before exiting; resume with fit(ckpt_path=...)")
         sigterm_save()
-        run.grace_s = 30.0  # the other ranks exit by themselves after the same save
     elif isinstance(exception, (KeyboardInterrupt, SIGTERMException)) or store is None:
         pass  # an interruption, or not a rank (the parent of spawned ranks), or one that never joined
     elif isinstance(exception, StalledRankError):
@@ -144,7 +128,7 @@ def on_exception(
 
 
 def teardown(run: Any, rank: int, world_size: int) -> None:
-    """Step 4 and the end of step 5 after a failed run; after a successful one the group stays (next stage, user)."""
+    """Step 4 after a failed run; after a successful one the group stays (next stage, user)."""
     store, run.reports = run.reports, None
     run.node_group, run.node_ranks, run.barrier_group = None, [], None  # no reference to the group outlives the run
     if not run.failed:
@@ -156,14 +140,8 @@ def teardown(run: Any, rank: int, world_size: int) -> None:
     if isinstance(base, dist.TCPStore):  # the next run of this process rejoins it: see KEPT_STORES
         KEPT_STORES[os.getpid(), base.port] = base
     closed = destroy_process_group() and not multiprocessing.active_children()
-    if run.own_failure and not run.stopping and closed and store is not None and world_size > 1:
+    if run.own_failure and closed and store is not None and world_size > 1:
         wait_for_peers(store, rank, world_size)
-    stopping, run.stopping = run.stopping, []
-    if stopping:  # popen's ranks that exit are reaped; one that caught the error lives on (the user's next fit, as
-        # under ddp), back under Lightning's observer, and is stopped at exit if still running (a stalled rank)
-        run.observed[:] = alive = stop_processes(stopping, grace_s=run.grace_s, kill=False)
-        if alive:
-            atexit.register(stop_processes, alive, run.grace_s)
 
 
 def destroy_process_group() -> bool:
@@ -284,22 +262,3 @@ def explain(rank: int, peers: str, timeout: timedelta, known_cause: str | None =
             " TORCH_DISTRIBUTED_DEBUG=DETAIL to have PyTorch check that collectives match."
         )
     return " ".join(parts)
-
-
-def stop_processes(procs: list[Any], grace_s: float = 5.0, kill: bool = True) -> list[Any]:
-    """Wait up to ``grace_s`` s for ``procs`` (``Popen`` or ``multiprocessing.Process``) to exit; SIGKILL the rest
-    (``kill``) and reap; return those still running (``kill=False``: left running)."""
-    alive = [p for p in procs if (p.poll() if hasattr(p, "poll") else p.exitcode) is None]
-    deadline = time.monotonic() + grace_s
-    while alive and time.monotonic() < deadline:
-        time.sleep(0.05)
-        alive = [p for p in alive if (p.poll() if hasattr(p, "poll") else p.exitcode) is None]
-    for proc in alive if kill else ():
-        log.warning("stopping rank process %s, which did not exit after a failure", proc.pid)
-        os.kill(proc.pid, signal.SIGKILL)
-    for proc in procs if kill else [p for p in procs if p not in alive]:
-        try:
-            proc.wait(timeout=10) if hasattr(proc, "poll") else proc.join(timeout=10)
-        except Exception as e:  # a process that will not die is reported, not waited on forever
-            log.warning("rank process %s could not be reaped: %s", proc.pid, e)
-    return [] if kill else alive

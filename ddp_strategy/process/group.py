@@ -288,9 +288,6 @@ class ProcessGroupRun:
         self.node_ranks: list[int] = []
         self.barrier_group: Any = None  # the gloo side group, for monitored_barrier and the signal flags
         self.failed = self.own_failure = False  # set by failures.on_exception, cleared when the next run joins
-        self.stopping: list[Any] = []  # popen's ranks, taken from Lightning's launcher after a failure
-        self.observed: list[Any] = []  # the launcher's list of them, which its observer polls
-        self.grace_s = 5.0
 
     def join(self, env: Any, device: torch.device, backend: str | None, num_nodes: int, num_processes: int) -> str:
         """Join (or reuse) the world group, make the side groups and this run's failure reports; return the backend

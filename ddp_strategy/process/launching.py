@@ -5,12 +5,13 @@ Starting processes and discovering the cluster stay Lightning's (its launchers a
 
 from __future__ import annotations
 
-import atexit
 import gc
+import logging
 import os
 import pickle
 import signal
 import threading
+import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -28,6 +29,7 @@ if TYPE_CHECKING:
 #: Lightning's cluster environments of either namespace, for isinstance checks.
 LightningEnvironment = _namespace.any_namespace("fabric.plugins.environments:LightningEnvironment")
 TorchElasticEnvironment = _namespace.any_namespace("fabric.plugins.environments:TorchElasticEnvironment")
+log = logging.getLogger(__name__)
 
 
 StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
@@ -160,18 +162,16 @@ def check_fork_safe(start_method: str, device_type: str) -> None:
 
 
 def make_launcher(strategy: Any, start_method: str, backend: str | None, allow_cpu_oversubscription: bool) -> Any:
-    """Lightning's ``_SubprocessScriptLauncher`` for ``"popen"``, else :class:`CheckedMultiProcessingLauncher`;
-    ``ValueError`` for a backend the device cannot use (``"nccl"`` on CPU)."""
+    """``_compat``'s ``SubprocessScriptLauncher`` (Lightning's, with one supervisor of its ranks) for ``"popen"``,
+    else :class:`CheckedMultiProcessingLauncher`; ``ValueError`` for a backend the device cannot use (``"nccl"`` on
+    CPU)."""
     env, devices = strategy.cluster_environment, strategy.parallel_devices
     resolve_backend(devices[0], backend)
     if devices[0].type == "cpu" and not env.creates_processes_externally:
         check_cpu_processes(strategy.num_processes, allow_cpu_oversubscription)
     if start_method != "popen":
         return CheckedMultiProcessingLauncher(strategy, start_method=start_method)
-    launcher = _pl.SubprocessScriptLauncher(env, strategy.num_processes, strategy.num_nodes)
-    if not env.creates_processes_externally:  # at exit, wait up to 60 s for the ranks it starts (Lightning does not)
-        atexit.register(lambda: failures.stop_processes(launcher.procs, grace_s=60.0))
-    return launcher
+    return _pl.SubprocessScriptLauncher(env, strategy.num_processes, strategy.num_nodes)
 
 
 class CheckedMultiProcessingLauncher(_pl.MultiProcessingLauncher):
@@ -209,7 +209,15 @@ class CheckedMultiProcessingLauncher(_pl.MultiProcessingLauncher):
         try:
             return super().launch(function, *args, trainer=trainer, **kwargs)
         except BaseException:  # Ctrl-C here leaves the ranks running: stop them (join has stopped them on a failure)
-            failures.stop_processes(self.procs, grace_s=30.0 if received else 3.0)
+            deadline = time.monotonic() + (30.0 if received else 3.0)  # a SIGTERM: the ranks save, then exit
+            for proc in self.procs:
+                proc.join(max(0.0, deadline - time.monotonic()))
+                if proc.is_alive():
+                    log.warning(
+                        "rank process %d did not exit after the launching process was stopped: SIGKILL", proc.pid
+                    )
+                    proc.kill()
+                    proc.join()
             raise
         finally:
             if main and previous is not None:
