@@ -7,15 +7,12 @@ moves one fails there, not inside a run. Classes we derive from are per namespac
 from __future__ import annotations
 
 import atexit
-import contextlib
 import copy
 import inspect
 import logging
 import os
 import signal
-import subprocess
 import sys
-import threading
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -67,7 +64,9 @@ class SubprocessScriptLauncher(_namespace.lightning_base(PRIVATE_NAMES["Subproce
         self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
         if not self.cluster_environment.creates_processes_externally:
             self._call_children_scripts()
-            Supervisor(os.getpid(), self.procs).start()
+            supervisor = Supervisor(os.getpid(), self.procs)
+            supervisor.start()
+            atexit.register(supervisor.stop)
         _set_num_threads_if_needed(num_processes=self.num_processes)
         return function(*args, **kwargs)
 
@@ -79,26 +78,22 @@ class Supervisor(_default.get(PRIVATE_NAMES["ChildProcessObserver"])):  # type: 
     - when one exited non-zero, it SIGKILLs them and this process only if this process still runs
       :data:`REPORT_GRACE_S` later (Lightning's does at once, before this rank could name the failed one and its
       error reach the user's ``except``/``finally``); the failure protocol ends the run well before that;
-    - at this process's exit (``atexit``) it waits up to :data:`EXIT_GRACE_S` for them, then SIGKILLs and reaps those
-      still running (a stalled rank), so that no rank outlives the launching process (Lightning's leaves them).
+    - :meth:`stop`, at this process's exit (``atexit``), waits up to :data:`EXIT_GRACE_S` for them, then SIGKILLs and
+      reaps those still running (a stalled rank), so that no rank outlives the launching process (Lightning's
+      leaves them running).
     """
 
-    def __init__(self, main_pid: int, child_processes: list[subprocess.Popen]) -> None:
-        super().__init__(main_pid, child_processes)
-        self.exiting = threading.Event()
-        atexit.register(self.stop)
-
     def _terminate_all(self) -> None:
-        if not self.exiting.wait(REPORT_GRACE_S):
-            super()._terminate_all()
+        time.sleep(REPORT_GRACE_S)  # a daemon thread: if this process exits first, nothing happens
+        super()._terminate_all()
 
     def stop(self) -> None:
-        """Wait up to :data:`EXIT_GRACE_S` for the ranks to exit, SIGKILL those left, reap them all."""
-        self.exiting.set()
+        """Wait up to :data:`EXIT_GRACE_S` for the ranks to exit, SIGKILL those left, reap them all (this process's
+        exit)."""
         deadline = time.monotonic() + EXIT_GRACE_S
+        while any(proc.poll() is None for proc in self._child_processes) and time.monotonic() < deadline:
+            time.sleep(0.1)
         for local_rank, proc in enumerate(self._child_processes, start=1):
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(max(0.0, deadline - time.monotonic()))
             if proc.poll() is None:
                 log.warning(
                     "local rank %d (pid %d) is still running %.0f s after the launching process: SIGKILL",

@@ -71,13 +71,17 @@ class StalledRankError(RuntimeError):
     """A rank did not reach a monitored barrier in time; the message names it."""
 
 
-def run_reports(rank: int, world_size: int) -> dist.Store:
-    """Step 1, every rank: this run's view of the group's store, ``pid/<rank>`` written. Run ``g = (n - 1) //
-    world_size`` (``n``: this rank's ``add`` to a counter) is the same on every rank, as a run's set-up has
-    collectives."""
+def generation(store: dist.Store, world_size: int, kind: str) -> dist.PrefixStore:
+    """``store`` under ``ddp_strategy/<torchrun attempt>/<world size>/<kind>_<g>``, ``g = (n - 1) // world_size``
+    (``n``: this rank's ``add`` to the ``<kind>s`` counter): the same on every rank, as each generation (a group, a
+    run) has collectives, so a store that outlives one gives the next fresh keys."""
     base = f"ddp_strategy/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{world_size}"
-    store = _torch.default_store()
-    reports = dist.PrefixStore(f"{base}/run_{(store.add(f'{base}/joins', 1) - 1) // world_size}", store)
+    return dist.PrefixStore(f"{base}/{kind}_{(store.add(f'{base}/{kind}s', 1) - 1) // world_size}", store)
+
+
+def run_reports(rank: int, world_size: int) -> dist.Store:
+    """Step 1, every rank: this run's :func:`generation` of the group's store, ``pid/<rank>`` written."""
+    reports = generation(_torch.default_store(), world_size, "run")
     reports.set(f"pid/{rank}", f"{socket.gethostname()}:{os.getpid()}")
     return reports
 
@@ -110,10 +114,11 @@ def on_exception(
         log.error("%s", exception)  # it names the missing ranks already
     elif (peers := describe_peers(exception, store, rank, world_size)) is not None:
         extra = explain(rank, peers, run.timeout, known_cause)
-        if exception.args and isinstance(exception.args[0], str):
-            exception.args = (f"{exception.args[0]}\n{extra}", *exception.args[1:])
-        else:
-            exception.args = (*exception.args, extra)
+        exception.args = (
+            (f"{exception.args[0]}\n{extra}", *exception.args[1:])
+            if exception.args and isinstance(exception.args[0], str)
+            else (*exception.args, extra)
+        )
         log.error("[rank %d] %s", rank, exception)  # now: a launcher may stop this rank soon
         _best_effort(store, rank, lambda: store.set(f"explained/{rank}", "1"))
     else:
@@ -139,8 +144,8 @@ def teardown(run: Any, rank: int, world_size: int) -> None:
     KEPT_STORES.clear()  # one at most: an older failed run's store (another port) is let go
     if isinstance(base, dist.TCPStore):  # the next run of this process rejoins it: see KEPT_STORES
         KEPT_STORES[os.getpid(), base.port] = base
-    closed = destroy_process_group() and not multiprocessing.active_children()
-    if run.own_failure and closed and store is not None and world_size > 1:
+    closed = destroy_process_group()  # always; then, if this rank's own code failed:
+    if closed and run.own_failure and not multiprocessing.active_children() and store is not None and world_size > 1:
         wait_for_peers(store, rank, world_size)
 
 
@@ -167,15 +172,11 @@ def _best_effort(store: dist.Store, rank: int, operation: Callable[[], Any]) -> 
         return None
 
 
-def _peer(store: dist.Store, peer: int) -> tuple[str | None, str | None, int | None]:
+def _peer(store: dist.Store, peer: int) -> tuple[str | None, bool, int | None]:
     """What ``peer`` published: its failure summary, whether it explained, and its pid on this host (or None)."""
     failed = store.get(f"failed/{peer}").decode() if store.check([f"failed/{peer}"]) else None
-    explained = "1" if store.check([f"explained/{peer}"]) else None
-    pid = None
-    if store.check([f"pid/{peer}"]):
-        host, text = store.get(f"pid/{peer}").decode().rsplit(":", 1)
-        pid = int(text) if host == socket.gethostname() else None
-    return failed, explained, pid
+    host, _, pid = (store.get(f"pid/{peer}").decode() if store.check([f"pid/{peer}"]) else ":").rpartition(":")
+    return failed, store.check([f"explained/{peer}"]), int(pid) if host == socket.gethostname() else None
 
 
 def _gone(pid: int) -> bool:
@@ -203,11 +204,8 @@ def wait_for_peers(store: dist.Store, rank: int, world_size: int, timeout_s: flo
         failed, explained, pid = _peer(store, peer)
         return bool(failed or explained) or (pid is not None and _gone(pid))
 
-    while waiting and time.monotonic() < deadline:
-        left = _best_effort(store, rank, lambda w=waiting: [peer for peer in w if not done(peer)])
-        if left is None:
-            return
-        waiting = left
+    while waiting and time.monotonic() < deadline:  # (None: the store is gone)
+        waiting = _best_effort(store, rank, lambda w=waiting: [peer for peer in w if not done(peer)])
         time.sleep(0.05 if waiting else 0)
 
 

@@ -6,7 +6,6 @@ Starting processes and discovering the cluster stay Lightning's (its launchers a
 from __future__ import annotations
 
 import gc
-import logging
 import os
 import pickle
 import signal
@@ -29,7 +28,6 @@ if TYPE_CHECKING:
 #: Lightning's cluster environments of either namespace, for isinstance checks.
 LightningEnvironment = _namespace.any_namespace("fabric.plugins.environments:LightningEnvironment")
 TorchElasticEnvironment = _namespace.any_namespace("fabric.plugins.environments:TorchElasticEnvironment")
-log = logging.getLogger(__name__)
 
 
 StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
@@ -100,52 +98,47 @@ def check_launch_env(
             message names the variable and its value.
     """
     environ = os.environ if environ is None else environ
-    plain = type(env).__name__ == "LightningEnvironment" and isinstance(env, LightningEnvironment)  # no subclass
-    if isinstance(env, TorchElasticEnvironment):
-        required, optional = ("WORLD_SIZE", "RANK", "LOCAL_RANK"), ("MASTER_PORT", "GROUP_RANK")
-    elif plain:
-        node_rank = "NODE_RANK" if "NODE_RANK" in environ else "GROUP_RANK"
-        required, optional = (), ("MASTER_PORT", "LOCAL_RANK", node_rank)
-    else:
-        return
-    values: dict[str, int] = {}
-    for name in required + optional:
+    elastic = isinstance(env, TorchElasticEnvironment)
+    if not elastic and not (type(env).__name__ == "LightningEnvironment" and isinstance(env, LightningEnvironment)):
+        return  # a subclass or another environment (SLURM, ...) reads its own variables
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK") if elastic else ():
         if name not in environ:
-            if name in required:
-                raise ValueError(
-                    f"{type(env).__name__} needs the environment variable {name}, which is not set;"
-                    " launch with torchrun (it sets WORLD_SIZE, RANK and LOCAL_RANK) or set it."
-                )
-            continue
-        raw = environ[name]
-        try:
-            values[name] = int(raw)
-        except ValueError:
-            what = "is empty" if not raw.strip() else "is not a whole number"
-            example = "29500" if name == "MASTER_PORT" else "0"
             raise ValueError(
-                f"Environment variable {name}={raw!r} {what}. Set it to an integer (e.g. {name}={example}) or unset it."
-            ) from None
+                f"{type(env).__name__} needs the environment variable {name}, which is not set;"
+                " launch with torchrun (it sets WORLD_SIZE, RANK and LOCAL_RANK) or set it."
+            )
     # Upper bounds against the Trainer (RANK < WORLD_SIZE, LOCAL_RANK < devices) are check_external_world's,
     # which runs before the rendezvous; NODE_RANK is bounded here since a Lightning-launched job skips that.
-    world = values.get("WORLD_SIZE", num_nodes * num_processes)
-    node_limit = num_nodes - 1 if plain else None
-    node = f"a node index below Trainer(num_nodes={num_nodes})" if node_limit is not None else "a node index"
-    limits = {
-        "MASTER_PORT": (1 if world > 1 else 0, 65535, "a TCP port"),
+    node = "NODE_RANK" if not elastic and "NODE_RANK" in environ else "GROUP_RANK"
+    limits = {  # name: (lowest, highest or None, what it is); WORLD_SIZE first, as MASTER_PORT's lowest needs it
         "WORLD_SIZE": (1, None, "the number of processes"),
         "RANK": (0, None, "a global rank"),
         "LOCAL_RANK": (0, None, "a rank on this node"),
-        "NODE_RANK": (0, node_limit, node),
-        "GROUP_RANK": (0, node_limit, node),
+        node: (0, None, "a node index")
+        if elastic
+        else (0, num_nodes - 1, f"a node index below Trainer(num_nodes={num_nodes})"),
+        "MASTER_PORT": (0, 65535, "a TCP port"),
     }
-    for name, value in values.items():
-        low, high, meaning = limits[name]
+    world = num_nodes * num_processes
+    for name, (low, high, meaning) in limits.items():
+        if name not in environ or (not elastic and name in ("WORLD_SIZE", "RANK")):
+            continue
+        raw = environ[name]
+        try:
+            value = int(raw)
+        except ValueError:
+            what = "is empty" if not raw.strip() else "is not a whole number"
+            raise ValueError(
+                f"Environment variable {name}={raw!r} {what}. Set it to an integer (e.g. {name}="
+                f"{29500 if name == 'MASTER_PORT' else 0}) or unset it."
+            ) from None
+        world = value if name == "WORLD_SIZE" else world
+        low = int(world > 1) if name == "MASTER_PORT" else low
         if value < low or (high is not None and value > high):
             bounds = f"{low}..{high}" if high is not None else f">= {low}"
             raise ValueError(
-                f"Environment variable {name}={environ[name]!r} is out of range: it is {meaning},"
-                f" so {bounds}. Fix the launcher's {name}, or unset it."
+                f"Environment variable {name}={raw!r} is out of range: it is {meaning}, so {bounds}. Fix the"
+                f" launcher's {name}, or unset it."
             )
 
 
@@ -200,9 +193,7 @@ class CheckedMultiProcessingLauncher(_pl.MultiProcessingLauncher):
 
         def forward(signum: int, frame: Any) -> None:
             received.append(signum)
-            for proc in self.procs:
-                if proc.is_alive():
-                    os.kill(proc.pid, signum)
+            self.kill(signum)  # Lightning's: the signal to each rank still alive
 
         main = threading.current_thread() is threading.main_thread()
         previous = signal.signal(signal.SIGTERM, forward) if main else None
@@ -212,15 +203,11 @@ class CheckedMultiProcessingLauncher(_pl.MultiProcessingLauncher):
             deadline = time.monotonic() + (30.0 if received else 3.0)  # a SIGTERM: the ranks save, then exit
             for proc in self.procs:
                 proc.join(max(0.0, deadline - time.monotonic()))
-                if proc.is_alive():
-                    log.warning(
-                        "rank process %d did not exit after the launching process was stopped: SIGKILL", proc.pid
-                    )
-                    proc.kill()
-                    proc.join()
+                proc.kill()  # a no-op once it exited
+                proc.join()
             raise
         finally:
-            if main and previous is not None:
+            if previous is not None:
                 signal.signal(signal.SIGTERM, previous)
             procs, self.procs = self.procs, []
             for proc in procs:
