@@ -139,17 +139,14 @@ def strategy_options(
             " the new processes. Use start_method='fork' or 'popen' (with a FileStore path every"
             " process opens), or init_method='file:///path' instead."
         )
-    timeout = process.as_timedelta(timeout)
-    barrier_timeout = timeout if monitored_barrier_timeout is None else process.as_timedelta(monitored_barrier_timeout)
-    named_ddp = sync.non_default_options({**flags, "bucket_cap_mb": bucket_cap_mb})
     return StrategyOptions(
-        timeout,
+        process.as_timedelta(timeout),
         start_method,
         seed,
         allow_cpu_oversubscription,
-        barrier_timeout,
+        process.as_timedelta(timeout if monitored_barrier_timeout is None else monitored_barrier_timeout),
         checkpoint_on_sigterm,
-        sync.validate_ddp_kwargs({**named_ddp, **ddp_kwargs}),
+        sync.validate_ddp_kwargs({**sync.non_default_options({**flags, "bucket_cap_mb": bucket_cap_mb}), **ddp_kwargs}),
         sync.CommHookConfig(ddp_comm_hook, ddp_comm_state, ddp_comm_wrapper),
     )
 

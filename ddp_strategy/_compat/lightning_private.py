@@ -9,7 +9,6 @@ from __future__ import annotations
 import atexit
 import copy
 import inspect
-import logging
 import os
 import signal
 import sys
@@ -47,12 +46,10 @@ PRIVATE_NAMES: dict[str, str] = {
 _default = _namespace.default
 
 
-log = logging.getLogger(__name__)
-#: After a rank it launched exited non-zero, how long the popen launching process has to name it and exit by itself
-#: before :class:`Supervisor` SIGKILLs it and every rank (seconds; Lightning's observer: at its next 5 s poll).
-REPORT_GRACE_S = 30.0
-#: How long the popen launching process waits at its exit for the ranks it launched before SIGKILLing them (seconds).
-EXIT_GRACE_S = 30.0
+#: Seconds the popen launching process has, after a rank it launched exited non-zero, to name it and exit by itself
+#: before :class:`Supervisor` SIGKILLs it and every rank (Lightning's observer: at its next 5 s poll); and how long,
+#: at its exit, it waits for the ranks it launched before SIGKILLing them.
+GRACE_S = 30.0
 
 
 class SubprocessScriptLauncher(_namespace.lightning_base(PRIVATE_NAMES["SubprocessScriptLauncher"])):  # type: ignore[misc]
@@ -76,30 +73,28 @@ class Supervisor(_default.get(PRIVATE_NAMES["ChildProcessObserver"])):  # type: 
     ``LOCAL_RANK`` set and start none). Lightning's observer, a daemon thread that polls them every 5 s, except:
 
     - when one exited non-zero, it SIGKILLs them and this process only if this process still runs
-      :data:`REPORT_GRACE_S` later (Lightning's does at once, before this rank could name the failed one and its
+      :data:`GRACE_S` later (Lightning's does at once, before this rank could name the failed one and its
       error reach the user's ``except``/``finally``); the failure protocol ends the run well before that;
-    - :meth:`stop`, at this process's exit (``atexit``), waits up to :data:`EXIT_GRACE_S` for them, then SIGKILLs and
+    - :meth:`stop`, at this process's exit (``atexit``), waits up to :data:`GRACE_S` for them, then SIGKILLs and
       reaps those still running (a stalled rank), so that no rank outlives the launching process (Lightning's
       leaves them running).
     """
 
     def _terminate_all(self) -> None:
-        time.sleep(REPORT_GRACE_S)  # a daemon thread: if this process exits first, nothing happens
+        time.sleep(GRACE_S)  # a daemon thread: if this process exits first, nothing happens
         super()._terminate_all()
 
     def stop(self) -> None:
-        """Wait up to :data:`EXIT_GRACE_S` for the ranks to exit, SIGKILL those left, reap them all (this process's
+        """Wait up to :data:`GRACE_S` for the ranks to exit, SIGKILL those left, reap them all (this process's
         exit)."""
-        deadline = time.monotonic() + EXIT_GRACE_S
+        deadline = time.monotonic() + GRACE_S
         while any(proc.poll() is None for proc in self._child_processes) and time.monotonic() < deadline:
             time.sleep(0.1)
         for local_rank, proc in enumerate(self._child_processes, start=1):
             if proc.poll() is None:
-                log.warning(
-                    "local rank %d (pid %d) is still running %.0f s after the launching process: SIGKILL",
-                    local_rank,
-                    proc.pid,
-                    EXIT_GRACE_S,
+                _namespace.rank_zero_warn(
+                    f"local rank {local_rank} (pid {proc.pid}) is still running {GRACE_S:.0f} s after the launching"
+                    " process: SIGKILL"
                 )
                 proc.kill()
                 proc.wait()

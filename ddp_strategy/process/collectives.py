@@ -34,14 +34,14 @@ def check_gatherable(shapes: list[tuple[int, ...]], rank: int) -> None:
     """Raise ``ValueError`` (on every rank: they hold the same ``shapes``) unless only the first dimension
     differs."""
     first = shapes[0]
-    if all(len(s) == len(first) and len(s) > 0 and s[1:] == first[1:] for s in shapes):
-        return
-    listed = ", ".join(f"rank {r}: {tuple(s)}" for r, s in enumerate(shapes))
-    raise ValueError(
-        f"[rank {rank}] all_gather needs tensors with the same number of dimensions and the same size in every"
-        f" dimension but the first on every rank; got {listed}. Pad or reshape them to a common shape first"
-        " (the first dimension may differ: the result is then padded, see ddp_strategy.process.collectives)."
-    )
+    if not all(len(s) == len(first) and len(s) > 0 and s[1:] == first[1:] for s in shapes):
+        raise ValueError(
+            f"[rank {rank}] all_gather needs tensors with the same number of dimensions and the same size in every"
+            f" dimension but the first on every rank; got"
+            f" {', '.join(f'rank {r}: {tuple(s)}' for r, s in enumerate(shapes))}."
+            " Pad or reshape them to a common shape first (the first dimension may differ: the result is then"
+            " padded, see ddp_strategy.process.collectives)."
+        )
 
 
 def _dealing_order(sizes: list[int]) -> list[tuple[int, int]]:
@@ -51,9 +51,8 @@ def _dealing_order(sizes: list[int]) -> list[tuple[int, int]]:
 
 def _gather_stacked(tensor: Tensor, sizes: list[int], group: Any | None, sync_grads: bool) -> Tensor:
     """Every rank's rows padded with zeros to ``M = max(sizes)``, flattened: shape ``(W * M, *rest)``."""
-    padding = tensor.new_zeros((max(sizes) - tensor.shape[0], *tensor.shape[1:]))
-    stacked = _pl.all_gather_ddp_if_available(torch.cat([tensor, padding]), group=group, sync_grads=sync_grads)
-    return stacked.flatten(0, 1)
+    padded = torch.cat([tensor, tensor.new_zeros((max(sizes) - tensor.shape[0], *tensor.shape[1:]))])
+    return _pl.all_gather_ddp_if_available(padded, group=group, sync_grads=sync_grads).flatten(0, 1)
 
 
 def all_gather_padded(
@@ -112,8 +111,10 @@ def all_gather_rows(tensor: Tensor, group: Any | None = None, sync_grads: bool =
     if max(sizes) == 0:
         return tensor
     stacked = _gather_stacked(tensor, sizes, group, sync_grads)
-    index = [r * max(sizes) + i for r, i in _dealing_order(sizes)]
-    return stacked.index_select(0, torch.tensor(index, dtype=torch.long, device=stacked.device))
+    index = torch.tensor(
+        [r * max(sizes) + i for r, i in _dealing_order(sizes)], dtype=torch.long, device=stacked.device
+    )
+    return stacked.index_select(0, index)
 
 
 def agree_on_rank_zero_failure(error: Exception | None, what: str, rank: int, device: torch.device) -> None:

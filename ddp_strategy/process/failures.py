@@ -30,6 +30,7 @@ be the rank that failed.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import multiprocessing
@@ -105,13 +106,15 @@ def on_exception(
     (uneven evaluation batches); ``sigterm_save``: the SIGTERM checkpoint (a collective: every rank got it)."""
     run.failed, store = True, run.reports
     if isinstance(exception, SIGTERMException) and sigterm_save is not None:
-        path = getattr(sigterm_save, "args", ("the checkpoint path",))[0]
-        rank_zero_info(f"SIGTERM: saving a checkpoint to {path} before exiting; resume with fit(ckpt_path=...)")
+        rank_zero_info(
+            f"SIGTERM: saving a checkpoint to {getattr(sigterm_save, 'args', ('the checkpoint path',))[0]} before"
+            " exiting; resume with fit(ckpt_path=...)"
+        )
         sigterm_save()
-    elif isinstance(exception, (KeyboardInterrupt, SIGTERMException)) or store is None:
-        pass  # an interruption, or not a rank (the parent of spawned ranks), or one that never joined
     elif isinstance(exception, StalledRankError):
         log.error("%s", exception)  # it names the missing ranks already
+    elif isinstance(exception, (KeyboardInterrupt, SIGTERMException)) or store is None:
+        return  # an interruption, or not a rank (the parent of spawned ranks), or one that never joined
     elif (peers := describe_peers(exception, store, rank, world_size)) is not None:
         extra = explain(rank, peers, run.timeout, known_cause)
         exception.args = (
@@ -144,22 +147,27 @@ def teardown(run: Any, rank: int, world_size: int) -> None:
     KEPT_STORES.clear()  # one at most: an older failed run's store (another port) is let go
     if isinstance(base, dist.TCPStore):  # the next run of this process rejoins it: see KEPT_STORES
         KEPT_STORES[os.getpid(), base.port] = base
-    closed = destroy_process_group()  # always; then, if this rank's own code failed:
-    if closed and run.own_failure and not multiprocessing.active_children() and store is not None and world_size > 1:
+    # The group is destroyed, always; once released, the peers' collectives break now, and a rank whose own code
+    # failed waits for their explanations (not with live DataLoader workers: they hold copies of its connections).
+    if (
+        destroy_process_group()
+        and run.own_failure
+        and not multiprocessing.active_children()
+        and store is not None
+        and world_size > 1
+    ):
         wait_for_peers(store, rank, world_size)
 
 
 def destroy_process_group() -> bool:
-    """Destroy the default process group, if any; return whether it is gone (False: something still holds it).
-    Garbage is collected around it, else a reference cycle (a compiled DDP wrapper, an exception's frames) would
-    hold the group, rank 0's store and ``MASTER_PORT``."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return True
+    """Destroy the default process group, if any, then collect garbage (a reference cycle, a compiled DDP wrapper or
+    an exception's frames, would hold the group, rank 0's store and ``MASTER_PORT``); return whether the group is
+    gone (False: something still holds it)."""
+    world = weakref.ref(dist.group.WORLD) if dist.is_initialized() else None
+    if world is not None:
+        dist.destroy_process_group()
     gc.collect()
-    world = weakref.ref(dist.group.WORLD)
-    dist.destroy_process_group()
-    gc.collect()
-    return world() is None
+    return world is None or world() is None
 
 
 def _best_effort(store: dist.Store, rank: int, operation: Callable[[], Any]) -> Any:
@@ -167,9 +175,8 @@ def _best_effort(store: dist.Store, rank: int, operation: Callable[[], Any]) -> 
     try:
         store.set_timeout(timedelta(seconds=STORE_TIMEOUT_S))
         return operation()
-    except Exception as e:  # the store lives in rank 0, which may be gone
+    except Exception as e:  # the store lives in rank 0, which may be gone: None
         log.debug("[rank %d] store unreachable while failing: %s", rank, e)
-        return None
 
 
 def _peer(store: dist.Store, peer: int) -> tuple[str | None, bool, int | None]:
@@ -181,16 +188,12 @@ def _peer(store: dist.Store, peer: int) -> tuple[str | None, bool, int | None]:
 
 def _gone(pid: int) -> bool:
     """Whether process ``pid`` has exited (a child of ours is left unreaped for its ``Popen``)."""
-    try:
+    with contextlib.suppress(ChildProcessError, AttributeError):  # not our child; no waitid (macOS)
         return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
-    except (ChildProcessError, AttributeError):  # not our child; no waitid (macOS)
-        pass
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:
-        pass
+    except OSError as e:  # PermissionError: another user's process, alive
+        return isinstance(e, ProcessLookupError)
     return False
 
 
@@ -244,9 +247,7 @@ def describe_peers(exception: BaseException, store: dist.Store, rank: int, world
 
 def explain(rank: int, peers: str, timeout: timedelta, known_cause: str | None = None) -> str:
     """The sentence added to a collective error: which peers failed, or the likely causes."""
-    parts = [f"[rank {rank}] a collective failed because another rank did not take part."]
-    if known_cause:
-        parts.append(known_cause)
+    parts = [f"[rank {rank}] a collective failed because another rank did not take part.", *filter(None, [known_cause])]
     if peers:
         parts.append(f"Cause: {peers}.")
         if " failed: " in peers:

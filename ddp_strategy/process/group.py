@@ -182,11 +182,10 @@ def init_process_group(
         return
     validate_init_method(init_method)
     env = store is None and init_method in (None, "env://")
-    if init_method is not None and init_method.startswith(("tcp://", "env://")):  # tcp:// is served as env:// is
-        if init_method.startswith("tcp://"):
-            main_address, port = init_method[len("tcp://") :].rsplit(":", 1)
-            main_port = int(port)
-        init_method = None
+    if init_method is not None and init_method.startswith("tcp://"):  # served as env:// is
+        main_address, port = init_method[len("tcp://") :].rsplit(":", 1)
+        main_port = int(port)
+    init_method = None if init_method is None or init_method.startswith(("tcp://", "env://")) else init_method
     agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     where = (
         f"the given {type(store).__name__}"
@@ -274,10 +273,9 @@ class ProcessGroupRun:
         store: dist.Store | None = None,
     ) -> None:
         self.timeout, self.barrier_timeout, self.init_method, self.store = timeout, barrier_timeout, init_method, store
-        self.reports: dist.Store | None = None  # this run's failure reports (failures.run_reports)
-        self.node_group: Any = None  # this rank's intra-node group (the world on one node), and its ranks
-        self.node_ranks: list[int] = []
-        self.barrier_group: Any = None  # the gloo side group, for monitored_barrier and the signal flags
+        # This run's failure reports (failures.run_reports); this rank's intra-node group (the world on one node) and
+        # its ranks; the gloo side group, for monitored_barrier and the signal flags. Set by join, dropped at teardown.
+        self.reports, self.node_group, self.node_ranks, self.barrier_group = None, None, [], None
         self.failed = self.own_failure = False  # set by failures.on_exception, cleared when the next run joins
 
     def join(self, env: Any, device: torch.device, backend: str | None, num_nodes: int, num_processes: int) -> str:
@@ -297,7 +295,6 @@ class ProcessGroupRun:
             self.store,
             num_nodes,
         )
-        backend = dist.get_backend()
         # Made for each run and dropped at its teardown: a group kept here would keep the world group's store (and
         # MASTER_PORT) alive after the user destroys the group.
         lists = [list(range(n * num_processes, (n + 1) * num_processes)) for n in range(num_nodes)]
@@ -308,8 +305,8 @@ class ProcessGroupRun:
         self.barrier_group = _side_groups[dist.group.WORLD]
         self.failed = self.own_failure = False
         self.reports = failures.run_reports(rank, world_size)
-        rank_zero_info(f"MyDDPStrategy: {world_size} processes, backend={backend}")
-        return backend
+        rank_zero_info(f"MyDDPStrategy: {world_size} processes, backend={dist.get_backend()}")
+        return dist.get_backend()  # the group's (reused: the first run's)
 
 
 def device_ids(device: torch.device) -> list[int] | None:
