@@ -160,9 +160,10 @@ def teardown(run: Any, rank: int, world_size: int) -> None:
 
 
 def destroy_process_group() -> bool:
-    """Destroy the default process group, if any, then collect garbage (a reference cycle, a compiled DDP wrapper or
-    an exception's frames, would hold the group, rank 0's store and ``MASTER_PORT``); return whether the group is
-    gone (False: something still holds it)."""
+    """Destroy the default process group, if any; return whether it is gone (False: something still holds it).
+    Garbage is collected around it (also without a group: the fork path relies on it), else a reference cycle (a
+    compiled DDP wrapper, an exception's frames) would hold the group, rank 0's store and ``MASTER_PORT``."""
+    gc.collect()
     world = weakref.ref(dist.group.WORLD) if dist.is_initialized() else None
     if world is not None:
         dist.destroy_process_group()
