@@ -46,15 +46,6 @@ class StrategyOptions:
         return None
 
 
-def _refuse(name: str, expected: str, value: Any, ok: bool) -> None:
-    if not ok:
-        raise TypeError(f"MyDDPStrategy({name}=...) must be {expected}, got {value!r} ({type(value).__name__}).")
-
-
-def _whole(value: Any) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
-
 def strategy_options(
     *,
     process_group_backend: Any,
@@ -90,52 +81,41 @@ def strategy_options(
             ``torch.distributed.Backend.backend_list`` is known) or ``init_method`` scheme, and ``store`` with
             ``start_method="spawn"``/``"forkserver"`` (a store cannot be pickled to the new processes).
     """
-    for name, value in (
-        ("process_group_backend", process_group_backend),
-        ("start_method", start_method),
-        ("init_method", init_method),
+    none = type(None)
+    for name, value, expected, types in (
+        ("process_group_backend", process_group_backend, "a string or None", (str, none)),
+        ("start_method", start_method, "a string or None", (str, none)),
+        ("init_method", init_method, "a string or None", (str, none)),
+        ("seed", seed, "an int or None", (numbers.Integral, none)),
+        ("store", store, "a torch.distributed.Store (e.g. FileStore) or None", (dist.Store, none)),
+        ("allow_cpu_oversubscription", allow_cpu_oversubscription, "True or False", (bool,)),
+        ("checkpoint_on_sigterm", checkpoint_on_sigterm, "True, False or a file path", (bool, str, os.PathLike)),
+        (
+            "verify_sync_every_n_steps",
+            verify_sync_every_n_steps,
+            "a whole number of optimizer steps or None",
+            (numbers.Integral, none),
+        ),
+        ("bucket_cap_mb", bucket_cap_mb, "a number of MiB or None", (numbers.Real, none)),
     ):
-        _refuse(name, "a string or None", value, value is None or isinstance(value, str))
-    _refuse("seed", "an int or None", seed, seed is None or _whole(seed))
+        if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):  # bool: an Integral
+            raise TypeError(f"MyDDPStrategy({name}=...) must be {expected}, got {value!r} ({type(value).__name__}).")
     if seed is not None and not 0 <= seed <= _MAX_SEED:
         raise ValueError(
             f"MyDDPStrategy(seed={seed}): the sampler seed must be between 0 and {_MAX_SEED}"
             f" (Lightning's seed_everything range, 0 to 2**32 - 1, less room for the epoch); pass a"
             f" smaller seed, or None to use seed_everything's."
         )
-    _refuse(
-        "store",
-        "a torch.distributed.Store (e.g. FileStore) or None",
-        store,
-        store is None or isinstance(store, dist.Store),
-    )
-    _refuse(
-        "allow_cpu_oversubscription",
-        "True or False",
-        allow_cpu_oversubscription,
-        isinstance(allow_cpu_oversubscription, bool),
-    )
-    _refuse(
-        "checkpoint_on_sigterm",
-        "True, False or a file path",
-        checkpoint_on_sigterm,
-        isinstance(checkpoint_on_sigterm, (bool, str, os.PathLike)),
-    )
     if isinstance(checkpoint_on_sigterm, (str, os.PathLike)) and not os.fspath(checkpoint_on_sigterm):
         raise ValueError(
             "MyDDPStrategy(checkpoint_on_sigterm='') is an empty path; pass a file path, True for"
             " <default_root_dir>/sigterm.ckpt, or False."
         )
-    n = verify_sync_every_n_steps
-    _refuse("verify_sync_every_n_steps", "a whole number of optimizer steps or None", n, n is None or _whole(n))
-    if n is not None and n < 1:
-        raise ValueError(f"verify_sync_every_n_steps must be a positive number of optimizer steps or None, got {n}.")
-    _refuse(
-        "bucket_cap_mb",
-        "a number of MiB or None",
-        bucket_cap_mb,
-        bucket_cap_mb is None or (isinstance(bucket_cap_mb, numbers.Real) and not isinstance(bucket_cap_mb, bool)),
-    )
+    if verify_sync_every_n_steps is not None and verify_sync_every_n_steps < 1:
+        raise ValueError(
+            "verify_sync_every_n_steps must be a positive number of optimizer steps or None, got"
+            f" {verify_sync_every_n_steps}."
+        )
     flags = {
         "find_unused_parameters": find_unused_parameters,
         "static_graph": static_graph,
@@ -159,17 +139,14 @@ def strategy_options(
             " the new processes. Use start_method='fork' or 'popen' (with a FileStore path every"
             " process opens), or init_method='file:///path' instead."
         )
-    timeout = process.as_timedelta(timeout)
-    barrier_timeout = timeout if monitored_barrier_timeout is None else process.as_timedelta(monitored_barrier_timeout)
-    named_ddp = sync.non_default_options({**flags, "bucket_cap_mb": bucket_cap_mb})
     return StrategyOptions(
-        timeout,
+        process.as_timedelta(timeout),
         start_method,
         seed,
         allow_cpu_oversubscription,
-        barrier_timeout,
+        process.as_timedelta(timeout if monitored_barrier_timeout is None else monitored_barrier_timeout),
         checkpoint_on_sigterm,
-        sync.validate_ddp_kwargs({**named_ddp, **ddp_kwargs}),
+        sync.validate_ddp_kwargs({**sync.non_default_options({**flags, "bucket_cap_mb": bucket_cap_mb}), **ddp_kwargs}),
         sync.CommHookConfig(ddp_comm_hook, ddp_comm_state, ddp_comm_wrapper),
     )
 

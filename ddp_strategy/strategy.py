@@ -440,7 +440,7 @@ class MyDDPStrategy(sync.wrapping.LightningDDPAttributes, ParallelStrategy):
 
     @override
     def on_exception(self, exception: BaseException) -> None:
-        """Name the failed rank and why; save on SIGTERM if asked; stop local ranks (no collective)."""
+        """Name the failed rank and why; save on SIGTERM if asked (no collective)."""
         self._uneven.abandon()
         if self._diagnostics is not None:  # remove the gradient hooks; no collective (other ranks may be gone)
             self._diagnostics.tracker.close()
@@ -454,7 +454,6 @@ class MyDDPStrategy(sync.wrapping.LightningDDPAttributes, ParallelStrategy):
             self.world_size,
             self._sharding.guard.describe_uneven(),
             save,
-            self._launcher,
         )
 
     @override

@@ -6,10 +6,13 @@ moves one fails there, not inside a run. Classes we derive from are per namespac
 
 from __future__ import annotations
 
+import atexit
 import copy
 import inspect
+import os
 import signal
 import sys
+import time
 from typing import TYPE_CHECKING, Any
 
 from torch.utils.data import BatchSampler, SequentialSampler
@@ -27,6 +30,8 @@ PRIVATE_NAMES: dict[str, str] = {
     "prepare_for_backward": "pytorch.overrides.distributed:prepare_for_backward",
     "MultiProcessingLauncher": "pytorch.strategies.launchers.multiprocessing:_MultiProcessingLauncher",
     "SubprocessScriptLauncher": "pytorch.strategies.launchers.subprocess_script:_SubprocessScriptLauncher",
+    "ChildProcessObserver": "fabric.strategies.launchers.subprocess_script:_ChildProcessObserver",
+    "set_num_threads_if_needed": "fabric.utilities.distributed:_set_num_threads_if_needed",
     "DDPForwardRedirection": "pytorch.strategies.ddp:_DDPForwardRedirection",
     "update_dataloader": "pytorch.utilities.data:_update_dataloader",
     "given_hyperparameters": "pytorch.core.mixins.hparams_mixin:_given_hyperparameters",
@@ -41,8 +46,58 @@ PRIVATE_NAMES: dict[str, str] = {
 _default = _namespace.default
 
 
+#: Seconds the popen launching process has, after a rank it launched exited non-zero, to name it and exit by itself
+#: before :class:`Supervisor` SIGKILLs it and every rank (Lightning's observer: at its next 5 s poll); and how long,
+#: at its exit, it waits for the ranks it launched before SIGKILLing them.
+GRACE_S = 30.0
+
+
 class SubprocessScriptLauncher(_namespace.lightning_base(PRIVATE_NAMES["SubprocessScriptLauncher"])):  # type: ignore[misc]
-    """Lightning's launcher that re-runs the user's script per extra local rank (``start_method="popen"``)."""
+    """Lightning's launcher that re-runs the user's script per extra local rank (``start_method="popen"``), with
+    :class:`Supervisor` watching the ranks it starts in place of Lightning's ``_ChildProcessObserver``."""
+
+    def launch(self, function: Any, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
+        """Lightning's ``launch`` (2.4-2.6, compared by the guard test), starting :class:`Supervisor` as observer."""
+        self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
+        if not self.cluster_environment.creates_processes_externally:
+            self._call_children_scripts()
+            supervisor = Supervisor(os.getpid(), self.procs)
+            supervisor.start()
+            atexit.register(supervisor.stop)
+        _set_num_threads_if_needed(num_processes=self.num_processes)
+        return function(*args, **kwargs)
+
+
+class Supervisor(_default.get(PRIVATE_NAMES["ChildProcessObserver"])):  # type: ignore[misc]
+    """The one supervisor of the ranks popen's launching process starts (once per process: later launches find
+    ``LOCAL_RANK`` set and start none). Lightning's observer, a daemon thread that polls them every 5 s, except:
+
+    - when one exited non-zero, it SIGKILLs them and this process only if this process still runs
+      :data:`GRACE_S` later (Lightning's does at once, before this rank could name the failed one and its
+      error reach the user's ``except``/``finally``); the failure protocol ends the run well before that;
+    - :meth:`stop`, at this process's exit (``atexit``), waits up to :data:`GRACE_S` for them, then SIGKILLs and
+      reaps those still running (a stalled rank), so that no rank outlives the launching process (Lightning's
+      leaves them running).
+    """
+
+    def _terminate_all(self) -> None:
+        time.sleep(GRACE_S)  # a daemon thread: if this process exits first, nothing happens
+        super()._terminate_all()
+
+    def stop(self) -> None:
+        """Wait up to :data:`GRACE_S` for the ranks to exit, SIGKILL those left, reap them all (this process's
+        exit)."""
+        deadline = time.monotonic() + GRACE_S
+        while any(proc.poll() is None for proc in self._child_processes) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        for local_rank, proc in enumerate(self._child_processes, start=1):
+            if proc.poll() is None:
+                _namespace.rank_zero_warn(
+                    f"local rank {local_rank} (pid {proc.pid}) is still running {GRACE_S:.0f} s after the launching"
+                    " process: SIGKILL"
+                )
+                proc.kill()
+                proc.wait()
 
 
 #: Lightning's launcher for ``spawn``, ``fork`` and ``forkserver`` (``torch.multiprocessing``): a base class
@@ -52,6 +107,7 @@ MultiProcessingLauncher: type = _namespace.lightning_base(PRIVATE_NAMES["MultiPr
 #: gradient sync off inside it under manual optimization (plain Python, namespace-neutral).
 DDPForwardRedirection: type = _default.get(PRIVATE_NAMES["DDPForwardRedirection"])
 prepare_for_backward = _default.get(PRIVATE_NAMES["prepare_for_backward"])
+_set_num_threads_if_needed = _default.get(PRIVATE_NAMES["set_num_threads_if_needed"])
 _IS_INTERACTIVE: bool = _default.get(PRIVATE_NAMES["is_interactive"])
 #: ``update_dataloader(dataloader, sampler)``: re-create ``dataloader`` with ``sampler``, keeping its other arguments.
 update_dataloader = _default.get(PRIVATE_NAMES["update_dataloader"])

@@ -10,6 +10,7 @@ Both are collectives; gradients flow back with ``sync_grads``, as in Lightning.
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import torch
@@ -20,14 +21,10 @@ from ddp_strategy._compat import lightning_private as _pl
 from ddp_strategy._compat.namespace import rank_zero_warn
 
 
-def _initialized() -> bool:
-    return dist.is_available() and dist.is_initialized()
-
-
 def gather_shapes(tensor: Tensor, group: Any | None = None) -> list[tuple[int, ...]]:
     """Every rank's ``tensor.shape``, in rank order (``[tensor.shape]`` without a group). A collective (Lightning's
     ``_gather_all_tensors``, so the ranks' tensors may differ in dimensions)."""
-    if not _initialized():
+    if not dist.is_initialized():
         return [tuple(tensor.shape)]
     local = torch.tensor(tensor.shape, dtype=torch.long, device=tensor.device)
     return [tuple(shape.tolist()) for shape in _pl.gather_all_tensors(local, group)]
@@ -37,14 +34,14 @@ def check_gatherable(shapes: list[tuple[int, ...]], rank: int) -> None:
     """Raise ``ValueError`` (on every rank: they hold the same ``shapes``) unless only the first dimension
     differs."""
     first = shapes[0]
-    if all(len(s) == len(first) and len(s) > 0 and s[1:] == first[1:] for s in shapes):
-        return
-    listed = ", ".join(f"rank {r}: {tuple(s)}" for r, s in enumerate(shapes))
-    raise ValueError(
-        f"[rank {rank}] all_gather needs tensors with the same number of dimensions and the same size in every"
-        f" dimension but the first on every rank; got {listed}. Pad or reshape them to a common shape first"
-        " (the first dimension may differ: the result is then padded, see ddp_strategy.process.collectives)."
-    )
+    if not all(len(s) == len(first) and len(s) > 0 and s[1:] == first[1:] for s in shapes):
+        raise ValueError(
+            f"[rank {rank}] all_gather needs tensors with the same number of dimensions and the same size in every"
+            f" dimension but the first on every rank; got"
+            f" {', '.join(f'rank {r}: {tuple(s)}' for r, s in enumerate(shapes))}."
+            " Pad or reshape them to a common shape first (the first dimension may differ: the result is then"
+            " padded, see ddp_strategy.process.collectives)."
+        )
 
 
 def _dealing_order(sizes: list[int]) -> list[tuple[int, int]]:
@@ -54,9 +51,8 @@ def _dealing_order(sizes: list[int]) -> list[tuple[int, int]]:
 
 def _gather_stacked(tensor: Tensor, sizes: list[int], group: Any | None, sync_grads: bool) -> Tensor:
     """Every rank's rows padded with zeros to ``M = max(sizes)``, flattened: shape ``(W * M, *rest)``."""
-    padding = tensor.new_zeros((max(sizes) - tensor.shape[0], *tensor.shape[1:]))
-    stacked = _pl.all_gather_ddp_if_available(torch.cat([tensor, padding]), group=group, sync_grads=sync_grads)
-    return stacked.flatten(0, 1)
+    padded = torch.cat([tensor, tensor.new_zeros((max(sizes) - tensor.shape[0], *tensor.shape[1:]))])
+    return _pl.all_gather_ddp_if_available(padded, group=group, sync_grads=sync_grads).flatten(0, 1)
 
 
 def all_gather_padded(
@@ -82,12 +78,9 @@ def all_gather_padded(
             " ddp_strategy.all_gather_rows(tensor), or a torchmetrics metric."
         )
     stacked = _gather_stacked(tensor, sizes, group, sync_grads)
-    real = _dealing_order(sizes)
-    source = list(range(world * most))
-    missing = [(r, i) for i in range(most) for r in range(world) if i >= sizes[r]]
-    for j, (r, i) in enumerate(missing):
-        q, k = real[j % len(real)]
-        source[r * most + i] = q * most + k
+    missing = [(r, i) for i in range(most) for r in range(world) if i >= sizes[r]]  # in dealing order too
+    fills = dict(zip(missing, itertools.cycle(_dealing_order(sizes)), strict=False))  # missing row -> real row
+    source = [q * most + k for r in range(world) for i in range(most) for q, k in [fills.get((r, i), (r, i))]]
     index = torch.tensor(source, dtype=torch.long, device=stacked.device)
     return stacked.index_select(0, index).reshape(world, most, *rest)
 
@@ -110,7 +103,7 @@ def all_gather_rows(tensor: Tensor, group: Any | None = None, sync_grads: bool =
     Raises:
         ValueError: the tensors differ in a dimension other than the first, or are 0-dimensional (on every rank).
     """
-    if not _initialized():
+    if not dist.is_initialized():
         return tensor
     shapes = gather_shapes(tensor, group)
     check_gatherable(shapes, dist.get_rank())
@@ -118,8 +111,10 @@ def all_gather_rows(tensor: Tensor, group: Any | None = None, sync_grads: bool =
     if max(sizes) == 0:
         return tensor
     stacked = _gather_stacked(tensor, sizes, group, sync_grads)
-    index = [r * max(sizes) + i for r, i in _dealing_order(sizes)]
-    return stacked.index_select(0, torch.tensor(index, dtype=torch.long, device=stacked.device))
+    index = torch.tensor(
+        [r * max(sizes) + i for r, i in _dealing_order(sizes)], dtype=torch.long, device=stacked.device
+    )
+    return stacked.index_select(0, index)
 
 
 def agree_on_rank_zero_failure(error: Exception | None, what: str, rank: int, device: torch.device) -> None:
@@ -127,7 +122,7 @@ def agree_on_rank_zero_failure(error: Exception | None, what: str, rank: int, de
     rank 0's exception, else None. An all-reduced flag (also a barrier: it stands in for ``Trainer.save_checkpoint``'s),
     then rank 0's message only after a failure. A collective; without a process group it raises rank 0's own error.
     Raises ``error`` on rank 0, a ``RuntimeError`` naming it on the others."""
-    if _initialized():
+    if dist.is_initialized():
         failed = torch.tensor([float(error is not None)], device=device)
         dist.all_reduce(failed, op=dist.ReduceOp.MAX)
         box = [f"{type(error).__name__}: {error}" if error is not None else None]

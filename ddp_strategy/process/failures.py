@@ -17,19 +17,12 @@ apart):
    ``explained/<rank>``.
 4. **At teardown after a failure** (:func:`teardown`) the world group is destroyed, so the failing rank's
    connections close and its peers' collectives break now (step 3), not at the timeout; its store is kept
-   (:data:`KEPT_STORES`) for the process's next run. A failing rank that did
-   not launch others and has no live ``multiprocessing`` children (DataLoader workers hold forked copies of the
-   connections, so the peers learn only at its exit) then waits up to :data:`EXPLAIN_WAIT_S` until every peer
-   explained, failed itself or exited: its exit is what Lightning's supervisors act on (popen's
-   ``_ChildProcessObserver`` SIGKILLs every rank, spawn's ``ProcessContext.join`` terminates them).
-5. **The launching rank of popen** (rank 0: Lightning's launcher holds the other ranks' ``Popen`` objects)
-   empties, first thing in :func:`on_exception`, the list the observer polls every 5 s: that observer SIGKILLs
-   the launching process 0-5 s after a child exits non-zero, before its own error reaches the user's
-   ``except``/``finally``, and a SIGKILLed child (the OOM killer) cannot wait for it to finish; Lightning has no
-   hook to stop it. At teardown, after the group is gone, it reaps those that exit within 5 s (30 s after a
-   SIGTERM save); one still running (it caught the error, as a script that fits again does, or it is stalled) goes
-   back into the observer's list and is stopped at this process's exit (:func:`stop_processes`: the same wait,
-   then SIGKILL).
+   (:data:`KEPT_STORES`) for the process's next run. A failing rank with no live ``multiprocessing`` children
+   (DataLoader workers hold forked copies of the connections, so the peers learn only at its exit) then waits up
+   to :data:`EXPLAIN_WAIT_S` until every peer explained, failed itself or exited: its exit is what the launchers'
+   supervisors act on (popen's ``_compat.lightning_private.Supervisor`` SIGKILLs every rank if the launching
+   process still runs 30 s after a rank exited non-zero, and stops at the launching process's exit the ranks still
+   running 30 s later; spawn's ``ProcessContext.join`` terminates them).
 
 Every store operation while failing has a :data:`STORE_TIMEOUT_S` timeout: rank 0, which serves the store, may
 be the rank that failed.
@@ -37,12 +30,11 @@ be the rank that failed.
 
 from __future__ import annotations
 
-import atexit
+import contextlib
 import gc
 import logging
 import multiprocessing
 import os
-import signal
 import socket
 import time
 import traceback
@@ -53,7 +45,6 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ddp_strategy._compat import lightning_private as _pl
 from ddp_strategy._compat import torch_private as _torch
 from ddp_strategy._compat.namespace import SIGTERMException, rank_zero_info
 
@@ -81,13 +72,17 @@ class StalledRankError(RuntimeError):
     """A rank did not reach a monitored barrier in time; the message names it."""
 
 
-def run_reports(rank: int, world_size: int) -> dist.Store:
-    """Step 1, every rank: this run's view of the group's store, ``pid/<rank>`` written. Run ``g = (n - 1) //
-    world_size`` (``n``: this rank's ``add`` to a counter) is the same on every rank, as a run's set-up has
-    collectives."""
+def generation(store: dist.Store, world_size: int, kind: str) -> dist.PrefixStore:
+    """``store`` under ``ddp_strategy/<torchrun attempt>/<world size>/<kind>_<g>``, ``g = (n - 1) // world_size``
+    (``n``: this rank's ``add`` to the ``<kind>s`` counter): the same on every rank, as each generation (a group, a
+    run) has collectives, so a store that outlives one gives the next fresh keys."""
     base = f"ddp_strategy/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{world_size}"
-    store = _torch.default_store()
-    reports = dist.PrefixStore(f"{base}/run_{(store.add(f'{base}/joins', 1) - 1) // world_size}", store)
+    return dist.PrefixStore(f"{base}/{kind}_{(store.add(f'{base}/{kind}s', 1) - 1) // world_size}", store)
+
+
+def run_reports(rank: int, world_size: int) -> dist.Store:
+    """Step 1, every rank: this run's :func:`generation` of the group's store, ``pid/<rank>`` written."""
+    reports = generation(_torch.default_store(), world_size, "run")
     reports.set(f"pid/{rank}", f"{socket.gethostname()}:{os.getpid()}")
     return reports
 
@@ -106,30 +101,27 @@ def on_exception(
     world_size: int,
     known_cause: str | None,
     sigterm_save: Callable[[], None] | None,
-    launcher: Any,
 ) -> None:
-    """Steps 2, 3 and 5 where ``exception`` was raised (no collective); ``known_cause``: one the strategy knows
+    """Steps 2 and 3 where ``exception`` was raised (no collective); ``known_cause``: one the strategy knows
     (uneven evaluation batches); ``sigterm_save``: the SIGTERM checkpoint (a collective: every rank got it)."""
     run.failed, store = True, run.reports
-    if isinstance(launcher, _pl.SubprocessScriptLauncher) and launcher.procs:
-        run.stopping, run.observed = list(launcher.procs), launcher.procs
-        launcher.procs[:] = []  # emptied in place: the observer's own list
-    run.grace_s = 5.0
     if isinstance(exception, SIGTERMException) and sigterm_save is not None:
-        path = getattr(sigterm_save, "args", ("the checkpoint path",))[0]
-        rank_zero_info(f"SIGTERM: saving a checkpoint to {path} before exiting; resume with fit(ckpt_path=...)")
+        rank_zero_info(
+            f"SIGTERM: saving a checkpoint to {getattr(sigterm_save, 'args', ('the checkpoint path',))[0]} before"
+            " exiting; resume with fit(ckpt_path=...)"
+        )
         sigterm_save()
-        run.grace_s = 30.0  # the other ranks exit by themselves after the same save
-    elif isinstance(exception, (KeyboardInterrupt, SIGTERMException)) or store is None:
-        pass  # an interruption, or not a rank (the parent of spawned ranks), or one that never joined
     elif isinstance(exception, StalledRankError):
         log.error("%s", exception)  # it names the missing ranks already
+    elif isinstance(exception, (KeyboardInterrupt, SIGTERMException)) or store is None:
+        return  # an interruption, or not a rank (the parent of spawned ranks), or one that never joined
     elif (peers := describe_peers(exception, store, rank, world_size)) is not None:
         extra = explain(rank, peers, run.timeout, known_cause)
-        if exception.args and isinstance(exception.args[0], str):
-            exception.args = (f"{exception.args[0]}\n{extra}", *exception.args[1:])
-        else:
-            exception.args = (*exception.args, extra)
+        exception.args = (
+            (f"{exception.args[0]}\n{extra}", *exception.args[1:])
+            if exception.args and isinstance(exception.args[0], str)
+            else (*exception.args, extra)
+        )
         log.error("[rank %d] %s", rank, exception)  # now: a launcher may stop this rank soon
         _best_effort(store, rank, lambda: store.set(f"explained/{rank}", "1"))
     else:
@@ -144,7 +136,7 @@ def on_exception(
 
 
 def teardown(run: Any, rank: int, world_size: int) -> None:
-    """Step 4 and the end of step 5 after a failed run; after a successful one the group stays (next stage, user)."""
+    """Step 4 after a failed run; after a successful one the group stays (next stage, user)."""
     store, run.reports = run.reports, None
     run.node_group, run.node_ranks, run.barrier_group = None, [], None  # no reference to the group outlives the run
     if not run.failed:
@@ -155,28 +147,28 @@ def teardown(run: Any, rank: int, world_size: int) -> None:
     KEPT_STORES.clear()  # one at most: an older failed run's store (another port) is let go
     if isinstance(base, dist.TCPStore):  # the next run of this process rejoins it: see KEPT_STORES
         KEPT_STORES[os.getpid(), base.port] = base
-    closed = destroy_process_group() and not multiprocessing.active_children()
-    if run.own_failure and not run.stopping and closed and store is not None and world_size > 1:
+    # The group is destroyed, always; once released, the peers' collectives break now, and a rank whose own code
+    # failed waits for their explanations (not with live DataLoader workers: they hold copies of its connections).
+    if (
+        destroy_process_group()
+        and run.own_failure
+        and not multiprocessing.active_children()
+        and store is not None
+        and world_size > 1
+    ):
         wait_for_peers(store, rank, world_size)
-    stopping, run.stopping = run.stopping, []
-    if stopping:  # popen's ranks that exit are reaped; one that caught the error lives on (the user's next fit, as
-        # under ddp), back under Lightning's observer, and is stopped at exit if still running (a stalled rank)
-        run.observed[:] = alive = stop_processes(stopping, grace_s=run.grace_s, kill=False)
-        if alive:
-            atexit.register(stop_processes, alive, run.grace_s)
 
 
 def destroy_process_group() -> bool:
     """Destroy the default process group, if any; return whether it is gone (False: something still holds it).
-    Garbage is collected around it, else a reference cycle (a compiled DDP wrapper, an exception's frames) would
-    hold the group, rank 0's store and ``MASTER_PORT``."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return True
+    Garbage is collected around it (also without a group: the fork path relies on it), else a reference cycle (a
+    compiled DDP wrapper, an exception's frames) would hold the group, rank 0's store and ``MASTER_PORT``."""
     gc.collect()
-    world = weakref.ref(dist.group.WORLD)
-    dist.destroy_process_group()
+    world = weakref.ref(dist.group.WORLD) if dist.is_initialized() else None
+    if world is not None:
+        dist.destroy_process_group()
     gc.collect()
-    return world() is None
+    return world is None or world() is None
 
 
 def _best_effort(store: dist.Store, rank: int, operation: Callable[[], Any]) -> Any:
@@ -184,34 +176,25 @@ def _best_effort(store: dist.Store, rank: int, operation: Callable[[], Any]) -> 
     try:
         store.set_timeout(timedelta(seconds=STORE_TIMEOUT_S))
         return operation()
-    except Exception as e:  # the store lives in rank 0, which may be gone
+    except Exception as e:  # the store lives in rank 0, which may be gone: None
         log.debug("[rank %d] store unreachable while failing: %s", rank, e)
-        return None
 
 
-def _peer(store: dist.Store, peer: int) -> tuple[str | None, str | None, int | None]:
+def _peer(store: dist.Store, peer: int) -> tuple[str | None, bool, int | None]:
     """What ``peer`` published: its failure summary, whether it explained, and its pid on this host (or None)."""
     failed = store.get(f"failed/{peer}").decode() if store.check([f"failed/{peer}"]) else None
-    explained = "1" if store.check([f"explained/{peer}"]) else None
-    pid = None
-    if store.check([f"pid/{peer}"]):
-        host, text = store.get(f"pid/{peer}").decode().rsplit(":", 1)
-        pid = int(text) if host == socket.gethostname() else None
-    return failed, explained, pid
+    host, _, pid = (store.get(f"pid/{peer}").decode() if store.check([f"pid/{peer}"]) else ":").rpartition(":")
+    return failed, store.check([f"explained/{peer}"]), int(pid) if host == socket.gethostname() else None
 
 
 def _gone(pid: int) -> bool:
     """Whether process ``pid`` has exited (a child of ours is left unreaped for its ``Popen``)."""
-    try:
+    with contextlib.suppress(ChildProcessError, AttributeError):  # not our child; no waitid (macOS)
         return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
-    except (ChildProcessError, AttributeError):  # not our child; no waitid (macOS)
-        pass
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:
-        pass
+    except OSError as e:  # PermissionError: another user's process, alive
+        return isinstance(e, ProcessLookupError)
     return False
 
 
@@ -225,11 +208,8 @@ def wait_for_peers(store: dist.Store, rank: int, world_size: int, timeout_s: flo
         failed, explained, pid = _peer(store, peer)
         return bool(failed or explained) or (pid is not None and _gone(pid))
 
-    while waiting and time.monotonic() < deadline:
-        left = _best_effort(store, rank, lambda w=waiting: [peer for peer in w if not done(peer)])
-        if left is None:
-            return
-        waiting = left
+    while waiting and time.monotonic() < deadline:  # (None: the store is gone)
+        waiting = _best_effort(store, rank, lambda w=waiting: [peer for peer in w if not done(peer)])
         time.sleep(0.05 if waiting else 0)
 
 
@@ -268,9 +248,7 @@ def describe_peers(exception: BaseException, store: dist.Store, rank: int, world
 
 def explain(rank: int, peers: str, timeout: timedelta, known_cause: str | None = None) -> str:
     """The sentence added to a collective error: which peers failed, or the likely causes."""
-    parts = [f"[rank {rank}] a collective failed because another rank did not take part."]
-    if known_cause:
-        parts.append(known_cause)
+    parts = [f"[rank {rank}] a collective failed because another rank did not take part.", *filter(None, [known_cause])]
     if peers:
         parts.append(f"Cause: {peers}.")
         if " failed: " in peers:
@@ -284,22 +262,3 @@ def explain(rank: int, peers: str, timeout: timedelta, known_cause: str | None =
             " TORCH_DISTRIBUTED_DEBUG=DETAIL to have PyTorch check that collectives match."
         )
     return " ".join(parts)
-
-
-def stop_processes(procs: list[Any], grace_s: float = 5.0, kill: bool = True) -> list[Any]:
-    """Wait up to ``grace_s`` s for ``procs`` (``Popen`` or ``multiprocessing.Process``) to exit; SIGKILL the rest
-    (``kill``) and reap; return those still running (``kill=False``: left running)."""
-    alive = [p for p in procs if (p.poll() if hasattr(p, "poll") else p.exitcode) is None]
-    deadline = time.monotonic() + grace_s
-    while alive and time.monotonic() < deadline:
-        time.sleep(0.05)
-        alive = [p for p in alive if (p.poll() if hasattr(p, "poll") else p.exitcode) is None]
-    for proc in alive if kill else ():
-        log.warning("stopping rank process %s, which did not exit after a failure", proc.pid)
-        os.kill(proc.pid, signal.SIGKILL)
-    for proc in procs if kill else [p for p in procs if p not in alive]:
-        try:
-            proc.wait(timeout=10) if hasattr(proc, "poll") else proc.join(timeout=10)
-        except Exception as e:  # a process that will not die is reported, not waited on forever
-            log.warning("rank process %s could not be reaped: %s", proc.pid, e)
-    return [] if kill else alive

@@ -113,9 +113,6 @@ def listen_address(main_address: str, num_nodes: int) -> str:
     return ip
 
 
-_served_ports: set[int] = set()  # ports this process served a store on
-
-
 def _tcp_store(host: str, port: int, rank: int, timeout: timedelta, num_nodes: int) -> dist.TCPStore:
     """A ``TCPStore`` at ``host:port``; rank 0 serves it from a socket bound on :func:`listen_address` (torch's
     own server would listen on every interface)."""
@@ -128,10 +125,7 @@ def _tcp_store(host: str, port: int, rank: int, timeout: timedelta, num_nodes: i
             if bind
             else None
         )
-    except OSError as e:
-        if e.errno == errno.EADDRINUSE and port in _served_ports:  # our previous group's store, still held after a
-            # failed run: it serves this group too, under the group's own prefix
-            return dist.TCPStore(bind, port, None, is_master=False, timeout=timeout)
+    except OSError as e:  # (a failed run's store, still serving this port, is reused: failures.KEPT_STORES)
         if e.errno != errno.EADDRNOTAVAIL:
             raise
         log.warning(
@@ -142,7 +136,6 @@ def _tcp_store(host: str, port: int, rank: int, timeout: timedelta, num_nodes: i
         )
     if sock is None:  # every interface, IPv4 and IPv6
         sock = socket.create_server(("", port), family=socket.AF_INET6, dualstack_ipv6=True)
-    _served_ports.add(port)
     return dist.TCPStore(
         bind or host,
         port,
@@ -188,15 +181,11 @@ def init_process_group(
             )
         return
     validate_init_method(init_method)
-    kwargs: dict[str, Any] = {"rank": rank, "world_size": world_size, "timeout": timeout}
-    if device is not None and device.type == "cuda":
-        kwargs["device_id"] = device
     env = store is None and init_method in (None, "env://")
-    if init_method is not None and init_method.startswith(("tcp://", "env://")):  # tcp:// is served as env:// is
-        if init_method.startswith("tcp://"):
-            main_address, port = init_method[len("tcp://") :].rsplit(":", 1)
-            main_port = int(port)
-        init_method = None
+    if init_method is not None and init_method.startswith("tcp://"):  # served as env:// is
+        main_address, port = init_method[len("tcp://") :].rsplit(":", 1)
+        main_port = int(port)
+    init_method = None if init_method is None or init_method.startswith(("tcp://", "env://")) else init_method
     agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     where = (
         f"the given {type(store).__name__}"
@@ -230,28 +219,29 @@ def init_process_group(
                     if agent
                     else _tcp_store(main_address, main_port, rank, timeout, num_nodes)
                 )
-        if rendezvous is not None:  # a store may outlive this group: a prefix per group (torchrun's: per attempt
-            # too); g is the same on every rank (see failures.run_reports)
-            prefix = f"ddp_strategy/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{world_size}"
-            g = (rendezvous.add(f"{prefix}/groups", 1) - 1) // world_size
-            rendezvous = dist.PrefixStore(f"{prefix}/group_{g}", rendezvous)
+        if rendezvous is not None:  # a store may outlive this group (torchrun's: per attempt too)
+            rendezvous = failures.generation(rendezvous, world_size, "group")
         dist.init_process_group(
-            backend, init_method=init_method if rendezvous is None else None, store=rendezvous, **kwargs
+            backend,
+            init_method=init_method if rendezvous is None else None,
+            store=rendezvous,
+            rank=rank,
+            world_size=world_size,
+            timeout=timeout,
+            device_id=device if device is not None and device.type == "cuda" else None,
         )
 
     deadline = time.monotonic() + timeout.total_seconds()
     while True:
         try:
             return attempt(store)
-        except dist.DistNetworkError as e:  # rank 0's previous store accepted us, then closed: rank 0 is between
-            if not (env and rank != 0) or time.monotonic() > deadline:  # two runs; its next store comes up there
-                error = e
+        except (RuntimeError, OSError, ValueError) as e:
+            error = e  # retried: a DistNetworkError on rank 1+ (rank 0's previous store accepted us, then closed:
+            # rank 0 is between two runs; its next store comes up there)
+            if not (isinstance(e, dist.DistNetworkError) and env and rank != 0) or time.monotonic() > deadline:
                 break
             log.info("[rank %d] the rendezvous store at %s closed the connection (%s); retrying", rank, where, e)
             time.sleep(0.2)
-        except (RuntimeError, OSError, ValueError) as e:
-            error = e
-            break
     text = str(error)
     if "address already in use" in text.lower() or getattr(error, "errno", None) == errno.EADDRINUSE:
         raise RuntimeError(
@@ -283,14 +273,10 @@ class ProcessGroupRun:
         store: dist.Store | None = None,
     ) -> None:
         self.timeout, self.barrier_timeout, self.init_method, self.store = timeout, barrier_timeout, init_method, store
-        self.reports: dist.Store | None = None  # this run's failure reports (failures.run_reports)
-        self.node_group: Any = None  # this rank's intra-node group (the world on one node), and its ranks
-        self.node_ranks: list[int] = []
-        self.barrier_group: Any = None  # the gloo side group, for monitored_barrier and the signal flags
+        # This run's failure reports (failures.run_reports); this rank's intra-node group (the world on one node) and
+        # its ranks; the gloo side group, for monitored_barrier and the signal flags. Set by join, dropped at teardown.
+        self.reports, self.node_group, self.node_ranks, self.barrier_group = None, None, [], None
         self.failed = self.own_failure = False  # set by failures.on_exception, cleared when the next run joins
-        self.stopping: list[Any] = []  # popen's ranks, taken from Lightning's launcher after a failure
-        self.observed: list[Any] = []  # the launcher's list of them, which its observer polls
-        self.grace_s = 5.0
 
     def join(self, env: Any, device: torch.device, backend: str | None, num_nodes: int, num_processes: int) -> str:
         """Join (or reuse) the world group, make the side groups and this run's failure reports; return the backend
@@ -309,7 +295,6 @@ class ProcessGroupRun:
             self.store,
             num_nodes,
         )
-        backend = dist.get_backend()
         # Made for each run and dropped at its teardown: a group kept here would keep the world group's store (and
         # MASTER_PORT) alive after the user destroys the group.
         lists = [list(range(n * num_processes, (n + 1) * num_processes)) for n in range(num_nodes)]
@@ -320,8 +305,8 @@ class ProcessGroupRun:
         self.barrier_group = _side_groups[dist.group.WORLD]
         self.failed = self.own_failure = False
         self.reports = failures.run_reports(rank, world_size)
-        rank_zero_info(f"MyDDPStrategy: {world_size} processes, backend={backend}")
-        return backend
+        rank_zero_info(f"MyDDPStrategy: {world_size} processes, backend={dist.get_backend()}")
+        return dist.get_backend()  # the group's (reused: the first run's)
 
 
 def device_ids(device: torch.device) -> list[int] | None:

@@ -5,8 +5,6 @@ Starting processes and discovering the cluster stay Lightning's (its launchers a
 
 from __future__ import annotations
 
-import atexit
-import gc
 import os
 import pickle
 import signal
@@ -59,8 +57,7 @@ def check_external_world(env: ClusterEnvironment, num_nodes: int, num_processes:
     ``num_nodes * num_processes``, its rank in ``[0, world size)`` and local rank in ``[0, num_processes)``."""
     if not env.creates_processes_externally:
         return
-    name = type(env).__name__
-    world, rank, local = env.world_size(), env.global_rank(), env.local_rank()
+    name, world, rank, local = type(env).__name__, env.world_size(), env.global_rank(), env.local_rank()
     if world != num_nodes * num_processes:
         raise ValueError(
             f"[rank {rank}] {name} reports WORLD_SIZE={world}, but Trainer(num_nodes={num_nodes},"
@@ -87,63 +84,47 @@ def check_launch_env(
 ) -> None:
     """Check the launch variables ``env`` reads with a bare ``int(...)``, before Lightning does (every rank).
 
-    Only what ``env`` reads, parsed as it parses it: ``LightningEnvironment`` (exactly): ``MASTER_PORT``,
-    ``LOCAL_RANK``, ``NODE_RANK`` (else ``GROUP_RANK``) when set; ``TorchElasticEnvironment``: ``WORLD_SIZE``,
-    ``RANK``, ``LOCAL_RANK``, and ``MASTER_PORT``, ``GROUP_RANK`` when set; others (SLURM, ...): nothing.
-    ``environ`` defaults to ``os.environ``.
+    Only what ``env`` reads, parsed as it parses it, each when set: ``LightningEnvironment`` (exactly):
+    ``MASTER_PORT``, ``LOCAL_RANK``, ``NODE_RANK`` (else ``GROUP_RANK``); ``TorchElasticEnvironment``:
+    ``WORLD_SIZE``, ``RANK``, ``LOCAL_RANK``, ``MASTER_PORT``, ``GROUP_RANK`` (one torchrun did not set is
+    Lightning's ``KeyError``); others (SLURM, ...): nothing. ``environ`` defaults to ``os.environ``.
 
     Raises:
         ValueError: a variable is empty, not a whole number, or out of range (a port outside 1..65535, 0
-            allowed for one process; a negative rank; ``WORLD_SIZE < 1``; ``NODE_RANK >= num_nodes``); the
-            message names the variable and its value.
+            allowed for a Trainer of one process; a negative rank; ``WORLD_SIZE < 1``; ``NODE_RANK >= num_nodes``);
+            the message names the variable and its value.
     """
     environ = os.environ if environ is None else environ
-    plain = type(env).__name__ == "LightningEnvironment" and isinstance(env, LightningEnvironment)  # no subclass
-    if isinstance(env, TorchElasticEnvironment):
-        required, optional = ("WORLD_SIZE", "RANK", "LOCAL_RANK"), ("MASTER_PORT", "GROUP_RANK")
-    elif plain:
-        node_rank = "NODE_RANK" if "NODE_RANK" in environ else "GROUP_RANK"
-        required, optional = (), ("MASTER_PORT", "LOCAL_RANK", node_rank)
-    else:
-        return
-    values: dict[str, int] = {}
-    for name in required + optional:
-        if name not in environ:
-            if name in required:
-                raise ValueError(
-                    f"{type(env).__name__} needs the environment variable {name}, which is not set;"
-                    " launch with torchrun (it sets WORLD_SIZE, RANK and LOCAL_RANK) or set it."
-                )
-            continue
-        raw = environ[name]
-        try:
-            values[name] = int(raw)
-        except ValueError:
-            what = "is empty" if not raw.strip() else "is not a whole number"
-            example = "29500" if name == "MASTER_PORT" else "0"
-            raise ValueError(
-                f"Environment variable {name}={raw!r} {what}. Set it to an integer (e.g. {name}={example}) or unset it."
-            ) from None
+    elastic = isinstance(env, TorchElasticEnvironment)
+    if not elastic and not (type(env).__name__ == "LightningEnvironment" and isinstance(env, LightningEnvironment)):
+        return  # a subclass or another environment (SLURM, ...) reads its own variables
     # Upper bounds against the Trainer (RANK < WORLD_SIZE, LOCAL_RANK < devices) are check_external_world's,
     # which runs before the rendezvous; NODE_RANK is bounded here since a Lightning-launched job skips that.
-    world = values.get("WORLD_SIZE", num_nodes * num_processes)
-    node_limit = num_nodes - 1 if plain else None
-    node = f"a node index below Trainer(num_nodes={num_nodes})" if node_limit is not None else "a node index"
-    limits = {
-        "MASTER_PORT": (1 if world > 1 else 0, 65535, "a TCP port"),
+    node = "NODE_RANK" if not elastic and "NODE_RANK" in environ else "GROUP_RANK"
+    limits = {  # name: (lowest, highest or None, what it is)
         "WORLD_SIZE": (1, None, "the number of processes"),
         "RANK": (0, None, "a global rank"),
         "LOCAL_RANK": (0, None, "a rank on this node"),
-        "NODE_RANK": (0, node_limit, node),
-        "GROUP_RANK": (0, node_limit, node),
+        node: (0, None, "a node index")
+        if elastic
+        else (0, num_nodes - 1, f"a node index below Trainer(num_nodes={num_nodes})"),
+        "MASTER_PORT": (int(num_nodes * num_processes > 1), 65535, "a TCP port"),  # 0: any free one, alone
     }
-    for name, value in values.items():
-        low, high, meaning = limits[name]
-        if value < low or (high is not None and value > high):
-            bounds = f"{low}..{high}" if high is not None else f">= {low}"
+    for name, (low, high, meaning) in limits.items():
+        if name not in environ or (not elastic and name in ("WORLD_SIZE", "RANK")):
+            continue
+        raw = environ[name]
+        try:
+            value = int(raw)
+        except ValueError:
             raise ValueError(
-                f"Environment variable {name}={environ[name]!r} is out of range: it is {meaning},"
-                f" so {bounds}. Fix the launcher's {name}, or unset it."
+                f"Environment variable {name}={raw!r} {'is not a whole number' if raw.strip() else 'is empty'}."
+                f" Set it to an integer (e.g. {name}={29500 if name == 'MASTER_PORT' else 0}) or unset it."
+            ) from None
+        if value < low or (high is not None and value > high):
+            raise ValueError(
+                f"Environment variable {name}={raw!r} is out of range: it is {meaning}, so"
+                f" {f'{low}..{high}' if high is not None else f'>= {low}'}. Fix the launcher's {name}, or unset it."
             )
 
 
@@ -160,18 +141,16 @@ def check_fork_safe(start_method: str, device_type: str) -> None:
 
 
 def make_launcher(strategy: Any, start_method: str, backend: str | None, allow_cpu_oversubscription: bool) -> Any:
-    """Lightning's ``_SubprocessScriptLauncher`` for ``"popen"``, else :class:`CheckedMultiProcessingLauncher`;
-    ``ValueError`` for a backend the device cannot use (``"nccl"`` on CPU)."""
+    """``_compat``'s ``SubprocessScriptLauncher`` (Lightning's, with one supervisor of its ranks) for ``"popen"``,
+    else :class:`CheckedMultiProcessingLauncher`; ``ValueError`` for a backend the device cannot use (``"nccl"`` on
+    CPU)."""
     env, devices = strategy.cluster_environment, strategy.parallel_devices
     resolve_backend(devices[0], backend)
     if devices[0].type == "cpu" and not env.creates_processes_externally:
         check_cpu_processes(strategy.num_processes, allow_cpu_oversubscription)
-    if start_method != "popen":
-        return CheckedMultiProcessingLauncher(strategy, start_method=start_method)
-    launcher = _pl.SubprocessScriptLauncher(env, strategy.num_processes, strategy.num_nodes)
-    if not env.creates_processes_externally:  # at exit, wait up to 60 s for the ranks it starts (Lightning does not)
-        atexit.register(lambda: failures.stop_processes(launcher.procs, grace_s=60.0))
-    return launcher
+    if start_method == "popen":
+        return _pl.SubprocessScriptLauncher(env, strategy.num_processes, strategy.num_nodes)
+    return CheckedMultiProcessingLauncher(strategy, start_method=start_method)
 
 
 class CheckedMultiProcessingLauncher(_pl.MultiProcessingLauncher):
@@ -194,25 +173,23 @@ class CheckedMultiProcessingLauncher(_pl.MultiProcessingLauncher):
                     " start_method='popen' (running a script) or 'fork' (Linux, notebooks)."
                 ) from e
         if self._start_method == "fork":  # a forked rank would inherit this process's group, without gloo's threads,
-            failures.destroy_process_group()  # and this process's garbage, whose finalizers may wait on locks
-            gc.collect()  # that threads fork does not copy still hold (seen: ranks hung in gc.collect at exit)
-        received: list[int] = []
-
-        def forward(signum: int, frame: Any) -> None:
-            received.append(signum)
-            for proc in self.procs:
-                if proc.is_alive():
-                    os.kill(proc.pid, signum)
-
-        main = threading.current_thread() is threading.main_thread()
-        previous = signal.signal(signal.SIGTERM, forward) if main else None
+            failures.destroy_process_group()  # and this process's garbage (collected there), whose finalizers may
+            # wait on locks that threads fork does not copy still hold (seen: ranks hung in gc.collect at exit)
+        previous = (  # Lightning's kill: the signal to each rank still alive
+            signal.signal(signal.SIGTERM, lambda signum, _: self.kill(signum))
+            if threading.current_thread() is threading.main_thread()
+            else None
+        )
         try:
             return super().launch(function, *args, trainer=trainer, **kwargs)
         except BaseException:  # Ctrl-C here leaves the ranks running: stop them (join has stopped them on a failure)
-            failures.stop_processes(self.procs, grace_s=30.0 if received else 3.0)
+            for proc in self.procs:
+                proc.join(30.0)  # after a SIGTERM the ranks save, then exit
+                proc.kill()  # a no-op once it exited
+                proc.join()
             raise
         finally:
-            if main and previous is not None:
+            if previous is not None:
                 signal.signal(signal.SIGTERM, previous)
             procs, self.procs = self.procs, []
             for proc in procs:
@@ -223,15 +200,14 @@ class CheckedMultiProcessingLauncher(_pl.MultiProcessingLauncher):
         """In each rank: Lightning's worker, with the strategy's ``on_exception`` on failure (Lightning calls it only
         in the parent) and the group destroyed at the end; a SIGTERM stop is raised as an error, not Lightning's
         ``SystemExit``, so the parent does not wait for results that will not come."""
-        strategy = self._strategy
 
         def guarded(*args: Any, **kwargs: Any) -> Any:
             try:
                 return function(*args, **kwargs)
             except BaseException as exception:
-                strategy.on_exception(exception)
+                self._strategy.on_exception(exception)
                 if isinstance(exception, SystemExit):
-                    raise RuntimeError(f"[rank {strategy.global_rank}] stopped by SIGTERM") from exception
+                    raise RuntimeError(f"[rank {self._strategy.global_rank}] stopped by SIGTERM") from exception
                 raise
 
         try:

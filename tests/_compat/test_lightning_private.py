@@ -4,7 +4,10 @@
 from __future__ import annotations
 
 import inspect
+import os
 import signal
+import sys
+import time
 
 import pytest
 import torch
@@ -284,48 +287,95 @@ def test_multiprocessing_launcher_worker_signature(namespace):
     assert params[4:] == ["args", "kwargs", "return_queue", "global_states"]
 
 
-def test_the_popen_observer_watches_the_launchers_list_which_a_failing_launcher_empties(namespace):
-    """Lightning's popen launcher starts a child-process observer on its own ``procs`` list; every 5 s it SIGKILLs
-    the launching process when a child exited non-zero. After a failure the launching rank empties that list first
-    (failures.on_exception) and stops its ranks itself (failures.teardown), so the observer finishes without
-    killing it, and the rank's own error reaches the user's code."""
-    import os
+def _body(function) -> list[str]:
+    """``function``'s statements, unparsed, without its docstring."""
+    import ast
+    import textwrap
+
+    body = ast.parse(textwrap.dedent(inspect.getsource(function))).body[0].body
+    docstring = isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
+    return [ast.unparse(statement) for statement in body[int(docstring) :]]
+
+
+def test_the_popen_launcher_is_lightnings_with_our_supervisor_in_place_of_its_observer(namespace):
+    """_compat's SubprocessScriptLauncher.launch is Lightning's statement for statement, but for the observer it
+    starts; _call_children_scripts fills procs, and the observer takes (main_pid, child_processes) and, on a poll
+    that finds a child exited non-zero, calls _terminate_all, which SIGKILLs the children and main_pid."""
     import subprocess
-    import sys
-    from datetime import timedelta
 
-    from ddp_strategy.process import ProcessGroupRun, failures
+    lightning_launch = _private(namespace, "SubprocessScriptLauncher").launch
+    ours = _body(_pl.SubprocessScriptLauncher.launch)
+    supervise = [
+        "supervisor = Supervisor(os.getpid(), self.procs)",
+        "supervisor.start()",
+        "atexit.register(supervisor.stop)",
+    ]
+    assert all(line in ours[1] for line in supervise)
+    ours[1] = ours[1].replace("\n    ".join(supervise), "_launch_process_observer(self.procs)")
+    assert ours == _body(lightning_launch)
+    assert "self.procs.append(" in inspect.getsource(
+        _private(namespace, "SubprocessScriptLauncher")._call_children_scripts
+    )
+    observer_cls = namespace.get(_pl.PRIVATE_NAMES["ChildProcessObserver"])
+    assert signature_of(observer_cls)[:2] == ["main_pid", "child_processes"]
+    assert lightning_launch.__globals__["_launch_process_observer"].__globals__["_ChildProcessObserver"] is observer_cls
+    main = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])  # stands in for this process
+    failed = subprocess.Popen([sys.executable, "-c", "raise SystemExit(1)"])
+    failed.wait()
+    observer = observer_cls(main_pid=main.pid, child_processes=[failed])  # not started: _run is one poll
+    assert observer._run() is True and main.wait(10) == -signal.SIGKILL
 
-    launch_observer = namespace.get("pytorch.strategies.launchers.subprocess_script:_launch_process_observer")
-    observer_cls = launch_observer.__globals__["_ChildProcessObserver"]
-    assert "_launch_process_observer(self.procs)" in inspect.getsource(
-        _private(namespace, "SubprocessScriptLauncher").launch
+
+def test_the_supervisor_gives_the_launching_process_its_grace_and_stops_the_ranks_at_its_exit(monkeypatch):
+    """After a rank exited non-zero the supervisor SIGKILLs the launching process only once GRACE_S have passed; at
+    the exit it SIGKILLs and reaps a rank still running GRACE_S later, with a warning naming it, and one that exits
+    in time is reaped without a word."""
+    import subprocess
+    import warnings
+
+    monkeypatch.setattr(_pl, "GRACE_S", 0.5)
+    failed = subprocess.Popen([sys.executable, "-c", "raise SystemExit(1)"])
+    failed.wait()
+    main = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])  # stands in for this process
+    start = time.monotonic()
+    assert _pl.Supervisor(main.pid, [failed])._run() is True  # one poll (not started)
+    assert time.monotonic() - start >= 0.5 and main.wait(10) == -signal.SIGKILL
+    stalled = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    quick = subprocess.Popen([sys.executable, "-c", "pass"])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _pl.Supervisor(os.getpid(), [quick, stalled]).stop()
+    assert (quick.returncode, stalled.returncode) == (0, -signal.SIGKILL)
+    assert [str(w.message) for w in caught] == [
+        f"local rank 2 (pid {stalled.pid}) is still running 0 s after the launching process: SIGKILL"
+    ]
+
+
+def test_the_popen_launcher_starts_the_supervisor_alone_and_only_for_the_ranks_it_starts(monkeypatch):
+    """launch() runs the function after starting one Supervisor (no Lightning observer) on the ranks
+    _call_children_scripts started, and under an external launcher (LOCAL_RANK set) starts neither."""
+    import atexit
+    import subprocess
+    import threading
+
+    env = _namespace.default.get("fabric.plugins.environments:LightningEnvironment")()
+    launcher = _pl.SubprocessScriptLauncher(env, 2, 1)
+    started = []
+    monkeypatch.setattr(
+        launcher,
+        "_call_children_scripts",
+        lambda: launcher.procs.append(subprocess.Popen([sys.executable, "-c", "pass"])),
     )
-    launcher = _pl.SubprocessScriptLauncher(namespace.get("fabric.plugins.environments:LightningEnvironment")(), 2, 1)
-    child = subprocess.Popen([sys.executable, "-c", "raise SystemExit(1)"])
-    launcher.procs = procs = [child]
-    observer = observer_cls(main_pid=os.getpid(), child_processes=launcher.procs)  # not started: _run is one poll
-    assert observer._child_processes is procs
-    run = ProcessGroupRun(timeout=timedelta(seconds=5), barrier_timeout=timedelta(seconds=5))
-    failures.on_exception(
-        run,
-        ZeroDivisionError("rank 0's own bug"),
-        rank=0,
-        world_size=2,
-        known_cause=None,
-        sigterm_save=None,
-        launcher=launcher,
-    )
-    assert procs == [] and run.stopping == [child]
-    killed = []
-    observer._terminate_all = lambda: killed.append(True)  # what it would do: SIGKILL this process
-    assert observer._run() is True and killed == []
-    failures.teardown(run, rank=0, world_size=2)
-    assert child.returncode == 1 and run.stopping == []  # stopped (it exited by itself) and reaped here
-    # without the emptying, the same poll kills: the guard is not vacuous
-    stale = observer_cls(main_pid=os.getpid(), child_processes=[child])
-    stale._terminate_all = lambda: killed.append(True)
-    assert stale._run() is True and killed == [True]
+    monkeypatch.setattr(atexit, "register", started.append)
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    before = set(threading.enumerate())
+    assert launcher.launch(lambda x: x + 1, 41) == 42
+    observers = [t for t in set(threading.enumerate()) - before if t.name == "child-process-observer"]
+    assert [type(t) for t in observers] == [_pl.Supervisor] and started == [observers[0].stop]
+    assert observers[0]._child_processes is launcher.procs and len(launcher.procs) == 1
+    observers[0].stop()  # reaps the rank
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    assert launcher.launch(lambda: 7) == 7 and len(launcher.procs) == 1 and len(started) == 1
 
 
 def test_lightnings_collectives_keep_their_signatures_and_world_of_one_behaviour(namespace):
