@@ -203,6 +203,7 @@ class MyDDPStrategy(sync.wrapping.LightningDDPAttributes, ParallelStrategy):
                 self._uneven.callback,
                 self._uneven.begin_epoch,
                 lambda: self._uneven.tail,
+                lambda: len(set(self._uneven.epochs.get(trainer.current_epoch, ()))) > 1,  # the same on every rank
             )
             if self.is_global_zero:
                 checkpoint.prepare_folders(trainer.checkpoint_callbacks)

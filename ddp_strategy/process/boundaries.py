@@ -65,14 +65,24 @@ class SignalsAtStepBoundary(Callback):
 
     A signal sets a flag. At each step's end every rank starts an asynchronous all-reduce (MAX) of its flags (CPU,
     on the gloo side ``group``: no world-group collective, no host-device sync) and waits for the one it started a
-    step before; at an epoch's end, for this step's and then once more for every flag raised since (steps that only
-    some ranks take, ``in_tail()`` on those, send nothing). So a signal during step ``s`` acts on every rank at the
+    step before; at an epoch's end, for this step's, and after an uneven epoch (``uneven_epoch()``, the same on every
+    rank) once more for every flag raised since (steps that only some ranks take, ``in_tail()`` on those, send
+    nothing). Only the uneven epoch's end starts a new round there: a rank-0-only collective in an earlier
+    callback (a progress bar reading ``trainer.progress_bar_metrics``, which syncs metrics) would otherwise wait
+    for the other ranks while they wait in this round. So a signal during step ``s`` acts on every rank at the
     end of step ``s + 1`` (or of the epoch, if sooner; a validation run in between ends first): SIGTERM sets
     ``trainer.received_sigterm``, Lightning raises ``SIGTERMException`` there (``checkpoint_on_sigterm`` saves);
     the requeue signal runs Lightning's handler (save, requeue)."""
 
-    def __init__(self, group: Any, world_size: int, in_tail: Callable[[], bool]) -> None:
+    def __init__(
+        self,
+        group: Any,
+        world_size: int,
+        in_tail: Callable[[], bool],
+        uneven_epoch: Callable[[], bool],
+    ) -> None:
         self.group, self.world_size, self.in_tail, self._stopping = group, world_size, in_tail, False
+        self.uneven_epoch = uneven_epoch
         self._signal: int | None = None
         self._lightning_handler = self._launcher = self._sent = None  # _sent: (the flags in flight, their work)
 
@@ -122,11 +132,12 @@ class SignalsAtStepBoundary(Callback):
             self._sent = (flags, work)
 
     def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
-        """Act on the last step's flags, then on those raised since (in the steps of an uneven epoch that only some
-        ranks took, too): Lightning stops at the epoch's end on SIGTERM. Collective."""
+        """Act on the last step's flags (Lightning stops at the epoch's end on SIGTERM); after an uneven epoch, also
+        on those of the steps only some ranks took. Collective."""
         self._agree(trainer)
-        self._send()
-        self._agree(trainer)
+        if self.uneven_epoch():
+            self._send()
+            self._agree(trainer)
 
     def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
         if self._stopping:  # the validation loop would stop at its first batch: it ends first
@@ -153,17 +164,19 @@ def add_fit_callbacks(
     first: Any,
     then: Callable[[Any], None],
     in_tail: Callable[[], bool],
+    uneven_epoch: Callable[[], bool],
 ) -> None:
     """Put both callbacks last in ``trainer.callbacks`` (replacing earlier ones), on ``run``'s barrier group (a
     ``ProcessGroupRun``), and ``first`` first; ``then(trainer)`` runs after each epoch's barrier, ``in_tail()`` says
-    whether this rank is in a step only some ranks take (``first``, ``then``, ``in_tail``: the strategy's uneven-inputs
+    whether this rank is in a step only some ranks take, ``uneven_epoch()`` whether the epoch ending had ranks with
+    different batch counts (``first``, ``then``, ``in_tail``, ``uneven_epoch``: the strategy's uneven-inputs
     policy's callback, epoch start and tail)."""
     remove_fit_callbacks(trainer, first)
     trainer.callbacks[:] = [
         first,
         *trainer.callbacks,
         EpochBoundaryCheck(run.barrier_group, run.barrier_timeout, rank, world_size, then),
-        SignalsAtStepBoundary(run.barrier_group, world_size, in_tail),
+        SignalsAtStepBoundary(run.barrier_group, world_size, in_tail, uneven_epoch),
     ]
 
 
