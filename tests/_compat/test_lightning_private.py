@@ -326,25 +326,29 @@ def test_the_popen_launcher_is_lightnings_with_our_supervisor_in_place_of_its_ob
     assert observer._run() is True and main.wait(10) == -signal.SIGKILL
 
 
-def test_the_supervisor_gives_the_launching_process_its_grace_and_stops_the_ranks_at_its_exit(monkeypatch):
+def test_the_supervisor_gives_the_launching_process_its_grace_and_stops_the_ranks_at_its_exit():
     """After a rank exited non-zero the supervisor SIGKILLs the launching process only once GRACE_S have passed; at
     the exit it SIGKILLs and reaps a rank still running GRACE_S later, with a warning naming it, and one that exits
     in time is reaped without a word."""
     import subprocess
     import warnings
 
-    monkeypatch.setattr(_pl, "GRACE_S", 0.5)
+    assert _pl.Supervisor.grace_s == _pl.GRACE_S == 30.0
     failed = subprocess.Popen([sys.executable, "-c", "raise SystemExit(1)"])
     failed.wait()
     main = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])  # stands in for this process
     start = time.monotonic()
-    assert _pl.Supervisor(main.pid, [failed])._run() is True  # one poll (not started)
+    supervisor = _pl.Supervisor(main.pid, [failed])
+    supervisor.grace_s = 0.5
+    assert supervisor._run() is True  # one poll (not started)
     assert time.monotonic() - start >= 0.5 and main.wait(10) == -signal.SIGKILL
     stalled = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     quick = subprocess.Popen([sys.executable, "-c", "pass"])
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        _pl.Supervisor(os.getpid(), [quick, stalled]).stop()
+        supervisor = _pl.Supervisor(os.getpid(), [quick, stalled])
+        supervisor.grace_s = 0.5
+        supervisor.stop()
     assert (quick.returncode, stalled.returncode) == (0, -signal.SIGKILL)
     assert [str(w.message) for w in caught] == [
         f"local rank 2 (pid {stalled.pid}) is still running 0 s after the launching process: SIGKILL"
