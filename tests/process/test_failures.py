@@ -46,6 +46,10 @@ JOBS: dict[str, tuple[str, str, int | None]] = {  # the long ones first; spawn (
     "sigkill/popen": ("sigkill", "popen", None),
     "refit/popen": ("refit", "popen", None),
 }
+#: Launch variables a fit in this pytest process may have left in os.environ (Lightning's popen launcher and the
+#: rendezvous set MASTER_ADDR/MASTER_PORT in the launching process; a module fixture's fit is not undone by the
+#: per-test restore): a job is a fresh launch from a clean shell, so it gets none of them.
+LAUNCH_VARIABLES = {"MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK"}
 #: How many jobs run at once (2 cores); how long one may take, and its processes may outlive its launcher (s).
 PARALLEL, JOB_TIMEOUT_S, OUTLIVE_S = 2, 240.0, 10.0
 
@@ -76,6 +80,7 @@ class Job:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
+                env={k: v for k, v in os.environ.items() if k not in LAUNCH_VARIABLES},
             )
         self.started = time.time()
         self.deadline = time.monotonic() + JOB_TIMEOUT_S
