@@ -375,16 +375,16 @@ class MyDDPStrategy(sync.wrapping.LightningDDPAttributes, ParallelStrategy):
         """Global rank 0 writes (no collective); a failure raises there, or, called by ``Trainer.save_checkpoint``
         (``_compat.lightning_private.saving_for_trainer``), at the barrier that follows, on every rank."""
         sampling.save_positions(self._trainer, checkpoint)
-        for_trainer = _pl.saving_for_trainer()
-        self._saving = (filepath, None)  # rank 0's outcome, for the barrier that ends Trainer.save_checkpoint
+        error = None
         if self.is_global_zero:
             try:
                 self.checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
                 self._written.add(filepath)
             except Exception as e:
-                if not for_trainer:
+                if not _pl.saving_for_trainer():
                     raise
-                self._saving = (filepath, e)
+                error = e
+        self._saving = (filepath, error)  # rank 0's outcome, for the barrier that ends Trainer.save_checkpoint
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:
