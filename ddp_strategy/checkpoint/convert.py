@@ -194,7 +194,7 @@ def import_plain_checkpoint(
     Args:
         source: the file, or the already loaded dict; model: a LightningModule or ``nn.Module``, loaded in place.
         output_path: where to write the Lightning checkpoint; ``None`` writes nothing.
-        strict: every key must match (default); False loads the matching ones.
+        strict: every key must match (default); False skips missing and unexpected keys (as torch's ``strict``).
         weights_only: load the file with ``torch.load(weights_only=True)`` (default); False only for trusted files.
         epochs_completed: epochs already trained; default the file's ``"epoch"``, read as PyTorch's ImageNet example
             writes it (``epoch + 1``; pass it if your script saved the last epoch's 0-based index), else 0.
@@ -206,7 +206,8 @@ def import_plain_checkpoint(
         FileNotFoundError, PermissionError, DamagedCheckpointError, UnsafeCheckpointError: loading failed, or the
             content is not a checkpoint (no model state dict, a non-tensor weight, an ``epoch`` that is not a whole
             number, an optimizer entry not laid out as PyTorch writes it).
-        StateDictMismatchError: ``strict`` and the keys or shapes do not match (lists them).
+        StateDictMismatchError: ``strict`` and the keys or shapes do not match (lists them); RuntimeError: not
+            ``strict`` and a tensor has another shape (torch's ``size mismatch for <key>``).
         ValueError: the optimizer state does not line up with the parameters, or is missing with ``output_path``.
         TypeError: ``output_path`` is given but ``model`` is not a LightningModule.
     """

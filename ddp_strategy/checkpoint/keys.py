@@ -135,15 +135,18 @@ def match_state_dict(
 
     Args:
         state_dict: name -> tensor, as found in a checkpoint; model: the module to load into.
-        strict: raise when keys are missing, unexpected or of another shape (default); False returns the matching
-            keys only (Lightning: ``model.strict_loading = False``).
+        strict: raise when keys are missing, unexpected or of another shape (default); False skips missing and
+            unexpected keys only (Lightning: ``model.strict_loading = False``), as torch's ``strict=False`` does: a
+            tensor of another shape is returned, and ``model.load_state_dict`` raises torch's ``RuntimeError``
+            ``size mismatch for <key>`` (under Lightning's ``ddp`` too).
         source: the file, named in the error; prefixes: attribute paths to try in front of the file's keys.
 
     Returns:
-        ``model``'s own key (with any ``_orig_mod.``) -> tensor; with ``strict=False`` only matching keys.
+        ``model``'s own key (with any ``_orig_mod.``) -> tensor; with ``strict=False`` only keys the model has.
 
     Raises:
-        StateDictMismatchError: ``strict`` and the keys or shapes do not match; the message lists them.
+        StateDictMismatchError: ``strict`` and the keys or shapes do not match; the message lists them, a shape as
+            torch does (``size mismatch for <key>``).
     """
     own = {unwrapped_name(model, k): (k, v) for k, v in model.state_dict().items()}
     mapping = _best_key_mapping(list(state_dict), set(own), prefixes)
@@ -158,7 +161,6 @@ def match_state_dict(
         target_key, target = own[name]
         if isinstance(value, torch.Tensor) and isinstance(target, torch.Tensor) and value.shape != target.shape:
             shapes[name] = (tuple(value.shape), tuple(target.shape))
-            continue
         matched[target_key] = value
     found = set(mapping.values())
     missing = [name for name in own if name not in found]
@@ -167,7 +169,9 @@ def match_state_dict(
         listed = {
             "missing key(s) (in the model, not in the file)": [repr(k) for k in missing],
             "unexpected key(s) (in the file, not in the model)": [repr(k) for k in unexpected],
-            "shape mismatch(es) (file vs model)": [f"{k!r}: {a} vs {b}" for k, (a, b) in shapes.items()],
+            "key(s) of another shape": [
+                f"size mismatch for {k}: {a} in the file, {b} in the model" for k, (a, b) in shapes.items()
+            ],
         }
         parts = [
             f"{len(items)} {what}: {', '.join(items[:MAX_LISTED_KEYS])}"
@@ -179,7 +183,12 @@ def match_state_dict(
             f"{where} does not fit {type(model).__name__}: " + "; ".join(parts) + ". Keys were compared after"
             " removing DDP's 'module.' and torch.compile's '_orig_mod.' prefixes. Check that the file was"
             " written for this model (same architecture and hyper-parameters); to load only the matching keys"
-            " set `model.strict_loading = False` (Lightning) or pass strict=False.",
+            " set `model.strict_loading = False` (Lightning) or pass strict=False"
+            + (
+                " (that skips missing and unexpected keys only: a tensor of another shape raises, as in torch)."
+                if shapes
+                else "."
+            ),
             missing,
             unexpected,
             shapes,

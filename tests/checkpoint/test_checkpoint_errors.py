@@ -7,6 +7,7 @@ UnsafeCheckpointError are in tests/sampling/test_data_compat.py.
 from __future__ import annotations
 
 import importlib.metadata
+import itertools
 import sys
 import warnings
 from types import SimpleNamespace
@@ -228,3 +229,36 @@ def test_state_dict_mismatch_suggestions_work_where_raised(tmp_path):
     fitted = trainer(2)
     fitted.fit(wider, loader())
     assert fitted.global_step == 2 and not torch.equal(wider.a.weight, source.a.weight)
+
+
+class Headed(Regressor):
+    """Regressor with a ``head`` of ``outputs`` outputs after ``a``."""
+
+    def __init__(self, outputs: int = 1) -> None:
+        super().__init__()
+        self.head = nn.Linear(1, outputs)
+
+    def training_step(self, batch, batch_idx):
+        return self.head(self.a(batch[0])).square().mean()
+
+    def test_step(self, batch, batch_idx):
+        self.log("test", self.head(self.a(batch[0])).square().mean())
+
+
+def test_a_tensor_of_another_shape_raises_with_strict_loading_off_as_under_ddp(tmp_path):
+    """A checkpoint whose head.weight has another shape, loaded by test(ckpt_path=...) with model.strict_loading
+    False (and True): a RuntimeError "size mismatch for head.weight" under strategy="ddp" and MyDDPStrategy(), the
+    model left as it was; import_plain_checkpoint(strict=False) raises it too (strict=False skips keys, not shapes)."""
+    trainer = one_rank_trainer(tmp_path, max_steps=1)
+    trainer.fit(Headed(), loader())
+    ckpt = str(tmp_path / "headed.ckpt")
+    trainer.save_checkpoint(ckpt)
+    for strategy, strict in itertools.product(("ddp", "ours"), (False, True)):
+        wider = Headed(outputs=2)
+        wider.strict_loading = strict
+        before = wider.head.weight.detach().clone()
+        with pytest.raises(RuntimeError, match="size mismatch for head.weight"):
+            one_rank_trainer(tmp_path, None if strategy == "ours" else strategy).test(wider, loader(), ckpt_path=ckpt)
+        assert torch.equal(wider.head.weight, before), (strategy, strict)
+    with pytest.raises(RuntimeError, match="size mismatch for head.weight"):
+        import_plain_checkpoint(ckpt, Headed(outputs=2), strict=False)
