@@ -77,9 +77,10 @@ def strategy_options(
     Raises:
         TypeError: a wrong type (``seed="1"``, ``init_method=5``), an unknown DDP option or comm hook.
         ValueError: out of range (``verify_sync_every_n_steps=0``, ``checkpoint_on_sigterm=""``, a ``seed`` outside 0 ..
-            2**32 - 1001, a non-positive timeout), an unknown ``start_method``, ``process_group_backend`` (any name in
-            ``torch.distributed.Backend.backend_list`` is known) or ``init_method`` scheme, and ``store`` with
-            ``start_method="spawn"``/``"forkserver"`` (a store cannot be pickled to the new processes).
+            2**32 - 1001, a non-positive timeout), an unknown ``start_method`` or ``init_method`` scheme, and ``store``
+            with ``start_method="spawn"``/``"forkserver"`` (a store cannot be pickled to the new processes). An
+            unknown ``process_group_backend`` is refused at the join, as under Lightning (a backend registered later
+            works).
     """
     none = type(None)
     for name, value, expected, types in (
@@ -130,7 +131,6 @@ def strategy_options(
             )
     if start_method is not None and start_method not in process.START_METHODS:
         raise ValueError(f"Unknown start_method={start_method!r}; use one of {list(process.START_METHODS)} or None.")
-    process.validate_backend_name(process_group_backend)
     process.validate_init_method(init_method)
     start_method = start_method or process.default_start_method()
     if store is not None and start_method in ("spawn", "forkserver"):

@@ -57,7 +57,8 @@ class MyDDPStrategy(sync.wrapping.LightningDDPAttributes, ParallelStrategy):
         **ddp_kwargs: any other DDP option (``process_group``: also a zero-argument callable run after launch).
 
     Raises:
-        ValueError, TypeError: a bad argument, named; at ``Trainer(...)``: ``"nccl"`` on CPU, a bad launch variable.
+        ValueError, TypeError: a bad argument, named; at ``Trainer(...)``: ``"nccl"`` on CPU, a bad launch variable;
+            at setup, as Lightning's: an unknown ``process_group_backend`` (one registered after ``__init__`` works).
     """
 
     strategy_name = "my_ddp"
@@ -405,7 +406,8 @@ class MyDDPStrategy(sync.wrapping.LightningDDPAttributes, ParallelStrategy):
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        """Load weights by exact key (:func:`~ddp_strategy.match_state_dict`); strict: ``StateDictMismatchError``."""
+        """Load weights by exact key (:func:`~ddp_strategy.match_state_dict`); strict: ``StateDictMismatchError``;
+        either way a tensor of another shape raises (``size mismatch for <key>``), as under Lightning's ``ddp``."""
         module = self.lightning_module
         try:
             state_dict = match_state_dict(

@@ -36,7 +36,6 @@ pytestmark = pytest.mark.timeout(120)
         ({"start_method": 3}, TypeError, "start_method"),
         ({"start_method": "thread"}, ValueError, "Unknown start_method='thread'"),
         ({"process_group_backend": ["gloo"]}, TypeError, "process_group_backend"),
-        ({"process_group_backend": "glooo"}, ValueError, "Unknown process_group_backend='glooo'.* or leave it as None"),
         ({"seed": "1"}, TypeError, "seed"),
         ({"seed": 2**70}, ValueError, "seed must be between 0 and"),
         ({"seed": -1}, ValueError, "seed must be between 0 and"),

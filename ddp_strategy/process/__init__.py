@@ -20,7 +20,6 @@ from ddp_strategy.process.group import (
     as_timedelta,
     device_ids,
     init_process_group,
-    validate_backend_name,
     validate_init_method,
 )
 from ddp_strategy.process.launching import START_METHODS, StartMethod, check_launch_env, default_start_method
@@ -47,6 +46,5 @@ __all__ = [
     "gather_shapes",
     "init_process_group",
     "launching",
-    "validate_backend_name",
     "validate_init_method",
 ]

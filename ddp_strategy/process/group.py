@@ -32,9 +32,15 @@ log = logging.getLogger(__name__)
 DEFAULT_TIMEOUT = timedelta(minutes=30)
 
 
-def validate_backend_name(backend: str | None) -> None:
-    """Raise ``ValueError`` for a backend not in ``torch.distributed.Backend.backend_list`` or not compiled in
-    (``None``, chosen from the device, passes)."""
+def resolve_backend(device: torch.device, backend: str | None) -> str:
+    """``backend``, else ``torch.distributed.Backend.default_device_backend_map``'s for ``device``. Checked at the
+    join, as Lightning's ``ddp`` checks it (so a backend registered with ``Backend.register_backend`` after the
+    strategy or Trainer is built works); ``"nccl"`` on a CPU device is refused earlier, at ``Trainer(...)``
+    (:func:`~ddp_strategy.process.launching.make_launcher`).
+
+    Raises:
+        ValueError: a name not in ``torch.distributed.Backend.backend_list``, or not compiled in.
+    """
     known = [b for b in dist.Backend.backend_list if b not in ("undefined", "fake")]
     if backend is not None and backend.lower() not in known:
         raise ValueError(
@@ -46,17 +52,6 @@ def validate_backend_name(backend: str | None) -> None:
             f"process_group_backend={backend!r} is not available in this PyTorch build (torch"
             f" {torch.__version__}). Use 'gloo', or install a PyTorch build with {backend} support."
         )
-
-
-def resolve_backend(device: torch.device, backend: str | None) -> str:
-    """``backend``, else ``torch.distributed.Backend.default_device_backend_map``'s for ``device``; ``ValueError``
-    for an unknown or unavailable name, or ``"nccl"`` on a non-CUDA device."""
-    if backend == "nccl" and device.type != "cuda":
-        raise ValueError(
-            f"process_group_backend='nccl' needs CUDA devices, but this rank runs on {device}. Use"
-            " process_group_backend='gloo' (or None) for CPU training, or Trainer(accelerator='cuda')."
-        )
-    validate_backend_name(backend)
     return backend or dist.Backend.default_device_backend_map.get(device.type, "gloo")
 
 

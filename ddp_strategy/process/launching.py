@@ -18,7 +18,6 @@ from ddp_strategy._compat import lightning_private as _pl
 from ddp_strategy._compat import namespace as _namespace
 from ddp_strategy._compat.namespace import rank_zero_warn
 from ddp_strategy.process import failures
-from ddp_strategy.process.group import resolve_backend
 
 if TYPE_CHECKING:
     from lightning.fabric.plugins import ClusterEnvironment
@@ -142,10 +141,14 @@ def check_fork_safe(start_method: str, device_type: str) -> None:
 
 def make_launcher(strategy: Any, start_method: str, backend: str | None, allow_cpu_oversubscription: bool) -> Any:
     """``_compat``'s ``SubprocessScriptLauncher`` (Lightning's, with one supervisor of its ranks) for ``"popen"``,
-    else :class:`CheckedMultiProcessingLauncher`; ``ValueError`` for a backend the device cannot use (``"nccl"`` on
-    CPU)."""
+    else :class:`CheckedMultiProcessingLauncher`; ``ValueError`` for ``"nccl"`` on CPU (a backend's name is checked
+    at the join: :func:`~ddp_strategy.process.group.resolve_backend`)."""
     env, devices = strategy.cluster_environment, strategy.parallel_devices
-    resolve_backend(devices[0], backend)
+    if backend == "nccl" and devices[0].type != "cuda":
+        raise ValueError(
+            f"process_group_backend='nccl' needs CUDA devices, but this rank runs on {devices[0]}. Use"
+            " process_group_backend='gloo' (or None) for CPU training, or Trainer(accelerator='cuda')."
+        )
     if devices[0].type == "cpu" and not env.creates_processes_externally:
         check_cpu_processes(strategy.num_processes, allow_cpu_oversubscription)
     if start_method == "popen":

@@ -213,14 +213,15 @@ def test_fork_with_cuda_is_refused_before_forking_and_the_suggestions_pass_the_c
 
 
 def test_backend_errors_and_their_suggestions_resolve_to_gloo_on_cpu():
-    """nccl on CPU and an unknown name are refused with what to do instead; the suggested 'gloo' and None give gloo."""
+    """nccl on CPU (at Trainer(...)) and an unknown name (at the join) are refused with what to do instead; the
+    suggested 'gloo' and None give gloo."""
     cpu = torch.device("cpu")
     with pytest.raises(
         ValueError,
         match=r"process_group_backend='nccl' needs CUDA devices.* Use"
         r" process_group_backend='gloo' \(or None\)",
     ):
-        process_group.resolve_backend(cpu, "nccl")
+        pl.Trainer(accelerator="cpu", devices=1, strategy=MyDDPStrategy(process_group_backend="nccl"), logger=False)
     with pytest.raises(ValueError, match="Unknown process_group_backend='glooo'.* or leave it as None"):
         process_group.resolve_backend(cpu, "glooo")
     assert process_group.resolve_backend(cpu, "gloo") == process_group.resolve_backend(cpu, None) == "gloo"

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import copy
 import os
 from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
-from ddp_testing import free_port, listening_sockets
+from ddp_testing import Regressor, free_port, listening_sockets, loader, one_rank_trainer
+from lightning.pytorch.strategies import DDPStrategy
 
+from ddp_strategy import MyDDPStrategy
 from ddp_strategy.process import failures
 from ddp_strategy.process import group as process_group
 
@@ -21,11 +24,37 @@ def test_backend_follows_device():
     assert process_group.resolve_backend(torch.device("cuda", 0), "gloo") == "gloo"
 
 
-def test_a_backend_registered_with_torch_is_accepted(monkeypatch):
-    """A third-party backend registered with torch.distributed.Backend.register_backend is not refused."""
-    monkeypatch.setattr(dist.Backend, "backend_list", [*dist.Backend.backend_list, "mybackend"])
-    process_group.validate_backend_name("mybackend")
-    assert process_group.resolve_backend(torch.device("cpu"), "mybackend") == "mybackend"
+def _gloo_backend(store, rank, size, timeout):
+    """A backend for ``Backend.register_backend``: gloo under another name."""
+    return dist.ProcessGroupGloo(store, rank, size, timeout)
+
+
+def test_an_unknown_backend_fails_at_setup_and_one_registered_after_the_trainer_trains(monkeypatch, tmp_path):
+    """Side by side with strategy="ddp" (DDPStrategy): process_group_backend='glooo' builds the strategy and the
+    Trainer and fails at fit's setup (torch's AssertionError there, our ValueError naming the known names); a name
+    registered with torch.distributed.Backend.register_backend after the Trainer is built trains, on that backend."""
+    for attribute in (
+        "backend_list",
+        "_plugins",
+        "backend_capability",
+        "backend_type_map",
+        "default_device_backend_map",
+    ):
+        monkeypatch.setattr(dist.Backend, attribute, copy.copy(getattr(dist.Backend, attribute)))  # undone at the end
+    monkeypatch.setattr(dist.Backend, "LATEBACKEND", "latebackend", raising=False)  # as register_backend sets it
+    errors = {}
+    for name, build in (("ddp", DDPStrategy), ("ours", MyDDPStrategy)):
+        unknown = one_rank_trainer(tmp_path, build(process_group_backend="glooo"), max_steps=1)  # built, no error
+        with pytest.raises((AssertionError, ValueError)) as raised:
+            unknown.fit(Regressor(), loader())
+        errors[name] = raised.type
+        late = one_rank_trainer(tmp_path, build(process_group_backend="latebackend"), max_steps=2)
+        if "latebackend" not in dist.Backend.backend_list:
+            dist.Backend.register_backend("latebackend", _gloo_backend, devices=["cpu"])
+        late.fit(Regressor(), loader())
+        assert (late.global_step, dist.get_backend()) == (2, "latebackend"), name
+        dist.destroy_process_group()
+    assert errors == {"ddp": AssertionError, "ours": ValueError}
 
 
 @pytest.mark.parametrize(("given", "seconds"), [(90, 90.0), (0.5, 0.5), (timedelta(minutes=2), 120.0)])
