@@ -136,9 +136,13 @@ def on_exception(
 
 
 def teardown(run: Any, rank: int, world_size: int) -> None:
-    """Step 4 after a failed run; after a successful one the group stays (next stage, user)."""
+    """Step 4 after a failed run; after a successful one the group stays (next stage, user). On every path the
+    ``GLOO_SOCKET_IFNAME`` the join set is removed (a user's value was never replaced)."""
     store, run.reports = run.reports, None
-    run.node_group, run.node_ranks, run.barrier_group = None, [], None  # no reference to the group outlives the run
+    if run.ifname is not None and os.environ.get("GLOO_SOCKET_IFNAME") == run.ifname:
+        del os.environ["GLOO_SOCKET_IFNAME"]
+    # no reference to the group outlives the run
+    run.node_group, run.node_ranks, run.barrier_group, run.ifname = None, [], None, None
     if not run.failed:
         return
     base = _torch.default_store() if dist.is_initialized() else None

@@ -159,8 +159,9 @@ def init_process_group(
 
     The rendezvous, first that applies: ``store``; ``init_method`` (``file://`` by torch, ``tcp://host:port`` as
     ``env://``); torchrun's agent store (``TORCHELASTIC_USE_AGENT_STORE=True``); ``env://`` at
-    ``main_address:main_port``, served by rank 0 (on loopback, with gloo's ``GLOO_SOCKET_IFNAME=lo`` unless set,
-    when ``num_nodes == 1``). A CUDA ``device`` is passed as ``device_id`` (eager NCCL initialisation).
+    ``main_address:main_port``, served by rank 0 (on loopback when ``num_nodes == 1``). A CUDA ``device`` is passed
+    as ``device_id`` (eager NCCL initialisation). ``MASTER_ADDR``/``MASTER_PORT`` are set for ``env://``, and left
+    set, as Lightning's ``_init_dist_connection`` does.
 
     Raises:
         RuntimeError: a group exists with another rank or world size; or the rendezvous failed (unreachable
@@ -191,8 +192,6 @@ def init_process_group(
     )
     if env:  # as Lightning's _init_dist_connection does; torch's env:// handler reads them under torchrun
         os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = main_address, str(main_port)
-    if num_nodes == 1 and "GLOO_SOCKET_IFNAME" not in os.environ and "lo" in dict(socket.if_nameindex()).values():
-        os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     log.info(
         "[rank %d] joining the process group: backend=%s world_size=%d rendezvous=%s timeout=%.0fs",
         rank,
@@ -270,14 +269,24 @@ class ProcessGroupRun:
         self.timeout, self.barrier_timeout, self.init_method, self.store = timeout, barrier_timeout, init_method, store
         # This run's failure reports (failures.run_reports); this rank's intra-node group (the world on one node) and
         # its ranks; the gloo side group, for monitored_barrier and the signal flags. Set by join, dropped at teardown.
-        self.reports, self.node_group, self.node_ranks, self.barrier_group = None, None, [], None
+        # The value this run gave GLOO_SOCKET_IFNAME (None: it left it alone), removed at teardown (failures.teardown).
+        self.reports, self.node_group, self.node_ranks, self.barrier_group, self.ifname = None, None, [], None, None
         self.failed = self.own_failure = False  # set by failures.on_exception, cleared when the next run joins
 
     def join(self, env: Any, device: torch.device, backend: str | None, num_nodes: int, num_processes: int) -> str:
         """Join (or reuse) the world group, make the side groups and this run's failure reports; return the backend
-        in use. Every rank."""
+        in use. Every rank. On one node, ``GLOO_SOCKET_IFNAME=lo`` until the run's teardown, unless already set.
+
+        Raises:
+            ValueError: an unknown or unavailable backend (:func:`resolve_backend`); RuntimeError: as
+                :func:`init_process_group`.
+        """
         backend = resolve_backend(device, backend)
         rank, world_size = env.global_rank(), num_nodes * num_processes
+        # On one node gloo's connections stay on loopback (the groups made now, and the user's during the run),
+        # unless the user chose an interface; failures.teardown removes the variable again, on every path.
+        if num_nodes == 1 and "GLOO_SOCKET_IFNAME" not in os.environ and "lo" in dict(socket.if_nameindex()).values():
+            os.environ["GLOO_SOCKET_IFNAME"] = self.ifname = "lo"
         init_process_group(
             backend,
             rank,

@@ -50,6 +50,9 @@ JOBS: dict[str, tuple[str, str, int | None]] = {  # the long ones first; spawn (
 #: rendezvous set MASTER_ADDR/MASTER_PORT in the launching process; a module fixture's fit is not undone by the
 #: per-test restore): a job is a fresh launch from a clean shell, so it gets none of them.
 LAUNCH_VARIABLES = {"MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK"}
+#: What Lightning's popen launcher (and ``_set_num_threads_if_needed``) leaves in the launching process, under
+#: ``strategy="ddp"`` too; the strategy leaves nothing else (GLOO_SOCKET_IFNAME, set while a run lasts, is removed).
+LIGHTNING_LEAVES = {"MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE", "OMP_NUM_THREADS"}
 #: How many jobs run at once (2 cores); how long one may take, and its processes may outlive its launcher (s).
 PARALLEL, JOB_TIMEOUT_S, OUTLIVE_S = 2, 240.0, 10.0
 
@@ -174,6 +177,7 @@ def test_an_exception_on_one_rank_ends_every_rank_within_30_s(jobs, job, own, se
     assert ended.since_failure < 30, f"took {ended.since_failure:.1f} s after the failure"
     assert own in ended.out and "Traceback" in ended.out
     assert (ended.folder / "finally_rank0").exists(), "the launching process was killed before its finally ran"
+    assert set((ended.folder / "environ_rank0").read_text().split()) <= LIGHTNING_LEAVES  # the launching process
     if seen_by_peer:
         assert seen_by_peer in ended.out
 
@@ -241,11 +245,14 @@ def test_sigterm_saves_a_checkpoint_that_resumes_and_leaves_no_process(jobs, job
 @pytest.mark.parametrize("job", ["refit/popen"])
 def test_a_failure_the_script_catches_leaves_every_rank_to_fit_again(jobs, job):
     """popen, every rank raises and the script catches it and fits again (as it may under ddp): no rank is stopped,
-    the new fit trains on both ranks and the job exits 0 (before: the launching rank SIGKILLed rank 1 after 5 s)."""
+    the new fit trains on both ranks and the job exits 0 (before: the launching rank SIGKILLed rank 1 after 5 s); the
+    environment of every process is left as under ddp (no GLOO_SOCKET_IFNAME)."""
     ended = jobs[job].result()
     assert ended.code == 0, ended.out[-3000:]
     assert [(ended.folder / f"refit_rank{r}").read_text() for r in (0, 1)] == ["6", "6"]
     assert "is still running 30 s after the launching process" not in ended.out
+    for rank in (0, 1):  # after a failed fit and a successful one, only what Lightning's launcher leaves
+        assert set((ended.folder / f"environ_rank{rank}").read_text().split()) <= LIGHTNING_LEAVES
 
 
 @pytest.mark.timeout(600)

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import copy
+import itertools
 import os
 from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
-from ddp_testing import Regressor, free_port, listening_sockets, loader, one_rank_trainer
+from ddp_testing import Regressor, error_of, free_port, listening_sockets, loader, one_rank_trainer
 from lightning.pytorch.strategies import DDPStrategy
 
 from ddp_strategy import MyDDPStrategy
@@ -246,3 +247,47 @@ def test_a_new_fit_after_a_failed_one_rejoins_at_once_while_the_failed_runs_stor
     )
     assert weights_0 == weights_1
     assert seconds_1 < 15, f"rank 1's refit took {seconds_1:.1f} s"
+
+
+class _Probe(Regressor):
+    """Records GLOO_SOCKET_IFNAME as a training step sees it; with ``fail``, raises in its first step."""
+
+    def __init__(self, fail: bool = False) -> None:
+        super().__init__()
+        self.fail, self.ifname = fail, "unseen"
+
+    def training_step(self, batch, batch_idx):
+        self.ifname = os.environ.get("GLOO_SOCKET_IFNAME")
+        if self.fail:
+            raise ZeroDivisionError("a step fails on purpose")
+        return super().training_step(batch, batch_idx)
+
+
+def test_a_fit_leaves_the_environment_as_lightnings_ddp_leaves_it_on_every_path(tmp_path, caplog):
+    """From the same environment, a successful and a failing fit under strategy="ddp" and MyDDPStrategy() change
+    os.environ alike (Lightning's launch variables only): GLOO_SOCKET_IFNAME=lo holds while our run lasts and is
+    gone after it; a GLOO_SOCKET_IFNAME the user set stays, unchanged. (Two-process jobs, the launching process
+    included: tests/process/test_failures.py.)"""
+    initial, changes, seen = dict(os.environ), {}, {}
+    for name, outcome in itertools.product(("ddp", "ours"), ("fit", "failed")):
+        if outcome == "fit":  # each strategy from the same environment (Lightning's launcher sets it on first use)
+            os.environ.clear()
+            os.environ.update(initial)
+        before, model = dict(os.environ), _Probe(fail=outcome == "failed")
+        trainer = one_rank_trainer(tmp_path, None if name == "ours" else "ddp", max_steps=2)
+        if outcome == "fit":
+            trainer.fit(model, loader())
+        else:
+            assert error_of(lambda t=trainer, m=model: t.fit(m, loader()), caplog).startswith("ZeroDivisionError")
+        changes[name, outcome] = {k for k in {**before, **os.environ} if before.get(k) != os.environ.get(k)}
+        seen[name, outcome] = model.ifname
+    assert (
+        changes["ours", "fit"]
+        == changes["ddp", "fit"]
+        <= {"MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK"} | {"WORLD_SIZE", "OMP_NUM_THREADS"}
+    )
+    assert changes["ours", "failed"] == changes["ddp", "failed"] == set()
+    assert seen == {("ddp", "fit"): None, ("ddp", "failed"): None, ("ours", "fit"): "lo", ("ours", "failed"): "lo"}
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # the user's
+    one_rank_trainer(tmp_path, max_steps=1).fit(_Probe(), loader())
+    assert os.environ["GLOO_SOCKET_IFNAME"] == "lo"

@@ -6,8 +6,10 @@ Each rank writes OUT_DIR/started_rank{r} when training starts and OUT_DIR/failin
 failure (a time.time() stamp), so the test can measure how long the job takes to end. In the sigterm and
 sigint scenarios each rank writes OUT_DIR/waiting_rank{r} at step 3 and waits there for the test's signal. The
 launching process writes OUT_DIR/finally_rank0 in a ``finally`` around ``fit`` (popen: it must not be killed first),
-and rank 0 writes OUT_DIR/finished (the steps taken) if the fit ends normally. In the refit scenario every rank
-fails at epoch 1, the script catches it and fits again; each rank writes OUT_DIR/refit_rank{r} (the steps taken).
+and rank 0 writes OUT_DIR/finished (the steps taken) if the fit ends normally. In that ``finally`` each process
+writes OUT_DIR/environ_rank{r}: the names of the environment variables that differ from the script's start. In
+the refit scenario every rank fails at epoch 1, the script catches it and fits again; each rank writes
+OUT_DIR/refit_rank{r} (the steps taken).
 """
 
 import os
@@ -17,6 +19,7 @@ import time
 from pathlib import Path
 
 import lightning as L
+import sklearn  # noqa: F401 (imported by the data module; its import sets KMP_* variables, before start_environ)
 import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
@@ -108,6 +111,7 @@ class UnevenData(DigitsDataModule):
 
 if __name__ == "__main__":
     L.seed_everything(3)
+    start_environ = dict(os.environ)
     timeout = 5 if SCENARIO == "skip_log" else 60  # skip_log waits for it: the ranks' collectives do not match
     strategy = MyDDPStrategy(
         start_method=START_METHOD,
@@ -152,6 +156,8 @@ if __name__ == "__main__":
             again.fit(Model(), DigitsDataModule())
             (OUT / f"refit_rank{again.global_rank}").write_text(str(again.global_step))
     finally:
+        changed = {k for k in {**start_environ, **os.environ} if start_environ.get(k) != os.environ.get(k)}
+        (OUT / f"environ_rank{trainer.global_rank}").write_text(" ".join(sorted(changed)))
         if trainer.global_rank == 0 or START_METHOD != "popen":
             (OUT / "finally_rank0").write_text(str(os.getpid()))
     if trainer.global_rank == 0:
