@@ -32,8 +32,10 @@ def unwrapped_name(module: nn.Module, key: str) -> str:
     kept: list[str] = []
     current: nn.Module | None = module  # None below a segment that names no child module
     for part in path:
-        wrapper = "module" if isinstance(current, DistributedDataParallel) else None
-        if part != wrapper and not (part == COMPILE_SEGMENT and _torch.compiled_original(current) is not None):
+        if not (  # the segment a wrapper adds: DDP's module., torch.compile's _orig_mod.
+            (part == "module" and isinstance(current, DistributedDataParallel))
+            or (part == COMPILE_SEGMENT and _torch.compiled_original(current) is not None)
+        ):
             kept.append(part)
         current = dict(current.named_children()).get(part) if current is not None else None
     return ".".join([*kept, leaf])
@@ -148,22 +150,18 @@ def match_state_dict(
         StateDictMismatchError: ``strict`` and the keys or shapes do not match; the message lists them, a shape as
             torch does (``size mismatch for <key>``).
     """
-    own = {unwrapped_name(model, k): (k, v) for k, v in model.state_dict().items()}
-    mapping = _best_key_mapping(list(state_dict), set(own), prefixes)
-    matched: dict[str, Any] = {}
-    unexpected: list[str] = []
-    shapes: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {}
-    for key, value in state_dict.items():
-        name = mapping[key]
-        if name not in own:
-            unexpected.append(name)
-            continue
-        target_key, target = own[name]
-        if isinstance(value, torch.Tensor) and isinstance(target, torch.Tensor) and value.shape != target.shape:
-            shapes[name] = (tuple(value.shape), tuple(target.shape))
-        matched[target_key] = value
-    found = set(mapping.values())
+    own = {unwrapped_name(model, k): (k, v) for k, v in model.state_dict().items()}  # clean name -> (key, value)
+    mapping = _best_key_mapping(list(state_dict), set(own), prefixes)  # file key -> clean name
+    found = {mapping[key]: value for key, value in state_dict.items() if mapping[key] in own}  # clean name -> value
+    unexpected = [name for name in mapping.values() if name not in own]
     missing = [name for name in own if name not in found]
+    shapes = {
+        name: (tuple(value.shape), tuple(own[name][1].shape))
+        for name, value in found.items()
+        if isinstance(value, torch.Tensor)
+        and isinstance(own[name][1], torch.Tensor)
+        and value.shape != own[name][1].shape
+    }
     if strict and (missing or unexpected or shapes):
         where = f"Checkpoint {os.fspath(source)}" if source is not None else "The checkpoint's state_dict"
         listed = {
@@ -193,4 +191,4 @@ def match_state_dict(
             unexpected,
             shapes,
         )
-    return matched
+    return {own[name][0]: value for name, value in found.items()}
