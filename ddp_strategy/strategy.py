@@ -246,6 +246,13 @@ class MyDDPStrategy(sync.wrapping.LightningDDPAttributes, ParallelStrategy):
         sync.after_backward(self.model, first_step=self._gradients_steps == 0)
 
     @override
+    def block_backward_sync(self) -> contextlib.AbstractContextManager:
+        """DDP's ``no_sync`` for accumulation's non-final micro-batches (Lightning's), but not under ``static_graph``,
+        where torch fails (pytorch/pytorch#143580): there each micro-batch all-reduces, which gives the same
+        accumulated mean over ranks (one all-reduce per micro-batch instead of per step)."""
+        return contextlib.nullcontext() if getattr(self.model, "static_graph", False) else super().block_backward_sync()
+
+    @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         """Step the optimizer; every ``verify_sync_every_n_steps`` steps, check the ranks agree."""
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
