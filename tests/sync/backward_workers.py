@@ -66,15 +66,15 @@ class AuxNet(pl.LightningModule):
         opt = self.optimizers()
         opt.zero_grad()
         self.manual_backward(loss)
-        self.rec["grads"].append(self._grads())  # after the strategy's post_backward (on_after_backward: before)
+        self.rec["grads"].append(self.gradients())  # after the strategy's post_backward (on_after_backward: before)
         opt.step()
         return None
 
     def on_after_backward(self) -> None:
         if self.automatic_optimization:
-            self.rec["grads"].append(self._grads())
+            self.rec["grads"].append(self.gradients())
 
-    def _grads(self) -> dict[str, torch.Tensor]:
+    def gradients(self) -> dict[str, torch.Tensor]:
         return {n: p.grad.clone() for n, p in self.named_parameters() if p.grad is not None}
 
     def on_train_end(self) -> None:
@@ -138,11 +138,13 @@ def scenario_backward(out: Path) -> None:
     for name, options in MANUAL_OPTIONS.items():
         fit(f"manual_{name}_ddp", out, DDPStrategy(**lightning_options(options)), AuxNet(manual=True))
     fit("accumulate_static_ddp", out, DDPStrategy(static_graph=True), AuxNet(), accumulate=2)
+    fit("accumulate_late_aux_ddp", out, DDPStrategy(), AuxNet(aux_steps=(1, 3)), accumulate=2)
     fit("static_changed_ddp", out, DDPStrategy(static_graph=True), AuxNet(aux_steps=(0,)))
     for name, options in MANUAL_OPTIONS.items():
         fit(f"manual_{name}_ours", out, MyDDPStrategy(timeout=30, **options), AuxNet(manual=True))
     for name, options in ACCUMULATE_OPTIONS.items():
         fit(f"accumulate_{name}_ours", out, MyDDPStrategy(timeout=30, **options), AuxNet(), accumulate=2)
+    fit("accumulate_late_aux_ours", out, MyDDPStrategy(timeout=30), AuxNet(aux_steps=(1, 3)), accumulate=2)
     fit("static_changed_ours", out, MyDDPStrategy(timeout=30, static_graph=True), AuxNet(aux_steps=(0,)))
     fit("rank_branch_ours", out, MyDDPStrategy(timeout=30), AuxNet(aux_ranks=(0,)))
 

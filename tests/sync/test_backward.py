@@ -26,10 +26,12 @@ def records(tmp_path_factory) -> tuple[object, dict]:
     return out, lambda name: load(out, name, 2)
 
 
-def _replay(ranks: list[dict], accumulate: int = 1) -> tuple[list[dict[str, torch.Tensor]], dict[str, torch.Tensor]]:
+def _replay(
+    ranks: list[dict], accumulate: int = 1, aux_steps: tuple[int, ...] | None = None
+) -> tuple[list[dict[str, torch.Tensor]], dict[str, torch.Tensor]]:
     """One process from rank 0's initial weights, fed the union of both ranks' batches (2B) with the loss scaled by
     1/accumulate: the gradient after each backward and the final weights."""
-    model = bw.AuxNet()
+    model = bw.AuxNet(aux_steps=aux_steps)
     model.load_state_dict(ranks[0]["initial"])
     opt = torch.optim.SGD(model.parameters(), lr=bw.LR)
     x, _ = bw.data().tensors
@@ -39,20 +41,26 @@ def _replay(ranks: list[dict], accumulate: int = 1) -> tuple[list[dict[str, torc
         opt.zero_grad()
         for step, (b0, b1) in enumerate(batches[start : start + accumulate], start):
             (model.loss(x[torch.tensor(b0 + b1)], step) / accumulate).backward()
-            grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+            grads.append(model.gradients())
         opt.step()
     return grads, model.state_dict()
 
 
-def _assert_replayed(ranks: list[dict], steps: int, accumulate: int = 1) -> None:
-    """Both ranks trained without error; after each backward both hold the replay's gradient, at the end its
-    weights (within 1e-6)."""
+def _assert_replayed(
+    ranks: list[dict],
+    steps: int,
+    accumulate: int = 1,
+    synced_every: int = 1,
+    aux_steps: tuple[int, ...] | None = None,
+) -> None:
+    """Both ranks trained without error; after each backward (each ``synced_every``-th: the others are under
+    ``no_sync``) both hold the replay's gradient, at the end its weights (within 1e-6)."""
     assert [r["error"] for r in ranks] == [None, None]
-    grads, final = _replay(ranks, accumulate)
+    grads, final = _replay(ranks, accumulate, aux_steps)
     for rank in ranks:
         assert len(rank["grads"]) == steps
         for step, (got, want) in enumerate(zip(rank["grads"], grads, strict=True)):
-            for name in want:
+            for name in want if (step + 1) % synced_every == 0 else ():
                 torch.testing.assert_close(got[name], want[name], rtol=0, atol=1e-6, msg=f"step {step} {name}")
         for name, value in final.items():
             torch.testing.assert_close(rank["final"][name], value, rtol=0, atol=1e-6, msg=name)
@@ -78,6 +86,16 @@ def test_static_graph_with_accumulation_trains_like_a_replay(records, options):
     if options == "static":
         errors = [r["error"] for r in load_fit("accumulate_static_ddp")]
         assert all(e is not None and "expect_autograd_hooks_" in e for e in errors), errors
+
+
+def test_parameter_unused_before_the_last_micro_batch_trains(records):
+    """accumulate_grad_batches=2, aux used in each window's last micro-batch only: DDP all-reduces there, with every
+    gradient, so both strategies train like the replay (the unused-parameter check skips no_sync backwards)."""
+    _, load_fit = records
+    for strategy in ("ours", "ddp"):
+        _assert_replayed(
+            load_fit(f"accumulate_late_aux_{strategy}"), steps=4, accumulate=2, synced_every=2, aux_steps=(1, 3)
+        )
 
 
 def test_changed_graph_under_static_graph_says_so(records):
