@@ -207,10 +207,10 @@ def after_backward(model: nn.Module, first_step: bool) -> None:
       (:func:`~ddp_strategy._compat.torch_private.all_reduce_first_static_graph_step`), as Lightning's DDP does.
     - Before the first optimizer step, in a backward that syncs gradients (not under ``no_sync``), with
       ``find_unused_parameters`` and ``static_graph`` off: parameters of this rank that got no gradient are
-      named. DDP itself only notices at the next forward, by parameter index. The check makes no collective, which
-      could pair with DDP's bucket all-reduce that a peer with every gradient is in by now: this rank's teardown
-      leaves the group, which breaks that all-reduce within seconds, and the peers name this rank and its error
-      (:mod:`ddp_strategy.process.failures`).
+      named. DDP itself only notices at the next forward, by parameter index. The check makes no collective (one
+      would pair with DDP's bucket all-reduce, which a peer that got every gradient is in by now); this rank's
+      teardown leaves the group, which breaks that all-reduce within seconds, and the peers name this rank and its
+      error (:mod:`ddp_strategy.process.failures`).
 
     Raises:
         RuntimeError: naming this rank's parameters without gradient and ``find_unused_parameters``.
