@@ -106,7 +106,7 @@ class MyDDPStrategy(sync.wrapping.LightningDDPAttributes, ParallelStrategy):
         self._sharding = sampling.LoaderSharding(exact_evaluation)
         self._uneven = sampling.UnevenInputs(uneven_inputs, divide_by_initial_world_size)
         self._warned_padded_gather = self._buffers_due = False  # rank 0's buffers: due at a validation step
-        self._gradients_unchecked, self._gradients_steps = False, 0  # the first backward's check to come; steps
+        self._gradients_steps = 0  # optimizer steps (for the unused-parameter check and verify_sync_every_n_steps)
         self._verify_sync_every_n_steps = verify_sync_every_n_steps
         self._written = checkpoint.WrittenFiles()  # checkpoints saved by this run, trusted when loaded back unchanged
         self._diagnostics: diagnostics.FitRecord | None = None
@@ -209,7 +209,6 @@ class MyDDPStrategy(sync.wrapping.LightningDDPAttributes, ParallelStrategy):
             if self.is_global_zero:
                 checkpoint.prepare_folders(trainer.checkpoint_callbacks)
             self.model = sync.wrap(self.model, self.root_device, kwargs, self._options.comm_hook)
-            self._gradients_unchecked = not (kwargs.get("find_unused_parameters") or kwargs.get("static_graph"))
             self._gradients_steps = 0
             self.setup_optimizers(trainer)
         else:
@@ -242,10 +241,17 @@ class MyDDPStrategy(sync.wrapping.LightningDDPAttributes, ParallelStrategy):
 
     @override
     def post_backward(self, closure_loss: Tensor) -> None:
-        """After the first backward (find_unused_parameters off), name parameters that got no gradient."""
-        if self._gradients_unchecked and not self._uneven.tail:
-            self._gradients_unchecked = False
-            sync.check_unused_parameters(self.model, self.root_device)
+        """Manual optimization under ``static_graph``: all-reduce the first step's gradients (as Lightning's DDP,
+        Lightning-AI/pytorch-lightning#18086); until the first step (``find_unused_parameters`` off), name this
+        rank's parameters without gradient (:func:`ddp_strategy.sync.after_backward`; no collective)."""
+        sync.after_backward(self.model, first_step=self._gradients_steps == 0)
+
+    @override
+    def block_backward_sync(self) -> contextlib.AbstractContextManager:
+        """DDP's ``no_sync`` for accumulation's non-final micro-batches (Lightning's), but not under ``static_graph``,
+        where torch fails (pytorch/pytorch#143580): there each micro-batch all-reduces, which gives the same
+        accumulated mean over ranks (one all-reduce per micro-batch instead of per step)."""
+        return contextlib.nullcontext() if getattr(self.model, "static_graph", False) else super().block_backward_sync()
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:

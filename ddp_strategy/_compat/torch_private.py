@@ -19,6 +19,7 @@ __all__ = [
     "COMPILE_SEGMENT",
     "DDP_TIMING_KEYS",
     "CountingProcessGroup",
+    "all_reduce_first_static_graph_step",
     "broadcast_coalesced",
     "compiled_original",
     "ddp_logging_data",
@@ -163,3 +164,14 @@ def set_gradient_divisor(ddp: Any, work: Any, static: bool) -> None:
     None: no handle, as outside a join) by the world size: DDP's ``divide_by_initial_world_size``
     (``Reducer._set_forward_pass_work_handle``)."""
     ddp.reducer._set_forward_pass_work_handle(work, static)
+
+
+def all_reduce_first_static_graph_step(model: Any) -> None:
+    """After a backward: if ``model`` is a DDP wrapper with ``static_graph=True`` whose first step's gradients are
+    not yet all-reduced, all-reduce them now (every rank, a collective), as DDP does at the end of the first
+    backward through its output (``_DDPSink.backward`` queues ``reducer._delay_all_reduce``). A backward not through
+    DDP's output (``manual_backward`` inside ``training_step``) never does; Lightning's ``DDPStrategy.post_backward``
+    calls it there (Lightning-AI/pytorch-lightning#21251). Else a no-op."""
+    if getattr(model, "static_graph", False) and not model._static_graph_delay_allreduce_enqueued:
+        model._static_graph_delay_allreduce_enqueued = True
+        model.reducer._delay_all_reduce()

@@ -12,8 +12,8 @@ from ddp_strategy.sync.rank_check import verify_parameters_in_sync
 from ddp_strategy.sync.sync_batchnorm import CPUSyncBatchNorm, cpu_capable
 from ddp_strategy.sync.wrapping import (
     DDPForwardRedirection,
+    after_backward,
     broadcast_states,
-    check_unused_parameters,
     non_default_options,
     unwrap,
     validate_ddp_kwargs,
@@ -25,9 +25,9 @@ __all__ = [
     "CommHook",
     "CommHookConfig",
     "DDPForwardRedirection",
+    "after_backward",
     "bf16_all_reduce_hook",
     "broadcast_states",
-    "check_unused_parameters",
     "count_collective_bytes",
     "cpu_capable",
     "non_default_options",

@@ -171,7 +171,11 @@ class DDPForwardRedirection(_pl.DDPForwardRedirection):
             return super().__call__(wrapper_module, original_module, method_name, *args, **kwargs)
         except RuntimeError as e:
             if isinstance(wrapper_module, DistributedDataParallel) and "Expected to have finished reduction" in str(e):
-                raise RuntimeError(unused_parameters_message(_without_grad(original_module), dist.get_rank())) from e
+                raise RuntimeError(
+                    unused_parameters_message(
+                        _without_grad(original_module), dist.get_rank(), wrapper_module.static_graph
+                    )
+                ) from e
             raise
 
 
@@ -179,37 +183,44 @@ def _without_grad(module: nn.Module) -> list[str]:
     return [name for name, p in module.named_parameters() if p.requires_grad and p.grad is None]
 
 
-def unused_parameters_message(names: list[str], rank: int) -> str:
-    """The error for parameters that got no gradient while ``find_unused_parameters=False``."""
-    return (
-        f"[rank {rank}] {len(names)} parameter(s) received no gradient in backward: {names}. With"
-        " find_unused_parameters=False (the default) DDP waits for a gradient of every parameter, so the"
+def unused_parameters_message(names: list[str], rank: int, static_graph: bool = False) -> str:
+    """The error for parameters that got no gradient while ``find_unused_parameters=False``; with
+    ``static_graph``, that the graph changed (after the first step, which DDP records)."""
+    return f"[rank {rank}] {len(names)} parameter(s) received no gradient in backward: {names}. " + (
+        "The graph changed: static_graph=True promises that every step uses the same parameters as the first (DDP"
+        " records them there, and waits for those gradients in every later step). Pass"
+        " MyDDPStrategy(static_graph=False, find_unused_parameters=True) for a graph that changes between steps."
+        if static_graph
+        else "With find_unused_parameters=False (the default) DDP waits for a gradient of every parameter, so the"
         " gradient all-reduce can never finish. Pass MyDDPStrategy(find_unused_parameters=True) (costs one"
         " graph traversal per step), or remove / freeze (requires_grad=False) those parameters, or use"
         " static_graph=True if the same parameters are unused in every step."
     )
 
 
-def check_unused_parameters(model: nn.Module, device: torch.device) -> None:
-    """After a backward, raise on every rank if any rank has parameters that got no gradient.
+def after_backward(model: nn.Module, first_step: bool) -> None:
+    """After each backward (``strategy.post_backward``), on this rank alone; ``first_step``: before the first
+    optimizer step. No collective but DDP's own.
 
-    Meant for the first backward with ``find_unused_parameters`` and ``static_graph`` off: DDP itself only
-    notices at the next forward, and only by parameter index. A collective (one all-reduce of P int32 flags,
-    P = parameter tensors): every rank must call it, so all ranks raise the same error instead of hanging.
-
-    Args:
-        model: the DDP wrapper or the plain module, right after backward.
-        device: this rank's device (NCCL needs CUDA tensors).
+    - A DDP wrapper with ``static_graph=True`` whose first step's gradients are not all-reduced yet (a backward
+      that did not go through DDP's output: ``manual_backward`` inside ``training_step``) all-reduces them now
+      (:func:`~ddp_strategy._compat.torch_private.all_reduce_first_static_graph_step`), as Lightning's DDP does.
+    - Before the first optimizer step, in a backward that syncs gradients (not under ``no_sync``), with
+      ``find_unused_parameters`` and ``static_graph`` off: parameters of this rank that got no gradient are
+      named. DDP itself only notices at the next forward, by parameter index. The check makes no collective (one
+      would pair with DDP's bucket all-reduce, which a peer that got every gradient is in by now); this rank's
+      teardown leaves the group, which breaks that all-reduce within seconds, and the peers name this rank and its
+      error (:mod:`ddp_strategy.process.failures`).
 
     Raises:
-        RuntimeError: naming the parameters without gradient on any rank and ``find_unused_parameters``.
+        RuntimeError: naming this rank's parameters without gradient and ``find_unused_parameters``.
     """
-    module = model.module if isinstance(model, DistributedDataParallel) else model
-    names = [name for name, p in module.named_parameters() if p.requires_grad]
-    missing = set(_without_grad(module))
-    flags = torch.tensor([name in missing for name in names], dtype=torch.int32, device=device)
-    if dist.is_initialized():
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-    unused = [name for name, flag in zip(names, flags.tolist(), strict=True) if flag]
-    if unused:
-        raise RuntimeError(unused_parameters_message(unused, dist.get_rank() if dist.is_initialized() else 0))
+    _torch_private.all_reduce_first_static_graph_step(model)
+    if (
+        first_step
+        and isinstance(model, DistributedDataParallel)
+        and model.require_backward_grad_sync
+        and not (model.find_unused_parameters or model.static_graph)
+        and (unused := _without_grad(model.module))
+    ):
+        raise RuntimeError(unused_parameters_message(unused, dist.get_rank()))

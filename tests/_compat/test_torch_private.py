@@ -155,3 +155,31 @@ def test_set_gradient_divisor_divides_by_the_works_sum_or_the_world_size(one_ran
     ddp.module.weight.grad = None
     ddp(torch.ones(1, 4)).sum().backward()
     assert ddp.module.weight.grad.tolist() == [[1.0] * 4]
+
+
+def test_all_reduce_first_static_graph_step_flushes_a_backward_outside_ddps_output(one_rank_group):
+    """static_graph: a first backward not through DDP's output (Lightning's manual_backward inside the forward) all-
+    reduces nothing until the flush (DDP's ``_static_graph_delay_allreduce_enqueued``, ``reducer._delay_all_reduce``),
+    which all-reduces once; a second call, a later step and a plain module make no all-reduce of their own."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    calls = []
+
+    def counting(state, bucket):
+        calls.append(bucket.index())
+        return default_hooks.allreduce_hook(None, bucket)
+
+    ddp = DistributedDataParallel(nn.Linear(4, 2), static_graph=True)
+    ddp.register_comm_hook(None, counting)
+    x = torch.ones(2, 4)
+    ddp(x)  # prepares the reducer; the backward below does not go through this output
+    ddp.module(x).sum().backward()
+    assert calls == [] and not ddp._static_graph_delay_allreduce_enqueued
+    _torch_private.all_reduce_first_static_graph_step(ddp)
+    assert calls == [0] and ddp._static_graph_delay_allreduce_enqueued
+    torch.testing.assert_close(ddp.module.bias.grad, torch.full((2,), 2.0))
+    _torch_private.all_reduce_first_static_graph_step(ddp)
+    assert calls == [0]
+    ddp(x).sum().backward()  # a later step: DDP's own hooks all-reduce
+    assert calls == [0, 0]
+    _torch_private.all_reduce_first_static_graph_step(nn.Linear(2, 2))
