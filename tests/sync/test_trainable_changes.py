@@ -41,10 +41,12 @@ def _data() -> TensorDataset:
 
 class Finetuned(pl.LightningModule):
     """A backbone and a head; ``frozen``: the backbone frozen here and the optimizer over every parameter (a plain
-    callback unfreezes it), else the optimizer over the trainable ones (``BackboneFinetuning``'s recipe)."""
+    callback unfreezes it), else the optimizer over the trainable ones (``BackboneFinetuning``'s recipe); ``manual``:
+    manual optimization (``manual_backward``, one step per batch)."""
 
-    def __init__(self, frozen: bool, batches: list[list[int]] | None = None) -> None:
+    def __init__(self, frozen: bool, batches: list[list[int]] | None = None, manual: bool = False) -> None:
         super().__init__()
+        self.automatic_optimization = not manual
         torch.manual_seed(0)
         self.backbone = nn.Sequential(nn.Linear(8, 8), nn.Tanh())
         self.head = nn.Linear(8, 1)
@@ -61,7 +63,12 @@ class Finetuned(pl.LightningModule):
         x, y, index = batch
         self.seen.append(index.tolist())
         out = self.head(self.backbone(x))
-        return F.mse_loss(out + self.extra(x) if hasattr(self, "extra") else out, y)
+        loss = F.mse_loss(out + self.extra(x) if hasattr(self, "extra") else out, y)
+        if not self.automatic_optimization:
+            self.optimizers().zero_grad()
+            self.manual_backward(loss)
+            self.optimizers().step()
+        return loss
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         params = self.parameters() if self.frozen else [p for p in self.parameters() if p.requires_grad]
@@ -87,19 +94,24 @@ class AddModule(pl.Callback):
             trainer.optimizers[0].add_param_group({"params": list(module.extra.parameters())})
 
 
-#: scenario: (frozen in __init__, callbacks, accumulate_grad_batches)
+#: scenario: (frozen in __init__, callbacks, accumulate_grad_batches, manual optimization)
 SCENARIOS = {
-    "finetuning": (False, lambda: [BackboneFinetuning(unfreeze_backbone_at_epoch=1)], 1),
-    "toggle": (True, lambda: [Toggle()], 2),
-    "added": (False, lambda: [AddModule()], 1),
+    "finetuning": (False, lambda: [BackboneFinetuning(unfreeze_backbone_at_epoch=1)], 1, False),
+    "toggle": (True, lambda: [Toggle()], 2, False),
+    "added": (False, lambda: [AddModule()], 1, False),
+}
+#: the slow variant's scenarios besides :data:`SCENARIOS`
+SLOW_SCENARIOS = {
+    "manual_finetuning": (False, lambda: [BackboneFinetuning(unfreeze_backbone_at_epoch=1)], 1, True),
+    "manual_added": (False, lambda: [AddModule()], 1, True),
 }
 #: scenario: the weight that Lightning's ddp leaves different on the ranks
 DRIFTS = {"finetuning": "backbone.0.weight", "toggle": "backbone.0.weight", "added": "extra.weight"}
 
 
 def _fit(strategy: Any, devices: int, name: str, batches: list[list[int]] | None = None, callbacks=()) -> Finetuned:
-    frozen, scenario_callbacks, accumulate = SCENARIOS[name]
-    model = Finetuned(frozen, batches)
+    frozen, scenario_callbacks, accumulate, manual = {**SCENARIOS, **SLOW_SCENARIOS}[name]
+    model = Finetuned(frozen, batches, manual)
     pl.Trainer(
         accelerator="cpu",
         devices=devices,
@@ -146,21 +158,27 @@ def scenario_trainable_changes(out: Path) -> None:
     powersgd = {"ddp_comm_hook": "powersgd", "ddp_comm_state": state}
     _fits(
         out,
-        [(name, label, o) for name in SCENARIOS for label, o in (("ddp", None), ("mine", {}), ("powersgd", powersgd))],
+        [(name, label, o) for name in SCENARIOS for label, o in (("ddp", None), ("mine", {}))]
+        + [("toggle", "powersgd", powersgd)],  # wrapped anew twice, the buckets growing, then shrinking
     )
 
 
-#: DDP options for the slow variant; static_graph without accumulation only (issue 37 item 5: with it, DDP dies).
-OPTIONS = {"find_unused": {"find_unused_parameters": True}, "bucket_view": {"gradient_as_bucket_view": True}}
-STATIC = {"static_graph": True}
+#: DDP options for the slow variant; static_graph without accumulation only (issue 37 item 5: with it, DDP dies) and
+#: without manual optimization (item 9: its gradients differ between ranks, wrapped anew or not).
+OPTIONS = {
+    "find_unused": {"find_unused_parameters": True},
+    "bucket_view": {"gradient_as_bucket_view": True},
+    "static": {"static_graph": True},
+    "mine": {},
+}
+SLOW_FITS = [(n, label) for label in ("find_unused", "bucket_view") for n in SCENARIOS]
+SLOW_FITS += [("finetuning", "static"), *((n, "mine") for n in SLOW_SCENARIOS)]
 
 
 def scenario_ddp_options(out: Path) -> None:
-    """Each scenario under MyDDPStrategy with each of :data:`OPTIONS`; ``finetuning`` with :data:`STATIC`."""
-    _fits(
-        out,
-        [(name, label, o) for label, o in OPTIONS.items() for name in SCENARIOS] + [("finetuning", "static", STATIC)],
-    )
+    """Each scenario under MyDDPStrategy with each of :data:`OPTIONS`; ``finetuning`` with :data:`STATIC`; the
+    :data:`SLOW_SCENARIOS` (manual optimization) without options."""
+    _fits(out, [(name, label, OPTIONS[label]) for name, label in SLOW_FITS])
 
 
 @pytest.fixture(scope="module")
@@ -202,18 +220,16 @@ def option_runs(tmp_path_factory) -> Path:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "name, label", [(n, label) for label in OPTIONS for n in SCENARIOS] + [("finetuning", "static")]
-)
+@pytest.mark.parametrize("name, label", SLOW_FITS)
 def test_with_each_ddp_option_the_weights_equal_one_process(option_runs, name, label):
-    """find_unused_parameters, gradient_as_bucket_view, static_graph: wrapped anew, the same weights as one process."""
+    """find_unused_parameters, gradient_as_bucket_view, static_graph, manual optimization: wrapped anew, the same
+    weights as one process."""
     _assert_replayed(load(option_runs, f"{name}_{label}", 2), name)
 
 
-@pytest.mark.parametrize("name", sorted(SCENARIOS))
-def test_a_powersgd_state_restarts_its_bucket_memories_when_wrapped_anew(runs, name):
+def test_a_powersgd_state_restarts_its_bucket_memories_when_wrapped_anew(runs):
     """A PowerSGD state (compressing from iteration 2) survives the new buckets of a new wrapper: the fit runs and
     the ranks stay equal (its per-bucket memories, of the old buckets' sizes, restart)."""
-    powersgd = load(runs, f"{name}_powersgd", 2)
+    powersgd = load(runs, "toggle_powersgd", 2)
     for key, value in powersgd[0]["final"].items():
         torch.testing.assert_close(powersgd[1]["final"][key], value, rtol=0, atol=1e-6, msg=key)
