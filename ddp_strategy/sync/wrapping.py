@@ -118,7 +118,7 @@ def wrap(
     micro-batches of an accumulation window), so the step equals one process's. Within ``no_sync`` (an
     accumulation window's earlier micro-batches, whose gradients stay local anyway: the final one re-wraps and
     all-reduces what accumulated), with ``defer`` (a step some ranks only shadow) or with nothing left to train
-    (DDP's error then, as under Lightning's ddp) the wrapper stays. Every rank must change the same parameters at
+    (backward's error then, as under Lightning's ddp) the wrapper stays. Every rank must change the same parameters at
     the same step (the same user code does).
 
     Returns:
