@@ -228,7 +228,11 @@ class MyDDPStrategy(sync.wrapping.LightningDDPAttributes, ParallelStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        """Lightning's, through DDP's forward; on uneven inputs, announced to the ranks that only shadow it."""
+        """Lightning's, through DDP's forward, wrapped anew where the trainable parameters changed (``sync.wrap``); on
+        uneven inputs, announced to the ranks that only shadow it."""
+        self.model = sync.wrap(
+            self.model, self.root_device, self._options.ddp_kwargs, self._options.comm_hook, self._uneven.tail
+        )
         self._uneven.before_forward()
         return super().training_step(*args, **kwargs)
 

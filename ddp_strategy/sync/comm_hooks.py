@@ -125,18 +125,19 @@ class CommHookConfig:
 
 
 def register_comm_hook(model: DistributedDataParallel, config: CommHookConfig, backend: str) -> None:
-    """Register ``config``'s hook on the DDP wrapper (every backend), once, before training; its process group
-    counts for :func:`count_collective_bytes`. Errors are DDP's (a wrong signature, a second hook)."""
+    """Register ``config``'s hook on a new DDP wrapper (every backend), before training and where the strategy wraps
+    anew (``wrapping.wrap``); its process group counts for :func:`count_collective_bytes`. Errors are DDP's (a wrong
+    signature, a second hook)."""
     resolved = config.resolve(backend, model.process_group)
     if resolved is None:
         return
     state, hook = resolved
     if state is None or isinstance(state, dist.ProcessGroup):
         state = _torch_private.CountingProcessGroup(state, _count)
-    elif isinstance(state, powersgd.PowerSGDState) and not isinstance(
-        state.process_group, _torch_private.CountingProcessGroup
-    ):
-        state.process_group = _torch_private.CountingProcessGroup(state.process_group, _count)
+    elif isinstance(state, powersgd.PowerSGDState):  # per-bucket memories: of an earlier wrapper's buckets, if any
+        state.error_dict, state.p_memory_dict, state.q_memory_dict = {}, {}, {}
+        if not isinstance(state.process_group, _torch_private.CountingProcessGroup):  # e.g. a state registered before
+            state.process_group = _torch_private.CountingProcessGroup(state.process_group, _count)
     model.register_comm_hook(state, hook)
 
 

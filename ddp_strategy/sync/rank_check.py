@@ -17,11 +17,10 @@ from ddp_strategy._compat import lightning_private as _pl
 
 def parameter_checksums(module: nn.Module) -> tuple[list[str], torch.Tensor]:
     """``(names, sums)``: parameter names and a float64 CPU tensor (P, 2) of each one's sum and sum of |x|."""
-    with torch.no_grad():
-        rows = [
-            (name, torch.stack([p.double().sum(), p.double().abs().sum()]).cpu())
-            for name, p in module.named_parameters()
-        ]
+    rows = [
+        (name, torch.stack([p.detach().double().sum(), p.detach().double().abs().sum()]).cpu())
+        for name, p in module.named_parameters()
+    ]
     return [name for name, _ in rows], torch.stack([r for _, r in rows]) if rows else torch.zeros(0, 2).double()
 
 

@@ -66,8 +66,9 @@ def keeps_passed_ddp_options(init: Callable[..., None]) -> Callable[..., None]:
     def wrapper(self: Any, *args: Any, **kwargs: Any) -> None:
         init(self, *args, **kwargs)
         named = inspect.signature(init).bind(self, *args, **kwargs).arguments
-        passed = {**named, **named.get("ddp_kwargs", {})}
-        self._passed_ddp_options = {k: passed[k] for k in DDP_OPTIONS if k in passed}
+        self._passed_ddp_options = {  # the named ones and those in **ddp_kwargs
+            k: v for k, v in {**named, **named.get("ddp_kwargs", {})}.items() if k in DDP_OPTIONS
+        }
 
     return wrapper
 
@@ -92,53 +93,73 @@ class LightningDDPAttributes:
         return None if self.root_device.type == "cpu" else [self.root_device.index]
 
 
-def check_trainable(module: nn.Module) -> None:
-    """Refuse a module with no parameter that requires a gradient (every rank raises, before DDP's own error).
-
-    Raises:
-        ValueError: no parameter has ``requires_grad=True``.
-    """
-    if not any(p.requires_grad for p in module.parameters()):
-        raise ValueError(
-            f"{type(module).__name__} has no parameters that require a gradient, so there is nothing to train or"
-            " to all-reduce. Unfreeze some parameters (requires_grad=True), or use trainer.validate/test/predict,"
-            " which do not wrap the model."
-        )
-
-
 def wrap(
-    module: nn.Module, device: torch.device, ddp_kwargs: dict[str, Any], comm_hook: comm_hooks.CommHookConfig
+    model: nn.Module,
+    device: torch.device,
+    ddp_kwargs: dict[str, Any],
+    comm_hook: comm_hooks.CommHookConfig,
+    defer: bool = False,
 ) -> DistributedDataParallel:
-    """Wrap ``module`` (already on ``device``) in DDP and register the comm hook (every backend).
+    """Wrap ``model`` (already on ``device``) in DDP and register the comm hook (every backend); called again with
+    the wrapper, wrap its module anew where the parameters that require a gradient changed since it was built.
 
     A collective: every rank must call it (DDP broadcasts rank 0's parameters and buffers here). On CUDA the
     wrapper is built on a side stream, as PyTorch's CUDA-semantics notes advise. ``process_group`` may be a
     zero-argument callable (e.g. ``lambda: dist.new_group([0, 1])``), called here on every rank, since a group
     can only be built after ``init_process_group``.
 
-    Returns the wrapper (``wrapper.module is module``). Raises :func:`check_trainable`'s ``ValueError``.
+    DDP registers only the parameters with ``requires_grad`` when it is built (Lightning-AI/pytorch-lightning#20340):
+    one unfrozen later (``BackboneFinetuning``, a callback's ``requires_grad_(True)``) would never be all-reduced,
+    one frozen later would leave DDP's reducer waiting for its gradient. So the strategy calls this again before
+    every training step's forward: unless that set (compared by identity, P tensors, no collective) changed, the
+    wrapper comes back as is; else a new one over the same module, options and process group, the comm hook
+    registered again (a ``PowerSGDState``'s per-bucket memories restart), the optimizer untouched (it holds the
+    same parameters). Gradients that parameters frozen since hold are averaged over the group first (earlier
+    micro-batches of an accumulation window), so the step equals one process's. Within ``no_sync`` (an
+    accumulation window's earlier micro-batches, whose gradients stay local anyway: the final one re-wraps and
+    all-reduces what accumulated), with ``defer`` (a step some ranks only shadow) or with nothing left to train
+    (backward's error then, as under Lightning's ddp) the wrapper stays. Every rank must change the same parameters at
+    the same step (the same user code does).
+
+    Returns:
+        The wrapper (``wrapper.module`` is the module).
+
+    Raises:
+        ValueError: no parameter requires a gradient, at the first call (every rank raises, before DDP's error).
     """
-    check_trainable(module)
+    module = model.module if isinstance(model, DistributedDataParallel) else model
+    trainable = tuple(id(p) for p in module.parameters() if p.requires_grad)  # identities: a swap shows
+    if isinstance(model, DistributedDataParallel):
+        if defer or not model.require_backward_grad_sync or trainable in ((), model._trainable):
+            return model
+        for grad in [p.grad for p in module.parameters() if p.grad is not None and not p.requires_grad]:
+            dist.all_reduce(grad.div_(model.process_group.size()), group=model.process_group)
+        ddp_kwargs = {**ddp_kwargs, "process_group": model.process_group}
+    if not trainable:
+        raise ValueError(
+            f"{type(module).__name__} has no parameters that require a gradient, so there is nothing to train or"
+            " to all-reduce. Unfreeze some parameters (requires_grad=True), or use trainer.validate/test/predict,"
+            " which do not wrap the model."
+        )
     group = ddp_kwargs.get("process_group")
     if callable(group) and not isinstance(group, dist.ProcessGroup):
         ddp_kwargs = {**ddp_kwargs, "process_group": group()}
     ids = [device.index or 0] if device.type == "cuda" else None
     log.debug("wrapping %s in DDP: device_ids=%s options=%s", type(module).__name__, ids, ddp_kwargs)
     with torch.cuda.stream(torch.cuda.Stream()) if ids is not None else nullcontext():
-        model = DistributedDataParallel(module, device_ids=ids, **ddp_kwargs)
-    comm_hooks.register_comm_hook(model, comm_hook, dist.get_backend())
-    return model
+        wrapper = DistributedDataParallel(module, device_ids=ids, **ddp_kwargs)
+    wrapper._trainable = trainable
+    comm_hooks.register_comm_hook(wrapper, comm_hook, dist.get_backend())
+    return wrapper
 
 
 def unwrap(model: nn.Module | None, failed: bool = False) -> nn.Module | None:
     """The module inside a DDP wrapper (or ``model`` itself); after a failed run the wrapper also lets go of its
     process group (:func:`~ddp_strategy._compat.torch_private.release_ddp_process_group`), so destroying the
     group closes its connections and the other ranks learn of the failure at once."""
-    if not isinstance(model, DistributedDataParallel):
-        return model
-    if failed:
+    if failed and isinstance(model, DistributedDataParallel):
         _torch_private.release_ddp_process_group(model)
-    return model.module
+    return model.module if isinstance(model, DistributedDataParallel) else model
 
 
 def broadcast_states(module: nn.Module, parameters: bool = True, buffers: bool = True) -> None:
@@ -151,8 +172,7 @@ def broadcast_states(module: nn.Module, parameters: bool = True, buffers: bool =
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return
     tensors = [*(module.parameters() if parameters else ()), *(module.buffers() if buffers else ())]
-    with torch.no_grad():
-        _torch_private.broadcast_coalesced([t.detach() for t in tensors], src=0)
+    _torch_private.broadcast_coalesced([t.detach() for t in tensors], src=0)  # detached: in place, outside autograd
 
 
 class DDPForwardRedirection(_pl.DDPForwardRedirection):

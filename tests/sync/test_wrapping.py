@@ -62,3 +62,26 @@ def test_wrap_and_unwrap_in_a_one_rank_group():
     wrapping.broadcast_states(module)  # world size 1: a no-op that must not fail
     assert wrapping.unwrap(wrapped, failed=True) is module and wrapped.process_group is None
     dist.destroy_process_group()
+
+
+def test_wrap_called_again_wraps_anew_only_where_the_trainable_parameters_changed():
+    """The same wrapper while the trainable set holds, inside no_sync, deferred, or with nothing left to train; a new
+    one over the same module and process group where a parameter was unfrozen or added."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    module = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 2))
+    module[0].requires_grad_(False)
+    cpu, hook = torch.device("cpu"), CommHookConfig()
+    first = wrapping.wrap(module, cpu, {}, hook)
+    assert wrapping.wrap(first, cpu, {}, hook) is first
+    module[0].requires_grad_(True)
+    with first.no_sync():
+        assert wrapping.wrap(first, cpu, {}, hook) is first
+    assert wrapping.wrap(first, cpu, {}, hook, defer=True) is first
+    second = wrapping.wrap(first, cpu, {}, hook)
+    assert second is not first and second.module is module and second.process_group is first.process_group
+    module.requires_grad_(False)
+    assert wrapping.wrap(second, cpu, {}, hook) is second  # backward then fails, as under Lightning's ddp
+    module.requires_grad_(True)
+    module.append(nn.Linear(2, 2))
+    assert wrapping.wrap(second, cpu, {}, hook) is not second
+    dist.destroy_process_group()
