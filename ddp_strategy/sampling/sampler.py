@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import BatchSampler, Dataset, DistributedSampler, Sampler, get_worker_info
 
-from ddp_strategy._compat.namespace import isolate_rng
+from ddp_strategy._compat.namespace import isolate_rng, rank_zero_warn
 
 #: Seed used for shuffling when neither the strategy nor ``seed_everything`` set one.
 DEFAULT_SEED = 0
@@ -134,6 +134,14 @@ class _EpochShards:
             )
         resume, self._resume = self._resume, None
         resuming = resume is not None and int(resume["epoch"]) == self.epoch
+        if resume is not None and not resuming:
+            rank_zero_warn(
+                f"The checkpoint was saved in the middle of epoch {resume['epoch']}, which Lightning's fit loop counts"
+                f" as finished (it stopped early, by max_time or trainer.should_stop, and saved at the epoch's end):"
+                f" it resumes at epoch {self.epoch}, and the {len(remaining_positions(n, resume['layers']))} items of"
+                f" epoch {resume['epoch']} not read are skipped, as under Lightning's ddp. Resume with"
+                " Trainer(max_steps=...) to finish that epoch first, exactly as the uninterrupted run."
+            )
         layers = resume["layers"] if resuming else []  # type: ignore[index]
         if not resuming:
             self.batch_offset = 0
