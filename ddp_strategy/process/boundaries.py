@@ -119,11 +119,11 @@ class SignalsAtStepBoundary(Callback):
             _pl.set_received_sigterm(trainer, True)
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-        """At an optimizer step's end (Lightning's: every ``accumulate_grad_batches`` batches, and the epoch's last),
-        act on the flags sent a step ago and send this step's (a collective, every rank); a checkpoint saved
-        inside an accumulation window could not hold its gradients."""
-        last = trainer.fit_loop.epoch_loop.batch_progress.is_last_batch
-        if (batch_idx + 1) % trainer.accumulate_grad_batches and not last:
+        """At the end of an accumulation window (every ``accumulate_grad_batches`` batches: an optimizer step; the
+        epoch's end is :meth:`on_train_epoch_end`'s), act on the flags sent a window ago and send this one's (a
+        collective, every rank). Not inside a window: its checkpoint could not hold the accumulated gradients. The
+        test is the same on every rank (a rank's own last batch, in an uneven epoch, is not)."""
+        if (batch_idx + 1) % trainer.accumulate_grad_batches:
             return
         self._agree(trainer)
         if not self.in_tail():

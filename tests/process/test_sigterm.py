@@ -3,7 +3,7 @@
 One shared 2-rank run (``run_on_ranks``, gloo) per rank does, in order: an uninterrupted fit (the reference, also
 counting the world group's collectives per step), the same under Lightning's ``ddp``, then for rank 0 and for rank 1
 a fit in which that rank alone sends itself SIGTERM at a random step, followed by a resume from the SIGTERM checkpoint;
-then the same for rank 1 with ``accumulate_grad_batches=2``, the signal at a window's first batch.
+then the same for rank 1 with ``accumulate_grad_batches=2``, the signal at a window's last batch.
 """
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ pytestmark = pytest.mark.multiprocess
 
 STEPS, EPOCHS = 6, 2  # per epoch; 12 steps in all, each rank 32 samples a step
 SIGNAL_STEPS = {rank: random.Random().randrange(EPOCHS * STEPS - 1) for rank in (0, 1)}  # global_step at the signal
-ACCUMULATED_SIGNAL_STEP = random.Random().randrange(EPOCHS * STEPS // 2 - 1)  # accumulate_grad_batches=2
+# accumulate_grad_batches=2: 3 windows an epoch; not an epoch's last, where the epoch's end stops every rank anyway
+ACCUMULATED_SIGNAL_STEP = random.Random().choice([0, 1, 3, 4])
 
 
 class Signalled(DigitsClassifier):
@@ -36,7 +37,7 @@ class Signalled(DigitsClassifier):
 
     def __init__(self, rank: int = -1, step: int = -1) -> None:
         super().__init__()
-        self.signal_rank, self.signal_step = rank, step  # at the first batch of the step (of its window)
+        self.signal_rank, self.signal_step = rank, step  # at the step's last batch (its window's)
         self.world_seq: list[int] = []
         self.buckets: list[int] = []
 
@@ -46,8 +47,8 @@ class Signalled(DigitsClassifier):
         self.buckets.append(self._counts.calls if hasattr(self, "_counts") else 0)
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        first = batch_idx % self.trainer.accumulate_grad_batches == 0
-        if self.global_rank == self.signal_rank and self.global_step == self.signal_step and first:
+        last = (batch_idx + 1) % self.trainer.accumulate_grad_batches == 0
+        if self.global_rank == self.signal_rank and self.global_step == self.signal_step and last:
             os.kill(os.getpid(), signal.SIGTERM)
         return super().training_step(batch, batch_idx)
 
@@ -93,7 +94,7 @@ def _strategy(port: int, root: Path | None = None) -> MyDDPStrategy:
     )
 
 
-def _runs(rank: int, world_size: int, out: str, signal_steps: dict[int, int], ports: list[int]) -> dict[str, Any]:
+def _runs(rank: int, world_size: int, out: str, signal_steps: dict[int, int], ports: list[int], window: int) -> dict:
     out_dir, records, port = Path(out), {}, iter(ports)
     pl.seed_everything(5)
     records["reference"] = _fit(out_dir / "reference", Signalled(), _strategy(next(port)))
@@ -107,9 +108,12 @@ def _runs(rank: int, world_size: int, out: str, signal_steps: dict[int, int], po
         records[f"resume{signalled}"] = _fit(
             root / "resume", Signalled(), _strategy(next(port)), str(root / "sigterm.ckpt")
         )
-    root, step = out_dir / "accumulated", ACCUMULATED_SIGNAL_STEP  # rank 1 alone, in a window of 2 batches
+    root = out_dir / "accumulated"  # rank 1 alone, at the last batch of window `window` (2 batches)
+    pl.seed_everything(5)
     records["accumulated_reference"] = _fit(root / "reference", Signalled(), _strategy(next(port)), accumulate=2)
-    records["accumulated_signal"] = _fit(root, Signalled(1, step), _strategy(next(port), root), accumulate=2)
+    pl.seed_everything(5)
+    records["accumulated_signal"] = _fit(root, Signalled(1, window), _strategy(next(port), root), accumulate=2)
+    pl.seed_everything(5)
     records["accumulated_resume"] = _fit(
         root / "resume", Signalled(), _strategy(next(port)), str(root / "sigterm.ckpt"), accumulate=2
     )
@@ -119,7 +123,8 @@ def _runs(rank: int, world_size: int, out: str, signal_steps: dict[int, int], po
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> list[dict[str, Any]]:
     """Every rank's records of the shared run."""
-    args = (str(tmp_path_factory.mktemp("sigterm")), SIGNAL_STEPS, [free_port() for _ in range(8)])
+    ports = [free_port() for _ in range(8)]
+    args = (str(tmp_path_factory.mktemp("sigterm")), SIGNAL_STEPS, ports, ACCUMULATED_SIGNAL_STEP)
     return run_on_ranks(_runs, 2, args=args, init_process_group=False, timeout_s=240)
 
 
@@ -147,8 +152,8 @@ def test_sigterm_to_one_rank_stops_every_rank_at_one_step_and_resumes_exactly(ru
 
 @pytest.mark.timeout(300)
 def test_sigterm_inside_an_accumulation_window_stops_at_its_end_and_resumes_exactly(runs):
-    """accumulate_grad_batches=2, SIGTERM to rank 1 at a window's first batch: both ranks stop at the end of the
-    next window (never inside one, whose gradients the checkpoint cannot hold); the resume gives the weights."""
+    """accumulate_grad_batches=2, SIGTERM to rank 1 at a window's last batch: both ranks stop at the end of the
+    next window (not after its first batch, whose gradient the checkpoint cannot hold); the resume is exact."""
     step, windows = ACCUMULATED_SIGNAL_STEP, STEPS // 2
     stopped = [r["accumulated_signal"] for r in runs]
     assert [r["stopped"] for r in stopped] == ["SIGTERMException"] * 2, step
