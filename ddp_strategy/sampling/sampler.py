@@ -181,11 +181,17 @@ class _EpochShards:
         self.seed = int(position["seed"])  # the epoch's stream is regenerated with the saved seed
         self._resume = position
 
+    def resumed_layers(self, epoch: int) -> list[dict[str, Any]]:
+        """The saved layers ``epoch`` resumes from (``[]``: none), also once its iterator has begun (a loader's
+        workers draw before Lightning's ``on_train_start``)."""
+        resume = self._resume or {"epoch": self._iter_epoch, "layers": self._start_layers}
+        return resume["layers"] if resume["epoch"] == epoch else []
+
     def pending_resume_batches(self, epoch: int) -> int | None:
         """Batches this rank reads in ``epoch`` if a resume applies to it, else ``None``; equal on every rank."""
-        if self._resume is None or int(self._resume["epoch"]) != epoch:
+        if not (layers := self.resumed_layers(epoch)):
             return None
-        per_rank = math.ceil(len(remaining_positions(self.stream_length(), self._resume["layers"])) / self.num_replicas)
+        per_rank = math.ceil(len(remaining_positions(self.stream_length(), layers)) / self.num_replicas)
         return per_rank // self.items_per_batch if self.drop_last_batch else math.ceil(per_rank / self.items_per_batch)
 
     def position(self, batches_done: int) -> dict[str, Any]:

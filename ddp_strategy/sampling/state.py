@@ -90,12 +90,10 @@ def restore_batch_counter(trainer: Trainer | None, world_size: int, until_teardo
     if not pending:
         return
     resumed, limit, several = _pl.resumed_batch_count(trainer), trainer.limit_train_batches, len(samplers) > 1
-    if several or isinstance(limit, int) or (isinstance(limit, float) and limit < 1.0):
-        done = resumed  # Lightning's count of the limited batches, or its one position for several loaders
-    else:
-        done = max(int(trainer.num_training_batches) - left, 0)
+    limited = isinstance(limit, int) or (isinstance(limit, float) and limit < 1.0)  # Lightning's count is kept
+    done = resumed if several or limited else max(int(trainer.num_training_batches) - left, 0)
     if several and (
-        len(pending) < len(samplers) or any(s._resume["layers"][-1]["world_size"] != world_size for s, _ in pending)
+        len(pending) < len(samplers) or any(s.resumed_layers(epoch)[-1]["world_size"] != world_size for s, _ in pending)
     ):
         rank_zero_warn(
             f"MyDDPStrategy: resuming epoch {epoch} mid-epoch with {len(samplers)} training loaders on"

@@ -22,20 +22,27 @@ from ddp_testing import one_rank_trainer, pl
 from torch.utils.data import DataLoader, TensorDataset
 
 from ddp_strategy import MyDDPStrategy
+from ddp_strategy.sampling.sampler import remaining_positions
+from ddp_strategy.sampling.state import CHECKPOINT_KEY
 
 N, BATCH, MAX_STEPS, STOP = 40, 4, 30, 13
 
 
 class Recorded(pl.LightningModule):
     """A linear model on shuffled indices; at step ``STOP`` it raises ``KeyboardInterrupt`` or sleeps ``sleep_s``;
-    ``loaders`` > 1 gives a dict of loaders (a ``CombinedLoader``), the second of ``N // 2`` samples."""
+    ``loaders`` > 1 gives a dict of loaders (a ``CombinedLoader``), the second of ``N // 2`` samples; ``workers``
+    DataLoader workers each."""
 
-    def __init__(self, interrupt: bool = False, sleep_s: float = 0.0, loaders: int = 1) -> None:
+    def __init__(self, interrupt: bool = False, sleep_s: float = 0.0, loaders: int = 1, workers: int = 0) -> None:
         super().__init__()
         self.layer, self.interrupt, self.sleep_s, self.loaders = torch.nn.Linear(1, 1), interrupt, sleep_s, loaders
+        self.workers = workers
 
     def train_dataloader(self) -> Any:
-        data = [DataLoader(TensorDataset(torch.arange(n).float()), batch_size=BATCH, shuffle=True) for n in (N, N // 2)]
+        data = [
+            DataLoader(TensorDataset(torch.arange(n).float()), BATCH, shuffle=True, num_workers=self.workers)
+            for n in (N, N // 2)
+        ]
         return data[0] if self.loaders == 1 else {"a": data[0], "b": data[1]}
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
@@ -182,3 +189,22 @@ def test_a_loader_that_had_cycled_restarts_its_data_with_a_warning(combined):
     """At step 17 the 5-batch loader had read all its data and cycled: it starts again, and ours warns."""
     assert combined["ours", 17]["global_step"] == MAX_STEPS
     assert any("not exactly the uninterrupted run's" in w for w in combined["ours", 17]["warnings"])
+
+
+@pytest.mark.slow
+def test_with_loader_workers_a_resumed_epoch_saves_its_position_again_exactly(tmp_path):
+    """num_workers=1 (the workers draw the sampler before Lightning's on_train_start): resumed at step 13, the
+    checkpoint of step 15 holds 5 of the epoch's 10 batches consumed (not 3 + 5), and no 'not resumable' warning."""
+    steps = {"every_n_train_steps": 1, "save_top_k": -1, "filename": "{step}"}
+    _fit(tmp_path / "full", "ours", {"workers": 1}, max_steps=STOP, checkpoint=steps)
+    resumed = _fit(
+        tmp_path / "resumed",
+        "ours",
+        {"workers": 1},
+        str(tmp_path / "full" / f"step={STOP}.ckpt"),
+        max_steps=15,
+        checkpoint=steps,
+    )
+    assert not any("not resumable" in w for w in resumed["warnings"])
+    (position,) = torch.load(tmp_path / "resumed" / "step=15.ckpt", weights_only=True)[CHECKPOINT_KEY]["loaders"]
+    assert len(remaining_positions(N, position["layers"])) == N - 5 * BATCH
