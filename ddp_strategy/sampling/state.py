@@ -91,7 +91,7 @@ def restore_batch_counter(trainer: Trainer | None, world_size: int, until_teardo
         return
     resumed, limit, several = _pl.resumed_batch_count(trainer), trainer.limit_train_batches, len(samplers) > 1
     limited = isinstance(limit, int) or (isinstance(limit, float) and limit < 1.0)  # Lightning's count is kept
-    done = resumed if several or limited else max(int(trainer.num_training_batches) - left, 0)
+    done = resumed if several or limited else max(int(trainer.num_training_batches) - pending[0][1], 0)
     if several and (
         len(pending) < len(samplers) or any(s.resumed_layers(epoch)[-1]["world_size"] != world_size for s, _ in pending)
     ):
