@@ -70,7 +70,8 @@ class SignalsAtStepBoundary(Callback):
     nothing). Only the uneven epoch's end starts a new round there: a rank-0-only collective in an earlier
     callback (a progress bar reading ``trainer.progress_bar_metrics``, which syncs metrics) would otherwise wait
     for the other ranks while they wait in this round. So a signal during step ``s`` acts on every rank at the
-    end of step ``s + 1`` (or of the epoch, if sooner; a validation run in between ends first): SIGTERM sets
+    end of step ``s + 1`` (or of the epoch, if sooner; a validation run in between ends first), where a step is an
+    optimizer step (``accumulate_grad_batches`` batches: a resume from its checkpoint is exact): SIGTERM sets
     ``trainer.received_sigterm``, Lightning raises ``SIGTERMException`` there (``checkpoint_on_sigterm`` saves);
     the requeue signal runs Lightning's handler (save, requeue)."""
 
@@ -118,7 +119,12 @@ class SignalsAtStepBoundary(Callback):
             _pl.set_received_sigterm(trainer, True)
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-        """Act on the flags sent a step ago; send this step's (a collective, every rank)."""
+        """At the end of an accumulation window (every ``accumulate_grad_batches`` batches: an optimizer step; the
+        epoch's end is :meth:`on_train_epoch_end`'s), act on the flags sent a window ago and send this one's (a
+        collective, every rank). Not inside a window: its checkpoint could not hold the accumulated gradients. The
+        test is the same on every rank (a rank's own last batch, in an uneven epoch, is not)."""
+        if (batch_idx + 1) % trainer.accumulate_grad_batches:
+            return
         self._agree(trainer)
         if not self.in_tail():
             self._send()

@@ -70,8 +70,15 @@ class LoaderSharding:
         if self._injecting:
             warn_if_not_shardable(dataloader, world_size)
         ours = self._injecting and trainer.state.fn != TrainerFn.PREDICTING
+        # the epoch Lightning's fit loop runs, read as its on_run_start will have set it (a loader's workers draw
+        # before): under max_steps, current_epoch (it finishes a saved epoch it counted processed), else processed
         shard = samplers.Shard(
-            world_size, rank, seed, epoch_fn=lambda: trainer.fit_loop.epoch_progress.current.processed
+            world_size,
+            rank,
+            seed,
+            epoch_fn=lambda: (
+                trainer.current_epoch if trainer.max_steps != -1 else trainer.fit_loop.epoch_progress.current.processed
+            ),
         )
         if trainer.state.stage != RunningStage.TRAINING:
             stage = "test" if trainer.state.stage == RunningStage.TESTING else "validation"

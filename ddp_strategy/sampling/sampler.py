@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import BatchSampler, Dataset, DistributedSampler, Sampler, get_worker_info
 
-from ddp_strategy._compat.namespace import isolate_rng
+from ddp_strategy._compat.namespace import isolate_rng, rank_zero_warn
 
 #: Seed used for shuffling when neither the strategy nor ``seed_everything`` set one.
 DEFAULT_SEED = 0
@@ -134,6 +134,14 @@ class _EpochShards:
             )
         resume, self._resume = self._resume, None
         resuming = resume is not None and int(resume["epoch"]) == self.epoch
+        if resume is not None and not resuming:
+            rank_zero_warn(
+                f"The checkpoint was saved in the middle of epoch {resume['epoch']}, which Lightning's fit loop counts"
+                f" as finished (it stopped early, by max_time or trainer.should_stop, and saved at the epoch's end):"
+                f" it resumes at epoch {self.epoch}, and the {len(remaining_positions(n, resume['layers']))} items of"
+                f" epoch {resume['epoch']} not read are skipped, as under Lightning's ddp. Resume with"
+                " Trainer(max_steps=...) to finish that epoch first, exactly as the uninterrupted run."
+            )
         layers = resume["layers"] if resuming else []  # type: ignore[index]
         if not resuming:
             self.batch_offset = 0
@@ -173,11 +181,17 @@ class _EpochShards:
         self.seed = int(position["seed"])  # the epoch's stream is regenerated with the saved seed
         self._resume = position
 
+    def resumed_layers(self, epoch: int) -> list[dict[str, Any]]:
+        """The saved layers ``epoch`` resumes from (``[]``: none), also once its iterator has begun (a loader's
+        workers draw before Lightning's ``on_train_start``)."""
+        resume = self._resume or {"epoch": self._iter_epoch, "layers": self._start_layers}
+        return resume["layers"] if resume["epoch"] == epoch else []
+
     def pending_resume_batches(self, epoch: int) -> int | None:
         """Batches this rank reads in ``epoch`` if a resume applies to it, else ``None``; equal on every rank."""
-        if self._resume is None or int(self._resume["epoch"]) != epoch:
+        if not (layers := self.resumed_layers(epoch)):
             return None
-        per_rank = math.ceil(len(remaining_positions(self.stream_length(), self._resume["layers"])) / self.num_replicas)
+        per_rank = math.ceil(len(remaining_positions(self.stream_length(), layers)) / self.num_replicas)
         return per_rank // self.items_per_batch if self.drop_last_batch else math.ceil(per_rank / self.items_per_batch)
 
     def position(self, batches_done: int) -> dict[str, Any]:

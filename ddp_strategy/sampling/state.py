@@ -47,8 +47,9 @@ def save_positions(trainer: Trainer | None, checkpoint: dict[str, Any]) -> None:
     """
     fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
     samplers = _train_samplers(trainer) if fitting else []  # type: ignore[arg-type]
-    if samplers:
-        done = trainer.fit_loop.epoch_loop.batch_progress.current.ready  # type: ignore[union-attr]
+    if samplers:  # the batches whose step ran: where Lightning's loop resumes (a batch interrupted by an exception
+        # is counted ready, not processed, and is run again)
+        done = trainer.fit_loop.epoch_loop.batch_progress.current.processed  # type: ignore[union-attr]
         checkpoint[CHECKPOINT_KEY] = {"version": STATE_VERSION, "loaders": [s.position(done) for s in samplers]}
 
 
@@ -74,37 +75,40 @@ def read_positions(checkpoint: dict[str, Any]) -> list[dict[str, Any]]:
 def restore_batch_counter(trainer: Trainer | None, world_size: int, until_teardown: ExitStack) -> None:
     """After a mid-epoch resume, set Lightning's batch counter to ``num_training_batches - batches left``.
 
-    At ``on_train_start`` (before the epoch loop's reset); no collective. Needed after an elastic resume (each new
-    rank has another number of batches left) and on Lightning 2.4 (``_pl.resumed_batch_count``). Under
-    ``limit_train_batches`` Lightning's restored counter is kept: the epoch ends at the limit. Lightning's
-    "dataloader is not resumable" warning, which does not apply, is silenced until ``until_teardown`` closes.
-
-    Raises:
-        ValueError: a mid-epoch resume with more than one training loader.
+    At ``on_train_start`` (after the fit loop's restart bookkeeping has set ``current_epoch``, before the epoch
+    loop's reset); no collective. Needed after an elastic resume (each new rank has another number of batches left)
+    and on Lightning 2.4 (``_pl.resumed_batch_count``). Under ``limit_train_batches``, and with several training
+    loaders (each resumes at its own saved position, Lightning counts one for all), Lightning's restored counter
+    is kept. Lightning's "dataloader is not resumable" warning, which does not apply, is silenced until
+    ``until_teardown`` closes; where a loader cannot resume exactly it stays, with ours: one of several loaders
+    that had read all its data this epoch (a ``CombinedLoader`` starts it again), or several on a new world size.
     """
     if trainer is None:
         return
-    samplers = _train_samplers(trainer)
-    epoch = trainer.fit_loop.epoch_progress.current.processed
+    samplers, epoch = _train_samplers(trainer), trainer.current_epoch
     pending = [(s, left) for s in samplers if (left := s.pending_resume_batches(epoch)) is not None]
     if not pending:
         return
-    if len(samplers) != 1:
-        raise ValueError(
-            f"Resuming mid-epoch with {len(samplers)} training loaders is not supported: Lightning counts one"
-            " batch position for all of them. Resume from an end-of-epoch checkpoint, or use one loader."
+    resumed, limit, several = _pl.resumed_batch_count(trainer), trainer.limit_train_batches, len(samplers) > 1
+    limited = isinstance(limit, int) or (isinstance(limit, float) and limit < 1.0)  # Lightning's count is kept
+    done = resumed if several or limited else max(int(trainer.num_training_batches) - pending[0][1], 0)
+    if several and (
+        len(pending) < len(samplers) or any(s.resumed_layers(epoch)[-1]["world_size"] != world_size for s, _ in pending)
+    ):
+        rank_zero_warn(
+            f"MyDDPStrategy: resuming epoch {epoch} mid-epoch with {len(samplers)} training loaders on"
+            f" {world_size} processes: {len(pending)} continue at their saved sampler position, the others had"
+            " read all their data and start it again (a CombinedLoader's shorter loaders cycle), and after a"
+            " change of world size their remaining batch counts differ. This epoch's data is not exactly the"
+            " uninterrupted run's; an end-of-epoch checkpoint resumes exactly."
         )
-    ((injected, left),) = pending
-    limit = trainer.limit_train_batches
-    if isinstance(limit, int) or (isinstance(limit, float) and limit < 1.0):
-        done = trainer.fit_loop.epoch_loop.batch_progress.current.ready  # Lightning's count of the limited batches
     else:
-        done = max(int(trainer.num_training_batches) - left, 0)
         until_teardown.enter_context(warnings.catch_warnings())
         warnings.filterwarnings("ignore", message=LIGHTNING_NOT_RESUMABLE_WARNING)
         rank_zero_info(
-            f"MyDDPStrategy: resuming epoch {epoch} at its saved sampler position: {left} batches per"
-            f" rank left on {world_size} processes (batch counter set to {done})."
+            f"MyDDPStrategy: resuming epoch {epoch} at the saved sampler position of {len(pending)} training"
+            f" loader(s) on {world_size} processes (batch counter set to {done})."
         )
-    _pl.shift_epoch_batch_progress(trainer, done - _pl.resumed_batch_count(trainer))
-    injected.batch_offset = done
+    _pl.shift_epoch_batch_progress(trainer, done - resumed)
+    for injected, _ in pending:
+        injected.batch_offset = done

@@ -2,7 +2,8 @@
 
 One shared 2-rank run (``run_on_ranks``, gloo) per rank does, in order: an uninterrupted fit (the reference, also
 counting the world group's collectives per step), the same under Lightning's ``ddp``, then for rank 0 and for rank 1
-a fit in which that rank alone sends itself SIGTERM at a random step, followed by a resume from the SIGTERM checkpoint.
+a fit in which that rank alone sends itself SIGTERM at a random step, followed by a resume from the SIGTERM checkpoint;
+then the same for rank 1 with ``accumulate_grad_batches=2``, the signal at a window's last batch.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ pytestmark = pytest.mark.multiprocess
 
 STEPS, EPOCHS = 6, 2  # per epoch; 12 steps in all, each rank 32 samples a step
 SIGNAL_STEPS = {rank: random.Random().randrange(EPOCHS * STEPS - 1) for rank in (0, 1)}  # global_step at the signal
+# accumulate_grad_batches=2: 3 windows an epoch; not an epoch's last, where the epoch's end stops every rank anyway
+ACCUMULATED_SIGNAL_STEP = random.Random().choice([0, 1, 3, 4])
 
 
 class Signalled(DigitsClassifier):
@@ -34,7 +37,7 @@ class Signalled(DigitsClassifier):
 
     def __init__(self, rank: int = -1, step: int = -1) -> None:
         super().__init__()
-        self.signal_rank, self.signal_step = rank, step
+        self.signal_rank, self.signal_step = rank, step  # at the step's last batch (its window's)
         self.world_seq: list[int] = []
         self.buckets: list[int] = []
 
@@ -44,14 +47,16 @@ class Signalled(DigitsClassifier):
         self.buckets.append(self._counts.calls if hasattr(self, "_counts") else 0)
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        if self.global_rank == self.signal_rank and self.global_step == self.signal_step:
+        last = (batch_idx + 1) % self.trainer.accumulate_grad_batches == 0
+        if self.global_rank == self.signal_rank and self.global_step == self.signal_step and last:
             os.kill(os.getpid(), signal.SIGTERM)
         return super().training_step(batch, batch_idx)
 
 
-def _fit(root: Path, model: Signalled, strategy: Any, ckpt_path: str | None = None) -> dict[str, Any]:
+def _fit(root: Path, model: Signalled, strategy: Any, ckpt_path: str | None = None, accumulate: int = 1) -> dict:
     pl.seed_everything(5)
     trainer = pl.Trainer(
+        accumulate_grad_batches=accumulate,
         accelerator="cpu",
         devices=2,
         strategy=strategy,
@@ -89,7 +94,7 @@ def _strategy(port: int, root: Path | None = None) -> MyDDPStrategy:
     )
 
 
-def _runs(rank: int, world_size: int, out: str, signal_steps: dict[int, int], ports: list[int]) -> dict[str, Any]:
+def _runs(rank: int, world_size: int, out: str, signal_steps: dict[int, int], ports: list[int], window: int) -> dict:
     out_dir, records, port = Path(out), {}, iter(ports)
     pl.seed_everything(5)
     records["reference"] = _fit(out_dir / "reference", Signalled(), _strategy(next(port)))
@@ -103,13 +108,23 @@ def _runs(rank: int, world_size: int, out: str, signal_steps: dict[int, int], po
         records[f"resume{signalled}"] = _fit(
             root / "resume", Signalled(), _strategy(next(port)), str(root / "sigterm.ckpt")
         )
+    root = out_dir / "accumulated"  # rank 1 alone, at the last batch of window `window` (2 batches)
+    pl.seed_everything(5)
+    records["accumulated_reference"] = _fit(root / "reference", Signalled(), _strategy(next(port)), accumulate=2)
+    pl.seed_everything(5)
+    records["accumulated_signal"] = _fit(root, Signalled(1, window), _strategy(next(port), root), accumulate=2)
+    pl.seed_everything(5)
+    records["accumulated_resume"] = _fit(
+        root / "resume", Signalled(), _strategy(next(port)), str(root / "sigterm.ckpt"), accumulate=2
+    )
     return records
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> list[dict[str, Any]]:
     """Every rank's records of the shared run."""
-    args = (str(tmp_path_factory.mktemp("sigterm")), SIGNAL_STEPS, [free_port() for _ in range(5)])
+    ports = [free_port() for _ in range(8)]
+    args = (str(tmp_path_factory.mktemp("sigterm")), SIGNAL_STEPS, ports, ACCUMULATED_SIGNAL_STEP)
     return run_on_ranks(_runs, 2, args=args, init_process_group=False, timeout_s=240)
 
 
@@ -132,6 +147,21 @@ def test_sigterm_to_one_rank_stops_every_rank_at_one_step_and_resumes_exactly(ru
     for rank, record in enumerate(resumed):
         assert record["global_step"] == EPOCHS * STEPS
         for name, value in runs[rank]["reference"]["weights"].items():
+            torch.testing.assert_close(record["weights"][name], value, rtol=0, atol=1e-6, msg=f"{name}, step {step}")
+
+
+@pytest.mark.timeout(300)
+def test_sigterm_inside_an_accumulation_window_stops_at_its_end_and_resumes_exactly(runs):
+    """accumulate_grad_batches=2, SIGTERM to rank 1 at a window's last batch: both ranks stop at the end of the
+    next window (not after its first batch, whose gradient the checkpoint cannot hold); the resume is exact."""
+    step, windows = ACCUMULATED_SIGNAL_STEP, STEPS // 2
+    stopped = [r["accumulated_signal"] for r in runs]
+    assert [r["stopped"] for r in stopped] == ["SIGTERMException"] * 2, step
+    expected = step + 1 if (step + 1) % windows == 0 else step + 2
+    assert [r["global_step"] for r in stopped] == [expected] * 2, step
+    for rank, record in enumerate(r["accumulated_resume"] for r in runs):
+        assert record["stopped"] is None and record["global_step"] == EPOCHS * windows
+        for name, value in runs[rank]["accumulated_reference"]["weights"].items():
             torch.testing.assert_close(record["weights"][name], value, rtol=0, atol=1e-6, msg=f"{name}, step {step}")
 
 

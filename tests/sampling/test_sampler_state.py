@@ -61,8 +61,8 @@ def test_a_resumed_remainder_is_padded_for_training_only():
 
 
 def _fitting(loader) -> SimpleNamespace:
-    """The parts of a fitting Trainer that save_positions reads: training loaders, 3 batches done."""
-    progress = SimpleNamespace(current=SimpleNamespace(ready=3))
+    """The parts of a fitting Trainer that save_positions reads: training loaders, 3 batches done (processed)."""
+    progress = SimpleNamespace(current=SimpleNamespace(ready=4, processed=3))  # batch 4 interrupted
     return SimpleNamespace(
         state=SimpleNamespace(fn=TrainerFn.FITTING),
         train_dataloader={"a": [loader]},
@@ -127,10 +127,8 @@ def test_a_mid_epoch_resume_sets_lightnings_batch_counter_and_silences_its_warni
         train_dataloader=[loader],
         limit_train_batches=1.0,
         num_training_batches=5,
-        fit_loop=SimpleNamespace(
-            epoch_progress=SimpleNamespace(current=SimpleNamespace(processed=0)),
-            epoch_loop=SimpleNamespace(batch_progress=progress),
-        ),
+        current_epoch=0,
+        fit_loop=SimpleNamespace(epoch_loop=SimpleNamespace(batch_progress=progress)),
     )
     sharding, before = LoaderSharding(), list(warnings.filters)
     restore_batch_counter(trainer, 1, sharding.until_teardown)
