@@ -211,7 +211,8 @@ class MyDDPStrategy(sync.wrapping.LightningDDPAttributes, ParallelStrategy):
             self.model = sync.wrap(self.model, self.root_device, kwargs, self._options.comm_hook)
             self._gradients_steps = 0
             self.setup_optimizers(trainer)
-        else:
+        else:  # the uneven-inputs callback ends an evaluation run on uneven loaders
+            trainer.callbacks.insert(0, self._uneven.callback)
             sync.broadcast_states(self.model, buffers=kwargs.get("broadcast_buffers", True))
         self.setup_precision_plugin()
 
@@ -281,44 +282,29 @@ class MyDDPStrategy(sync.wrapping.LightningDDPAttributes, ParallelStrategy):
 
     @override
     def on_validation_start(self) -> None:
-        """Agree the counts needing the peers; fitting, rank 0's buffers are due at the first step (after EMA swaps)."""
-        self._sharding.agree_counts()
+        """Agree the counts needing the peers: where they differ or are unknown, the stage runs under the uneven-inputs
+        join (also ``on_test_start``, ``on_predict_start``); fitting, rank 0's buffers are due at the first step (after
+        EMA swaps)."""
+        if self._sharding.agree_counts():
+            self._uneven.begin_evaluation(self._trainer)
         self._buffers_due = isinstance(self.model, DistributedDataParallel) and self.model.will_sync_module_buffers()
 
-    @override
-    def on_validation_end(self) -> None:
-        """End of an evaluation stage (also ``on_test_end``, ``on_predict_end``): forget its uneven-shard state."""
-        self._sharding.guard.end_stage()
-
     on_test_start = on_predict_start = on_validation_start
-    on_test_end = on_predict_end = on_validation_end
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        """Call the LightningModule directly (not DDP's forward); collectives are refused on uneven loaders."""
+        """Call the LightningModule directly (not DDP's forward); uneven loaders run under the join (``uneven``)."""
         if self._buffers_due:  # once per run; Lightning's ddp copies rank 0's buffers in every step's DDP forward
             self._buffers_due = False
             sync.broadcast_states(self.model.module, parameters=False)
-        with (
-            self.precision_plugin.val_step_context(),
-            self._sharding.guard.step(self._trainer, "validation_step", args, kwargs),
-        ):
+        with self.precision_plugin.val_step_context():
             return self.lightning_module.validation_step(*args, **kwargs)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
         """As :meth:`validation_step`."""
-        with (
-            self.precision_plugin.test_step_context(),
-            self._sharding.guard.step(self._trainer, "test_step", args, kwargs),
-        ):
+        with self.precision_plugin.test_step_context():
             return self.lightning_module.test_step(*args, **kwargs)
-
-    @override
-    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        """Lightning's ``predict_step``, refusing per-step collectives on uneven shards."""
-        with self._sharding.guard.step(self._trainer, "predict_step", args, kwargs):
-            return super().predict_step(*args, **kwargs)
 
     @override
     def barrier(self, name: str | None = None) -> None:
@@ -368,12 +354,10 @@ class MyDDPStrategy(sync.wrapping.LightningDDPAttributes, ParallelStrategy):
         return process.all_gather_padded(tensor, shapes, group, sync_grads, warn=warn)
 
     def _before_collective(self, collective: str, src: int = 0) -> bool:
-        """First in each of the strategy's collectives, on every rank: inside an evaluation step on uneven loaders,
-        refused (``RuntimeError``, :class:`~ddp_strategy.sampling.LoaderSharding`); in a training step that ranks out
+        """First in each of the strategy's collectives, on every rank: in a training or evaluation step that ranks out
         of data only shadow, announced to them or refused (``UnevenInputsError``, ``sampling.uneven``). Returns
         whether it is in such a step (``collective``: ``"barrier"``, ``"save"``, ``"broadcast"`` from ``src``,
         ``"all_gather"``, else a reduce, which the uneven-inputs policy then makes itself)."""
-        self._sharding.guard.check(collective, self.global_rank)
         return self._uneven.announce(collective, src)
 
     @override
@@ -465,7 +449,7 @@ class MyDDPStrategy(sync.wrapping.LightningDDPAttributes, ParallelStrategy):
             exception,
             self.global_rank,
             self.world_size,
-            self._sharding.guard.describe_uneven(),
+            None,
             save,
         )
 
@@ -478,8 +462,10 @@ class MyDDPStrategy(sync.wrapping.LightningDDPAttributes, ParallelStrategy):
             self.model = self._layer_sync.revert(self.model)
         self._sharding.hand_back(trainer)
         self._uneven.abandon()
-        if trainer is not None:
+        if trainer is not None:  # the loops' data fetchers read the loaders' lengths (user code) while the group lives
             process.boundaries.remove_fit_callbacks(trainer, self._uneven.callback)
+            for loop in (trainer.fit_loop, trainer.validate_loop, trainer.test_loop, trainer.predict_loop):
+                loop.teardown()
         super().teardown()
         process.failures.teardown(self._run, self.global_rank, self.world_size)
 

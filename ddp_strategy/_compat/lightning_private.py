@@ -367,3 +367,11 @@ def cut_epoch(trainer: pl.Trainer, batches: int) -> None:
     trainer.fit_loop.max_batches = batches
     if isinstance(trainer.val_check_interval, float) and trainer.val_check_batch is not None:
         trainer.val_check_batch = max(1, int(batches * trainer.val_check_interval))
+
+
+def out_of_batches(trainer: pl.Trainer) -> bool:
+    """Whether the running loop's data fetcher (``Trainer._active_loop._data_fetcher``) has given its last batch:
+    ``_DataFetcher.done``, set once its iterator stops, also where a loader's ``__len__`` is a wrong hint (there
+    ``batch_progress.is_last_batch`` is never set). False without a running loop."""
+    fetcher = getattr(trainer._active_loop, "_data_fetcher", None)
+    return fetcher is not None and fetcher.done

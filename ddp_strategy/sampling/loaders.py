@@ -4,17 +4,18 @@
 loaders are padded (every rank takes as many steps) and resume from the checkpoint's sampler position. Validation
 and test loaders hold each sample once, batched so every rank takes the ``ceil(ceil(N / W) / B)`` steps Lightning's
 padded sampler gives, so per-step collectives meet (``self.log(..., on_step=True, sync_dist=True)``); where no
-such layout exists they are padded as under Lightning's ddp, with a warning. Where batch counts still differ (the
-user's own distributed sampler, an ``IterableDataset``, predict), :class:`EvaluationStepGuard` refuses a strategy
-collective inside a step before any rank enters it (counted at the stage's start: no collective in sharding).
+such layout exists they are padded as under Lightning's ddp, with a warning. Where batch counts may still differ
+(the user's own distributed sampler, an ``IterableDataset``, predict), :meth:`LoaderSharding.agree_counts` says so
+at the stage's start (no collective in sharding), and the stage runs under the uneven-inputs join
+(``sampling.uneven``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterator, Mapping, Sequence
-from contextlib import ExitStack, contextmanager, suppress
+from collections.abc import Mapping
+from contextlib import ExitStack, suppress
 from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
@@ -30,12 +31,10 @@ if TYPE_CHECKING:
 
 #: Start of the warning :func:`warn_if_order_kept` gives (``warnings.filterwarnings("ignore", message=...)``).
 ORDER_KEPT_WARNING = "MyDDPStrategy keeps the training loader's order"
-#: Attribute set on an evaluation loader: its number of batches on every rank, as a tuple.
-BATCH_COUNTS_ATTR = "_ddp_strategy_batch_counts"
 
 
 class LoaderSharding:
-    """Shards one strategy's loaders, keeping what lasts across stages: the guard and the saved positions.
+    """Shards one strategy's loaders, keeping what lasts across stages: the saved positions.
 
     Args:
         exact_evaluation: validation/test loaders hold each sample once (True), or are padded as under ``ddp``.
@@ -43,7 +42,6 @@ class LoaderSharding:
 
     def __init__(self, exact_evaluation: bool = True) -> None:
         self.exact_evaluation = exact_evaluation
-        self.guard = EvaluationStepGuard()
         self.positions: list[dict[str, Any]] = []  #: from the checkpoint, for the training loaders built next
         self.until_teardown = ExitStack()  #: what lasts while a fit runs (see ``state.restore_batch_counter``)
         self._injecting = True
@@ -101,17 +99,19 @@ class LoaderSharding:
             )
         return loader
 
-    def agree_counts(self) -> None:
-        """At an evaluation stage's start, every rank: one ``all_gather_object`` of the counts :meth:`prepare` left
-        (the user's distributed sampler, an ``IterableDataset``, predict); none if none (every rank has the same)."""
+    def agree_counts(self) -> bool:
+        """At an evaluation stage's start, every rank: whether the batch counts of the loaders :meth:`prepare` left
+        (the user's distributed sampler, an ``IterableDataset``, predict) differ between ranks or are unknown (no
+        ``__len__``, or an ``IterableDataset``'s, which is only a hint): one ``all_gather_object``; none, and False,
+        if it left none (the strategy's own shards hold as many batches on every rank)."""
         pending, self._pending = self._pending, []
         world = dist.get_world_size() if pending and dist.is_available() and dist.is_initialized() else 1
-        gathered = [[sized_len(loader) for loader in pending]] * world
+        gathered = [
+            [None if isinstance(getattr(dl, "dataset", None), IterableDataset) else sized_len(dl) for dl in pending]
+        ] * world
         if world > 1:
             dist.all_gather_object(gathered, gathered[0])
-        for loader, counts in zip(pending, zip(*gathered, strict=True), strict=True):
-            with suppress(AttributeError):  # a loader that forbids attributes: the guard sees no counts
-                setattr(loader, BATCH_COUNTS_ATTR, None if None in counts else counts)
+        return len({tuple(counts) for counts in gathered}) > 1 or any(None in counts for counts in gathered)
 
 
 def flat_loaders(collection: object) -> list[Any]:
@@ -299,8 +299,8 @@ def needs_padding(dataloader: DataLoader | _Loader, num_replicas: int) -> str | 
 def shard_for_evaluation(dataloader: object, shard: samplers.Shard, stage: str, exact: bool = True) -> object:
     """A validation (``stage="validation"``) or test loader with each sample once and equal batch counts, else
     (``exact=False``, ``drop_last=True``, or no such layout: :func:`needs_padding`, or uneven counts from the user's
-    batch sampler class) padded as Lightning's ddp pads it, with a rank-0 warning where exactness is lost. Keeps
-    every rank's batch counts on it where it is ours (:func:`count_batches`; no collective)."""
+    batch sampler class) padded as Lightning's ddp pads it, with a rank-0 warning where exactness is lost. No
+    collective (:func:`count_batches` says how many batches each rank's shard makes)."""
     loader = _read(dataloader)
     if loader is None:
         return dataloader
@@ -320,16 +320,14 @@ def shard_for_evaluation(dataloader: object, shard: samplers.Shard, stage: str, 
             f" exact metrics use batch_size >= 2 and drop_last=False with at least {w} samples, or a data"
             f" set whose size is a multiple of {w}."
         )
-    padded_loader = inject_distributed_sampler(loader, padded := dataclasses.replace(shard, pad=True), training=False)
-    count_batches(loader, padded_loader, padded)
-    return padded_loader
+    return inject_distributed_sampler(loader, dataclasses.replace(shard, pad=True), training=False)
 
 
 def count_batches(dataloader: _Loader, loader: DataLoader, shard: samplers.Shard) -> tuple[int, ...]:
-    """``(batches on rank 0, ..., rank W-1)`` of ``loader`` (``dataloader`` injected for ``shard``), also kept on it,
-    without a collective: our batch samplers make as many on every rank; the user's class is re-created per rank."""
+    """``(batches on rank 0, ..., rank W-1)`` of ``loader`` (``dataloader`` injected for ``shard``), without a
+    collective: our batch samplers make as many on every rank; the user's class is re-created per rank."""
     ours = (BatchSampler, samplers.EqualCountBatchSampler, samplers.ShardedBatchSampler, type(None))
-    counts = (
+    return (
         (len(loader),) * shard.num_replicas
         if type(loader.batch_sampler) in ours
         else tuple(
@@ -337,8 +335,6 @@ def count_batches(dataloader: _Loader, loader: DataLoader, shard: samplers.Shard
             for r in range(shard.num_replicas)
         )  # type: ignore[arg-type]
     )
-    setattr(loader, BATCH_COUNTS_ATTR, counts)
-    return counts
 
 
 def warn_if_order_kept(dataloader: object, world_size: int, overfit_batches: int | float = 0) -> None:
@@ -407,71 +403,4 @@ def warn_if_not_shardable(dataloader: object, world_size: int) -> None:
             f"{type(dataloader.dataset).__name__} is an IterableDataset: it has no indices, so MyDDPStrategy cannot"
             " shard it and every rank reads whatever its __iter__ yields. Shard it yourself in __iter__ with"
             " ddp_strategy.shard_iterable (by rank and DataLoader worker), or every rank sees the same data."
-        )
-
-
-class EvaluationStepGuard:
-    """Refuses strategy collectives inside an evaluation step whose ranks hold different batch counts.
-
-    The strategy runs each ``*_step`` in :meth:`step` and calls :meth:`check` in each of its collectives.
-    """
-
-    def __init__(self) -> None:
-        self._active: tuple[str, tuple[int, ...]] | None = None
-        #: The last uneven step's ``(stage, counts)``, for a timed-out collective's error, until :meth:`end_stage`.
-        self.last_uneven: tuple[str, tuple[int, ...]] | None = None
-
-    @contextmanager
-    def step(self, trainer: Any, stage: str, args: Sequence[Any], kwargs: dict[str, Any]) -> Iterator[None]:
-        """Run an evaluation step of ``stage`` (``"validation_step"``, ...) on ``dataloaders[dataloader_idx]``
-        (Lightning passes the index third, with several loaders), its counts cut to ``limit_*_batches``
-        (``num_sanity_val_steps`` in the sanity check; an int caps, a float takes a share)."""
-        kind = {"validation_step": "val", "test_step": "test", "predict_step": "predict"}[stage]
-        loaders = flat_loaders(getattr(trainer, f"{kind}_dataloaders"))
-        limit = (
-            trainer.num_sanity_val_steps
-            if kind == "val" and trainer.sanity_checking
-            else getattr(trainer, f"limit_{kind}_batches")
-        )
-        index = kwargs.get("dataloader_idx", args[2] if len(args) > 2 else 0)
-        counts = getattr(loaders[index] if 0 <= index < len(loaders) else None, BATCH_COUNTS_ATTR, None)
-        if counts is not None:
-            capped = isinstance(limit, int) and limit >= 0
-            counts = tuple(min(c, limit) if capped else int(c * limit) if 0 <= limit < 1.0 else c for c in counts)
-            self._active = (stage, counts) if len(set(counts)) > 1 else None
-            self.last_uneven = self._active or self.last_uneven
-        try:
-            yield
-        finally:
-            self._active = None  # Lightning runs one step at a time
-
-    def end_stage(self) -> None:
-        """Forget the stage's uneven batch counts."""
-        self.last_uneven = None
-
-    def describe_uneven(self) -> str | None:
-        """A sentence naming the last uneven evaluation loader's batch counts, for a collective's error."""
-        if self.last_uneven is None:
-            return None
-        stage, counts = self.last_uneven
-        return (
-            f"The ranks were running {stage} on a loader whose ranks hold different numbers of batches"
-            f" {list(counts)} (ranks 0..{len(counts) - 1}), so a collective made in every step directly with"
-            " torch.distributed (for example a torchmetrics metric with dist_sync_on_step=True) waits on the ranks"
-            " with fewer batches: sync at epoch end instead (dist_sync_on_step=False), or give every rank the same"
-            " number of batches."
-        )
-
-    def check(self, collective: str, rank: int) -> None:
-        """Raise ``RuntimeError`` (stage, per-rank batch counts, what to do) inside a step on an uneven loader."""
-        if self._active is None:
-            return
-        stage, counts = self._active
-        raise RuntimeError(
-            f"[rank {rank}] {stage} requested a collective ({collective}) on every step, but the ranks hold"
-            f" different numbers of batches {list(counts)} (ranks 0..{len(counts) - 1}) - predict shards (Lightning's"
-            " UnrepeatedDistributedSamplerWrapper), your own distributed sampler and IterableDatasets are not evened"
-            " out. A per-step collective would pair with a different step on the other ranks and hang or return a"
-            " wrong value. Log with on_step=False (the epoch-level sync_dist value is exact), move the collective"
-            " to the epoch-end hook (on_predict_epoch_end, ...), or give every rank the same number of batches."
         )

@@ -1,4 +1,4 @@
-"""Uneven inputs: training when the ranks' loaders yield different numbers of batches (docs/sampling.md).
+"""Uneven inputs: training and evaluating when the ranks' loaders yield different numbers of batches (docs/sampling.md).
 
 Where the strategy does not shard the training loader (the user's shards, sampler or ``IterableDataset``), an
 epoch's batch counts can differ or be unknown; each epoch's start gathers them (:meth:`UnevenInputs.begin_epoch`,
@@ -14,10 +14,15 @@ between them (``self.log(sync_dist=True)``, ``reduce_boolean_decision``, a check
 that would meet the wrong collective on a rank out of data. So in a *tail* step (one that some ranks only shadow)
 the active ranks announce each collective before making it, one message (an all-reduce, MAX, of ``5 + W``
 integers) of a kind in :data:`_KINDS`, the one table both sides read: DDP's forward and gradient buckets (the calls
-of DDP's own join hook, in two halves, since the step's own collectives come between), reductions (a neutral
-value), barriers, broadcasts from an active rank, a save's agreement; what a rank out of data cannot take part in
-(:data:`Refusal`) raises :class:`UnevenInputsError` on every rank. At the end every rank takes the longest rank's
-module and training state. This rank's state in such an epoch is one :class:`_Epoch`.
+of DDP's own join hook, in two halves, since the step's own collectives come between), gathers (reductions and
+torchmetrics' syncs: a rank out of data gives an empty tensor, the active ranks keep their own rows), barriers,
+broadcasts from an active rank, a save's agreement; what a rank out of data cannot take part in (:data:`Refusal`)
+raises :class:`UnevenInputsError` on every rank. At the end every rank takes the longest rank's module and training
+state. This rank's state in such an epoch is one :class:`_Epoch`.
+
+An evaluation stage (validation, test, predict) whose loaders' counts differ or are unknown runs under the same
+join (:meth:`UnevenInputs.begin_evaluation`), under every policy, its metrics' syncs routed through the join's
+gather; it ends at the stage's epoch end, before its epoch-level values are reduced, and copies nothing.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from torch.distributed.algorithms import Join, Joinable, JoinHook
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import IterableDataset
+from torchmetrics.utilities.distributed import gather_all_tensors
 
 from ddp_strategy._compat import lightning_private as _pl
 from ddp_strategy._compat import namespace as _namespace
@@ -58,7 +64,16 @@ _DTYPES = (
     torch.uint8,
     torch.bool,
 )
-_OPS = ("sum", "max", "min", "product")
+#: A reduction's name (``strategy.reduce``'s string or ``torch.distributed.ReduceOp`` name) -> the reduction over
+#: the gathered rows of the ranks in a tail step.
+_OPS = {
+    "sum": torch.sum,
+    "mean": torch.mean,
+    "avg": torch.mean,
+    "max": torch.amax,
+    "min": torch.amin,
+    "product": torch.prod,
+}
 
 
 #: What a rank out of data cannot take part in, as ``(what, what to do)`` for :class:`UnevenInputsError`.
@@ -106,10 +121,9 @@ _KINDS = {
     "refuse": (None, None),
     "forward": (lambda u, a, b, c: _tp.shadow_ddp_forward(u.ddp), None),
     "backward": (lambda u, sync, b, c: sync and _tp.shadow_ddp_backward(u.ddp), None),
-    "reduce": (
-        lambda u, n, dtype, op: dist.all_reduce(
-            torch.full((n,), _neutral(_OPS[op], _DTYPES[dtype]), dtype=_DTYPES[dtype], device=u.join_device),
-            getattr(dist.ReduceOp, _OPS[op].upper()),
+    "gather": (
+        lambda u, ndim, dtype, c: gather_all_tensors(
+            torch.zeros((0,) * ndim, dtype=_DTYPES[dtype], device=u.join_device)
         ),
         None,
     ),
@@ -135,11 +149,14 @@ class _Epoch:
     """This rank's state in an epoch whose counts differ or are unknown (none in an even one)."""
 
     known: bool  #: every rank's count known at the start
+    progress: Any  #: the loop's ``batch_progress`` (Lightning's: the steps counted, whether this is the last batch)
     join: Join | None = None  #: ``"join"``: torch's join context, entered at the start
     uncut: int | None = None  #: ``"stop"`` with known counts (cut at the start, no per-step work): the epoch's length
     seen: int = -1  #: the batch counter at the last step's start (each step starts once)
     trained: int = 0  #: steps started
     tail: bool = False  #: in a step some ranks, out of data, only shadow
+    synced: list[Any] | None = None  #: an evaluation's (None: a training epoch): the metrics it syncs (``gather``)
+    outer: _Epoch | None = None  #: an evaluation's: the training epoch it interrupts (a validation run mid-epoch)
 
 
 class UnevenInputs(Joinable, JoinHook):
@@ -189,9 +206,7 @@ class UnevenInputs(Joinable, JoinHook):
     def join_device(self) -> torch.device:
         return self._trainer.strategy.root_device
 
-    @property
-    def join_process_group(self) -> Any:
-        return None  # the world
+    join_process_group = None  #: the world (torch's ``Joinable`` property, as a constant)
 
     def join_hook(self, **kwargs: Any) -> JoinHook:
         return self
@@ -223,7 +238,7 @@ class UnevenInputs(Joinable, JoinHook):
             )
         if self.policy == "join" and known and any(c % k for c in counts if c < max(counts)):
             raise ValueError(self._accumulation_message([r for r, c in enumerate(counts) if c % k and c < max(counts)]))
-        self._epoch = _Epoch(known)
+        self._epoch = _Epoch(known, trainer.fit_loop.epoch_loop.batch_progress)
         if self.policy == "stop" and known:
             self._epoch.uncut = trainer.num_training_batches  # given back at the epoch's end: the next one is cut anew
             _pl.cut_epoch(trainer, min(counts))
@@ -241,9 +256,9 @@ class UnevenInputs(Joinable, JoinHook):
                 rank's last batch ends alone. StopIteration: ``"stop"``, a rank has no batch: the epoch ends here.
         """
         epoch, trainer = self._epoch, self._trainer
-        if epoch is None or epoch.uncut is not None or not trainer.training:
+        if epoch is None or epoch.uncut is not None or trainer.training != (epoch.synced is None):
             return
-        progress, k = trainer.fit_loop.epoch_loop.batch_progress, trainer.accumulate_grad_batches
+        progress, k = epoch.progress, trainer.accumulate_grad_batches
         if progress.total.completed == epoch.seen:
             return
         epoch.seen, epoch.trained = progress.total.completed, epoch.trained + 1
@@ -266,9 +281,9 @@ class UnevenInputs(Joinable, JoinHook):
             self._exchange("end")
         stepping, work = self._notify(1)
         epoch.tail = stepping < trainer.world_size
-        if epoch.tail and not self.divide_by_initial_world_size:
+        if epoch.tail and not self.divide_by_initial_world_size and trainer.training:
             _tp.set_gradient_divisor(self.ddp, work, False)
-        if k > 1 and not epoch.tail and not epoch.known:
+        if k > 1 and not epoch.tail and not epoch.known and trainer.training:
             syncs = self._flags(1 + (progress.is_last_batch or (progress.current.ready + 1) % k == 0))
             if len(set(syncs)) > 1:
                 raise UnevenInputsError(self._accumulation_message([r for r, f in enumerate(syncs) if f == 2]))
@@ -348,11 +363,18 @@ class UnevenInputs(Joinable, JoinHook):
         ``"barrier"``, ``"broadcast"`` (from ``src``) and ``"save"`` (a save's agreement) are announced, and
         ``"all_gather"`` and ``"validation"`` refused (they need every rank); a broadcast from a rank out of data or a
         save while rank 0 is raise :class:`UnevenInputsError` on every rank (a reduce announces itself, :meth:`reduce`).
-        If this rank has finished its last batch, it first waits for the others (:meth:`finish`)."""
-        if self._epoch is not None and self._epoch.join is not None:
-            progress = self._trainer.fit_loop.epoch_loop.batch_progress
-            if progress.is_last_batch and progress.current.completed == progress.current.ready:
-                self.finish()
+        If this rank has finished its last batch (an evaluation's: its loop is out of batches, as at its epoch-level
+        reductions, which Lightning makes before the epoch-end hooks), it first waits for the others (:meth:`finish`).
+        """
+        if (
+            self._epoch is not None
+            and self._epoch.join is not None
+            and (
+                self._epoch.progress.is_last_batch if self._epoch.synced is None else _pl.out_of_batches(self._trainer)
+            )
+            and self._epoch.progress.current.completed == self._epoch.progress.current.ready
+        ):
+            self.finish()
         if self.tail and collective in ("all_gather", "validation"):  # they need every rank
             self.refuse(Refusal[collective.upper()])
         if self.tail and collective in ("barrier", "broadcast", "save"):
@@ -360,19 +382,33 @@ class UnevenInputs(Joinable, JoinHook):
         return self.tail
 
     def reduce(self, tensor: torch.Tensor, group: Any, reduce_op: Any) -> torch.Tensor:
-        """``strategy.reduce`` in a step with fewer ranks: in place, over the active ranks (a mean divides by
-        their number); the joined ranks give a neutral value (0, 1, the dtype's lowest or highest)."""
+        """``strategy.reduce`` in a step with fewer ranks: in place, over the active ranks' tensors (:meth:`gather`:
+        the ranks out of data give none), so a mean divides by their number."""
         name = (
             reduce_op.lower()
             if isinstance(reduce_op, str)
-            else next((n for n in _OPS if reduce_op == getattr(dist.ReduceOp, n.upper())), None)
+            else next((n for n in _OPS if reduce_op == getattr(dist.ReduceOp, n.upper(), None)), None)
         )
-        op = "sum" if name in ("mean", "avg") else name
-        if group not in (None, dist.group.WORLD) or op not in _OPS or tensor.dtype not in _DTYPES:
+        rows = torch.stack(self.gather(tensor, group, name))
+        return tensor.copy_(_OPS[name](rows, 0))
+
+    def gather(self, tensor: torch.Tensor, group: Any = None, op: str | None = "sum") -> list[torch.Tensor]:
+        """Every rank's ``tensor`` (torchmetrics' ``gather_all_tensors``: shapes may differ), in a step with fewer
+        ranks only the active ranks' (the ranks out of data give an empty one): :meth:`reduce`'s, and an evaluation's
+        metric syncs (their ``dist_sync_fn``). A collective, on every rank.
+
+        Raises:
+            UnevenInputsError: in such a step, on every rank, for a process group other than the world, a dtype
+                other than float, int or bool, or a reduction ``op`` other than sum, mean, max, min or product.
+        """
+        if self.tail and (group not in (None, dist.group.WORLD) or tensor.dtype not in _DTYPES or op not in _OPS):
             self.refuse(Refusal.OTHER)
-        _, active = self._exchange("reduce", tensor.numel(), _DTYPES.index(tensor.dtype), _OPS.index(op))
-        dist.all_reduce(tensor, getattr(dist.ReduceOp, op.upper()))
-        return tensor.div_(len(active)) if op != name else tensor
+        active = (
+            self._exchange("gather", tensor.ndim, _DTYPES.index(tensor.dtype))[1]
+            if self.tail
+            else range(self._trainer.world_size)
+        )
+        return [row for r, row in enumerate(gather_all_tensors(tensor, group)) if r in active]
 
     def refuse(self, refusal: Refusal) -> None:
         """Raise :class:`UnevenInputsError` for ``refusal`` here and on the ranks out of data (one message).
@@ -382,11 +418,12 @@ class UnevenInputs(Joinable, JoinHook):
         """
         self._exchange("refuse", list(Refusal).index(refusal))
 
-    def finish(self) -> None:
-        """This rank's epoch is done: take part in the others' steps until all are (``Join.__exit__``); the state
-        copy follows. A collective unless the epoch was even. (A cut epoch gets its length back.)"""
+    def finish(self, evaluation: bool | None = None) -> None:
+        """This rank's epoch (or evaluation run) is done: take part in the others' steps until all are
+        (``Join.__exit__``); a training epoch's state copy follows. A collective unless the epoch was even. (A cut
+        epoch gets its length back.) ``evaluation``: only an evaluation run's (True) or a training epoch's (False)."""
         epoch, trainer = self._epoch, self._trainer
-        if epoch is None:
+        if epoch is None or evaluation is not None and evaluation != (epoch.synced is not None):
             return
         if epoch.uncut is not None:
             _pl.cut_epoch(trainer, epoch.uncut)
@@ -402,11 +439,36 @@ class UnevenInputs(Joinable, JoinHook):
             if epoch.tail:
                 self._exchange("end")
             epoch.join.__exit__(None, None, None)
-        self._epoch = None
+        self.abandon()
 
     def abandon(self) -> None:
-        """After a failure, or at teardown: forget the epoch (no collective)."""
-        self._epoch = None
+        """After a failure, at teardown or its end: forget the epoch (an evaluation's gives its metrics their own sync
+        back, and its place to the training epoch it interrupted). No collective."""
+        for metric in getattr(self._epoch, "synced", None) or ():
+            metric.dist_sync_fn = None
+        self._epoch = self._epoch and self._epoch.outer
+
+    def begin_evaluation(self, trainer: Any) -> None:
+        """At an evaluation stage's start (validation, test, predict), on every rank, where its loaders' batch counts
+        differ between ranks or are unknown (``LoaderSharding.agree_counts``): run it in torch's join as a training
+        epoch under ``"join"`` runs (under every policy: an evaluation drops nothing), each step notified at its
+        ``batch_to_device``, ended at the stage's epoch end (:class:`_EpochEnd`); meanwhile this module's torchmetrics
+        metrics sync through :meth:`gather`. No collective."""
+        self._trainer = trainer
+        self._epoch = _Epoch(
+            False,
+            (
+                trainer.fit_loop.epoch_loop.val_loop
+                if trainer.state.fn == "fit"
+                else getattr(trainer, f"{trainer.state.fn.value}_loop")
+            ).batch_progress,
+            Join([self]),
+            synced=[m for m in trainer.lightning_module.modules() if getattr(m, "dist_sync_fn", False) is None],
+            outer=self._epoch,
+        )
+        self._epoch.join.__enter__()
+        for metric in self._epoch.synced:
+            metric.dist_sync_fn = self.gather
 
     def main_hook(self) -> None:
         """``Join``'s main hook, on a rank out of data: the others' step, each message read and taken part in, to its
@@ -417,6 +479,8 @@ class UnevenInputs(Joinable, JoinHook):
     def post_hook(self, is_last_joiner: bool) -> None:
         """``Join``'s post-hook, on every rank: record the batch counts; after a step with fewer ranks every rank
         takes the module (parameters, buffers) and training state of the highest rank that trained longest."""
+        if self._epoch.synced is not None:  # an evaluation's: nothing to record or copy
+            return
         trainer = self._trainer
         flags = self._flags(2 * self._epoch.trained + is_last_joiner)  # every rank's steps, and whether it was last
         self.epochs[trainer.current_epoch] = tuple(f // 2 for f in flags)
@@ -442,7 +506,7 @@ class UnevenInputs(Joinable, JoinHook):
         trainer = self._trainer
         message = torch.zeros(5 + trainer.world_size, dtype=torch.int64, device=self.join_device)
         if kind:
-            batch = trainer.fit_loop.epoch_loop.batch_progress.current.ready
+            batch = self._epoch.progress.current.ready
             message[:5] = torch.tensor([list(_KINDS).index(kind) + 1, a, b, c, batch])
             message[5 + trainer.global_rank] = 1
         dist.all_reduce(message, dist.ReduceOp.MAX)
@@ -450,32 +514,24 @@ class UnevenInputs(Joinable, JoinHook):
         kind, active = list(_KINDS)[code - 1], [r for r, m in enumerate(mask) if m]
         shadow, refusal = _KINDS[kind]
         if kind == "refuse" or refusal is not None and a not in active:
-            joined = [r for r in range(trainer.world_size) if r not in active]
+            stage = {"train": "training", "test": "test", "predict": "predict"}.get(trainer.state.stage, "validation")
             what, fix = (list(Refusal)[a] if kind == "refuse" else refusal).value
             raise UnevenInputsError(
-                f"[rank {trainer.global_rank}] training batch {batch} (batch_idx {batch - 1}) of epoch"
-                f" {trainer.current_epoch} on ranks {active} makes {what}, in which ranks {joined}, out of"
-                f" training data, cannot take part (uneven inputs, MyDDPStrategy(uneven_inputs='join')). Do: {fix};"
-                " or pass MyDDPStrategy(uneven_inputs='stop') (every rank stops at the shortest rank's last batch;"
-                " the others' later batches are not trained), or give every rank the same number of batches."
+                f"[rank {trainer.global_rank}] {stage} batch {batch} (batch_idx {batch - 1}) of epoch"
+                f" {trainer.current_epoch} on ranks {active} makes {what}, in which ranks"
+                f" {[r for r in range(trainer.world_size) if r not in active]}, out of {stage} data, cannot take"
+                f" part (uneven inputs, MyDDPStrategy(uneven_inputs={self.policy!r})). Do: {fix};"
+                + (
+                    " or pass MyDDPStrategy(uneven_inputs='stop') (every rank stops at the shortest rank's last batch;"
+                    " the others' later batches are not trained),"
+                    if stage == "training"
+                    else ""
+                )
+                + " or give every rank the same number of batches."
             )
         if shadow is not None and not mask[trainer.global_rank]:
             shadow(self, a, b, c)
         return kind, active
-
-
-def _neutral(op: str, dtype: torch.dtype) -> float | int | bool:
-    """What leaves ``op``'s result unchanged: 0 (sum), 1 (product), the dtype's lowest (max) or highest (min)."""
-    if op in ("sum", "product"):
-        return int(op == "product")
-    low, high = (
-        (False, True)
-        if dtype == torch.bool
-        else (float("-inf"), float("inf"))
-        if dtype.is_floating_point
-        else (torch.iinfo(dtype).min, torch.iinfo(dtype).max)
-    )
-    return low if op == "max" else high
 
 
 class _EpochEnd(Callback):
@@ -489,7 +545,10 @@ class _EpochEnd(Callback):
         self.uneven.before_validation()
 
     def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
-        self.uneven.finish()
+        """At a training epoch's end, or an evaluation stage's (before its metrics are computed)."""
+        self.uneven.finish(evaluation=not trainer.training)
+
+    on_validation_epoch_end = on_test_epoch_end = on_predict_epoch_end = on_train_epoch_end
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         self.uneven.epochs = {}

@@ -500,3 +500,43 @@ def test_training_state_round_trips_and_cut_epoch_sets_the_loops_counts(namespac
     assert_same_on_every_rank([state, _pl.training_state(target)], "training state")
     _pl.cut_epoch(target, 6)
     assert target.fit_loop.max_batches == 6 and target.val_check_batch == 3
+
+
+def test_out_of_batches_reads_the_running_loops_fetcher_also_past_a_wrong_length_hint(namespace, tmp_path):
+    """In a 1-process validate, out_of_batches is False before and during the steps and True at the epoch's end,
+    for a sized loader (3 batches) and for an IterableDataset whose __len__ says 5 batches where it yields 3 (there
+    Lightning's is_last_batch stays False); False without a running loop."""
+    seen: list[tuple[str, bool, bool]] = []
+
+    class Hinted(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            return iter(torch.randn(6, 32))
+
+        def __len__(self) -> int:
+            return 10
+
+    class Probe(namespace.get("pytorch.demos.boring_classes:BoringModel")):
+        def on_validation_epoch_start(self):
+            seen.append(
+                ("start", _pl.out_of_batches(self.trainer), self.trainer.validate_loop.batch_progress.is_last_batch)
+            )
+
+        def on_validation_batch_start(self, batch, batch_idx):
+            seen.append(("step", _pl.out_of_batches(self.trainer), False))
+
+        def on_validation_epoch_end(self):
+            seen.append(
+                ("end", _pl.out_of_batches(self.trainer), self.trainer.validate_loop.batch_progress.is_last_batch)
+            )
+
+    # a sized loader's last step knows it is the last (done from the length); the wrong hint's does not
+    for data, last_step in ((torch.randn(6, 32), True), (Hinted(), False)):
+        seen.clear()
+        trainer = namespace.pytorch.Trainer(
+            accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, default_root_dir=tmp_path
+        )
+        trainer.validate(Probe(), DataLoader(data, batch_size=2), verbose=False)
+        expected = [("start", False), ("step", False), ("step", False), ("step", last_step), ("end", True)]
+        assert [s[:2] for s in seen] == expected, seen
+    assert seen[-1][2] is False  # the wrong hint: Lightning's is_last_batch never set
+    assert not _pl.out_of_batches(trainer)

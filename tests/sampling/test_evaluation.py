@@ -1,4 +1,4 @@
-"""Equal-count evaluation batches, the evaluation-step guard and batch-count agreement, in one process."""
+"""Equal-count evaluation batches and the batch-count agreement, in one process."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import math
 
 import pytest
 import torch
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
-from ddp_strategy.sampling.loaders import BATCH_COUNTS_ATTR, EvaluationStepGuard, LoaderSharding, needs_padding
+from ddp_strategy.sampling.loaders import LoaderSharding, needs_padding
 from ddp_strategy.sampling.sampler import (
     EpochSeededDistributedSampler,
     EqualCountBatchSampler,
@@ -17,73 +17,23 @@ from ddp_strategy.sampling.sampler import (
 )
 
 
-def test_counts_that_need_the_peers_are_agreed_at_the_stage_start_without_process_group_the_local_length():
-    """agree_counts (the strategy's on_*_start) keeps this rank's length on each loader prepare left pending."""
+def test_counts_that_need_the_peers_are_agreed_at_the_stage_start_only_where_a_loader_is_not_ours():
+    """agree_counts (the strategy's on_*_start), without a process group: a sized loader prepare left pending has
+    this rank's count (uneven: no), an IterableDataset's length is only a hint (uneven: yes); nothing pending: no."""
     sharding, loader = LoaderSharding(), DataLoader(TensorDataset(torch.arange(9)), batch_size=4)
     sharding._pending = [loader, [1, 2]]
-    sharding.agree_counts()
-    assert getattr(loader, BATCH_COUNTS_ATTR) == (3,) and sharding._pending == []
+    assert sharding.agree_counts() is False and sharding._pending == []
+    sharding._pending = [loader, DataLoader(_Stream())]
+    assert sharding.agree_counts() is True
+    assert sharding.agree_counts() is False
 
 
-def _trainer(val, limit=1.0, sanity=False, sanity_steps=2):
-    """The parts of a Trainer the guard reads."""
-    return type(
-        "Trainer",
-        (),
-        {
-            "val_dataloaders": val,
-            "limit_val_batches": limit,
-            "sanity_checking": sanity,
-            "num_sanity_val_steps": sanity_steps,
-        },
-    )()
+class _Stream(IterableDataset):
+    def __iter__(self):
+        return iter(range(3))
 
-
-def test_guard_refuses_collectives_only_inside_steps_on_uneven_loaders():
-    """Uneven [2, 1]: a collective in the step raises with the counts; outside steps and on even loaders it passes."""
-    guard = EvaluationStepGuard()
-    uneven, even = DataLoader(range(3)), DataLoader(range(4))
-    setattr(uneven, BATCH_COUNTS_ATTR, (2, 1))
-    setattr(even, BATCH_COUNTS_ATTR, (2, 2))
-    guard.check("reduce", 0)
-    with guard.step(_trainer(even), "validation_step", ("batch", 0), {}):
-        guard.check("reduce", 0)
-    with guard.step(_trainer(uneven, limit=1), "validation_step", ("batch", 0), {}):  # capped at 1 batch each: even
-        guard.check("reduce", 0)
-    with guard.step(_trainer(uneven, sanity=True, sanity_steps=1), "validation_step", ("batch", 0), {}):
-        guard.check("reduce", 0)  # the sanity check's num_sanity_val_steps=1 caps it too
-    assert guard.describe_uneven() is None
-    with guard.step(_trainer(uneven), "validation_step", ("b", 0), {}):
-        with pytest.raises(RuntimeError, match=r"\[rank 1\].*\[2, 1\]"):
-            guard.check("reduce", 1)
-    guard.check("reduce", 0)  # the step ended
-    assert "[2, 1]" in guard.describe_uneven()
-    guard.end_stage()
-    assert guard.describe_uneven() is None
-
-
-def test_guard_follows_lightning_limits_and_the_dataloader_index():
-    """An int limit caps each rank's batches, a float takes a share, 1.0 or -1 keep them; with several loaders
-    (Lightning passes dataloader_idx third, or as a keyword) the guard judges the step's own loader."""
-    guard = EvaluationStepGuard()
-    even, uneven = DataLoader(range(4)), DataLoader(range(3))
-    setattr(even, BATCH_COUNTS_ATTR, (4, 4))
-    setattr(uneven, BATCH_COUNTS_ATTR, (4, 2))
-
-    def refuses(trainer, *args, **kwargs) -> bool:
-        with guard.step(trainer, "validation_step", args, kwargs):
-            try:
-                guard.check("reduce", 0)
-            except RuntimeError:
-                return True
-            return False
-
-    assert not refuses(_trainer(uneven, limit=2), "b", 0)
-    assert refuses(_trainer(uneven, limit=0.5), "b", 0)  # (2, 1)
-    assert refuses(_trainer(uneven, limit=-1), "b", 0)
-    assert refuses(_trainer([even, uneven]), "b", 0, 1) and not refuses(_trainer([even, uneven]), "b", 0, 0)
-    assert refuses(_trainer({"x": even, "y": uneven}), "b", 0, dataloader_idx=1)
-    assert not refuses(_trainer(None), "b", 0)
+    def __len__(self) -> int:
+        return 3
 
 
 def _layout(n: int, batch: int, world: int) -> list[list[list[int]]]:

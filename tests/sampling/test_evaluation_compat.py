@@ -1,9 +1,9 @@
 """Drop-in compatibility with Lightning's ddp, evaluation part (issue 12): real 2-process gloo runs.
 
 Two launches: the evaluation-collective patterns on 3, 21, 17 and 5 validation samples (the same module
-also under Lightning's ``strategy="ddp"``), and a per-step ``torch.distributed`` collective on uneven predict
-shards. See tests/sampling/evaluation_workers.py; BatchNorm buffers during validation are in
-tests/sync/test_broadcast_buffers.py.
+also under Lightning's ``strategy="ddp"``), and a per-step ``torch.distributed`` collective (torchmetrics) on
+uneven predict shards, under the uneven-inputs join. See tests/sampling/evaluation_workers.py; BatchNorm buffers
+during validation are in tests/sync/test_broadcast_buffers.py.
 """
 
 from __future__ import annotations
@@ -139,21 +139,23 @@ def test_no_exact_layout_pads_like_lightning_with_one_warning(runs):
     assert not any("are padded" in w for w in mine[1]["warnings"])
 
 
-def test_timeout_on_uneven_predict_shards_names_the_batch_counts(tmp_path):
-    """torchmetrics dist_sync_on_step in predict_step, 2 vs 1 batches: rank 0's error names the counts."""
-    launch("evaluation_workers:scenario_predict_timeout", 2, tmp_path)
-    error = load(tmp_path, "predict_timeout", 2)[0]["error"]
-    assert error is not None and "[2, 1]" in error and "dist_sync_on_step" in error
+def test_a_per_step_metric_sync_on_uneven_predict_shards_gives_the_ranks_holding_the_step(tmp_path):
+    """torchmetrics SumMetric(dist_sync_on_step=True) in predict_step, 9 samples, batch 4 (Lightning's predict shards:
+    rank 0 [0 2 4 6] [8], rank 1 [1 3 5 7]): step 0 returns the sum over both ranks' batches, rank 0's second step
+    (rank 1 is out of data) its own batch's, not a hang (the uneven-inputs join)."""
+    launch("evaluation_workers:scenario_predict_metric", 2, tmp_path)
+    records, s = load(tmp_path, "predict_metric", 2), scores(9)
+    assert records[0]["predictions"] == pytest.approx([s[:8].sum().item(), s[8].item()], abs=1e-5)
+    assert records[1]["predictions"] == pytest.approx([s[:8].sum().item()], abs=1e-5)
 
 
 def test_process_dataloader_is_no_collective_as_lightnings(runs):
-    """Rank 1 alone calls process_dataloader in validation and it returns: our shards' batch counts are computed on
-    the rank (11 samples, batch 4: 2 and 2 for a plain loader and the user's BatchSampler class, kept); the user's
+    """Rank 1 alone calls process_dataloader in validation and it returns: our shards are built on the rank (11
+    samples, batch 4: 2 batches for a plain loader and the user's BatchSampler class, kept); the user's
     DistributedSampler loader comes back as it was, its counts left to the stage's start."""
     rank0, rank1 = load(runs, "one_rank_process_dataloader", 2)
     assert rank0 == {}
     assert rank1 == {
-        "counts": [(2, 2), (2, 2), None],
         "batches": [2, 2, 2],
         "kept": ["EqualCountBatchSampler", "Mine", "BatchSampler"],
         "own_unchanged": True,

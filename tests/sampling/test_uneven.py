@@ -19,6 +19,9 @@ from uneven_workers import (
     BN_COUNTS,
     BN_MOMENTUM,
     EPOCHS,
+    EVAL,
+    EVAL_BATCH,
+    EVAL_SALT,
     ITERABLE,
     ITERABLE_BATCH,
     LR,
@@ -33,6 +36,7 @@ from uneven_workers import (
     loss_of,
     make_layer,
     samples,
+    scenario_evaluation_ddp,
     scenario_join,
     scenario_policies,
 )
@@ -434,3 +438,84 @@ def test_a_rank_without_any_batch_stops_every_rank_or_is_refused(runs):
     assert "ranks [1] reach the end of their training data at batch 1 of epoch 0" in records[0]["error"][1]
     assert "this rank has no training batch in epoch 0 while others have some" in records[1]["error"][1]
     assert all(rec["steps"] == 0 for rec in records)
+
+
+# ----------------------------------------------------------------------------- evaluation (issue 38 item 1)
+def evaluation_reference() -> SimpleNamespace:
+    """One process over ``EVAL``'s batches: per step ``s``, the ``x`` logged (the mean over the ranks holding step
+    ``s`` of ``10 * (rank + 1) + s``) and the metric's value (their batches' target sum); the epoch's loss over all
+    samples and the metric's total; every sample's index."""
+    per_rank = rank_batches(EVAL, EVAL_BATCH, EVAL_SALT)
+    layer, steps = make_layer(), []
+    for s in range(max(map(len, per_rank))):
+        holding = [r for r, batches in enumerate(per_rank) if s < len(batches)]
+        x = sum(10 * (r + 1) + s for r in holding) / len(holding)
+        steps.append({"batch": s, "x": x, "metric": sum(per_rank[r][s][1].sum().item() for r in holding)})
+    xs, ys, idx = (torch.cat([b[i] for batches in per_rank for b in batches]) for i in range(3))
+    with torch.no_grad():
+        loss = loss_of(layer, xs, ys).item()
+    return SimpleNamespace(steps=steps, loss=loss, total=ys.sum().item(), indices=sorted(idx.tolist()))
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_uneven_evaluation_streams_run_under_the_join_with_the_single_process_values(runs):
+    """validate and test (a __len__ that is a wrong hint: 5 batches on both ranks) on streams of 5 and 4 batches, with
+    self.log("x", on_step=True, sync_dist=True) and a torchmetrics SumMetric(dist_sync_on_step=True) in every step:
+    each rank's step values are those of the ranks holding the step (rank 0's 5th: its own), and on both ranks the
+    epoch's loss and the metric's compute() equal one process over all 18 samples; predict with the same metric gives
+    a BasePredictionWriter every sample exactly once."""
+    expected = evaluation_reference()
+    for stage in ("validate", "test", "predict"):
+        for r, rec in enumerate(load(runs, f"eval_{stage}", 2)):
+            assert rec["error"] is None, (stage, rec["error"])
+            want = expected.steps[: len(rank_batches(EVAL, EVAL_BATCH, EVAL_SALT)[r])]
+            assert [s["batch"] for s in rec["steps"]] == [s["batch"] for s in want], stage
+            for got, step in zip(rec["steps"], want, strict=True):
+                assert got["metric"] == pytest.approx(step["metric"], abs=1e-5), (stage, got, step)
+                assert stage == "predict" or got["x"] == step["x"], (stage, got, step)
+            assert rec["computed"] == pytest.approx(expected.total, abs=1e-5), stage
+            assert stage == "predict" or rec["loss"] == pytest.approx(expected.loss, rel=1e-6), stage
+    written = [i for rec in load(runs, "eval_predict", 2) for i in rec["written"]]
+    assert sorted(written) == expected.indices
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_an_all_gather_in_an_evaluation_tail_step_is_refused_on_every_rank(runs):
+    """self.all_gather in validation_step on streams of 5 and 4 batches: rank 0's 5th step, which rank 1 (out of data)
+    only shadows, raises UnevenInputsError on both ranks within seconds, naming the validation batch and what to do."""
+    assert_refused(
+        load(runs, "eval_refuse", 2),
+        UnevenInputsError.__name__,
+        "validation batch 5 (batch_idx 4) of epoch 0 on ranks [0] makes an all_gather",
+        "in which ranks [1], out of validation data, cannot take part",
+        "gather at the epoch's end",
+    )
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_a_refusal_is_the_only_error_where_a_loaders_length_reads_the_rank(runs):
+    """A map-style data set whose __len__ calls torch.distributed.get_rank() (WebDataset's split_by_node style), 4 and
+    3 batches under uneven_inputs="error": the refusal is the error on both ranks, not "Default process group has not
+    been initialized" from Lightning's loop teardown reading the length after the group is gone."""
+    assert_refused(load(runs, "rank_sized", 2), "ValueError", "ranks have different numbers of training batches")
+    assert not any("process group" in rec["error"][1] for rec in load(runs, "rank_sized", 2))
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_lightnings_ddp_goes_wrong_on_the_same_uneven_evaluation_streams(tmp_path):
+    """The same validation under Lightning's ddp (a 10 s collective timeout): a rank fails at the timeout or returns
+    values that are not the single process's, where MyDDPStrategy gives them (the test above)."""
+    launch(scenario_evaluation_ddp, 2, tmp_path, timeout_s=180)
+    expected = evaluation_reference()
+    records = load(tmp_path, "eval_ddp_validate", 2)
+    assert any(
+        rec["error"] is not None
+        or rec["loss"] != pytest.approx(expected.loss, rel=1e-6)
+        or rec["computed"] != pytest.approx(expected.total, abs=1e-5)
+        for rec in records
+    ), records

@@ -10,16 +10,19 @@ from __future__ import annotations
 
 import os
 import time
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
+import torch.distributed as dist
 import torchmetrics
 from ddp_testing import save
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import BasePredictionWriter, ModelCheckpoint
+from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
-from torch.utils.data import DataLoader, IterableDataset, TensorDataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
 
 from ddp_strategy import MyDDPStrategy
 
@@ -32,6 +35,8 @@ ITERABLE, MAP, VAL = (10, 8), (13, 11), (6, 3)
 ITERABLE_BATCH, MAP_BATCH, VAL_BATCH = 2, 4, 2
 EPOCHS = 2
 BN_COUNTS, BN_MOMENTUM = (2, 6), 0.5  # rank 0: 1 batch of 2, rank 1: 3
+#: Evaluation streams (issue 38 item 1): 10 and 8 samples, batch 2: 5 and 4 batches per rank.
+EVAL, EVAL_BATCH, EVAL_SALT = (10, 8), 2, 2
 #: The collectives a training step makes (``Probed(probes=...)``): shadowed ones, then each refused one.
 SHADOWED = ("log", "reduce", "decision", "barrier", "broadcast")
 
@@ -62,6 +67,20 @@ class Hinted(Stream):
 
     def __len__(self) -> int:
         return max(self.counts)
+
+
+class RankSized(Dataset):
+    """This rank's samples, map-style, whose ``__len__`` reads ``torch.distributed.get_rank()`` (as WebDataset-style
+    ``split_by_node`` code does): it works only while the process group exists."""
+
+    def __init__(self, counts: tuple[int, ...], salt: int) -> None:
+        self.counts, self.salt = counts, salt
+
+    def __len__(self) -> int:
+        return self.counts[dist.get_rank()]
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, ...]:
+        return tuple(t[i] for t in samples(dist.get_rank(), len(self), self.salt))
 
 
 def stream(counts: tuple[int, ...], batch_size: int, salt: int = TRAIN_SALT) -> DataLoader:
@@ -153,6 +172,88 @@ class Normed(Probed):
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y, idx = batch
         return super().training_step((self.norm(x), y, idx), batch_idx)
+
+
+class Evaluated(pl.LightningModule):
+    """The same user code for ``strategy="ddp"`` and MyDDPStrategy: each validation and test step logs ``x``, ``v =
+    10 * (rank + 1) + batch_idx``, with ``on_step=True, sync_dist=True``, feeds a torchmetrics ``SumMetric`` with
+    ``dist_sync_on_step=True`` its batch's target sum (its forward: the step's sum over the ranks), and logs the loss
+    per epoch (``sync_dist=True``); each predict step feeds the metric and returns the batch's indices. Records, per
+    step, the logged ``x`` and the metric's value, and, per stage, the metric's ``compute()``. ``gather``: also
+    ``self.all_gather`` in each step."""
+
+    def __init__(self, gather: bool = False) -> None:
+        super().__init__()
+        self.layer, self.gather = make_layer(), gather
+        self.metric = torchmetrics.SumMetric(dist_sync_on_step=True)
+        self.steps: list[dict[str, Any]] = []
+        self.computed: float | None = None
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y, _ = batch
+        self.log("x", float(10 * (self.global_rank + 1) + batch_idx), on_step=True, on_epoch=False, sync_dist=True)
+        self.log("loss", loss_of(self.layer, x, y), sync_dist=True, batch_size=len(x))
+        self.steps.append({"batch": batch_idx, "metric": float(self.metric(y.sum()))})
+        if self.gather:
+            self.all_gather(y)
+
+    test_step = validation_step
+
+    def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        self.steps.append({"batch": batch_idx, "metric": float(self.metric(batch[1].sum()))})
+        return batch[2]
+
+    def on_validation_batch_end(self, *args: Any) -> None:
+        self.steps[-1]["x"] = float(self.trainer.logged_metrics["x"])
+
+    on_test_batch_end = on_validation_batch_end
+
+    def on_validation_epoch_end(self) -> None:
+        self.computed = float(self.metric.compute())
+        self.metric.reset()
+
+    on_test_epoch_end = on_predict_epoch_end = on_validation_epoch_end
+
+
+class Written(BasePredictionWriter):
+    """A prediction writer that keeps, on each rank, the indices of every batch it is given to write."""
+
+    def __init__(self) -> None:
+        super().__init__("batch")
+        self.indices: list[int] = []
+
+    def write_on_batch_end(self, trainer: Any, pl_module: Any, prediction: Any, *args: Any) -> None:
+        self.indices += prediction.tolist()
+
+
+def evaluate(out: Path, name: str, strategy: Any, stages: tuple[str, ...]) -> None:
+    """Run ``stages``, each under a new ``strategy()``, of an :class:`Evaluated` on ``EVAL``'s streams (test: one
+    whose ``__len__`` is a wrong hint, 5 batches on both ranks; ``"refuse"``: validate with ``self.all_gather`` in
+    each step) and record
+    ``<name>_<stage>``: the steps, the epoch's loss and metric, the written indices, and the error (type, message,
+    seconds) if the stage raised."""
+    for stage in stages:
+        model, writer, start = Evaluated(gather=stage == "refuse"), Written(), time.monotonic()
+        loader = DataLoader((Hinted if stage == "test" else Stream)(EVAL, EVAL_SALT), batch_size=EVAL_BATCH)
+        record: dict[str, Any] = {"error": None}
+        try:
+            getattr(trainer(out, strategy(), callbacks=[writer]), "validate" if stage == "refuse" else stage)(
+                model, loader, **({"return_predictions": False} if stage == "predict" else {"verbose": False})
+            )
+        except Exception as error:  # noqa: BLE001 - recorded for the test
+            record["error"] = (type(error).__name__, str(error), time.monotonic() - start)
+        metrics = model.trainer.callback_metrics
+        save(
+            out,
+            f"{name}_{stage}",
+            {
+                **record,
+                "steps": model.steps,
+                "loss": float(metrics["loss"]) if "loss" in metrics else None,
+                "computed": model.computed,
+                "written": writer.indices,
+            },
+        )
 
 
 def trainer(out: Path, strategy: Any = None, **kwargs: Any) -> pl.Trainer:
@@ -268,9 +369,10 @@ def scenario_join(out: Path) -> None:
 
 
 def scenario_policies(out: Path) -> None:
-    """uneven_inputs="stop" and "error" on both loader kinds and on a rank without any batch; even inputs under
-    MyDDPStrategy, a loader the strategy shards, then the even inputs under Lightning's ddp (last: its teardown keeps
-    the process group)."""
+    """uneven_inputs="stop" and "error" on both loader kinds, on a rank without any batch and on a data set whose
+    ``__len__`` reads the rank; validation, test and predict on uneven streams; even inputs under MyDDPStrategy, a
+    loader the strategy shards, then the even inputs under Lightning's ddp (last: its teardown keeps the process
+    group)."""
     fit(out, "stop_iterable", stream(ITERABLE, ITERABLE_BATCH), strategy=strategy(uneven_inputs="stop"))
     fit(
         out,
@@ -290,8 +392,21 @@ def scenario_policies(out: Path) -> None:
     none = (ITERABLE[0], 0)  # rank 1 has no batch at all
     fit(out, "stop_none", stream(none, ITERABLE_BATCH), strategy=strategy(uneven_inputs="stop"))
     fit(out, "error_none", stream(none, ITERABLE_BATCH), strategy=strategy(uneven_inputs="error"))
+    fit(
+        out,
+        "rank_sized",
+        DataLoader(RankSized(MAP, TRAIN_SALT), batch_size=MAP_BATCH),
+        use_distributed_sampler=False,
+        strategy=strategy(uneven_inputs="error"),
+    )
+    evaluate(out, "eval", strategy, ("validate", "test", "predict", "refuse"))
     even, val = (ITERABLE[0], ITERABLE[0]), stream((VAL[0], VAL[0]), VAL_BATCH, VAL_SALT)
     fit(out, "even_ours", stream(even, ITERABLE_BATCH), val, Probed(("log",)))
     whole = DataLoader(TensorDataset(*samples(0, 20, TRAIN_SALT)), batch_size=2, shuffle=True)
     fit(out, "sharded", whole, max_epochs=1)
     fit(out, "even_ddp", stream(even, ITERABLE_BATCH), val, Probed(("log",)), strategy="ddp")
+
+
+def scenario_evaluation_ddp(out: Path) -> None:
+    """:class:`Evaluated`'s validation on ``EVAL``'s streams under Lightning's ddp (a 10 s collective timeout)."""
+    evaluate(out, "eval_ddp", lambda: DDPStrategy(timeout=timedelta(seconds=10)), ("validate",))
