@@ -54,6 +54,17 @@ def seeded_random_generators():
     yield
 
 
+@pytest.fixture(autouse=True, scope="module")
+def module_environment():
+    """Restore os.environ after each module: a module-scoped fixture's in-process fit (Lightning's launcher sets
+    MASTER_PORT, LOCAL_RANK, ... and leaves them, under ddp and ours) is set up before :func:`clean_process_state`
+    takes its copy, and a later module's user process inheriting LOCAL_RANK would wait for ranks never launched."""
+    env_before = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(env_before)
+
+
 @pytest.fixture(autouse=True)
 def clean_process_state():
     """Destroy any process group, restore os.environ, and fail on leftover children or files in the cwd."""

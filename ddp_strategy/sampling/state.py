@@ -13,6 +13,7 @@ mid-epoch restart (it counts the batches it believes done), so :func:`restore_ba
 
 from __future__ import annotations
 
+import sys
 import warnings
 from contextlib import ExitStack
 from typing import TYPE_CHECKING, Any
@@ -50,6 +51,8 @@ def save_positions(trainer: Trainer | None, checkpoint: dict[str, Any]) -> None:
     if samplers:  # the batches whose step ran: where Lightning's loop resumes (a batch interrupted by an exception
         # is counted ready, not processed, and is run again)
         done = trainer.fit_loop.epoch_loop.batch_progress.current.processed  # type: ignore[union-attr]
+        if done >= trainer.num_training_batches:  # the epoch reached its end (or its limit_train_batches): no rest
+            done = sys.maxsize
         checkpoint[CHECKPOINT_KEY] = {"version": STATE_VERSION, "loaders": [s.position(done) for s in samplers]}
 
 

@@ -61,11 +61,13 @@ def test_a_resumed_remainder_is_padded_for_training_only():
 
 
 def _fitting(loader) -> SimpleNamespace:
-    """The parts of a fitting Trainer that save_positions reads: training loaders, 3 batches done (processed)."""
+    """The parts of a fitting Trainer that save_positions reads: training loaders, 3 of 9 batches done
+    (processed)."""
     progress = SimpleNamespace(current=SimpleNamespace(ready=4, processed=3))  # batch 4 interrupted
     return SimpleNamespace(
         state=SimpleNamespace(fn=TrainerFn.FITTING),
         train_dataloader={"a": [loader]},
+        num_training_batches=9,
         fit_loop=SimpleNamespace(epoch_loop=SimpleNamespace(batch_progress=progress)),
     )
 

@@ -163,6 +163,21 @@ def test_an_epoch_lightning_counts_finished_is_skipped_as_under_ddp_with_a_warni
     assert any("items of epoch 1 not read are skipped" in w and "max_steps" in w for w in ours["warnings"])
 
 
+def test_an_epoch_ended_by_limit_train_batches_resumes_the_next_epoch_without_a_warning(tmp_path):
+    """limit_train_batches=5 (half of each epoch's 10 batches), max_epochs=1, then fit(ckpt_path=last) with
+    max_epochs=2: the epoch ended at its limit, so its saved position has nothing left, nothing is "skipped"
+    or warned, and the weights equal the uninterrupted 2-epoch run's."""
+    limited = {"limit_train_batches": 5}
+    uninterrupted = _fit(tmp_path / "whole", "ours", {}, max_epochs=2, **limited)
+    _fit(tmp_path / "first", "ours", {}, max_epochs=1, **limited)
+    (position,) = torch.load(tmp_path / "first" / "last.ckpt", weights_only=True)[CHECKPOINT_KEY]["loaders"]
+    assert remaining_positions(position["length"], position["layers"]) == []
+    resumed = _fit(tmp_path / "rest", "ours", {}, str(tmp_path / "first" / "last.ckpt"), max_epochs=2, **limited)
+    assert resumed["global_step"] == uninterrupted["global_step"] == 10
+    _assert_same_weights(resumed, uninterrupted)
+    assert not any("skipped" in w or "resumable" in w for w in resumed["warnings"])
+
+
 @pytest.fixture(scope="module")
 def combined(tmp_path_factory) -> dict[str, Any]:
     """Two training loaders (10 and 5 batches, max_size_cycle): an uninterrupted fit saving at steps 13 and 17
