@@ -41,6 +41,12 @@ PRIVATE_NAMES: dict[str, str] = {
     "get_dataloader_init_args_and_kwargs": "pytorch.utilities.data:_get_dataloader_init_args_and_kwargs",
     "reinstantiate_wrapped_cls": "pytorch.utilities.data:_reinstantiate_wrapped_cls",
     "verify_strategy_supports_compile": "pytorch.trainer.trainer:_verify_strategy_supports_compile",
+    # Lightning's collectives (fabric/utilities/distributed.py): namespace-neutral, they act on torch.distributed.
+    "sync_ddp_if_available": "fabric.utilities.distributed:_sync_ddp_if_available",
+    "all_gather_ddp_if_available": "fabric.utilities.distributed:_all_gather_ddp_if_available",
+    "gather_all_tensors": "fabric.utilities.distributed:_gather_all_tensors",
+    # Lightning's SIGTERM handling; the strategy agrees on a SIGTERM at a step boundary itself (process/boundaries.py).
+    "sigterm_notifier": "pytorch.trainer.connectors.signal_connector:_SignalConnector._sigterm_notifier_fn",
 }
 
 _default = _namespace.default
@@ -110,11 +116,8 @@ MultiProcessingLauncher: type = _namespace.lightning_base(PRIVATE_NAMES["MultiPr
 DDPForwardRedirection: type = _default.get(PRIVATE_NAMES["DDPForwardRedirection"])
 prepare_for_backward = _default.get(PRIVATE_NAMES["prepare_for_backward"])
 _set_num_threads_if_needed = _default.get(PRIVATE_NAMES["set_num_threads_if_needed"])
-_IS_INTERACTIVE: bool = _default.get(PRIVATE_NAMES["is_interactive"])
 #: ``update_dataloader(dataloader, sampler)``: re-create ``dataloader`` with ``sampler``, keeping its other arguments.
 update_dataloader = _default.get(PRIVATE_NAMES["update_dataloader"])
-_get_dataloader_init_args_and_kwargs = _default.get(PRIVATE_NAMES["get_dataloader_init_args_and_kwargs"])
-_reinstantiate_wrapped_cls = _default.get(PRIVATE_NAMES["reinstantiate_wrapped_cls"])
 
 
 def takes_weights_only(method: Any) -> bool:
@@ -177,10 +180,10 @@ _USER_SAMPLER_FLAG = "_ddp_strategy_user_use_distributed_sampler"
 def is_interactive() -> bool:
     """Whether Python runs interactively: a REPL, ``python -i``, or a running IPython shell or Jupyter kernel
     (``IPython.get_ipython()`` is not None; merely importing ``ipykernel`` does not count)."""
-    if _IS_INTERACTIVE:
-        return True
     ipython = sys.modules.get("IPython")
-    return ipython is not None and getattr(ipython, "get_ipython", lambda: None)() is not None
+    return _default.get(PRIVATE_NAMES["is_interactive"]) or (
+        ipython is not None and getattr(ipython, "get_ipython", lambda: None)() is not None
+    )
 
 
 def update_dataloader_batch_sampler(dataloader: DataLoader, batch_sampler: Any) -> DataLoader:
@@ -195,9 +198,9 @@ def update_dataloader_batch_sampler(dataloader: DataLoader, batch_sampler: Any) 
     placeholder = SequentialSampler(range(0))
     proxy = copy.copy(dataloader)
     object.__setattr__(proxy, "batch_sampler", BatchSampler(placeholder, 1, False))
-    args, kwargs = _get_dataloader_init_args_and_kwargs(proxy, placeholder)
+    args, kwargs = _default.get(PRIVATE_NAMES["get_dataloader_init_args_and_kwargs"])(proxy, placeholder)
     kwargs.update(batch_sampler=batch_sampler, sampler=None, shuffle=False, batch_size=1, drop_last=False)
-    return _reinstantiate_wrapped_cls(dataloader, *args, **kwargs)
+    return _default.get(PRIVATE_NAMES["reinstantiate_wrapped_cls"])(dataloader, *args, **kwargs)
 
 
 def allow_compiled_models(namespace: _namespace.Namespace, strategy_cls: type) -> None:
@@ -266,14 +269,6 @@ def resumed_batch_count(trainer: pl.Trainer) -> int:
     return epoch_loop.batch_progress.current.completed + int(counts_it)
 
 
-# Lightning's collectives (fabric/utilities/distributed.py): namespace-neutral, they act on torch.distributed.
-PRIVATE_NAMES.update(
-    {
-        "sync_ddp_if_available": "fabric.utilities.distributed:_sync_ddp_if_available",
-        "all_gather_ddp_if_available": "fabric.utilities.distributed:_all_gather_ddp_if_available",
-        "gather_all_tensors": "fabric.utilities.distributed:_gather_all_tensors",
-    }
-)
 #: ``(tensor, group=None, reduce_op=None)``: all-reduce in place (``"mean"``/``"avg"`` on gloo: sum, then divide);
 #: the tensor itself without a process group. What Lightning's ``DDPStrategy.reduce`` calls.
 sync_ddp_if_available = _default.get(PRIVATE_NAMES["sync_ddp_if_available"])
@@ -299,10 +294,6 @@ def saving_for_trainer() -> bool:
     """
     frame = sys._getframe(2)  # 0: here, 1: the strategy's save_checkpoint, 2: its caller
     return frame.f_code.co_name == "save_checkpoint" and frame.f_globals.get("__name__") in _TRAINER_MODULES
-
-
-# Lightning's SIGTERM handling; the strategy agrees on a SIGTERM at a step boundary itself (process/boundaries.py).
-PRIVATE_NAMES["sigterm_notifier"] = "pytorch.trainer.connectors.signal_connector:_SignalConnector._sigterm_notifier_fn"
 
 
 def take_over_sigterm(trainer: pl.Trainer, note: Any) -> bool:
