@@ -138,12 +138,7 @@ class Namespace:
     def __init__(self, name: str) -> None:
         self.name = name
         self.pytorch, self.fabric = map(importlib.import_module, _ROOTS[name])
-        self.pytorch_name: str = self.pytorch.__name__
-
-    @property
-    def version(self) -> str:
-        """The installed version, e.g. ``"2.6.6"``."""
-        return str(self.pytorch.__version__)
+        self.version: str = str(self.pytorch.__version__)  #: the installed version, e.g. ``"2.6.6"``
 
     def get(self, path: str) -> Any:
         """The object at ``path``: ``"<pytorch|fabric>.<module>:<attribute>"``, e.g.
