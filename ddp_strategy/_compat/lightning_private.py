@@ -157,15 +157,13 @@ class SavesPublicInitArgs:
     def save_hyperparameters(self, *args: Any, ignore: Any = None, frame: Any = None, logger: bool = True) -> None:
         """As Lightning's ``HyperparametersMixin.save_hyperparameters``."""
         if frame is None:
-            current = inspect.currentframe()
-            frame = current.f_back if current is not None else None
+            frame = sys._getframe(1)  # the caller's: the __init__ that called save_hyperparameters()
         namespace = _namespace.load(type(self)._ddp_namespace)  # type: ignore[attr-defined]
         given = namespace.get(PRIVATE_NAMES["given_hyperparameters"]).get()
-        if given is None:
-            given = {}
+        if given is None:  # each __init__ of the chain, the most specific last and winning (as Lightning merges them)
             classes = (namespace.get("pytorch.core.mixins:HyperparametersMixin"), _namespace.Flavoured)
-            for local_args in namespace.get(PRIVATE_NAMES["collect_init_args"])(frame, [], classes=classes):
-                given.update(local_args)
+            collected = namespace.get(PRIVATE_NAMES["collect_init_args"])(frame, [], classes=classes)
+            given = {key: value for local_args in collected for key, value in local_args.items()}
         self._log_hyperparams = logger
         namespace.get(PRIVATE_NAMES["save_hyperparameters"])(
             self, *args, ignore=ignore, frame=frame, given_hparams=given
