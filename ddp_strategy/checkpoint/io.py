@@ -81,9 +81,8 @@ def atomic_save(obj: Any, path: str | os.PathLike, save_fn: Callable[[Any, Any],
     os.makedirs(folder, exist_ok=True)
     remove_stale_temp_files(folder)
     tmp = os.path.join(folder, f".{os.path.basename(path)}.{_HOST}.{os.getpid()}.{secrets.token_hex(6)}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
     try:
-        with os.fdopen(fd, "wb") as f:
+        with open(tmp, "xb") as f:  # O_CREAT | O_EXCL, mode 0o666 less the umask
             save_fn(obj, f)
             f.flush()
             os.fsync(f.fileno())
