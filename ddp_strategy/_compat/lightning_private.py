@@ -234,9 +234,7 @@ def set_lightning_sampler_injection(trainer: pl.Trainer, enabled: bool) -> bool:
     user's ``Trainer(use_distributed_sampler=...)``, remembered on the first call.
     """
     connector: Any = trainer._accelerator_connector
-    if not hasattr(connector, _USER_SAMPLER_FLAG):
-        setattr(connector, _USER_SAMPLER_FLAG, connector.use_distributed_sampler)
-    user_value = bool(getattr(connector, _USER_SAMPLER_FLAG))
+    user_value = bool(vars(connector).setdefault(_USER_SAMPLER_FLAG, connector.use_distributed_sampler))
     connector.use_distributed_sampler = user_value if enabled else False
     return user_value
 
