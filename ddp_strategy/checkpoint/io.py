@@ -106,7 +106,7 @@ def prepare_folders(callbacks: list[Any]) -> None:
     folders = [os.fspath(cb.dirpath) for cb in callbacks if getattr(cb, "dirpath", None)]
     for folder in folders:
         remove_stale_temp_files(folder)
-    for folder in [f for f in folders if "://" not in f]:
+    for folder in [f for f in folders if _is_local(f)]:
         absolute = Path(folder).absolute()
         existing = next(p for p in (absolute, *absolute.parents) if p.exists())
         try:
@@ -120,9 +120,15 @@ def prepare_folders(callbacks: list[Any]) -> None:
             return
 
 
+def _is_local(path: Any) -> bool:
+    """Whether ``path`` is a file path, not a URL: ``file://`` ones too go through Lightning's fsspec IO, where
+    they mean the path after the scheme (``os`` functions would read them as a relative ``file:/...``)."""
+    return isinstance(path, (str, os.PathLike)) and "://" not in os.fspath(path)
+
+
 def _stamp(path: Any) -> tuple[str, int, int] | None:
     """``(real path, size in bytes, mtime in ns)`` of a local file; None for a remote or missing one."""
-    if not isinstance(path, (str, os.PathLike)) or "://" in os.fspath(path):
+    if not _is_local(path):
         return None
     try:
         st = os.stat(path)
@@ -297,15 +303,10 @@ def _verify_zip_checksums(f: Any, path: str, size: int) -> None:
 
 
 # ----------------------------------------------------------------------------------- Lightning plugin
-def _is_local(path: Any) -> bool:
-    return (isinstance(path, (str, os.PathLike)) and "://" not in os.fspath(path)) or (
-        type(_namespace.get_filesystem(path)).__name__ == "LocalFileSystem"
-    )
-
-
 class DDPCheckpointIO(TorchCheckpointIO):
     """Lightning's ``TorchCheckpointIO``, crash-safe and safe to load: local files written by :func:`atomic_save`
-    (keys without ``_orig_mod.``), loaded by :func:`load_file`; remote paths and ``remove_checkpoint`` Lightning's.
+    (keys without ``_orig_mod.``), loaded by :func:`load_file`; URLs (``file://`` too) and ``remove_checkpoint``
+    Lightning's.
 
     Args:
         weights_only: what ``load_checkpoint(weights_only=None)`` uses (default True); an explicit
