@@ -206,24 +206,20 @@ def allow_compiled_models(namespace: _namespace.Namespace, strategy_cls: type) -
 
     Lightning refuses one unless the strategy is in a fixed tuple (``_verify_strategy_supports_compile``);
     ``strategy_cls`` wraps in DDP as ``DDPStrategy`` does, so the trainer module's check is replaced by one
-    that accepts it (and its subclasses) and defers to Lightning's otherwise. Idempotent.
+    that accepts it (and its subclasses) and defers to the check it replaced otherwise. Idempotent (another class
+    wraps the check once more).
     """
     module_path, _, check_name = PRIVATE_NAMES["verify_strategy_supports_compile"].partition(":")
     trainer_module = namespace.get(module_path)
-    original = getattr(trainer_module, check_name)
-    accepted = getattr(original, "_ddp_strategy_accepts", ())
-    lightning_check = getattr(original, "_ddp_strategy_original", original)
-    if strategy_cls in accepted:
+    lightning_check = getattr(trainer_module, check_name)
+    if strategy_cls in getattr(lightning_check, "_ddp_strategy_accepts", ()):
         return
-    accepted = (*accepted, strategy_cls)
 
     def verify_strategy_supports_compile(model: Any, strategy: Any) -> None:
-        if isinstance(strategy, accepted):
-            return
-        lightning_check(model, strategy)
+        if not isinstance(strategy, strategy_cls):
+            lightning_check(model, strategy)
 
-    verify_strategy_supports_compile._ddp_strategy_accepts = accepted  # type: ignore[attr-defined]
-    verify_strategy_supports_compile._ddp_strategy_original = lightning_check  # type: ignore[attr-defined]
+    verify_strategy_supports_compile._ddp_strategy_accepts = (strategy_cls,)  # type: ignore[attr-defined]
     setattr(trainer_module, check_name, verify_strategy_supports_compile)
 
 
