@@ -41,6 +41,7 @@ PRIVATE_NAMES: dict[str, str] = {
     "get_dataloader_init_args_and_kwargs": "pytorch.utilities.data:_get_dataloader_init_args_and_kwargs",
     "reinstantiate_wrapped_cls": "pytorch.utilities.data:_reinstantiate_wrapped_cls",
     "verify_strategy_supports_compile": "pytorch.trainer.trainer:_verify_strategy_supports_compile",
+    "BatchNormXd": "pytorch.plugins.layer_sync:_BatchNormXd",
     # Lightning's collectives (fabric/utilities/distributed.py): namespace-neutral, they act on torch.distributed.
     "sync_ddp_if_available": "fabric.utilities.distributed:_sync_ddp_if_available",
     "all_gather_ddp_if_available": "fabric.utilities.distributed:_all_gather_ddp_if_available",
@@ -116,6 +117,8 @@ MultiProcessingLauncher: type = _namespace.lightning_base(PRIVATE_NAMES["MultiPr
 DDPForwardRedirection: type = _default.get(PRIVATE_NAMES["DDPForwardRedirection"])
 prepare_for_backward = _default.get(PRIVATE_NAMES["prepare_for_backward"])
 _set_num_threads_if_needed = _default.get(PRIVATE_NAMES["set_num_threads_if_needed"])
+#: The BatchNorm Lightning's ``TorchSyncBatchNorm.revert`` gives back: any input rank (a torch ``_BatchNorm``).
+BatchNormXd: type = _default.get(PRIVATE_NAMES["BatchNormXd"])
 #: ``update_dataloader(dataloader, sampler)``: re-create ``dataloader`` with ``sampler``, keeping its other arguments.
 update_dataloader = _default.get(PRIVATE_NAMES["update_dataloader"])
 
