@@ -48,6 +48,7 @@ PRIVATE_NAMES: dict[str, str] = {
     "gather_all_tensors": "fabric.utilities.distributed:_gather_all_tensors",
     # Lightning's SIGTERM handling; the strategy agrees on a SIGTERM at a step boundary itself (process/boundaries.py).
     "sigterm_notifier": "pytorch.trainer.connectors.signal_connector:_SignalConnector._sigterm_notifier_fn",
+    "optimizers_to_device": "fabric.utilities.optimizer:_optimizers_to_device",
 }
 
 _default = _namespace.default
@@ -272,6 +273,9 @@ sync_ddp_if_available = _default.get(PRIVATE_NAMES["sync_ddp_if_available"])
 all_gather_ddp_if_available = _default.get(PRIVATE_NAMES["all_gather_ddp_if_available"])
 #: ``(tensor, group=None)``: every rank's tensor, shapes may differ in every dimension (padded, gathered, trimmed).
 gather_all_tensors = _default.get(PRIVATE_NAMES["gather_all_tensors"])
+#: ``(optimizers, device)``: every tensor in each optimizer's state moved to ``device``; what Lightning's
+#: ``DDPStrategy.setup`` calls after setting the optimizers up.
+optimizers_to_device = _default.get(PRIVATE_NAMES["optimizers_to_device"])
 
 #: Lightning's ``Trainer.save_checkpoint`` calls ``strategy.save_checkpoint`` on every rank, then
 #: ``strategy.barrier(SAVE_BARRIER)`` (Lightning 2.4-2.6): that barrier carries rank 0's write outcome.
