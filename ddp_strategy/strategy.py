@@ -176,7 +176,9 @@ class MyDDPStrategy(sync.wrapping.LightningDDPAttributes, ParallelStrategy):
 
     @override
     def setup_environment(self) -> None:
-        """Set the device up, then :meth:`setup_distributed` (every rank, before model code), as Lightning's."""
+        """Check an external launcher's ranks (its local rank picks the device), set the device up, then
+        :meth:`setup_distributed`, as Lightning's (every rank, before model code)."""
+        process.launching.check_external_world(self.cluster_environment, self.num_nodes, self.num_processes)
         super().setup_environment()
         self.setup_distributed()
 
@@ -184,7 +186,6 @@ class MyDDPStrategy(sync.wrapping.LightningDDPAttributes, ParallelStrategy):
         """Set the ranks, then join (or reuse) the world process group (Lightning's hook, for subclasses)."""
         _namespace.reset_seed()
         self.set_world_ranks()
-        process.launching.check_external_world(self.cluster_environment, self.num_nodes, self.num_processes)
         self._process_group_backend = self._run.join(
             self.cluster_environment, self.root_device, self._process_group_backend, self.num_nodes, self.num_processes
         )

@@ -136,7 +136,7 @@ def wrap(
     accumulation window's earlier micro-batches, whose gradients stay local anyway: the final one re-wraps and
     all-reduces what accumulated), with ``defer`` (a step some ranks only shadow) or with nothing left to train
     (backward's error then, as under Lightning's ddp) the wrapper stays. Every rank must change the same parameters at
-    the same step (the same user code does).
+    the same step (the same user code does). A wrapper not built here (a subclass's ``_setup_model``) stays as it is.
 
     Returns:
         The wrapper (``wrapper.module`` is the module).

@@ -6,7 +6,8 @@
 One launch of 2 real gloo processes fits the same user code under a subclass of Lightning's ``DDPStrategy`` and one of
 ``MyDDPStrategy``. On CPU Lightning registers no comm hook (CUDA only), so its gradients are all-reduced each step and
 the averaging leaves the ranks as they are; ours registers the hook on gloo with the node's group as post-localSGD's
-subgroup (torch's default needs CUDA), the world on one node: the same weights.
+subgroup (torch's default needs CUDA), the world on one node: the same weights. A slow variant runs real local SGD
+(``post_local_gradient_allreduce=False``), where the ranks part between averagings.
 """
 
 from __future__ import annotations
@@ -93,12 +94,13 @@ def recording(base: type) -> type:
     return Recording
 
 
-def scenario_overrides(out: Path) -> None:
-    """Fit :class:`Net` under a recording subclass of each strategy, post-localSGD with ``model_averaging_period=4``."""
+def scenario_overrides(out: Path, prefix: str = "", **state_options: Any) -> None:
+    """Fit :class:`Net` under a recording subclass of each strategy, post-localSGD with ``model_averaging_period=4``
+    (``state_options``: more of ``PostLocalSGDState``'s; records named ``prefix`` + the strategy)."""
     for name, base, options in (("lightning", DDPStrategy, {}), ("mine", MyDDPStrategy, {"start_method": "popen"})):
         cls = recording(base)
         cls.calls = []
-        state = post_localsgd.PostLocalSGDState(process_group=None, subgroup=None, start_localSGD_iter=2)
+        state = post_localsgd.PostLocalSGDState(None, None, start_localSGD_iter=2, **state_options)
         strategy = cls(
             ddp_comm_hook=post_localsgd.post_localSGD_hook,
             ddp_comm_state=state,
@@ -120,7 +122,7 @@ def scenario_overrides(out: Path) -> None:
         averager = strategy._model_averager
         save(
             out,
-            name,
+            prefix + name,
             {
                 "calls": cls.calls,
                 "weights": model.weights,
@@ -130,6 +132,11 @@ def scenario_overrides(out: Path) -> None:
             },
         )
     torch.distributed.destroy_process_group()
+
+
+def scenario_local_sgd(out: Path) -> None:
+    """:func:`scenario_overrides` with real local SGD after the warm-up (no gradient all-reduce)."""
+    scenario_overrides(out, "local_", post_local_gradient_allreduce=False)
 
 
 @pytest.fixture(scope="module")
@@ -165,6 +172,17 @@ def test_the_optimizer_state_is_moved_to_the_root_device_after_setup_as_lightnin
     teardown, Lightning's base strategy), under both."""
     for records in (load(runs, "lightning", 2), load(runs, "mine", 2)):
         assert [r["probe"] for r in records] == [[r["root_device"], "cpu"] for r in records] == [["cpu", "cpu"]] * 2
+
+
+@pytest.mark.slow
+def test_local_sgd_on_cpu_diverges_between_averagings_and_is_averaged_every_period(tmp_path):
+    """post_local_gradient_allreduce=False: ours runs local SGD on gloo after the 2 warm-up steps, the ranks equal only
+    where the averager averaged (the 3rd and 7th steps); Lightning registers no hook on CPU: equal at every step."""
+    launch(scenario_local_sgd, 2, tmp_path)
+    mine, lightning = load(tmp_path, "local_mine", 2), load(tmp_path, "local_lightning", 2)
+    equal = [torch.allclose(mine[0]["weights"][i], mine[1]["weights"][i]) for i in range(STEPS)]
+    assert equal == [True, True, True, False, False, False, True, False]
+    assert all(torch.allclose(a, b) for a, b in zip(lightning[0]["weights"], lightning[1]["weights"], strict=True))
 
 
 def test_model_averaging_refusals_match_lightnings():
