@@ -192,7 +192,8 @@ class MyDDPStrategy(sync.wrapping.LightningDDPAttributes, ParallelStrategy):
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
-        """Move the module to the device; when fitting, wrap it in DDP and create the optimizers."""
+        """Move the module to the device; when fitting, wrap it in DDP (:meth:`configure_ddp`), create the optimizers
+        and move their state to the device, and build post-localSGD's averager, in Lightning's order."""
         self._trainer = trainer
         self._sharding.take_over(trainer)
         self._sampler_seed = self.broadcast(sampling.shared_seed(self._options.seed))
