@@ -341,6 +341,46 @@ def test_even_inputs_train_bitwise_as_under_lightning_ddp_and_sharded_loaders_ar
         assert rec["error"] is None and rec["steps"] == 5 and rec["epochs"] == {}
 
 
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_steps_every_rank_takes_agree_asynchronously_and_a_step_a_rank_lacks_notifies_the_join(runs):
+    """Under uneven_inputs="join" each step starts one asynchronous all-reduce of whether this rank has a next batch
+    (on the gloo side group) and waits for it at the next step: on an even stream (5 and 5 batches, 2 epochs) the
+    policy's world-group all-reduces (each one blocking) come only with the epochs' first steps (the epoch start's
+    count, the join's first notify) and ends; on 5 and 4 batches also in the step rank 1 lacks (rank 0's 5th: the
+    join's notify, its announcements), which rank 1 answers after its 4th."""
+    for rec in load(runs, "even_ours", 2):
+        calls = [(step, world) for step, module, _, world in rec["all_reduces"] if module == "uneven.py"]
+        assert sorted(step for step, world in calls if not world) == list(range(10))  # one flag each step
+        assert {step for step, world in calls if world} == {0, 5, 10}
+    records = load(runs, "join_iterable", 2)
+    for rec, expected in zip(records, ({0, 4, 5, 9, 10}, {0, 4, 8}), strict=True):
+        calls = [(step, world) for step, module, _, world in rec["all_reduces"] if module == "uneven.py"]
+        assert {step for step, world in calls if world} == expected
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_only_epochs_whose_counts_differ_are_recorded_and_logged(runs):
+    """An even stream (5 and 5 batches) under "join" and "stop": no epoch recorded, no "Uneven inputs" line, and
+    the fit summary says a stream's batches and optimizer steps are unknown (not "inf"); 5 and 4 batches still log
+    the counts of each epoch on rank 0, "stop" what every rank trained."""
+    for name in ("even_ours", "stop_even"):
+        records = load(runs, name, 2)
+        assert [rec["epochs"] for rec in records] == [{}, {}], name
+        assert not [m for rec in records for m in rec["messages"] if m.startswith("Uneven inputs")], name
+        (summary,) = [m for m in records[0]["messages"] if m.startswith("DDP fit summary")]
+        assert "data: training samples: ?, batches and optimizer steps per epoch unknown (streaming loader)" in summary
+    assert (
+        "Uneven inputs (uneven_inputs='join'; a step's gradient sum divided by W): batches trained per rank,"
+        " epoch 0: [5, 4], epoch 1: [5, 4]" in load(runs, "join_iterable", 2)[0]["messages"]
+    )
+    assert (
+        "Uneven inputs (uneven_inputs='stop'; the longer ranks' later batches not trained): batches trained per"
+        " rank, epoch 0: [4, 4], epoch 1: [4, 4]" in load(runs, "stop_iterable", 2)[0]["messages"]
+    )
+
+
 def assert_refused(records: list[dict], error_type: str, *parts: str) -> None:
     """Every rank raised ``error_type`` within seconds (the collective timeout is 60 s), its message naming its rank
     and holding each of ``parts``."""

@@ -8,13 +8,17 @@ single-process reference.
 
 from __future__ import annotations
 
+import logging
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
+import lightning_utilities.core.rank_zero as rank_zero
 import torch
+import torch.distributed as dist
 import torchmetrics
 from ddp_testing import save
 from lightning.pytorch.callbacks import ModelCheckpoint
@@ -155,6 +159,41 @@ class Normed(Probed):
         return super().training_step((self.norm(x), y, idx), batch_idx)
 
 
+class Observed(pl.Callback, logging.Handler):
+    """While a fit runs: the messages of Lightning's rank-zero logger (the fit summary, the uneven-inputs line), and
+    each ``torch.distributed.all_reduce`` called from a ``ddp_strategy`` module, as ``(step, module, async_op,
+    world)``: ``step`` the training steps ended before it (a step lasts from one step's end to the next's)."""
+
+    def __init__(self) -> None:
+        pl.Callback.__init__(self)
+        logging.Handler.__init__(self, logging.INFO)
+        self.messages: list[str] = []
+        self.calls: list[tuple[int, str, bool, bool]] = []
+        self.steps, self._all_reduce = 0, dist.all_reduce
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+    def _counted(self, tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        caller = sys._getframe(1).f_code.co_filename
+        if f"{os.sep}ddp_strategy{os.sep}" in caller:
+            group = kwargs.get("group", args[1] if len(args) > 1 else None)
+            self.calls.append((self.steps, Path(caller).name, bool(kwargs.get("async_op")), group is None))
+        return self._all_reduce(tensor, *args, **kwargs)
+
+    def __enter__(self) -> Observed:
+        rank_zero.log.addHandler(self)
+        dist.all_reduce = self._counted
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        dist.all_reduce = self._all_reduce
+        rank_zero.log.removeHandler(self)
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        self.steps += 1
+
+
 def trainer(out: Path, strategy: Any = None, **kwargs: Any) -> pl.Trainer:
     """A quiet 2-process CPU trainer (externally launched) for ``EPOCHS`` epochs."""
     defaults: dict[str, Any] = dict(
@@ -179,13 +218,16 @@ def weights(model: nn.Module) -> dict[str, torch.Tensor]:
 
 def fit(out: Path, name: str, train: Any, val: Any = None, model: Probed | None = None, **kwargs: Any) -> None:
     """Fit and record ``name``: batches seen, step results, validation values, weights, global step, the counts
-    per uneven epoch, and the error (type, message, seconds from the fit's start) if the fit raised."""
-    model = model or Probed()
+    per uneven epoch, what :class:`Observed` saw, and the error (type, message, seconds from the fit's start) if the
+    fit raised."""
+    model, observed = model or Probed(), Observed()
+    kwargs["callbacks"] = [*kwargs.get("callbacks", []), observed]
     t = trainer(out, **kwargs)
     record: dict[str, Any] = {"error": None}
     start = time.monotonic()
     try:
-        t.fit(model, train, val)
+        with observed:
+            t.fit(model, train, val)
     except Exception as error:  # noqa: BLE001 - recorded for the test
         record["error"] = (type(error).__name__, str(error), time.monotonic() - start)
     save(
@@ -200,6 +242,8 @@ def fit(out: Path, name: str, train: Any, val: Any = None, model: Probed | None 
             "initial": weights(make_layer()),
             "steps": t.global_step,
             "epochs": dict(t.strategy._uneven.epochs) if isinstance(t.strategy, MyDDPStrategy) else None,
+            "messages": observed.messages,
+            "all_reduces": observed.calls,
         },
     )
 
@@ -292,6 +336,7 @@ def scenario_policies(out: Path) -> None:
     fit(out, "error_none", stream(none, ITERABLE_BATCH), strategy=strategy(uneven_inputs="error"))
     even, val = (ITERABLE[0], ITERABLE[0]), stream((VAL[0], VAL[0]), VAL_BATCH, VAL_SALT)
     fit(out, "even_ours", stream(even, ITERABLE_BATCH), val, Probed(("log",)))
+    fit(out, "stop_even", stream(even, ITERABLE_BATCH), strategy=strategy(uneven_inputs="stop"))
     whole = DataLoader(TensorDataset(*samples(0, 20, TRAIN_SALT)), batch_size=2, shuffle=True)
     fit(out, "sharded", whole, max_epochs=1)
     fit(out, "even_ddp", stream(even, ITERABLE_BATCH), val, Probed(("log",)), strategy="ddp")
