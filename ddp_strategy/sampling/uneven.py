@@ -11,9 +11,10 @@ every rank has a next batch is known a step early (``is_last_batch``: Lightning'
 loader without a length; known counts are exact), so each step starts an asynchronous all-reduce of it on the gloo
 side group, waited for at the next step's start, as the SIGTERM flags are (``process.boundaries``): while every
 rank has one, steps make no blocking collective of their own (where a length is only a hint, or validation may
-start at other batches on other ranks, each step notifies: :meth:`UnevenInputs.step_start`). At the step a rank lacks, and in each step after, the ranks notify the join (the all-reduce of one
-number ``Join.notify_join_context`` makes), and a rank past its last batch enters ``Join.__exit__``, whose hook
-takes part in the others' steps. ``Join([ddp])``, DDP's own join, cannot
+start at other batches on other ranks, each step notifies: :meth:`UnevenInputs.step_start`). At the step a rank
+lacks, and in each step after, the ranks notify the join (the all-reduce of one number
+``Join.notify_join_context`` makes), and a rank past its last batch enters ``Join.__exit__``, whose hook takes part
+in the others' steps. ``Join([ddp])``, DDP's own join, cannot
 serve: its hook shadows one DDP forward and backward per step, but a Lightning step makes collectives of its own
 between them (``self.log(sync_dist=True)``, ``reduce_boolean_decision``, a checkpoint's barrier and broadcast)
 that would meet the wrong collective on a rank out of data. So in a *tail* step (one that some ranks only shadow)

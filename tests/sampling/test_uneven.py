@@ -427,12 +427,13 @@ def test_accumulation_that_every_shorter_rank_ends_trains_every_batch_once_with_
 @pytest.mark.timeout(600)
 def test_validation_inside_an_uneven_epoch_is_refused_on_every_rank(runs):
     """val_check_interval=2 on an IterableDataset (5 and 4 batches: rank 1's 4th, its last, would validate alone
-    after the shared run at batch 2) and val_check_interval=0.5 on pre-sharded 4 and 3 batches (rank 1 validates
-    after batch 1, rank 0 after 2): UnevenInputsError on both ranks within seconds, naming the validation run and
-    val_check_interval."""
-    records = load(runs, "val_every_2", 2)
-    assert_refused(records, UnevenInputsError.__name__, "validation run", "val_check_interval")
-    assert [rec["steps"] for rec in records] == [4, 4] and [len(rec["val"]) for rec in records] == [1, 1]
+    after the shared run at batch 2; counted across epochs or per epoch, where the steps agree asynchronously) and
+    val_check_interval=0.5 on pre-sharded 4 and 3 batches (rank 1 validates after batch 1, rank 0 after 2):
+    UnevenInputsError on both ranks within seconds, naming the validation run and val_check_interval."""
+    for name in ("val_every_2", "val_every_2_per_epoch"):  # per epoch: the steps both take agree asynchronously
+        records = load(runs, name, 2)
+        assert_refused(records, UnevenInputsError.__name__, "validation run", "val_check_interval")
+        assert [rec["steps"] for rec in records] == [4, 4] and [len(rec["val"]) for rec in records] == [1, 1], name
     records = load(runs, "val_half_map", 2)
     assert_refused(
         records,

@@ -299,6 +299,7 @@ def scenario_join(out: Path) -> None:
     fit(out, "accumulate_2", stream(ITERABLE, ITERABLE_BATCH), accumulate_grad_batches=2)
     val = stream(VAL, VAL_BATCH, VAL_SALT)
     fit(out, "val_every_2", stream(ITERABLE, ITERABLE_BATCH), val, val_check_interval=2, check_val_every_n_epoch=None)
+    fit(out, "val_every_2_per_epoch", stream(ITERABLE, ITERABLE_BATCH), val, val_check_interval=2)  # flags async
     fit(
         out,
         "val_half_map",
