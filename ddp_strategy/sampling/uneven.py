@@ -6,9 +6,15 @@ after the epoch barrier). ``uneven_inputs="stop"`` ends every rank's epoch with 
 ``"error"`` refuses; equal known counts (the strategy's own shards) cost nothing.
 
 ``"join"`` (default) runs the epoch in torch's generic join context manager
-(``torch.distributed.algorithms.Join``), :class:`UnevenInputs` its ``Joinable`` and its own join hook: each step's
-ranks notify it (the all-reduce of one number ``Join.notify_join_context`` makes); a rank past its last batch
-enters ``Join.__exit__``, whose hook takes part in the others' steps. ``Join([ddp])``, DDP's own join, cannot
+(``torch.distributed.algorithms.Join``), :class:`UnevenInputs` its ``Joinable`` and its own join hook. Whether
+every rank has a next batch is known a step early (``is_last_batch``: Lightning's loop fetches one batch ahead of a
+loader without a length; known counts are exact), so each step starts an asynchronous all-reduce of it on the gloo
+side group, waited for at the next step's start, as the SIGTERM flags are (``process.boundaries``): while every
+rank has one, steps make no blocking collective of their own (where a length is only a hint, or validation may
+start at other batches on other ranks, each step notifies: :meth:`UnevenInputs.step_start`). At the step a rank
+lacks, and in each step after, the ranks notify the join (the all-reduce of one number
+``Join.notify_join_context`` makes), and a rank past its last batch enters ``Join.__exit__``, whose hook takes part
+in the others' steps. ``Join([ddp])``, DDP's own join, cannot
 serve: its hook shadows one DDP forward and backward per step, but a Lightning step makes collectives of its own
 between them (``self.log(sync_dist=True)``, ``reduce_boolean_decision``, a checkpoint's barrier and broadcast)
 that would meet the wrong collective on a rank out of data. So in a *tail* step (one that some ranks only shadow)
@@ -153,6 +159,7 @@ class _Epoch:
     join: Join | None = None  #: ``"join"``: torch's join context, entered at the start
     uncut: int | None = None  #: ``"stop"`` with known counts (cut at the start, no per-step work): the epoch's length
     seen: int = -1  #: the batch counter at the last step's start (each step starts once)
+    ahead: Any = None  #: ``"join"``: the all-reduce (SUM) of next-batch flags in flight (None: notify at the next step)
     trained: int = 0  #: steps started
     tail: bool = False  #: in a step some ranks, out of data, only shadow
     synced: list[Any] | None = None  #: an evaluation's (None: a training epoch): the metrics it syncs (``gather``)
@@ -188,7 +195,7 @@ class UnevenInputs(Joinable, JoinHook):
             )
         self.policy, self.divide_by_initial_world_size = policy, divide_by_initial_world_size
         self.callback = _EpochEnd(self)  #: ends the join at the epoch's end, first among the callbacks
-        self.epochs: dict[int, tuple[int, ...]] = {}  #: uneven epoch -> batches each rank trained
+        self.epochs: dict[int, tuple[int, ...]] = {}  #: epoch whose counts differed -> batches each rank trained
         self._trainer: Any = None
         self._epoch: _Epoch | None = None
 
@@ -211,18 +218,20 @@ class UnevenInputs(Joinable, JoinHook):
     def join_hook(self, **kwargs: Any) -> JoinHook:
         return self
 
-    def begin_epoch(self, trainer: Any) -> None:
+    def begin_epoch(self, trainer: Any, group: Any) -> None:
         """At a training epoch's start, on every rank, after the epoch barrier: gather every rank's batch count
         (-1: unknown, as any ``IterableDataset``'s, whose length is only a hint; one all-reduce of W integers), and
-        where they differ or are unknown, set the epoch up for the policy.
+        where they differ or are unknown, set the epoch up for the policy. ``group``: the gloo side group (the
+        epoch barrier's), where ``"join"``'s next-batch flags go.
 
         Raises:
             ValueError: known, unequal counts under ``"error"``, or under ``"join"`` with ``accumulate_grad_batches``
                 not dividing a shorter rank's count (its last batch would sync gradients alone).
         """
-        self._trainer, self._epoch, batches = trainer, None, trainer.num_training_batches
-        loaders = flat_loaders(trainer.train_dataloader)
-        if batches == float("inf") or any(isinstance(getattr(dl, "dataset", None), IterableDataset) for dl in loaders):
+        self._trainer, self._group, self._epoch, batches = trainer, group, None, trainer.num_training_batches
+        if batches == float("inf") or any(
+            isinstance(getattr(dl, "dataset", None), IterableDataset) for dl in flat_loaders(trainer.train_dataloader)
+        ):
             batches = -1
         counts = [c - 1 for c in self._flags(int(batches) + 1)]
         if len(set(counts)) == 1 and -1 not in counts:
@@ -248,8 +257,16 @@ class UnevenInputs(Joinable, JoinHook):
             self._epoch.join.__enter__()
 
     def step_start(self) -> None:
-        """At a training step's start (``batch_to_device``, else ``training_step``), every rank with a batch, once:
-        one all-reduce (a second under ``"join"`` with unknown counts and ``accumulate_grad_batches > 1``).
+        """At a training step's start (``batch_to_device``, else ``training_step``), every rank with a batch, once.
+        ``"join"``: wait for the next-batch flags the last step sent, and start this step's (asynchronous, on the side
+        group). The join's notify (one blocking all-reduce) instead where a rank lacks this step, in the epoch's first
+        step, and in every step where the flags cannot be sent: a loader whose length is a hint (an
+        ``IterableDataset``'s ``__len__``, or ``limit_train_batches`` on one: Lightning then fetches no batch ahead,
+        and ``is_last_batch`` is the length's guess; known counts and a stream without a length are exact), or a
+        validation run that may start at other batches on other ranks
+        (``val_check_interval`` a fraction or a time, or an int counted across epochs,
+        ``check_val_every_n_epoch=None``). With unknown counts and ``accumulate_grad_batches > 1``, one more.
+        ``"stop"``/``"error"`` on unknown counts: one blocking all-reduce.
 
         Raises:
             UnevenInputsError: as the policy says; ranks validating at other batches; an accumulation a shorter
@@ -272,17 +289,32 @@ class UnevenInputs(Joinable, JoinHook):
                     " (the default: every rank trains all its batches) or 'stop' (all stop there), or give every rank"
                     " the same number."
                 )
-            epoch.trained -= 3 in flags  # a rank had no batch: "stop" ends the epoch before this one
+            if len(set(flags)) > 1:  # "stop" ends the epoch with this batch (before it, where a rank had none)
+                self.epochs[trainer.current_epoch] = (epoch.trained - (3 in flags),) * trainer.world_size
             if 3 in flags:
                 raise StopIteration
             progress.is_last_batch = max(flags) >= 2
             return
         if epoch.tail:
             self._exchange("end")
-        stepping, work = self._notify(1)
-        epoch.tail = stepping < trainer.world_size
-        if epoch.tail and not self.divide_by_initial_world_size and trainer.training:
-            _tp.set_gradient_divisor(self.ddp, work, False)
+        if epoch.ahead is None or epoch.ahead.get_future().wait()[0].item() < trainer.world_size:
+            stepping, work = self._notify(1)  # a rank that lacks this step is in Join.__exit__: it answers
+            epoch.tail = stepping < trainer.world_size
+            if epoch.tail and not self.divide_by_initial_world_size and trainer.training:
+                _tp.set_gradient_divisor(self.ddp, work, False)
+        epoch.ahead = (
+            dist.all_reduce(torch.tensor([int(not progress.is_last_batch)]), group=self._group, async_op=True)
+            if trainer.training  # an evaluation step notifies
+            and not epoch.tail
+            and (epoch.known or trainer.num_training_batches == float("inf"))  # else is_last_batch is a length's guess
+            and (
+                not trainer.enable_validation  # or the ranks validate at the same batches while all of them step:
+                or (interval := getattr(trainer, "val_check_interval", None)) == 1.0  # (unset for a time interval)
+                or isinstance(interval, int)
+                and trainer.check_val_every_n_epoch is not None
+            )
+            else None
+        )
         if k > 1 and not epoch.tail and not epoch.known and trainer.training:
             syncs = self._flags(1 + (progress.is_last_batch or (progress.current.ready + 1) % k == 0))
             if len(set(syncs)) > 1:
@@ -299,8 +331,7 @@ class UnevenInputs(Joinable, JoinHook):
         """
         trainer = self._trainer
         work = dist.all_reduce(torch.full((1,), float(value), device=self.join_device), async_op=True)
-        work.wait()
-        validating, stepping = divmod(int(work.get_future().value()[0].item()), trainer.world_size + 1)
+        validating, stepping = divmod(int(work.get_future().wait()[0].item()), trainer.world_size + 1)
         if 0 < validating < trainer.world_size:  # some ranks validate while the others train or are out of data
             if stepping + validating < trainer.world_size:
                 self.refuse(Refusal.VALIDATION)
@@ -428,13 +459,14 @@ class UnevenInputs(Joinable, JoinHook):
         if epoch.uncut is not None:
             _pl.cut_epoch(trainer, epoch.uncut)
         elif epoch.join is None:  # "stop"/"error" on unknown counts; without a batch: answer the others' first step
-            if epoch.seen == -1 and len(set(self._flags(3))) > 1 and self.policy == "error":
-                raise UnevenInputsError(
-                    f"[rank {trainer.global_rank}] this rank has no training batch in epoch {trainer.current_epoch}"
-                    " while others have some (MyDDPStrategy(uneven_inputs='error')). Pass uneven_inputs='join' or"
-                    " 'stop', or give every rank batches."
-                )
-            self.epochs[trainer.current_epoch] = (epoch.trained,) * trainer.world_size
+            if epoch.seen == -1 and len(set(self._flags(3))) > 1:
+                if self.policy == "error":
+                    raise UnevenInputsError(
+                        f"[rank {trainer.global_rank}] this rank has no training batch in epoch"
+                        f" {trainer.current_epoch} while others have some (MyDDPStrategy(uneven_inputs='error'))."
+                        " Pass uneven_inputs='join' or 'stop', or give every rank batches."
+                    )
+                self.epochs[trainer.current_epoch] = (0,) * trainer.world_size  # "stop": no rank trains one
         else:
             if epoch.tail:
                 self._exchange("end")
@@ -477,17 +509,18 @@ class UnevenInputs(Joinable, JoinHook):
             pass
 
     def post_hook(self, is_last_joiner: bool) -> None:
-        """``Join``'s post-hook, on every rank: record the batch counts; after a step with fewer ranks every rank
-        takes the module (parameters, buffers) and training state of the highest rank that trained longest."""
+        """``Join``'s post-hook, on every rank: where the batch counts differ (some rank joined before the last),
+        record them, and every rank takes the module (parameters, buffers) and training state of the highest rank
+        that trained longest."""
         if self._epoch.synced is not None:  # an evaluation's: nothing to record or copy
             return
         trainer = self._trainer
         flags = self._flags(2 * self._epoch.trained + is_last_joiner)  # every rank's steps, and whether it was last
-        self.epochs[trainer.current_epoch] = tuple(f // 2 for f in flags)
         _tp.set_gradient_divisor(self.ddp, None, True)  # the next epochs: DDP's own divisor and forward again
         _tp.set_ddp_join_mode(self.ddp, False)
-        if all(f % 2 for f in flags):
+        if all(f % 2 for f in flags):  # every rank was the last to join: equal counts
             return
+        self.epochs[trainer.current_epoch] = tuple(f // 2 for f in flags)
         source, module = max(r for r, f in enumerate(flags) if f % 2), trainer.lightning_module
         _tp.broadcast_coalesced([t.detach() for t in (*module.parameters(), *module.buffers())], src=source)
         box = [

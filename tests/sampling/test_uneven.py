@@ -345,6 +345,46 @@ def test_even_inputs_train_bitwise_as_under_lightning_ddp_and_sharded_loaders_ar
         assert rec["error"] is None and rec["steps"] == 5 and rec["epochs"] == {}
 
 
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_steps_every_rank_takes_agree_asynchronously_and_a_step_a_rank_lacks_notifies_the_join(runs):
+    """Under uneven_inputs="join" each step starts one asynchronous all-reduce of whether this rank has a next batch
+    (on the gloo side group) and waits for it at the next step: on an even stream (5 and 5 batches, 2 epochs) the
+    policy's world-group all-reduces (each one blocking) come only with the epochs' first steps (the epoch start's
+    count, the join's first notify) and ends; on 5 and 4 batches also in the step rank 1 lacks (rank 0's 5th: the
+    join's notify, its announcements), which rank 1 answers after its 4th."""
+    for rec in load(runs, "even_ours", 2):
+        calls = [(step, world) for step, module, _, world in rec["all_reduces"] if module == "uneven.py"]
+        assert sorted(step for step, world in calls if not world) == list(range(10))  # one flag each step
+        assert {step for step, world in calls if world} == {0, 5, 10}
+    records = load(runs, "join_iterable", 2)
+    for rec, expected in zip(records, ({0, 4, 5, 9, 10}, {0, 4, 8}), strict=True):
+        calls = [(step, world) for step, module, _, world in rec["all_reduces"] if module == "uneven.py"]
+        assert {step for step, world in calls if world} == expected
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_only_epochs_whose_counts_differ_are_recorded_and_logged(runs):
+    """An even stream (5 and 5 batches) under "join" and "stop": no epoch recorded, no "Uneven inputs" line, and
+    the fit summary says a stream's batches and optimizer steps are unknown (not "inf"); 5 and 4 batches still log
+    the counts of each epoch on rank 0, "stop" what every rank trained."""
+    for name in ("even_ours", "stop_even"):
+        records = load(runs, name, 2)
+        assert [rec["epochs"] for rec in records] == [{}, {}], name
+        assert not [m for rec in records for m in rec["messages"] if m.startswith("Uneven inputs")], name
+        (summary,) = [m for m in records[0]["messages"] if m.startswith("DDP fit summary")]
+        assert "data: training samples: ?, batches and optimizer steps per epoch unknown (streaming loader)" in summary
+    assert (
+        "Uneven inputs (uneven_inputs='join'; a step's gradient sum divided by W): batches trained per rank,"
+        " epoch 0: [5, 4], epoch 1: [5, 4]" in load(runs, "join_iterable", 2)[0]["messages"]
+    )
+    assert (
+        "Uneven inputs (uneven_inputs='stop'; the longer ranks' later batches not trained): batches trained per"
+        " rank, epoch 0: [4, 4], epoch 1: [4, 4]" in load(runs, "stop_iterable", 2)[0]["messages"]
+    )
+
+
 def assert_refused(records: list[dict], error_type: str, *parts: str) -> None:
     """Every rank raised ``error_type`` within seconds (the collective timeout is 60 s), its message naming its rank
     and holding each of ``parts``."""
@@ -391,12 +431,13 @@ def test_accumulation_that_every_shorter_rank_ends_trains_every_batch_once_with_
 @pytest.mark.timeout(600)
 def test_validation_inside_an_uneven_epoch_is_refused_on_every_rank(runs):
     """val_check_interval=2 on an IterableDataset (5 and 4 batches: rank 1's 4th, its last, would validate alone
-    after the shared run at batch 2) and val_check_interval=0.5 on pre-sharded 4 and 3 batches (rank 1 validates
-    after batch 1, rank 0 after 2): UnevenInputsError on both ranks within seconds, naming the validation run and
-    val_check_interval."""
-    records = load(runs, "val_every_2", 2)
-    assert_refused(records, UnevenInputsError.__name__, "validation run", "val_check_interval")
-    assert [rec["steps"] for rec in records] == [4, 4] and [len(rec["val"]) for rec in records] == [1, 1]
+    after the shared run at batch 2; counted across epochs or per epoch, where the steps agree asynchronously) and
+    val_check_interval=0.5 on pre-sharded 4 and 3 batches (rank 1 validates after batch 1, rank 0 after 2):
+    UnevenInputsError on both ranks within seconds, naming the validation run and val_check_interval."""
+    for name in ("val_every_2", "val_every_2_per_epoch"):  # per epoch: the steps both take agree asynchronously
+        records = load(runs, name, 2)
+        assert_refused(records, UnevenInputsError.__name__, "validation run", "val_check_interval")
+        assert [rec["steps"] for rec in records] == [4, 4] and [len(rec["val"]) for rec in records] == [1, 1], name
     records = load(runs, "val_half_map", 2)
     assert_refused(
         records,

@@ -8,13 +8,16 @@ single-process reference.
 
 from __future__ import annotations
 
+import logging
 import os
+import sys
 import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
+import lightning_utilities.core.rank_zero as rank_zero
 import torch
 import torch.distributed as dist
 import torchmetrics
@@ -256,6 +259,41 @@ def evaluate(out: Path, name: str, strategy: Any, stages: tuple[str, ...]) -> No
         )
 
 
+class Observed(pl.Callback, logging.Handler):
+    """While a fit runs: the messages of Lightning's rank-zero logger (the fit summary, the uneven-inputs line), and
+    each ``torch.distributed.all_reduce`` called from a ``ddp_strategy`` module, as ``(step, module, async_op,
+    world)``: ``step`` the training steps ended before it (a step lasts from one step's end to the next's)."""
+
+    def __init__(self) -> None:
+        pl.Callback.__init__(self)
+        logging.Handler.__init__(self, logging.INFO)
+        self.messages: list[str] = []
+        self.calls: list[tuple[int, str, bool, bool]] = []
+        self.steps, self._all_reduce = 0, dist.all_reduce
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+    def _counted(self, tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        caller = sys._getframe(1).f_code.co_filename
+        if f"{os.sep}ddp_strategy{os.sep}" in caller:
+            group = kwargs.get("group", args[1] if len(args) > 1 else None)
+            self.calls.append((self.steps, Path(caller).name, bool(kwargs.get("async_op")), group is None))
+        return self._all_reduce(tensor, *args, **kwargs)
+
+    def __enter__(self) -> Observed:
+        rank_zero.log.addHandler(self)
+        dist.all_reduce = self._counted
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        dist.all_reduce = self._all_reduce
+        rank_zero.log.removeHandler(self)
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        self.steps += 1
+
+
 def trainer(out: Path, strategy: Any = None, **kwargs: Any) -> pl.Trainer:
     """A quiet 2-process CPU trainer (externally launched) for ``EPOCHS`` epochs."""
     defaults: dict[str, Any] = dict(
@@ -280,13 +318,16 @@ def weights(model: nn.Module) -> dict[str, torch.Tensor]:
 
 def fit(out: Path, name: str, train: Any, val: Any = None, model: Probed | None = None, **kwargs: Any) -> None:
     """Fit and record ``name``: batches seen, step results, validation values, weights, global step, the counts
-    per uneven epoch, and the error (type, message, seconds from the fit's start) if the fit raised."""
-    model = model or Probed()
+    per uneven epoch, what :class:`Observed` saw, and the error (type, message, seconds from the fit's start) if the
+    fit raised."""
+    model, observed = model or Probed(), Observed()
+    kwargs["callbacks"] = [*kwargs.get("callbacks", []), observed]
     t = trainer(out, **kwargs)
     record: dict[str, Any] = {"error": None}
     start = time.monotonic()
     try:
-        t.fit(model, train, val)
+        with observed:
+            t.fit(model, train, val)
     except Exception as error:  # noqa: BLE001 - recorded for the test
         record["error"] = (type(error).__name__, str(error), time.monotonic() - start)
     save(
@@ -301,6 +342,8 @@ def fit(out: Path, name: str, train: Any, val: Any = None, model: Probed | None 
             "initial": weights(make_layer()),
             "steps": t.global_step,
             "epochs": dict(t.strategy._uneven.epochs) if isinstance(t.strategy, MyDDPStrategy) else None,
+            "messages": observed.messages,
+            "all_reduces": observed.calls,
         },
     )
 
@@ -356,6 +399,7 @@ def scenario_join(out: Path) -> None:
     fit(out, "accumulate_2", stream(ITERABLE, ITERABLE_BATCH), accumulate_grad_batches=2)
     val = stream(VAL, VAL_BATCH, VAL_SALT)
     fit(out, "val_every_2", stream(ITERABLE, ITERABLE_BATCH), val, val_check_interval=2, check_val_every_n_epoch=None)
+    fit(out, "val_every_2_per_epoch", stream(ITERABLE, ITERABLE_BATCH), val, val_check_interval=2)  # flags async
     fit(
         out,
         "val_half_map",
@@ -402,6 +446,7 @@ def scenario_policies(out: Path) -> None:
     evaluate(out, "eval", strategy, ("validate", "test", "predict", "refuse"))
     even, val = (ITERABLE[0], ITERABLE[0]), stream((VAL[0], VAL[0]), VAL_BATCH, VAL_SALT)
     fit(out, "even_ours", stream(even, ITERABLE_BATCH), val, Probed(("log",)))
+    fit(out, "stop_even", stream(even, ITERABLE_BATCH), strategy=strategy(uneven_inputs="stop"))
     whole = DataLoader(TensorDataset(*samples(0, 20, TRAIN_SALT)), batch_size=2, shuffle=True)
     fit(out, "sharded", whole, max_epochs=1)
     fit(out, "even_ddp", stream(even, ITERABLE_BATCH), val, Probed(("log",)), strategy="ddp")
