@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch.distributed.algorithms import Join, Joinable, JoinHook
+from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import IterableDataset
 
@@ -121,6 +122,8 @@ _KINDS = {
         ),
         Refusal.SAVE,
     ),
+    "zero_step": (lambda u, index, src, c: u.step_zero(index, src), None),
+    "consolidate": (lambda u, a, b, c: [o.consolidate_state_dict() for o in _zeros(u._trainer).values()], None),
 }
 
 
@@ -174,6 +177,7 @@ class UnevenInputs(Joinable, JoinHook):
         self.epochs: dict[int, tuple[int, ...]] = {}  #: uneven epoch -> batches each rank trained
         self._trainer: Any = None
         self._epoch: _Epoch | None = None
+        self._hooks: list[Any] = []  #: the post-hooks of each ZeroRedundancyOptimizer's local optimizer
 
     @property
     def tail(self) -> bool:
@@ -401,12 +405,42 @@ class UnevenInputs(Joinable, JoinHook):
         else:
             if epoch.tail:
                 self._exchange("end")
+            epoch.tail = False  # out of data: its shadow of a ZeroRedundancyOptimizer's step announces nothing
             epoch.join.__exit__(None, None, None)
         self._epoch = None
 
     def abandon(self) -> None:
-        """After a failure, or at teardown: forget the epoch (no collective)."""
-        self._epoch = None
+        """After a failure, or at teardown: forget the epoch and the optimizers' hooks (no collective)."""
+        self._epoch, hooks, self._hooks = None, self._hooks, []
+        for hook in hooks:
+            hook.remove()
+
+    def step_zero(self, index: int, src: int | None = None) -> None:
+        """``ZeroRedundancyOptimizer`` number ``index`` (in ``trainer.optimizers``) in a step some ranks only shadow,
+        after the active ranks' update of their shards (the local optimizer's post-hook, ``src`` None) and before
+        its parameter broadcasts (one from each rank's shard): announced, then the highest active rank, ``src``,
+        broadcasts its gradients (as the update read them: clipped, accumulated) and hyperparameters (a scheduler's
+        ``lr``), which a rank out of data sets before its own step, the update of its shard and those broadcasts.
+        So every shard takes each step, as a single process's optimizer would."""
+        if src is None and not self.tail:
+            return
+        src = max(self._exchange("zero_step", index, self._trainer.global_rank)[1]) if src is None else src
+        zero = self._trainer.optimizers[index]
+        params = [p for group in zero.param_groups for p in group["params"]]
+        box = [
+            (
+                [None if p.grad is None else p.grad.cpu() for p in params],
+                [{k: v for k, v in group.items() if k != "params"} for group in zero.param_groups],
+            )
+        ]
+        dist.broadcast_object_list(box, src=src)
+        if self.tail:  # an active rank: its step goes on to the parameter broadcasts
+            return
+        for p, grad in zip(params, box[0][0], strict=True):
+            p.grad = None if grad is None else grad.to(p.device)
+        for group, hyperparameters in zip(zero.param_groups, box[0][1], strict=True):
+            group.update(hyperparameters)
+        zero.step()
 
     def main_hook(self) -> None:
         """``Join``'s main hook, on a rank out of data: the others' step, each message read and taken part in, to its
@@ -425,6 +459,8 @@ class UnevenInputs(Joinable, JoinHook):
         if all(f % 2 for f in flags):
             return
         source, module = max(r for r, f in enumerate(flags) if f % 2), trainer.lightning_module
+        for zero in _zeros(trainer).values():  # sharded: its state_dict() is the one consolidated on the source
+            zero.consolidate_state_dict(to=source)
         _tp.broadcast_coalesced([t.detach() for t in (*module.parameters(), *module.buffers())], src=source)
         box = [
             apply_to_collection(_pl.training_state(trainer), torch.Tensor, torch.Tensor.cpu)
@@ -464,6 +500,11 @@ class UnevenInputs(Joinable, JoinHook):
         return kind, active
 
 
+def _zeros(trainer: Any) -> dict[int, ZeroRedundancyOptimizer]:
+    """The fit's ``ZeroRedundancyOptimizer`` s, by index in ``trainer.optimizers``."""
+    return {i: o for i, o in enumerate(trainer.optimizers) if isinstance(o, ZeroRedundancyOptimizer)}
+
+
 def _neutral(op: str, dtype: torch.dtype) -> float | int | bool:
     """What leaves ``op``'s result unchanged: 0 (sum), 1 (product), the dtype's lowest (max) or highest (min)."""
     if op in ("sum", "product"):
@@ -492,7 +533,20 @@ class _EpochEnd(Callback):
         self.uneven.finish()
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        """Forget the last fit's counts; hook each ``ZeroRedundancyOptimizer``'s step (:meth:`UnevenInputs.step_zero`)."""
         self.uneven.epochs = {}
+        self.uneven._hooks = [
+            zero.optim.register_step_post_hook(lambda *_, i=i: self.uneven.step_zero(i))
+            for i, zero in _zeros(trainer).items()
+        ]
+
+    def state_dict(self) -> dict[str, Any]:
+        """Called first in each checkpoint's ``dump_checkpoint``, before the optimizer states, whose
+        ``consolidate_state_dict`` (a ``ZeroRedundancyOptimizer``'s, each rank's shard broadcast) a step some ranks
+        only shadow announces here. Returns ``{}`` (nothing is saved)."""
+        if self.uneven.tail and _zeros(self.uneven._trainer):
+            self.uneven._exchange("consolidate")
+        return {}
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         """Rank 0 logs, for the fit summary, the policy and the batches each rank trained in each uneven epoch."""

@@ -82,18 +82,21 @@ def reference(
     steps: int | None = None,
     epochs: int = EPOCHS,
     accumulate: int = 1,
+    clip: float | None = None,
+    gamma: float = 1.0,
 ) -> SimpleNamespace:
     """One process, the documented rule: ``layer`` (final), ``after_step`` (the weights after each step), ``val``
     (after each epoch, the loss over all of ``VAL``'s samples) and ``val_of_batch_means`` (the mean of its batches'
     means, which weighs the one-sample batch more). ``steps``: batches per epoch (default: the most of any rank);
     ``accumulate``: batches per optimizer step (Lightning divides each loss by it; the epoch's last step may hold
-    fewer)."""
+    fewer); ``clip``: the gradient's norm is clipped to it before each step; ``gamma``: the learning rate's factor
+    after each step. ``optimizer``: the final SGD."""
     layer = make_layer()
     optimizer = torch.optim.SGD(layer.parameters(), lr=LR, momentum=MOMENTUM)
     per_rank, world_size = rank_batches(counts, batch_size), len(counts)
     val_batches = [b for batches in rank_batches(VAL, VAL_BATCH, VAL_SALT) for b in batches]
     val_x, val_y = (torch.cat([b[i] for b in val_batches]) for i in (0, 1))
-    result = SimpleNamespace(layer=layer, after_step=[], val=[], val_of_batch_means=[])
+    result = SimpleNamespace(layer=layer, optimizer=optimizer, after_step=[], val=[], val_of_batch_means=[])
     for _ in range(epochs):
         n = steps or max(map(len, per_rank))
         for first in range(0, n, accumulate):
@@ -102,7 +105,11 @@ def reference(
                 active = [batches[s] for batches in per_rank if s < len(batches)]
                 total = sum(loss_of(layer, x, y) for x, y, _ in active) / accumulate
                 (total / (world_size if by_world_size else len(active))).backward()
+            if clip is not None:
+                torch.nn.utils.clip_grad_norm_(layer.parameters(), clip)
             optimizer.step()
+            for group in optimizer.param_groups:
+                group["lr"] *= gamma
             result.after_step.append({f"layer.{k}": v.detach().clone() for k, v in layer.state_dict().items()})
         with torch.no_grad():
             result.val.append(loss_of(layer, val_x, val_y).item())

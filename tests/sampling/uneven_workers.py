@@ -19,6 +19,7 @@ import torchmetrics
 from ddp_testing import save
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
+from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
 from ddp_strategy import MyDDPStrategy
@@ -32,6 +33,8 @@ ITERABLE, MAP, VAL = (10, 8), (13, 11), (6, 3)
 ITERABLE_BATCH, MAP_BATCH, VAL_BATCH = 2, 4, 2
 EPOCHS = 2
 BN_COUNTS, BN_MOMENTUM = (2, 6), 0.5  # rank 0: 1 batch of 2, rank 1: 3
+#: ``Zero``'s gradient clipping (by norm, Lightning's ``gradient_clip_val``) and its per-step learning-rate decay.
+CLIP, GAMMA = 0.5, 0.9
 #: The collectives a training step makes (``Probed(probes=...)``): shadowed ones, then each refused one.
 SHADOWED = ("log", "reduce", "decision", "barrier", "broadcast")
 
@@ -153,6 +156,16 @@ class Normed(Probed):
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y, idx = batch
         return super().training_step((self.norm(x), y, idx), batch_idx)
+
+
+class Zero(Probed):
+    """:class:`Probed` trained by ``ZeroRedundancyOptimizer`` (SGD with momentum, one parameter's state per rank)
+    with a learning rate decayed by ``GAMMA`` after each step (``StepLR``, ``interval="step"``)."""
+
+    def configure_optimizers(self) -> Any:
+        zero = ZeroRedundancyOptimizer(self.parameters(), torch.optim.SGD, lr=LR, momentum=MOMENTUM)
+        scheduler = torch.optim.lr_scheduler.StepLR(zero, step_size=1, gamma=GAMMA)
+        return {"optimizer": zero, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 
 def trainer(out: Path, strategy: Any = None, **kwargs: Any) -> pl.Trainer:
