@@ -18,7 +18,9 @@ from ddp_testing import launch, load
 from uneven_workers import (
     BN_COUNTS,
     BN_MOMENTUM,
+    CLIP,
     EPOCHS,
+    GAMMA,
     ITERABLE,
     ITERABLE_BATCH,
     LR,
@@ -202,6 +204,30 @@ def test_collectives_of_a_tail_step_are_shadowed_with_the_active_ranks_values(ru
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(600)
+def test_a_zero_redundancy_optimizer_takes_every_step_on_every_shard_with_the_reference_weights_and_state(runs):
+    """ZeroRedundancyOptimizer (SGD with momentum, each rank one parameter's state) with gradient_clip_val and a
+    per-step StepLR, 5 and 4 batches, a checkpoint each step: where it hung (its step's broadcast met the rank out of
+    data), both ranks take 10 steps with identical weights equal to the reference (clipped, decayed); every step's
+    file, the tail steps 5 and 10 included, holds that step's reference weights, and the last one the reference's
+    consolidated optimizer state (both shards' momentum, the decayed learning rate)."""
+    records = load(runs, "zero", 2)
+    for rec in records:
+        assert rec["error"] is None and rec["steps"] == 10 and rec["epochs"] == {0: (5, 4), 1: (5, 4)}
+    expected = reference(ITERABLE, ITERABLE_BATCH, clip=CLIP, gamma=GAMMA)
+    assert_weights(records, expected.layer)
+    assert not torch.allclose(expected.layer.weight, reference(ITERABLE, ITERABLE_BATCH).layer.weight)  # clipped
+    for step in range(1, 11):
+        checkpoint = torch.load(runs / "ckpt_zero" / f"step={step}.ckpt", weights_only=True)
+        for k, v in checkpoint["state_dict"].items():
+            assert torch.allclose(v, expected.after_step[step - 1][k], **TIGHT), (step, k)
+    state, reference_state = checkpoint["optimizer_states"][0], expected.optimizer.state_dict()
+    assert state["param_groups"][0]["lr"] == pytest.approx(reference_state["param_groups"][0]["lr"])
+    for i, param_state in reference_state["state"].items():
+        assert torch.allclose(state["state"][i]["momentum_buffer"], param_state["momentum_buffer"], **TIGHT), i
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
 def test_refused_collectives_raise_uneven_inputs_error_on_every_rank_without_waiting(runs):
     """In rank 0's 5th step while rank 1 is out of data, self.all_gather, a broadcast from rank 1 and a torchmetrics
     metric with dist_sync_on_step=True (refused before the step runs) each raise UnevenInputsError on both ranks
@@ -346,6 +372,19 @@ def test_even_inputs_train_bitwise_as_under_lightning_ddp_and_sharded_loaders_ar
     assert not torch.equal(ours[0]["weights"]["layer.weight"], ours[0]["initial"]["weight"])
     for rec in load(runs, "sharded", 2):
         assert rec["error"] is None and rec["steps"] == 5 and rec["epochs"] == {}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_a_zero_redundancy_optimizer_on_even_inputs_trains_bitwise_as_under_lightning_ddp(runs):
+    """The same ZeroRedundancyOptimizer module, clipping and scheduler on 5 batches per rank: MyDDPStrategy() and
+    strategy="ddp" give bitwise the same weights after 10 steps, equal to the reference."""
+    ours, lightning = load(runs, "zero_even_ours", 2), load(runs, "zero_even_ddp", 2)
+    for r in range(2):
+        assert ours[r]["error"] is None and lightning[r]["error"] is None
+        assert ours[r]["steps"] == lightning[r]["steps"] == 10
+        assert_same_on_every_rank([ours[r]["weights"], lightning[r]["weights"]], "parameters")
+    assert_weights(ours, reference((ITERABLE[0],) * 2, ITERABLE_BATCH, clip=CLIP, gamma=GAMMA).layer)
 
 
 def assert_refused(records: list[dict], error_type: str, *parts: str) -> None:

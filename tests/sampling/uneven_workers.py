@@ -232,7 +232,8 @@ def scenario_join(out: Path) -> None:
     validation, and with the other gradient divisor; a checkpoint each step while rank 0 has fewer; each refused
     collective (an all_gather, a broadcast from the joined rank, torchmetrics' per-step sync, SyncBatchNorm); then
     the cases a probe found hanging: accumulate_grad_batches (refused, and one that trains), validation inside
-    the epoch (val_check_interval), and an IterableDataset with limit_train_batches or a __len__ (both hints)."""
+    the epoch (val_check_interval), and an IterableDataset with limit_train_batches or a __len__ (both hints); a
+    ZeroRedundancyOptimizer with gradient clipping, a per-step scheduler and a checkpoint each step."""
     fit(
         out,
         "join_iterable",
@@ -256,6 +257,15 @@ def scenario_join(out: Path) -> None:
         "ckpt_fewer",
         stream(fewer, ITERABLE_BATCH),
         callbacks=[every_step_checkpoint(out / "ckpt_fewer")],
+        enable_checkpointing=True,
+    )
+    fit(
+        out,
+        "zero",
+        stream(ITERABLE, ITERABLE_BATCH),
+        model=Zero(),
+        gradient_clip_val=CLIP,
+        callbacks=[every_step_checkpoint(out / "ckpt_zero")],
         enable_checkpointing=True,
     )
     fit(out, "refuse_all_gather", stream(ITERABLE, ITERABLE_BATCH), model=Probed(("all_gather",)))
@@ -283,7 +293,7 @@ def scenario_join(out: Path) -> None:
 def scenario_policies(out: Path) -> None:
     """uneven_inputs="stop" and "error" on both loader kinds and on a rank without any batch; even inputs under
     MyDDPStrategy, a loader the strategy shards, then the even inputs under Lightning's ddp (last: its teardown keeps
-    the process group)."""
+    the process group); each with a ZeroRedundancyOptimizer too."""
     fit(out, "stop_iterable", stream(ITERABLE, ITERABLE_BATCH), strategy=strategy(uneven_inputs="stop"))
     fit(
         out,
@@ -307,4 +317,6 @@ def scenario_policies(out: Path) -> None:
     fit(out, "even_ours", stream(even, ITERABLE_BATCH), val, Probed(("log",)))
     whole = DataLoader(TensorDataset(*samples(0, 20, TRAIN_SALT)), batch_size=2, shuffle=True)
     fit(out, "sharded", whole, max_epochs=1)
+    fit(out, "zero_even_ours", stream(even, ITERABLE_BATCH), model=Zero(), gradient_clip_val=CLIP)
     fit(out, "even_ddp", stream(even, ITERABLE_BATCH), val, Probed(("log",)), strategy="ddp")
+    fit(out, "zero_even_ddp", stream(even, ITERABLE_BATCH), model=Zero(), gradient_clip_val=CLIP, strategy="ddp")
