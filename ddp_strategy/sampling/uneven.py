@@ -15,7 +15,8 @@ that would meet the wrong collective on a rank out of data. So in a *tail* step 
 the active ranks announce each collective before making it, one message (an all-reduce, MAX, of ``5 + W``
 integers) of a kind in :data:`_KINDS`, the one table both sides read: DDP's forward and gradient buckets (the calls
 of DDP's own join hook, in two halves, since the step's own collectives come between), reductions (a neutral
-value), barriers, broadcasts from an active rank, a save's agreement; what a rank out of data cannot take part in
+value), barriers, broadcasts from an active rank, a save's agreement, a ``ZeroRedundancyOptimizer``'s step and
+consolidation (:meth:`UnevenInputs.step_zero`); what a rank out of data cannot take part in
 (:data:`Refusal`) raises :class:`UnevenInputsError` on every rank. At the end every rank takes the longest rank's
 module and training state. This rank's state in such an epoch is one :class:`_Epoch`.
 """
@@ -123,7 +124,12 @@ _KINDS = {
         Refusal.SAVE,
     ),
     "zero_step": (lambda u, index, src, c: u.step_zero(index, src), None),
-    "consolidate": (lambda u, a, b, c: [o.consolidate_state_dict() for o in _zeros(u._trainer).values()], None),
+    "consolidate": (
+        lambda u, a, b, c: [
+            o.consolidate_state_dict() for o in u._trainer.optimizers if isinstance(o, ZeroRedundancyOptimizer)
+        ],
+        None,
+    ),
 }
 
 
@@ -417,30 +423,29 @@ class UnevenInputs(Joinable, JoinHook):
 
     def step_zero(self, index: int, src: int | None = None) -> None:
         """``ZeroRedundancyOptimizer`` number ``index`` (in ``trainer.optimizers``) in a step some ranks only shadow,
-        after the active ranks' update of their shards (the local optimizer's post-hook, ``src`` None) and before
+        after the active ranks' update of their shards (its local optimizer's post-hook, ``src`` None) and before
         its parameter broadcasts (one from each rank's shard): announced, then the highest active rank, ``src``,
         broadcasts its gradients (as the update read them: clipped, accumulated) and hyperparameters (a scheduler's
-        ``lr``), which a rank out of data sets before its own step, the update of its shard and those broadcasts.
+        ``lr``), which a rank out of data sets before its own step: the update of its shard and those broadcasts.
         So every shard takes each step, as a single process's optimizer would."""
-        if src is None and not self.tail:
-            return
         src = max(self._exchange("zero_step", index, self._trainer.global_rank)[1]) if src is None else src
         zero = self._trainer.optimizers[index]
-        params = [p for group in zero.param_groups for p in group["params"]]
         box = [
-            (
-                [None if p.grad is None else p.grad.cpu() for p in params],
-                [{k: v for k, v in group.items() if k != "params"} for group in zero.param_groups],
-            )
+            [
+                (
+                    {k: v for k, v in group.items() if k != "params"},
+                    [None if p.grad is None else p.grad.cpu() for p in group["params"]],
+                )
+                for group in zero.param_groups
+            ]
         ]
         dist.broadcast_object_list(box, src=src)
-        if self.tail:  # an active rank: its step goes on to the parameter broadcasts
-            return
-        for p, grad in zip(params, box[0][0], strict=True):
-            p.grad = None if grad is None else grad.to(p.device)
-        for group, hyperparameters in zip(zero.param_groups, box[0][1], strict=True):
-            group.update(hyperparameters)
-        zero.step()
+        if not self.tail:  # out of data (an active rank's step goes on to the parameter broadcasts)
+            for group, (hyperparameters, grads) in zip(zero.param_groups, box[0], strict=True):
+                group.update(hyperparameters)
+                for p, grad in zip(group["params"], grads, strict=True):
+                    p.grad = None if grad is None else grad.to(p.device)
+            zero.step()
 
     def main_hook(self) -> None:
         """``Join``'s main hook, on a rank out of data: the others' step, each message read and taken part in, to its
@@ -459,8 +464,9 @@ class UnevenInputs(Joinable, JoinHook):
         if all(f % 2 for f in flags):
             return
         source, module = max(r for r, f in enumerate(flags) if f % 2), trainer.lightning_module
-        for zero in _zeros(trainer).values():  # sharded: its state_dict() is the one consolidated on the source
-            zero.consolidate_state_dict(to=source)
+        for optimizer in trainer.optimizers:  # a sharded one's state_dict() is the one consolidated on the source
+            if isinstance(optimizer, ZeroRedundancyOptimizer):
+                optimizer.consolidate_state_dict(to=source)
         _tp.broadcast_coalesced([t.detach() for t in (*module.parameters(), *module.buffers())], src=source)
         box = [
             apply_to_collection(_pl.training_state(trainer), torch.Tensor, torch.Tensor.cpu)
@@ -500,11 +506,6 @@ class UnevenInputs(Joinable, JoinHook):
         return kind, active
 
 
-def _zeros(trainer: Any) -> dict[int, ZeroRedundancyOptimizer]:
-    """The fit's ``ZeroRedundancyOptimizer`` s, by index in ``trainer.optimizers``."""
-    return {i: o for i, o in enumerate(trainer.optimizers) if isinstance(o, ZeroRedundancyOptimizer)}
-
-
 def _neutral(op: str, dtype: torch.dtype) -> float | int | bool:
     """What leaves ``op``'s result unchanged: 0 (sum), 1 (product), the dtype's lowest (max) or highest (min)."""
     if op in ("sum", "product"):
@@ -533,18 +534,19 @@ class _EpochEnd(Callback):
         self.uneven.finish()
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
-        """Forget the last fit's counts; hook each ``ZeroRedundancyOptimizer``'s step (:meth:`UnevenInputs.step_zero`)."""
+        """Forget the last fit's counts; hook each ``ZeroRedundancyOptimizer``'s step (``UnevenInputs.step_zero``)."""
         self.uneven.epochs = {}
         self.uneven._hooks = [
-            zero.optim.register_step_post_hook(lambda *_, i=i: self.uneven.step_zero(i))
-            for i, zero in _zeros(trainer).items()
+            zero.optim.register_step_post_hook(lambda *_, i=i: self.uneven.tail and self.uneven.step_zero(i))
+            for i, zero in enumerate(trainer.optimizers)
+            if isinstance(zero, ZeroRedundancyOptimizer)
         ]
 
     def state_dict(self) -> dict[str, Any]:
         """Called first in each checkpoint's ``dump_checkpoint``, before the optimizer states, whose
         ``consolidate_state_dict`` (a ``ZeroRedundancyOptimizer``'s, each rank's shard broadcast) a step some ranks
         only shadow announces here. Returns ``{}`` (nothing is saved)."""
-        if self.uneven.tail and _zeros(self.uneven._trainer):
+        if self.uneven.tail and any(isinstance(o, ZeroRedundancyOptimizer) for o in self.uneven._trainer.optimizers):
             self.uneven._exchange("consolidate")
         return {}
 
