@@ -22,7 +22,8 @@ the active ranks announce each collective before making it, one message (an all-
 integers) of a kind in :data:`_KINDS`, the one table both sides read: DDP's forward and gradient buckets (the calls
 of DDP's own join hook, in two halves, since the step's own collectives come between), gathers (reductions and
 torchmetrics' syncs: a rank out of data gives an empty tensor, the active ranks keep their own rows), barriers,
-broadcasts from an active rank, a save's agreement; what a rank out of data cannot take part in (:data:`Refusal`)
+broadcasts from an active rank, a save's agreement, a ``ZeroRedundancyOptimizer``'s step and consolidation
+(:meth:`UnevenInputs.step_zero`); what a rank out of data cannot take part in (:data:`Refusal`)
 raises :class:`UnevenInputsError` on every rank. At the end every rank takes the longest rank's module and training
 state. This rank's state in such an epoch is one :class:`_Epoch`.
 
@@ -41,6 +42,7 @@ import torch
 import torch.distributed as dist
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch.distributed.algorithms import Join, Joinable, JoinHook
+from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import IterableDataset
 from torchmetrics.utilities.distributed import gather_all_tensors
@@ -141,6 +143,13 @@ _KINDS = {
         ),
         Refusal.SAVE,
     ),
+    "zero_step": (lambda u, index, src, c: u.step_zero(index, src), None),
+    "consolidate": (
+        lambda u, a, b, c: [
+            o.consolidate_state_dict() for o in u._trainer.optimizers if isinstance(o, ZeroRedundancyOptimizer)
+        ],
+        None,
+    ),
 }
 
 
@@ -198,6 +207,7 @@ class UnevenInputs(Joinable, JoinHook):
         self.epochs: dict[int, tuple[int, ...]] = {}  #: epoch whose counts differed -> batches each rank trained
         self._trainer: Any = None
         self._epoch: _Epoch | None = None
+        self._hooks: list[Any] = []  #: the post-hooks of each ZeroRedundancyOptimizer's local optimizer
 
     @property
     def tail(self) -> bool:
@@ -470,6 +480,7 @@ class UnevenInputs(Joinable, JoinHook):
         else:
             if epoch.tail:
                 self._exchange("end")
+            epoch.tail = False  # out of data: its shadow of a ZeroRedundancyOptimizer's step announces nothing
             epoch.join.__exit__(None, None, None)
         self.abandon()
 
@@ -502,6 +513,32 @@ class UnevenInputs(Joinable, JoinHook):
         for metric in self._epoch.synced:
             metric.dist_sync_fn = self.gather
 
+    def step_zero(self, index: int, src: int | None = None) -> None:
+        """``ZeroRedundancyOptimizer`` number ``index`` (in ``trainer.optimizers``) in a step some ranks only shadow,
+        after the active ranks' update of their shards (its local optimizer's post-hook, ``src`` None) and before
+        its parameter broadcasts (one from each rank's shard): announced, then the highest active rank, ``src``,
+        broadcasts its gradients (as the update read them: clipped, accumulated) and hyperparameters (a scheduler's
+        ``lr``), which a rank out of data sets before its own step: the update of its shard and those broadcasts.
+        So every shard takes each step, as a single process's optimizer would."""
+        src = max(self._exchange("zero_step", index, self._trainer.global_rank)[1]) if src is None else src
+        zero = self._trainer.optimizers[index]
+        box = [
+            [
+                (
+                    {k: v for k, v in group.items() if k != "params"},
+                    [None if p.grad is None else p.grad.cpu() for p in group["params"]],
+                )
+                for group in zero.param_groups
+            ]
+        ]
+        dist.broadcast_object_list(box, src=src)
+        if not self.tail:  # out of data (an active rank's step goes on to the parameter broadcasts)
+            for group, (hyperparameters, grads) in zip(zero.param_groups, box[0], strict=True):
+                group.update(hyperparameters)
+                for p, grad in zip(group["params"], grads, strict=True):
+                    p.grad = None if grad is None else grad.to(p.device)
+            zero.step()
+
     def main_hook(self) -> None:
         """``Join``'s main hook, on a rank out of data: the others' step, each message read and taken part in, to its
         end."""
@@ -522,6 +559,9 @@ class UnevenInputs(Joinable, JoinHook):
             return
         self.epochs[trainer.current_epoch] = tuple(f // 2 for f in flags)
         source, module = max(r for r, f in enumerate(flags) if f % 2), trainer.lightning_module
+        for optimizer in trainer.optimizers:  # a sharded one's state_dict() is the one consolidated on the source
+            if isinstance(optimizer, ZeroRedundancyOptimizer):
+                optimizer.consolidate_state_dict(to=source)
         _tp.broadcast_coalesced([t.detach() for t in (*module.parameters(), *module.buffers())], src=source)
         box = [
             apply_to_collection(_pl.training_state(trainer), torch.Tensor, torch.Tensor.cpu)
@@ -584,7 +624,23 @@ class _EpochEnd(Callback):
     on_validation_epoch_end = on_test_epoch_end = on_predict_epoch_end = on_train_epoch_end
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        """Forget the last fit's counts; hook each ``ZeroRedundancyOptimizer``'s step (``UnevenInputs.step_zero``)."""
         self.uneven.epochs = {}
+        for hook in self.uneven._hooks:  # a last fit's, which a failure left
+            hook.remove()
+        self.uneven._hooks = [
+            zero.optim.register_step_post_hook(lambda *_, i=i: self.uneven.tail and self.uneven.step_zero(i))
+            for i, zero in enumerate(trainer.optimizers)
+            if isinstance(zero, ZeroRedundancyOptimizer)
+        ]
+
+    def state_dict(self) -> dict[str, Any]:
+        """Called first in each checkpoint's ``dump_checkpoint``, before the optimizer states, whose
+        ``consolidate_state_dict`` (a ``ZeroRedundancyOptimizer``'s, each rank's shard broadcast) a step some ranks
+        only shadow announces here. Returns ``{}`` (nothing is saved)."""
+        if self.uneven.tail and any(isinstance(o, ZeroRedundancyOptimizer) for o in self.uneven._trainer.optimizers):
+            self.uneven._exchange("consolidate")
+        return {}
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         """Rank 0 logs, for the fit summary, the policy and the batches each rank trained in each uneven epoch."""

@@ -25,6 +25,7 @@ from ddp_testing import save
 from lightning.pytorch.callbacks import BasePredictionWriter, ModelCheckpoint
 from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
+from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
 
 from ddp_strategy import MyDDPStrategy
@@ -40,6 +41,9 @@ EPOCHS = 2
 BN_COUNTS, BN_MOMENTUM = (2, 6), 0.5  # rank 0: 1 batch of 2, rank 1: 3
 #: Evaluation streams (issue 38 item 1): 10 and 8 samples, batch 2: 5 and 4 batches per rank.
 EVAL, EVAL_BATCH, EVAL_SALT = (10, 8), 2, 2
+
+#: ``Zero``'s gradient clipping (by norm, Lightning's ``gradient_clip_val``) and its per-step learning-rate decay.
+CLIP, GAMMA = 0.5, 0.9
 #: The collectives a training step makes (``Probed(probes=...)``): shadowed ones, then each refused one.
 SHADOWED = ("log", "reduce", "decision", "barrier", "broadcast")
 
@@ -294,6 +298,16 @@ class Observed(pl.Callback, logging.Handler):
         self.steps += 1
 
 
+class Zero(Probed):
+    """:class:`Probed` trained by ``ZeroRedundancyOptimizer`` (SGD with momentum, one parameter's state per rank)
+    with a learning rate decayed by ``GAMMA`` after each step (``StepLR``, ``interval="step"``)."""
+
+    def configure_optimizers(self) -> Any:
+        zero = ZeroRedundancyOptimizer(self.parameters(), torch.optim.SGD, lr=LR, momentum=MOMENTUM)
+        scheduler = torch.optim.lr_scheduler.StepLR(zero, step_size=1, gamma=GAMMA)
+        return {"optimizer": zero, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
 def trainer(out: Path, strategy: Any = None, **kwargs: Any) -> pl.Trainer:
     """A quiet 2-process CPU trainer (externally launched) for ``EPOCHS`` epochs."""
     defaults: dict[str, Any] = dict(
@@ -363,7 +377,8 @@ def scenario_join(out: Path) -> None:
     validation, and with the other gradient divisor; a checkpoint each step while rank 0 has fewer; each refused
     collective (an all_gather, a broadcast from the joined rank, torchmetrics' per-step sync, SyncBatchNorm); then
     the cases a probe found hanging: accumulate_grad_batches (refused, and one that trains), validation inside
-    the epoch (val_check_interval), and an IterableDataset with limit_train_batches or a __len__ (both hints)."""
+    the epoch (val_check_interval), and an IterableDataset with limit_train_batches or a __len__ (both hints); a
+    ZeroRedundancyOptimizer with gradient clipping, a per-step scheduler and a checkpoint each step."""
     fit(
         out,
         "join_iterable",
@@ -387,6 +402,15 @@ def scenario_join(out: Path) -> None:
         "ckpt_fewer",
         stream(fewer, ITERABLE_BATCH),
         callbacks=[every_step_checkpoint(out / "ckpt_fewer")],
+        enable_checkpointing=True,
+    )
+    fit(
+        out,
+        "zero",
+        stream(ITERABLE, ITERABLE_BATCH),
+        model=Zero(),
+        gradient_clip_val=CLIP,
+        callbacks=[every_step_checkpoint(out / "ckpt_zero")],
         enable_checkpointing=True,
     )
     fit(out, "refuse_all_gather", stream(ITERABLE, ITERABLE_BATCH), model=Probed(("all_gather",)))
@@ -416,7 +440,7 @@ def scenario_policies(out: Path) -> None:
     """uneven_inputs="stop" and "error" on both loader kinds, on a rank without any batch and on a data set whose
     ``__len__`` reads the rank; validation, test and predict on uneven streams; even inputs under MyDDPStrategy, a
     loader the strategy shards, then the even inputs under Lightning's ddp (last: its teardown keeps the process
-    group)."""
+    group); each with a ZeroRedundancyOptimizer too."""
     fit(out, "stop_iterable", stream(ITERABLE, ITERABLE_BATCH), strategy=strategy(uneven_inputs="stop"))
     fit(
         out,
@@ -449,7 +473,9 @@ def scenario_policies(out: Path) -> None:
     fit(out, "stop_even", stream(even, ITERABLE_BATCH), strategy=strategy(uneven_inputs="stop"))
     whole = DataLoader(TensorDataset(*samples(0, 20, TRAIN_SALT)), batch_size=2, shuffle=True)
     fit(out, "sharded", whole, max_epochs=1)
+    fit(out, "zero_even_ours", stream(even, ITERABLE_BATCH), model=Zero(), gradient_clip_val=CLIP)
     fit(out, "even_ddp", stream(even, ITERABLE_BATCH), val, Probed(("log",)), strategy="ddp")
+    fit(out, "zero_even_ddp", stream(even, ITERABLE_BATCH), model=Zero(), gradient_clip_val=CLIP, strategy="ddp")
 
 
 def scenario_evaluation_ddp(out: Path) -> None:
