@@ -356,9 +356,10 @@ class UnevenInputs(Joinable, JoinHook):
 
     def _flags(self, flag: int) -> list[int]:
         """One all-reduce (MAX) of every rank's small flag (this rank's ``flag``, at least 0); returns them by rank."""
-        strategy = self._trainer.strategy
-        flags = torch.zeros(strategy.world_size, dtype=torch.int64, device=strategy.root_device)
-        flags[strategy.global_rank] = flag
+        flags = torch.tensor(
+            [flag if r == self._trainer.global_rank else 0 for r in range(self._trainer.world_size)],
+            device=self.join_device,
+        )
         dist.all_reduce(flags, dist.ReduceOp.MAX)
         return flags.tolist()
 
