@@ -283,11 +283,14 @@ class UnevenInputs(Joinable, JoinHook):
                 rank's last batch ends alone. StopIteration: ``"stop"``, a rank has no batch: the epoch ends here.
         """
         epoch, trainer = self._epoch, self._trainer
-        if epoch is None or epoch.uncut is not None or trainer.training != (epoch.synced is None):
+        if (
+            epoch is None
+            or epoch.uncut is not None
+            or trainer.training != (epoch.synced is None)
+            or epoch.progress.total.completed == epoch.seen  # each step starts once
+        ):
             return
         progress, k = epoch.progress, trainer.accumulate_grad_batches
-        if progress.total.completed == epoch.seen:
-            return
         epoch.seen, epoch.trained = progress.total.completed, epoch.trained + 1
         if epoch.join is None:  # "stop" or "error" on unknown counts: 1 a batch, 2 the last one, 3 none (finish)
             flags = self._flags(1 + progress.is_last_batch)
