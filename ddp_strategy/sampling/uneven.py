@@ -379,17 +379,16 @@ class UnevenInputs(Joinable, JoinHook):
     def before_forward(self) -> None:
         """Before DDP's forward (``training_step``): notify if not yet; in a step with fewer ranks announce it."""
         self.step_start()
-        if not self.tail:
-            return
-        if any(
-            getattr(m, "dist_sync_on_step", False) is True
-            and hasattr(m, "compute")
-            or "SyncBatchNorm" in type(m).__name__
-            for m in self._trainer.lightning_module.modules()
-        ):
-            self.refuse(Refusal.PER_STEP_SYNC)
-        _tp.set_ddp_join_mode(self.ddp, True)  # buffers from an active rank; whether the backward syncs: told
-        self._exchange("forward")
+        if self.tail:
+            if any(
+                getattr(m, "dist_sync_on_step", False) is True
+                and hasattr(m, "compute")
+                or "SyncBatchNorm" in type(m).__name__
+                for m in self._trainer.lightning_module.modules()
+            ):
+                self.refuse(Refusal.PER_STEP_SYNC)
+            _tp.set_ddp_join_mode(self.ddp, True)  # buffers from an active rank; whether the backward syncs: told
+            self._exchange("forward")
 
     def before_backward(self) -> None:
         """Before a backward through DDP in a step with fewer ranks: announce its gradient all-reduce."""
@@ -434,8 +433,7 @@ class UnevenInputs(Joinable, JoinHook):
             if isinstance(reduce_op, str)
             else next((n for n in _OPS if reduce_op == getattr(dist.ReduceOp, n.upper(), None)), None)
         )
-        rows = torch.stack(self.gather(tensor, group, name))
-        return tensor.copy_(_OPS[name](rows, 0))
+        return tensor.copy_(_OPS[name](torch.stack(self.gather(tensor, group, name)), 0))
 
     def gather(self, tensor: torch.Tensor, group: Any = None, op: str | None = "sum") -> list[torch.Tensor]:
         """Every rank's ``tensor`` (torchmetrics' ``gather_all_tensors``: shapes may differ), in a step with fewer
