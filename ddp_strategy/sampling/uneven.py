@@ -257,13 +257,14 @@ class UnevenInputs(Joinable, JoinHook):
             )
         if self.policy == "join" and known and any(c % k for c in counts if c < max(counts)):
             raise ValueError(self._accumulation_message([r for r, c in enumerate(counts) if c % k and c < max(counts)]))
-        self._epoch = _Epoch(known, trainer.fit_loop.epoch_loop.batch_progress)
+        self._epoch = _Epoch(
+            known, trainer.fit_loop.epoch_loop.batch_progress, Join([self]) if self.policy == "join" else None
+        )
         if self.policy == "stop" and known:
             self._epoch.uncut = trainer.num_training_batches  # given back at the epoch's end: the next one is cut anew
             _pl.cut_epoch(trainer, min(counts))
             self.epochs[epoch] = (min(counts),) * len(counts)
-        elif self.policy == "join":
-            self._epoch.join = Join([self])
+        elif self._epoch.join is not None:
             self._epoch.join.__enter__()
 
     def step_start(self) -> None:
