@@ -396,13 +396,6 @@ class UnevenInputs(Joinable, JoinHook):
         if self.tail:
             self._exchange("backward", self.ddp.require_backward_grad_sync)
 
-    def before_validation(self) -> None:
-        """At a validation run's start: refused in a step with fewer ranks; mid-epoch, every rank must validate.
-        After this rank's last batch the epoch ends first (:meth:`announce`)."""
-        self.announce("validation")
-        if self._epoch is not None and self._epoch.join is not None:
-            self._notify(self._trainer.world_size + 1)
-
     def announce(self, collective: str, src: int = 0) -> bool:
         """Before each strategy collective (and validation run): whether it is in a step with fewer ranks, where
         ``"barrier"``, ``"broadcast"`` (from ``src``) and ``"save"`` (a save's agreement) are announced, and
@@ -618,7 +611,11 @@ class _EpochEnd(Callback):
         self.uneven = uneven
 
     def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
-        self.uneven.before_validation()
+        """At a validation run's start: refused in a step with fewer ranks; mid-epoch, every rank must validate.
+        After this rank's last batch the epoch ends first (:meth:`UnevenInputs.announce`)."""
+        self.uneven.announce("validation")
+        if self.uneven._epoch is not None and self.uneven._epoch.join is not None:
+            self.uneven._notify(trainer.world_size + 1)
 
     def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
         """At a training epoch's end, or an evaluation stage's (before its metrics are computed)."""
