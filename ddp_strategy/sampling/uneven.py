@@ -575,8 +575,7 @@ class UnevenInputs(Joinable, JoinHook):
         trainer = self._trainer
         message = torch.zeros(5 + trainer.world_size, dtype=torch.int64, device=self.join_device)
         if kind:
-            batch = self._epoch.progress.current.ready
-            message[:5] = torch.tensor([list(_KINDS).index(kind) + 1, a, b, c, batch])
+            message[:5] = torch.tensor([list(_KINDS).index(kind) + 1, a, b, c, self._epoch.progress.current.ready])
             message[5 + trainer.global_rank] = 1
         dist.all_reduce(message, dist.ReduceOp.MAX)
         code, a, b, c, batch, *mask = message.tolist()
