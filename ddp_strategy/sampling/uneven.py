@@ -649,7 +649,7 @@ class _EpochEnd(Callback):
                 "join": f"; a step's gradient sum divided by {'W' if u.divide_by_initial_world_size else 'its ranks'}",
                 "stop": "; the longer ranks' later batches not trained",
             }.get(u.policy, "")
-            epochs = ", ".join(f"epoch {epoch}: {list(counts)}" for epoch, counts in u.epochs.items())
             _namespace.rank_zero_info(
-                f"Uneven inputs (uneven_inputs={u.policy!r}{rule}): batches trained per rank, {epochs}"
+                f"Uneven inputs (uneven_inputs={u.policy!r}{rule}): batches trained per rank, "
+                + ", ".join(f"epoch {epoch}: {list(counts)}" for epoch, counts in u.epochs.items())
             )
