@@ -159,6 +159,17 @@ class UnevenInputsError(RuntimeError):
     ``uneven_inputs="error"``. The message names the step, the ranks without data and what to do."""
 
 
+def _accumulation_message(trainer: Any, k: int, ranks: list[int]) -> str:
+    """The error for ``accumulate_grad_batches=k`` whose accumulations ``ranks``' last batches end alone."""
+    return (
+        f"[rank {trainer.global_rank}] accumulate_grad_batches={k} on ranks with different numbers of"
+        f" training batches (epoch {trainer.current_epoch}): the last batch of ranks {ranks} ends an"
+        " accumulation (a gradient all-reduce) where the longer ranks accumulate on, so their all-reduces"
+        f" cannot pair. Give every rank but the longest a multiple of {k} batches, or pass"
+        " MyDDPStrategy(uneven_inputs='stop'), or accumulate_grad_batches=1."
+    )
+
+
 @dataclass
 class _Epoch:
     """This rank's state in an epoch whose counts differ or are unknown (none in an even one)."""
@@ -256,7 +267,9 @@ class UnevenInputs(Joinable, JoinHook):
                 " shards hold the same number of batches."
             )
         if self.policy == "join" and known and any(c % k for c in counts if c < max(counts)):
-            raise ValueError(self._accumulation_message([r for r, c in enumerate(counts) if c % k and c < max(counts)]))
+            raise ValueError(
+                _accumulation_message(trainer, k, [r for r, c in enumerate(counts) if c % k and c < max(counts)])
+            )
         self._epoch = _Epoch(
             known, trainer.fit_loop.epoch_loop.batch_progress, Join([self]) if self.policy == "join" else None
         )
@@ -332,7 +345,7 @@ class UnevenInputs(Joinable, JoinHook):
         if k > 1 and not epoch.tail and not epoch.known and trainer.training:
             syncs = self._flags(1 + (progress.is_last_batch or (progress.current.ready + 1) % k == 0))
             if len(set(syncs)) > 1:
-                raise UnevenInputsError(self._accumulation_message([r for r, f in enumerate(syncs) if f == 2]))
+                raise UnevenInputsError(_accumulation_message(trainer, k, [r for r, f in enumerate(syncs) if f == 2]))
 
     def _notify(self, value: int) -> tuple[int, Any]:
         """One all-reduce of one number, the one ``Join.notify_join_context`` makes and ``Join.__exit__`` shadows
@@ -366,16 +379,6 @@ class UnevenInputs(Joinable, JoinHook):
         )
         dist.all_reduce(flags, dist.ReduceOp.MAX)
         return flags.tolist()
-
-    def _accumulation_message(self, ranks: list[int]) -> str:
-        trainer, k = self._trainer, self._trainer.accumulate_grad_batches
-        return (
-            f"[rank {trainer.global_rank}] accumulate_grad_batches={k} on ranks with different numbers of"
-            f" training batches (epoch {trainer.current_epoch}): the last batch of ranks {ranks} ends an"
-            " accumulation (a gradient all-reduce) where the longer ranks accumulate on, so their all-reduces"
-            f" cannot pair. Give every rank but the longest a multiple of {k} batches, or pass"
-            " MyDDPStrategy(uneven_inputs='stop'), or accumulate_grad_batches=1."
-        )
 
     def before_forward(self) -> None:
         """Before DDP's forward (``training_step``): notify if not yet; in a step with fewer ranks announce it."""
