@@ -271,10 +271,12 @@ class UnevenInputs(Joinable, JoinHook):
                 _accumulation_message(trainer, k, [r for r, c in enumerate(counts) if c % k and c < max(counts)])
             )
         self._epoch = _Epoch(
-            known, trainer.fit_loop.epoch_loop.batch_progress, Join([self]) if self.policy == "join" else None
+            known,
+            trainer.fit_loop.epoch_loop.batch_progress,
+            Join([self]) if self.policy == "join" else None,
+            uncut=trainer.num_training_batches if self.policy == "stop" and known else None,  # given back at the end
         )
-        if self.policy == "stop" and known:
-            self._epoch.uncut = trainer.num_training_batches  # given back at the epoch's end: the next one is cut anew
+        if self._epoch.uncut is not None:  # "stop" on known counts: cut here, the next epoch is cut anew
             _pl.cut_epoch(trainer, min(counts))
             self.epochs[epoch] = (min(counts),) * len(counts)
         elif self._epoch.join is not None:
