@@ -202,7 +202,7 @@ class MyDDPStrategy(sync.wrapping.LightningDDPAttributes, ParallelStrategy):
                 self.global_rank,
                 self.world_size,
                 self._uneven.callback,
-                self._uneven.begin_epoch,
+                lambda t: self._uneven.begin_epoch(t, self._run.barrier_group),  # its next-batch flags: side group
                 lambda: self._uneven.tail,
                 lambda: len(set(self._uneven.epochs.get(trainer.current_epoch, ()))) > 1,  # the same on every rank
             )

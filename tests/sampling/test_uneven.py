@@ -18,10 +18,12 @@ from ddp_testing import launch, load
 from uneven_workers import (
     BN_COUNTS,
     BN_MOMENTUM,
+    CLIP,
     EPOCHS,
     EVAL,
     EVAL_BATCH,
     EVAL_SALT,
+    GAMMA,
     ITERABLE,
     ITERABLE_BATCH,
     LR,
@@ -86,18 +88,21 @@ def reference(
     steps: int | None = None,
     epochs: int = EPOCHS,
     accumulate: int = 1,
+    clip: float | None = None,
+    gamma: float = 1.0,
 ) -> SimpleNamespace:
     """One process, the documented rule: ``layer`` (final), ``after_step`` (the weights after each step), ``val``
     (after each epoch, the loss over all of ``VAL``'s samples) and ``val_of_batch_means`` (the mean of its batches'
     means, which weighs the one-sample batch more). ``steps``: batches per epoch (default: the most of any rank);
     ``accumulate``: batches per optimizer step (Lightning divides each loss by it; the epoch's last step may hold
-    fewer)."""
+    fewer); ``clip``: the gradient's norm is clipped to it before each step; ``gamma``: the learning rate's factor
+    after each step. ``optimizer``: the final SGD."""
     layer = make_layer()
     optimizer = torch.optim.SGD(layer.parameters(), lr=LR, momentum=MOMENTUM)
     per_rank, world_size = rank_batches(counts, batch_size), len(counts)
     val_batches = [b for batches in rank_batches(VAL, VAL_BATCH, VAL_SALT) for b in batches]
     val_x, val_y = (torch.cat([b[i] for b in val_batches]) for i in (0, 1))
-    result = SimpleNamespace(layer=layer, after_step=[], val=[], val_of_batch_means=[])
+    result = SimpleNamespace(layer=layer, optimizer=optimizer, after_step=[], val=[], val_of_batch_means=[])
     for _ in range(epochs):
         n = steps or max(map(len, per_rank))
         for first in range(0, n, accumulate):
@@ -106,7 +111,11 @@ def reference(
                 active = [batches[s] for batches in per_rank if s < len(batches)]
                 total = sum(loss_of(layer, x, y) for x, y, _ in active) / accumulate
                 (total / (world_size if by_world_size else len(active))).backward()
+            if clip is not None:
+                torch.nn.utils.clip_grad_norm_(layer.parameters(), clip)
             optimizer.step()
+            for group in optimizer.param_groups:
+                group["lr"] *= gamma
             result.after_step.append({f"layer.{k}": v.detach().clone() for k, v in layer.state_dict().items()})
         with torch.no_grad():
             result.val.append(loss_of(layer, val_x, val_y).item())
@@ -195,6 +204,30 @@ def test_collectives_of_a_tail_step_are_shadowed_with_the_active_ranks_values(ru
             assert (got["sum"], got["max"], got["min"]) == ((2 * v0 + 10, -v0, v0) if both else (v0, -v0, v0)), got
             assert (got["all"], got["any"]) == ((False, True) if both else (True, False)), got  # rank 0's decision
             assert got["barrier"] and got["broadcast"] == "from rank 0"
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_a_zero_redundancy_optimizer_takes_every_step_on_every_shard_with_the_reference_weights_and_state(runs):
+    """ZeroRedundancyOptimizer (SGD with momentum, each rank one parameter's state) with gradient_clip_val and a
+    per-step StepLR, 5 and 4 batches, a checkpoint each step: where it hung (its step's broadcast met the rank out of
+    data), both ranks take 10 steps with identical weights equal to the reference (clipped, decayed); every step's
+    file, the tail steps 5 and 10 included, holds that step's reference weights, and the last one the reference's
+    consolidated optimizer state (both shards' momentum, the decayed learning rate)."""
+    records = load(runs, "zero", 2)
+    for rec in records:
+        assert rec["error"] is None and rec["steps"] == 10 and rec["epochs"] == {0: (5, 4), 1: (5, 4)}
+    expected = reference(ITERABLE, ITERABLE_BATCH, clip=CLIP, gamma=GAMMA)
+    assert_weights(records, expected.layer)
+    assert not torch.allclose(expected.layer.weight, reference(ITERABLE, ITERABLE_BATCH).layer.weight)  # clipped
+    for step in range(1, 11):
+        checkpoint = torch.load(runs / "ckpt_zero" / f"step={step}.ckpt", weights_only=True)
+        for k, v in checkpoint["state_dict"].items():
+            assert torch.allclose(v, expected.after_step[step - 1][k], **TIGHT), (step, k)
+    state, reference_state = checkpoint["optimizer_states"][0], expected.optimizer.state_dict()
+    assert state["param_groups"][0]["lr"] == pytest.approx(reference_state["param_groups"][0]["lr"])
+    for i, param_state in reference_state["state"].items():
+        assert torch.allclose(state["state"][i]["momentum_buffer"], param_state["momentum_buffer"], **TIGHT), i
 
 
 @pytest.mark.multiprocess
@@ -345,6 +378,59 @@ def test_even_inputs_train_bitwise_as_under_lightning_ddp_and_sharded_loaders_ar
         assert rec["error"] is None and rec["steps"] == 5 and rec["epochs"] == {}
 
 
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_steps_every_rank_takes_agree_asynchronously_and_a_step_a_rank_lacks_notifies_the_join(runs):
+    """Under uneven_inputs="join" each step starts one asynchronous all-reduce of whether this rank has a next batch
+    (on the gloo side group) and waits for it at the next step: on an even stream (5 and 5 batches, 2 epochs) the
+    policy's world-group all-reduces (each one blocking) come only with the epochs' first steps (the epoch start's
+    count, the join's first notify) and ends; on 5 and 4 batches also in the step rank 1 lacks (rank 0's 5th: the
+    join's notify, its announcements), which rank 1 answers after its 4th."""
+    for rec in load(runs, "even_ours", 2):
+        calls = [(step, world) for step, module, _, world in rec["all_reduces"] if module == "uneven.py"]
+        assert sorted(step for step, world in calls if not world) == list(range(10))  # one flag each step
+        assert {step for step, world in calls if world} == {0, 5, 10}
+    records = load(runs, "join_iterable", 2)
+    for rec, expected in zip(records, ({0, 4, 5, 9, 10}, {0, 4, 8}), strict=True):
+        calls = [(step, world) for step, module, _, world in rec["all_reduces"] if module == "uneven.py"]
+        assert {step for step, world in calls if world} == expected
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_only_epochs_whose_counts_differ_are_recorded_and_logged(runs):
+    """An even stream (5 and 5 batches) under "join" and "stop": no epoch recorded, no "Uneven inputs" line, and
+    the fit summary says a stream's batches and optimizer steps are unknown (not "inf"); 5 and 4 batches still log
+    the counts of each epoch on rank 0, "stop" what every rank trained."""
+    for name in ("even_ours", "stop_even"):
+        records = load(runs, name, 2)
+        assert [rec["epochs"] for rec in records] == [{}, {}], name
+        assert not [m for rec in records for m in rec["messages"] if m.startswith("Uneven inputs")], name
+        (summary,) = [m for m in records[0]["messages"] if m.startswith("DDP fit summary")]
+        assert "data: training samples: ?, batches and optimizer steps per epoch unknown (streaming loader)" in summary
+    assert (
+        "Uneven inputs (uneven_inputs='join'; a step's gradient sum divided by W): batches trained per rank,"
+        " epoch 0: [5, 4], epoch 1: [5, 4]" in load(runs, "join_iterable", 2)[0]["messages"]
+    )
+    assert (
+        "Uneven inputs (uneven_inputs='stop'; the longer ranks' later batches not trained): batches trained per"
+        " rank, epoch 0: [4, 4], epoch 1: [4, 4]" in load(runs, "stop_iterable", 2)[0]["messages"]
+    )
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_a_zero_redundancy_optimizer_on_even_inputs_trains_bitwise_as_under_lightning_ddp(runs):
+    """The same ZeroRedundancyOptimizer module, clipping and scheduler on 5 batches per rank: MyDDPStrategy() and
+    strategy="ddp" give bitwise the same weights after 10 steps, equal to the reference."""
+    ours, lightning = load(runs, "zero_even_ours", 2), load(runs, "zero_even_ddp", 2)
+    for r in range(2):
+        assert ours[r]["error"] is None and lightning[r]["error"] is None
+        assert ours[r]["steps"] == lightning[r]["steps"] == 10
+        assert_same_on_every_rank([ours[r]["weights"], lightning[r]["weights"]], "parameters")
+    assert_weights(ours, reference((ITERABLE[0],) * 2, ITERABLE_BATCH, clip=CLIP, gamma=GAMMA).layer)
+
+
 def assert_refused(records: list[dict], error_type: str, *parts: str) -> None:
     """Every rank raised ``error_type`` within seconds (the collective timeout is 60 s), its message naming its rank
     and holding each of ``parts``."""
@@ -391,12 +477,13 @@ def test_accumulation_that_every_shorter_rank_ends_trains_every_batch_once_with_
 @pytest.mark.timeout(600)
 def test_validation_inside_an_uneven_epoch_is_refused_on_every_rank(runs):
     """val_check_interval=2 on an IterableDataset (5 and 4 batches: rank 1's 4th, its last, would validate alone
-    after the shared run at batch 2) and val_check_interval=0.5 on pre-sharded 4 and 3 batches (rank 1 validates
-    after batch 1, rank 0 after 2): UnevenInputsError on both ranks within seconds, naming the validation run and
-    val_check_interval."""
-    records = load(runs, "val_every_2", 2)
-    assert_refused(records, UnevenInputsError.__name__, "validation run", "val_check_interval")
-    assert [rec["steps"] for rec in records] == [4, 4] and [len(rec["val"]) for rec in records] == [1, 1]
+    after the shared run at batch 2; counted across epochs or per epoch, where the steps agree asynchronously) and
+    val_check_interval=0.5 on pre-sharded 4 and 3 batches (rank 1 validates after batch 1, rank 0 after 2):
+    UnevenInputsError on both ranks within seconds, naming the validation run and val_check_interval."""
+    for name in ("val_every_2", "val_every_2_per_epoch"):  # per epoch: the steps both take agree asynchronously
+        records = load(runs, name, 2)
+        assert_refused(records, UnevenInputsError.__name__, "validation run", "val_check_interval")
+        assert [rec["steps"] for rec in records] == [4, 4] and [len(rec["val"]) for rec in records] == [1, 1], name
     records = load(runs, "val_half_map", 2)
     assert_refused(
         records,
