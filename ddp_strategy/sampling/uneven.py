@@ -184,6 +184,9 @@ class _Epoch:
     tail: bool = False  #: in a step some ranks, out of data, only shadow
     synced: list[Any] | None = None  #: an evaluation's (None: a training epoch): the metrics it syncs (``gather``)
     outer: _Epoch | None = None  #: an evaluation's: the training epoch it interrupts (a validation run mid-epoch)
+    #: a training epoch's: the gloo side group of its next-batch flags (held no longer than the epoch: a group kept
+    #: past the fit keeps its store, and rank 0's port, after destroy_process_group)
+    group: Any = None
 
 
 class UnevenInputs(Joinable, JoinHook):
@@ -249,7 +252,7 @@ class UnevenInputs(Joinable, JoinHook):
             ValueError: known, unequal counts under ``"error"``, or under ``"join"`` with ``accumulate_grad_batches``
                 not dividing a shorter rank's count (its last batch would sync gradients alone).
         """
-        self._trainer, self._group, self._epoch, batches = trainer, group, None, trainer.num_training_batches
+        self._trainer, self._epoch, batches = trainer, None, trainer.num_training_batches
         if batches == float("inf") or any(
             isinstance(getattr(dl, "dataset", None), IterableDataset) for dl in flat_loaders(trainer.train_dataloader)
         ):
@@ -275,6 +278,7 @@ class UnevenInputs(Joinable, JoinHook):
             trainer.fit_loop.epoch_loop.batch_progress,
             Join([self]) if self.policy == "join" else None,
             uncut=trainer.num_training_batches if self.policy == "stop" and known else None,  # given back at the end
+            group=group,
         )
         if self._epoch.uncut is not None:  # "stop" on known counts: cut here, the next epoch is cut anew
             _pl.cut_epoch(trainer, min(counts))
@@ -332,7 +336,7 @@ class UnevenInputs(Joinable, JoinHook):
             if epoch.tail and not self.divide_by_initial_world_size and trainer.training:
                 _tp.set_gradient_divisor(self.ddp, work, False)
         epoch.ahead = (
-            dist.all_reduce(torch.tensor([int(not progress.is_last_batch)]), group=self._group, async_op=True)
+            dist.all_reduce(torch.tensor([int(not progress.is_last_batch)]), group=epoch.group, async_op=True)
             if trainer.training  # an evaluation step notifies
             and not epoch.tail
             and (epoch.known or trainer.num_training_batches == float("inf"))  # else is_last_batch is a length's guess
