@@ -237,6 +237,22 @@ class UnevenInputs(Joinable, JoinHook):
     def join_device(self) -> torch.device:
         return self._trainer.strategy.root_device
 
+    @property
+    def failure_cause(self) -> str | None:
+        """For the failure report of a collective that breaks in a stage run under the join (its ranks' counts differ
+        or are unknown): the collective a user makes with ``torch.distributed`` directly, which the strategy cannot
+        see (in a tail step it meets the join's message; gloo aborts one rank, the others' collectives break). None
+        outside such a stage."""
+        return (
+            None
+            if self._epoch is None or self._epoch.join is None
+            else "The ranks hold different or unknown numbers of batches here (uneven inputs), so a rank out of data"
+            " takes part in the others' steps through the strategy's collectives only: a collective a step or"
+            " callback makes with torch.distributed directly meets the join's own message instead (gloo aborts one"
+            ' rank: "Received data size doesn\'t match expected size"). Make it through trainer.strategy.reduce,'
+            " barrier or broadcast, or at the epoch's end, or give every rank the same number of batches."
+        )
+
     join_process_group = None  #: the world (torch's ``Joinable`` property, as a constant)
 
     def join_hook(self, **kwargs: Any) -> JoinHook:
@@ -652,8 +668,7 @@ class _EpochEnd(Callback):
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         """Rank 0 logs, for the fit summary, the policy and the batches each rank trained in each uneven epoch."""
-        u = self.uneven
-        if u.epochs:
+        if (u := self.uneven).epochs:
             rule = {
                 "join": f"; a step's gradient sum divided by {'W' if u.divide_by_initial_world_size else 'its ranks'}",
                 "stop": "; the longer ranks' later batches not trained",

@@ -19,6 +19,7 @@ from uneven_workers import (
     BN_COUNTS,
     BN_MOMENTUM,
     CLIP,
+    EMA_DECAY,
     EPOCHS,
     EVAL,
     EVAL_BATCH,
@@ -38,6 +39,7 @@ from uneven_workers import (
     loss_of,
     make_layer,
     samples,
+    scenario_direct_collective,
     scenario_evaluation_ddp,
     scenario_join,
     scenario_policies,
@@ -228,6 +230,25 @@ def test_a_zero_redundancy_optimizer_takes_every_step_on_every_shard_with_the_re
     assert state["param_groups"][0]["lr"] == pytest.approx(reference_state["param_groups"][0]["lr"])
     for i, param_state in reference_state["state"].items():
         assert torch.allclose(state["state"][i]["momentum_buffer"], param_state["momentum_buffer"], **TIGHT), i
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_an_ema_callback_holds_the_reference_average_of_every_step_on_every_rank(runs):
+    """EMAWeightAveraging (decay 0.5, after each optimizer step; no collective) on 5 and 4 batches: rank 1, out of
+    data in rank 0's 5th steps, takes rank 0's average with the module at each epoch's end, so after fit (the
+    average swapped in) both ranks hold bitwise the same weights, the average over the reference's 10 steps (where
+    rank 1's average missed steps 5 and 10). Even inputs under strategy="ddp": tests/sync/test_broadcast_buffers.py."""
+    records = load(runs, "ema", 2)
+    assert [(rec["error"], rec["steps"], rec["epochs"]) for rec in records] == [(None, 10, {0: (5, 4), 1: (5, 4)})] * 2
+    assert_same_on_every_rank([rec["weights"] for rec in records], "parameters")
+    after_step = reference(ITERABLE, ITERABLE_BATCH).after_step
+    average = after_step[0]
+    for weights in after_step[1:]:
+        average = {k: EMA_DECAY * v + (1 - EMA_DECAY) * weights[k] for k, v in average.items()}
+    for k, v in average.items():
+        assert torch.allclose(records[0]["weights"][k], v, **TIGHT), (k, records[0]["weights"][k], v)
+    assert not torch.allclose(average["layer.weight"], after_step[-1]["layer.weight"])  # an average, not the last
 
 
 @pytest.mark.multiprocess
@@ -606,3 +627,23 @@ def test_lightnings_ddp_goes_wrong_on_the_same_uneven_evaluation_streams(tmp_pat
         or rec["computed"] != pytest.approx(expected.total, abs=1e-5)
         for rec in records
     ), records
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_a_direct_torch_distributed_call_in_a_tail_step_is_named_on_the_rank_left(tmp_path):
+    """A training_step's own torch.distributed.all_reduce (not through the strategy, so not seen): in the 4 steps
+    both ranks take it sums both ranks' values; in rank 0's 5th, while rank 1 is out of data, it meets the join's
+    message and gloo aborts rank 0 (its C++ check, "Received data size doesn't match expected size": no Python
+    error there), and rank 1's error comes within seconds naming the direct call and what to do."""
+    with pytest.raises(AssertionError, match="rank 0 exited with code -6"):
+        launch(scenario_direct_collective, 2, tmp_path, timeout_s=180)
+    record = torch.load(tmp_path / "direct.rank1.pt", weights_only=True)
+    assert [got["torch_distributed"] for got in record["results"]] == [30.0 + 2 * i for i in range(4)]
+    error_type, message, seconds = record["error"]
+    assert error_type == "RuntimeError" and seconds < 20, record["error"]
+    assert "[rank 1] a collective failed because another rank did not take part." in message
+    assert "a collective a step or callback makes with torch.distributed directly meets the join's own message" in (
+        message
+    )
+    assert "Make it through trainer.strategy.reduce, barrier or broadcast, or at the epoch's end" in message

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 import torchmetrics
 from ddp_testing import save
-from lightning.pytorch.callbacks import BasePredictionWriter, ModelCheckpoint
+from lightning.pytorch.callbacks import BasePredictionWriter, EMAWeightAveraging, ModelCheckpoint
 from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
@@ -44,6 +44,8 @@ EVAL, EVAL_BATCH, EVAL_SALT = (10, 8), 2, 2
 
 #: ``Zero``'s gradient clipping (by norm, Lightning's ``gradient_clip_val``) and its per-step learning-rate decay.
 CLIP, GAMMA = 0.5, 0.9
+#: ``EMAWeightAveraging``'s decay (an update after each optimizer step).
+EMA_DECAY = 0.5
 #: The collectives a training step makes (``Probed(probes=...)``): shadowed ones, then each refused one.
 SHADOWED = ("log", "reduce", "decision", "barrier", "broadcast")
 
@@ -150,6 +152,9 @@ class Probed(pl.LightningModule):
             got["broadcast_from_1"] = strategy.broadcast(f"from rank {self.global_rank}", src=1)
         if "all_gather" in self.probes:
             got["all_gather"] = self.all_gather(torch.tensor([v])).tolist()
+        if "torch_distributed" in self.probes:  # the user's own collective, not through the strategy
+            dist.all_reduce(value := torch.tensor([v]))
+            got["torch_distributed"] = value.item()
         self.results.append(got)
         return loss
 
@@ -378,7 +383,8 @@ def scenario_join(out: Path) -> None:
     collective (an all_gather, a broadcast from the joined rank, torchmetrics' per-step sync, SyncBatchNorm); then
     the cases a probe found hanging: accumulate_grad_batches (refused, and one that trains), validation inside
     the epoch (val_check_interval), and an IterableDataset with limit_train_batches or a __len__ (both hints); a
-    ZeroRedundancyOptimizer with gradient clipping, a per-step scheduler and a checkpoint each step."""
+    ZeroRedundancyOptimizer with gradient clipping, a per-step scheduler and a checkpoint each step; an
+    EMAWeightAveraging callback."""
     fit(
         out,
         "join_iterable",
@@ -413,6 +419,7 @@ def scenario_join(out: Path) -> None:
         callbacks=[every_step_checkpoint(out / "ckpt_zero")],
         enable_checkpointing=True,
     )
+    fit(out, "ema", stream(ITERABLE, ITERABLE_BATCH), callbacks=[EMAWeightAveraging(decay=EMA_DECAY)])
     fit(out, "refuse_all_gather", stream(ITERABLE, ITERABLE_BATCH), model=Probed(("all_gather",)))
     fit(out, "refuse_broadcast", stream(ITERABLE, ITERABLE_BATCH), model=Probed(("broadcast_from_1",)))
     fit(out, "refuse_metric", stream(ITERABLE, ITERABLE_BATCH), model=Probed(metric=True))
@@ -476,6 +483,11 @@ def scenario_policies(out: Path) -> None:
     fit(out, "zero_even_ours", stream(even, ITERABLE_BATCH), model=Zero(), gradient_clip_val=CLIP)
     fit(out, "even_ddp", stream(even, ITERABLE_BATCH), val, Probed(("log",)), strategy="ddp")
     fit(out, "zero_even_ddp", stream(even, ITERABLE_BATCH), model=Zero(), gradient_clip_val=CLIP, strategy="ddp")
+
+
+def scenario_direct_collective(out: Path) -> None:
+    """A training step's own torch.distributed.all_reduce on 5 and 4 batches (rank 0 does not come back)."""
+    fit(out, "direct", stream(ITERABLE, ITERABLE_BATCH), model=Probed(("torch_distributed",)))
 
 
 def scenario_evaluation_ddp(out: Path) -> None:
