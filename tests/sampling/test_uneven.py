@@ -234,21 +234,23 @@ def test_a_zero_redundancy_optimizer_takes_every_step_on_every_shard_with_the_re
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(600)
-def test_an_ema_callback_holds_the_reference_average_of_every_step_on_every_rank(runs):
-    """EMAWeightAveraging (decay 0.5, after each optimizer step; no collective) on 5 and 4 batches: rank 1, out of
-    data in rank 0's 5th steps, takes rank 0's average with the module at each epoch's end, so after fit (the
-    average swapped in) both ranks hold bitwise the same weights, the average over the reference's 10 steps (where
-    rank 1's average missed steps 5 and 10). Even inputs under strategy="ddp": tests/sync/test_broadcast_buffers.py."""
+def test_an_ema_callback_and_clipping_by_norm_hold_the_reference_average_of_every_step_on_every_rank(runs):
+    """EMAWeightAveraging (decay 0.5, after each optimizer step; no collective) with gradient_clip_val (by norm, each
+    rank clips the all-reduced gradient it holds: no collective) on 5 and 4 batches: rank 1, out of data in rank 0's
+    5th steps, takes rank 0's average with the module at each epoch's end, so after fit (the average swapped in)
+    both ranks hold bitwise the same weights, the average over the clipped reference's 10 steps (where rank 1's
+    average missed steps 5 and 10). Even inputs under strategy="ddp": tests/sync/test_broadcast_buffers.py."""
     records = load(runs, "ema", 2)
     assert [(rec["error"], rec["steps"], rec["epochs"]) for rec in records] == [(None, 10, {0: (5, 4), 1: (5, 4)})] * 2
     assert_same_on_every_rank([rec["weights"] for rec in records], "parameters")
-    after_step = reference(ITERABLE, ITERABLE_BATCH).after_step
+    after_step = reference(ITERABLE, ITERABLE_BATCH, clip=CLIP).after_step
     average = after_step[0]
     for weights in after_step[1:]:
         average = {k: EMA_DECAY * v + (1 - EMA_DECAY) * weights[k] for k, v in average.items()}
     for k, v in average.items():
         assert torch.allclose(records[0]["weights"][k], v, **TIGHT), (k, records[0]["weights"][k], v)
     assert not torch.allclose(average["layer.weight"], after_step[-1]["layer.weight"])  # an average, not the last
+    assert not torch.allclose(after_step[-1]["layer.weight"], reference(ITERABLE, ITERABLE_BATCH).layer.weight)
 
 
 @pytest.mark.multiprocess

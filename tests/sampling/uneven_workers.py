@@ -384,7 +384,7 @@ def scenario_join(out: Path) -> None:
     the cases a probe found hanging: accumulate_grad_batches (refused, and one that trains), validation inside
     the epoch (val_check_interval), and an IterableDataset with limit_train_batches or a __len__ (both hints); a
     ZeroRedundancyOptimizer with gradient clipping, a per-step scheduler and a checkpoint each step; an
-    EMAWeightAveraging callback."""
+    EMAWeightAveraging callback with gradient clipping (by norm) of a plain optimizer."""
     fit(
         out,
         "join_iterable",
@@ -419,7 +419,13 @@ def scenario_join(out: Path) -> None:
         callbacks=[every_step_checkpoint(out / "ckpt_zero")],
         enable_checkpointing=True,
     )
-    fit(out, "ema", stream(ITERABLE, ITERABLE_BATCH), callbacks=[EMAWeightAveraging(decay=EMA_DECAY)])
+    fit(
+        out,
+        "ema",
+        stream(ITERABLE, ITERABLE_BATCH),
+        gradient_clip_val=CLIP,
+        callbacks=[EMAWeightAveraging(decay=EMA_DECAY)],
+    )
     fit(out, "refuse_all_gather", stream(ITERABLE, ITERABLE_BATCH), model=Probed(("all_gather",)))
     fit(out, "refuse_broadcast", stream(ITERABLE, ITERABLE_BATCH), model=Probed(("broadcast_from_1",)))
     fit(out, "refuse_metric", stream(ITERABLE, ITERABLE_BATCH), model=Probed(metric=True))
