@@ -246,11 +246,12 @@ class UnevenInputs(Joinable, JoinHook):
         return (
             None
             if self._epoch is None or self._epoch.join is None
-            else "The ranks hold different or unknown numbers of batches here (uneven inputs), so a rank out of data"
-            " takes part in the others' steps through the strategy's collectives only: a collective a step or"
-            " callback makes with torch.distributed directly meets the join's own message instead (gloo aborts one"
-            ' rank: "Received data size doesn\'t match expected size"). Make it through trainer.strategy.reduce,'
-            " barrier or broadcast, or at the epoch's end, or give every rank the same number of batches."
+            else "A likely cause: the ranks hold different or unknown numbers of batches here (uneven inputs), and a"
+            " rank out of data takes part in the others' steps only through the strategy's collectives, so a"
+            " collective that a step or callback makes with torch.distributed directly meets the join's own message"
+            ' instead (gloo aborts one rank: "Received data size doesn\'t match expected size"). Make it through'
+            " trainer.strategy.reduce, barrier or broadcast, or at the epoch's end, or give every rank the same"
+            " number of batches."
         )
 
     join_process_group = None  #: the world (torch's ``Joinable`` property, as a constant)

@@ -139,6 +139,14 @@ def indices(counts: tuple[int, ...], batch_size: int, steps: int | None = None) 
     return [[b[2].tolist() for b in batches][:steps] for batches in rank_batches(counts, batch_size)]
 
 
+def ema(after_step: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """EMAWeightAveraging's average (``EMA_DECAY``) of the weights after each step (the first: a copy)."""
+    average = after_step[0]
+    for weights in after_step[1:]:
+        average = {k: EMA_DECAY * v + (1 - EMA_DECAY) * weights[k] for k, v in average.items()}
+    return average
+
+
 # ------------------------------------------------------------------------------------------ processes
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> Path:
@@ -239,18 +247,21 @@ def test_an_ema_callback_and_clipping_by_norm_hold_the_reference_average_of_ever
     rank clips the all-reduced gradient it holds: no collective) on 5 and 4 batches: rank 1, out of data in rank 0's
     5th steps, takes rank 0's average with the module at each epoch's end, so after fit (the average swapped in)
     both ranks hold bitwise the same weights, the average over the clipped reference's 10 steps (where rank 1's
-    average missed steps 5 and 10). Even inputs under strategy="ddp": tests/sync/test_broadcast_buffers.py."""
+    average missed steps 5 and 10); on 5 and 5 batches the same user code gives bitwise the same weights under
+    strategy="ddp", the reference's average."""
     records = load(runs, "ema", 2)
     assert [(rec["error"], rec["steps"], rec["epochs"]) for rec in records] == [(None, 10, {0: (5, 4), 1: (5, 4)})] * 2
     assert_same_on_every_rank([rec["weights"] for rec in records], "parameters")
     after_step = reference(ITERABLE, ITERABLE_BATCH, clip=CLIP).after_step
-    average = after_step[0]
-    for weights in after_step[1:]:
-        average = {k: EMA_DECAY * v + (1 - EMA_DECAY) * weights[k] for k, v in average.items()}
-    for k, v in average.items():
+    for k, v in ema(after_step).items():
         assert torch.allclose(records[0]["weights"][k], v, **TIGHT), (k, records[0]["weights"][k], v)
-    assert not torch.allclose(average["layer.weight"], after_step[-1]["layer.weight"])  # an average, not the last
+    assert not torch.allclose(ema(after_step)["layer.weight"], after_step[-1]["layer.weight"])  # not the last
     assert not torch.allclose(after_step[-1]["layer.weight"], reference(ITERABLE, ITERABLE_BATCH).layer.weight)
+    ours, lightning = load(runs, "ema_even_ours", 2), load(runs, "ema_even_ddp", 2)  # 5 and 5 batches
+    assert [rec["error"] for rec in ours + lightning] == [None] * 4
+    assert_same_on_every_rank([rec["weights"] for rec in ours + lightning], "parameters")
+    even = ema(reference((ITERABLE[0],) * 2, ITERABLE_BATCH, clip=CLIP).after_step)
+    assert all(torch.allclose(ours[0]["weights"][k], v, **TIGHT) for k, v in even.items())
 
 
 @pytest.mark.multiprocess
@@ -645,7 +656,6 @@ def test_a_direct_torch_distributed_call_in_a_tail_step_is_named_on_the_rank_lef
     error_type, message, seconds = record["error"]
     assert error_type == "RuntimeError" and seconds < 20, record["error"]
     assert "[rank 1] a collective failed because another rank did not take part." in message
-    assert "a collective a step or callback makes with torch.distributed directly meets the join's own message" in (
-        message
-    )
+    assert "A likely cause: the ranks hold different or unknown numbers of batches here (uneven inputs)" in message
+    assert "a collective that a step or callback makes with torch.distributed directly meets the join's" in message
     assert "Make it through trainer.strategy.reduce, barrier or broadcast, or at the epoch's end" in message

@@ -489,6 +489,9 @@ def scenario_policies(out: Path) -> None:
     fit(out, "zero_even_ours", stream(even, ITERABLE_BATCH), model=Zero(), gradient_clip_val=CLIP)
     fit(out, "even_ddp", stream(even, ITERABLE_BATCH), val, Probed(("log",)), strategy="ddp")
     fit(out, "zero_even_ddp", stream(even, ITERABLE_BATCH), model=Zero(), gradient_clip_val=CLIP, strategy="ddp")
+    for name, ddp in (("ema_even_ours", None), ("ema_even_ddp", "ddp")):
+        averaged = EMAWeightAveraging(decay=EMA_DECAY)
+        fit(out, name, stream(even, ITERABLE_BATCH), gradient_clip_val=CLIP, callbacks=[averaged], strategy=ddp)
 
 
 def scenario_direct_collective(out: Path) -> None:
