@@ -28,7 +28,7 @@ TRAINER_DEFAULTS: dict[str, Any] = {
     "devices": 2,
     "strategy": "my_ddp",
     "max_epochs": 20,
-    "logger": {"class_path": f"{_LIGHTNING.pytorch_name}.loggers.CSVLogger", "init_args": {"save_dir": "."}},
+    "logger": {"class_path": f"{_LIGHTNING.pytorch.__name__}.loggers.CSVLogger", "init_args": {"save_dir": "."}},
     "log_every_n_steps": 10,
 }
 

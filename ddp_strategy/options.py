@@ -36,6 +36,7 @@ class StrategyOptions:
     checkpoint_on_sigterm: bool | str | os.PathLike
     ddp_kwargs: dict[str, Any]
     comm_hook: sync.CommHookConfig
+    model_averaging_period: int | None
 
     def sigterm_checkpoint_path(self, trainer: Any) -> str | None:
         """Where to save on SIGTERM: the given path, ``<default_root_dir>/sigterm.ckpt`` for True, else None."""
@@ -60,6 +61,7 @@ def strategy_options(
     ddp_comm_hook: Any,
     ddp_comm_state: Any,
     ddp_comm_wrapper: Any,
+    model_averaging_period: Any,
     verify_sync_every_n_steps: Any,
     exact_evaluation: Any,
     find_unused_parameters: Any,
@@ -98,6 +100,12 @@ def strategy_options(
             (numbers.Integral, none),
         ),
         ("bucket_cap_mb", bucket_cap_mb, "a number of MiB or None", (numbers.Real, none)),
+        (
+            "model_averaging_period",
+            model_averaging_period,
+            "a number of optimizer steps or None",
+            (numbers.Integral, none),
+        ),
     ):
         if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):  # bool: an Integral
             raise TypeError(f"MyDDPStrategy({name}=...) must be {expected}, got {value!r} ({type(value).__name__}).")
@@ -148,6 +156,7 @@ def strategy_options(
         checkpoint_on_sigterm,
         sync.validate_ddp_kwargs({**sync.non_default_options({**flags, "bucket_cap_mb": bucket_cap_mb}), **ddp_kwargs}),
         sync.CommHookConfig(ddp_comm_hook, ddp_comm_state, ddp_comm_wrapper),
+        model_averaging_period,
     )
 
 

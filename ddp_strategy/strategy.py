@@ -48,6 +48,8 @@ class MyDDPStrategy(sync.wrapping.LightningDDPAttributes, ParallelStrategy):
         monitored_barrier_timeout: a training epoch's ``monitored_barrier`` names ranks this late; default ``timeout``.
         checkpoint_on_sigterm: on SIGTERM all ranks stop at one step and save to a path (``True``: ``sigterm.ckpt``).
         ddp_comm_hook, ddp_comm_state, ddp_comm_wrapper: a DDP comm hook (or ``"powersgd"``...), its state, a wrapper.
+        model_averaging_period: with a ``PostLocalSGDState``, average the parameters every N optimizer steps after
+            its ``start_localSGD_iter`` (torch's ``PeriodicModelAverager``, as Lightning's); default None.
         verify_sync_every_n_steps: every N optimizer steps compare parameters across ranks, naming any that differ.
         exact_evaluation: unpadded validation/test shards, equal batch counts (default); False: padded, as Lightning's.
         uneven_inputs: ranks with different numbers of training batches: ``"join"`` (default: every rank trains all
@@ -85,6 +87,7 @@ class MyDDPStrategy(sync.wrapping.LightningDDPAttributes, ParallelStrategy):
         ddp_comm_hook: sync.CommHook | str | None = None,
         ddp_comm_state: Any = None,
         ddp_comm_wrapper: Any = None,
+        model_averaging_period: int | None = None,
         verify_sync_every_n_steps: int | None = None,
         exact_evaluation: bool = True,
         uneven_inputs: Literal["join", "stop", "error"] = "join",
@@ -173,22 +176,27 @@ class MyDDPStrategy(sync.wrapping.LightningDDPAttributes, ParallelStrategy):
 
     @override
     def setup_environment(self) -> None:
-        """Set the device up, then join (or reuse) the world process group (every rank, before model code)."""
-        _namespace.reset_seed()
-        self.set_world_ranks()
+        """Check an external launcher's ranks (its local rank picks the device), set the device up, then
+        :meth:`setup_distributed`, as Lightning's (every rank, before model code)."""
         process.launching.check_external_world(self.cluster_environment, self.num_nodes, self.num_processes)
         super().setup_environment()
+        self.setup_distributed()
+
+    def setup_distributed(self) -> None:
+        """Set the ranks, then join (or reuse) the world process group (Lightning's hook, for subclasses)."""
+        _namespace.reset_seed()
+        self.set_world_ranks()
         self._process_group_backend = self._run.join(
             self.cluster_environment, self.root_device, self._process_group_backend, self.num_nodes, self.num_processes
         )
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
-        """Move the module to the device; when fitting, wrap it in DDP and create the optimizers."""
+        """Move the module to the device; when fitting, wrap it in DDP (:meth:`configure_ddp`), create the optimizers
+        and move their state to the device, and build post-localSGD's averager, in Lightning's order."""
         self._trainer = trainer
         self._sharding.take_over(trainer)
         self._sampler_seed = self.broadcast(sampling.shared_seed(self._options.seed))
-        kwargs = self._options.ddp_kwargs
         self.accelerator.setup(trainer)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
@@ -208,12 +216,16 @@ class MyDDPStrategy(sync.wrapping.LightningDDPAttributes, ParallelStrategy):
             )
             if self.is_global_zero:
                 checkpoint.prepare_folders(trainer.checkpoint_callbacks)
-            self.model = sync.wrap(self.model, self.root_device, kwargs, self._options.comm_hook)
+            self.configure_ddp()  # Lightning's overridable hooks: _setup_model, then _register_ddp_hooks
             self._gradients_steps = 0
             self.setup_optimizers(trainer)
+            _pl.optimizers_to_device(self.optimizers, self.root_device)  # e.g. state loaded in configure_optimizers
+            self._model_averager = sync.model_averager(
+                self._options.comm_hook, self._options.model_averaging_period, self.optimizers
+            )
         else:  # the uneven-inputs callback ends an evaluation run on uneven loaders
             trainer.callbacks.insert(0, self._uneven.callback)
-            sync.broadcast_states(self.model, buffers=kwargs.get("broadcast_buffers", True))
+            sync.broadcast_states(self.model, buffers=self._options.ddp_kwargs.get("broadcast_buffers", True))
         self.setup_precision_plugin()
 
     @override
@@ -260,8 +272,13 @@ class MyDDPStrategy(sync.wrapping.LightningDDPAttributes, ParallelStrategy):
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
-        """Step the optimizer; every ``verify_sync_every_n_steps`` steps, check the ranks agree."""
+        """Step the optimizer; post-localSGD: average the parameters (Lightning's); every ``verify_sync_every_n_steps``
+        steps, check the ranks agree."""
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        if self._model_averager is not None:  # it averages every model_averaging_period steps after the warm-up
+            self._model_averager.average_parameters(
+                p for g in optimizer.param_groups for p in g["params"] if p.grad is not None
+            )
         if self._diagnostics is not None:
             self._diagnostics.tracker.prune()
         self._gradients_steps += not self._uneven.tail  # steps some ranks only shadow are not checked
@@ -309,7 +326,7 @@ class MyDDPStrategy(sync.wrapping.LightningDDPAttributes, ParallelStrategy):
     @override
     def barrier(self, name: str | None = None) -> None:
         """Wait for every rank (NCCL: on this rank's device); a no-op without a process group."""
-        self._before_collective("save" if name == _pl.SAVE_BARRIER and self._saving is not None else "barrier")
+        self._uneven.announce("save" if name == _pl.SAVE_BARRIER and self._saving is not None else "barrier")
         if name == _pl.SAVE_BARRIER and self._saving is not None:  # Trainer.save_checkpoint's: rank 0's outcome
             (path, error), self._saving = self._saving, None
             process.agree_on_rank_zero_failure(error, f"saving checkpoint {path}", self.global_rank, self.root_device)
@@ -320,7 +337,7 @@ class MyDDPStrategy(sync.wrapping.LightningDDPAttributes, ParallelStrategy):
     @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         """Rank ``src``'s ``obj`` on every rank (pickled); ``obj`` itself without a process group."""
-        self._before_collective("broadcast", src)
+        self._uneven.announce("broadcast", src)
         box = [obj]
         if dist.is_available() and dist.is_initialized():
             dist.broadcast_object_list(box, src)
@@ -329,7 +346,7 @@ class MyDDPStrategy(sync.wrapping.LightningDDPAttributes, ParallelStrategy):
     @override
     def reduce(self, tensor: Tensor | Any, group: Any | None = None, reduce_op: Any | None = "mean") -> Tensor | Any:
         """Lightning's ``DDPStrategy.reduce`` over ``group`` (a collective), but an integer mean is exact float32."""
-        tail = self._before_collective("reduce (e.g. self.log(..., on_step=True, sync_dist=True))")
+        tail = self._uneven.announce("reduce (e.g. self.log(..., on_step=True, sync_dist=True))")
         if isinstance(tensor, Tensor) and reduce_op in ("mean", "avg") and not tensor.is_floating_point():
             tensor = tensor.float()  # exact: epoch values over uneven shards divide by their mean batch size
         if isinstance(tensor, Tensor) and tail:
@@ -347,18 +364,11 @@ class MyDDPStrategy(sync.wrapping.LightningDDPAttributes, ParallelStrategy):
     @override
     def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
         """``(W, *shape)``; uneven first dims: ``(W, max n_r, *rest)`` padded, warned once; else ``ValueError``."""
-        self._before_collective("all_gather")
+        self._uneven.announce("all_gather")
         if len(set(shapes := process.gather_shapes(tensor, group))) == 1:
             return super().all_gather(tensor, group=group, sync_grads=sync_grads)
         warn, self._warned_padded_gather = not self._warned_padded_gather, True
         return process.all_gather_padded(tensor, shapes, group, sync_grads, warn=warn)
-
-    def _before_collective(self, collective: str, src: int = 0) -> bool:
-        """First in each of the strategy's collectives, on every rank: in a training or evaluation step that ranks out
-        of data only shadow, announced to them or refused (``UnevenInputsError``, ``sampling.uneven``). Returns
-        whether it is in such a step (``collective``: ``"barrier"``, ``"save"``, ``"broadcast"`` from ``src``,
-        ``"all_gather"``, else a reduce, which the uneven-inputs policy then makes itself)."""
-        return self._uneven.announce(collective, src)
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:

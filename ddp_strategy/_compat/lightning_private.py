@@ -41,6 +41,14 @@ PRIVATE_NAMES: dict[str, str] = {
     "get_dataloader_init_args_and_kwargs": "pytorch.utilities.data:_get_dataloader_init_args_and_kwargs",
     "reinstantiate_wrapped_cls": "pytorch.utilities.data:_reinstantiate_wrapped_cls",
     "verify_strategy_supports_compile": "pytorch.trainer.trainer:_verify_strategy_supports_compile",
+    "BatchNormXd": "pytorch.plugins.layer_sync:_BatchNormXd",
+    # Lightning's collectives (fabric/utilities/distributed.py): namespace-neutral, they act on torch.distributed.
+    "sync_ddp_if_available": "fabric.utilities.distributed:_sync_ddp_if_available",
+    "all_gather_ddp_if_available": "fabric.utilities.distributed:_all_gather_ddp_if_available",
+    "gather_all_tensors": "fabric.utilities.distributed:_gather_all_tensors",
+    # Lightning's SIGTERM handling; the strategy agrees on a SIGTERM at a step boundary itself (process/boundaries.py).
+    "sigterm_notifier": "pytorch.trainer.connectors.signal_connector:_SignalConnector._sigterm_notifier_fn",
+    "optimizers_to_device": "fabric.utilities.optimizer:_optimizers_to_device",
 }
 
 _default = _namespace.default
@@ -110,11 +118,10 @@ MultiProcessingLauncher: type = _namespace.lightning_base(PRIVATE_NAMES["MultiPr
 DDPForwardRedirection: type = _default.get(PRIVATE_NAMES["DDPForwardRedirection"])
 prepare_for_backward = _default.get(PRIVATE_NAMES["prepare_for_backward"])
 _set_num_threads_if_needed = _default.get(PRIVATE_NAMES["set_num_threads_if_needed"])
-_IS_INTERACTIVE: bool = _default.get(PRIVATE_NAMES["is_interactive"])
+#: The BatchNorm Lightning's ``TorchSyncBatchNorm.revert`` gives back: any input rank (a torch ``_BatchNorm``).
+BatchNormXd: type = _default.get(PRIVATE_NAMES["BatchNormXd"])
 #: ``update_dataloader(dataloader, sampler)``: re-create ``dataloader`` with ``sampler``, keeping its other arguments.
 update_dataloader = _default.get(PRIVATE_NAMES["update_dataloader"])
-_get_dataloader_init_args_and_kwargs = _default.get(PRIVATE_NAMES["get_dataloader_init_args_and_kwargs"])
-_reinstantiate_wrapped_cls = _default.get(PRIVATE_NAMES["reinstantiate_wrapped_cls"])
 
 
 def takes_weights_only(method: Any) -> bool:
@@ -154,15 +161,13 @@ class SavesPublicInitArgs:
     def save_hyperparameters(self, *args: Any, ignore: Any = None, frame: Any = None, logger: bool = True) -> None:
         """As Lightning's ``HyperparametersMixin.save_hyperparameters``."""
         if frame is None:
-            current = inspect.currentframe()
-            frame = current.f_back if current is not None else None
+            frame = sys._getframe(1)  # the caller's: the __init__ that called save_hyperparameters()
         namespace = _namespace.load(type(self)._ddp_namespace)  # type: ignore[attr-defined]
         given = namespace.get(PRIVATE_NAMES["given_hyperparameters"]).get()
-        if given is None:
-            given = {}
+        if given is None:  # each __init__ of the chain, the most specific last and winning (as Lightning merges them)
             classes = (namespace.get("pytorch.core.mixins:HyperparametersMixin"), _namespace.Flavoured)
-            for local_args in namespace.get(PRIVATE_NAMES["collect_init_args"])(frame, [], classes=classes):
-                given.update(local_args)
+            collected = namespace.get(PRIVATE_NAMES["collect_init_args"])(frame, [], classes=classes)
+            given = {key: value for local_args in collected for key, value in local_args.items()}
         self._log_hyperparams = logger
         namespace.get(PRIVATE_NAMES["save_hyperparameters"])(
             self, *args, ignore=ignore, frame=frame, given_hparams=given
@@ -177,10 +182,10 @@ _USER_SAMPLER_FLAG = "_ddp_strategy_user_use_distributed_sampler"
 def is_interactive() -> bool:
     """Whether Python runs interactively: a REPL, ``python -i``, or a running IPython shell or Jupyter kernel
     (``IPython.get_ipython()`` is not None; merely importing ``ipykernel`` does not count)."""
-    if _IS_INTERACTIVE:
-        return True
     ipython = sys.modules.get("IPython")
-    return ipython is not None and getattr(ipython, "get_ipython", lambda: None)() is not None
+    return _default.get(PRIVATE_NAMES["is_interactive"]) or (
+        ipython is not None and getattr(ipython, "get_ipython", lambda: None)() is not None
+    )
 
 
 def update_dataloader_batch_sampler(dataloader: DataLoader, batch_sampler: Any) -> DataLoader:
@@ -195,9 +200,9 @@ def update_dataloader_batch_sampler(dataloader: DataLoader, batch_sampler: Any) 
     placeholder = SequentialSampler(range(0))
     proxy = copy.copy(dataloader)
     object.__setattr__(proxy, "batch_sampler", BatchSampler(placeholder, 1, False))
-    args, kwargs = _get_dataloader_init_args_and_kwargs(proxy, placeholder)
+    args, kwargs = _default.get(PRIVATE_NAMES["get_dataloader_init_args_and_kwargs"])(proxy, placeholder)
     kwargs.update(batch_sampler=batch_sampler, sampler=None, shuffle=False, batch_size=1, drop_last=False)
-    return _reinstantiate_wrapped_cls(dataloader, *args, **kwargs)
+    return _default.get(PRIVATE_NAMES["reinstantiate_wrapped_cls"])(dataloader, *args, **kwargs)
 
 
 def allow_compiled_models(namespace: _namespace.Namespace, strategy_cls: type) -> None:
@@ -205,24 +210,20 @@ def allow_compiled_models(namespace: _namespace.Namespace, strategy_cls: type) -
 
     Lightning refuses one unless the strategy is in a fixed tuple (``_verify_strategy_supports_compile``);
     ``strategy_cls`` wraps in DDP as ``DDPStrategy`` does, so the trainer module's check is replaced by one
-    that accepts it (and its subclasses) and defers to Lightning's otherwise. Idempotent.
+    that accepts it (and its subclasses) and defers to the check it replaced otherwise. Idempotent (another class
+    wraps the check once more).
     """
     module_path, _, check_name = PRIVATE_NAMES["verify_strategy_supports_compile"].partition(":")
     trainer_module = namespace.get(module_path)
-    original = getattr(trainer_module, check_name)
-    accepted = getattr(original, "_ddp_strategy_accepts", ())
-    lightning_check = getattr(original, "_ddp_strategy_original", original)
-    if strategy_cls in accepted:
+    lightning_check = getattr(trainer_module, check_name)
+    if strategy_cls in getattr(lightning_check, "_ddp_strategy_accepts", ()):
         return
-    accepted = (*accepted, strategy_cls)
 
     def verify_strategy_supports_compile(model: Any, strategy: Any) -> None:
-        if isinstance(strategy, accepted):
-            return
-        lightning_check(model, strategy)
+        if not isinstance(strategy, strategy_cls):
+            lightning_check(model, strategy)
 
-    verify_strategy_supports_compile._ddp_strategy_accepts = accepted  # type: ignore[attr-defined]
-    verify_strategy_supports_compile._ddp_strategy_original = lightning_check  # type: ignore[attr-defined]
+    verify_strategy_supports_compile._ddp_strategy_accepts = (strategy_cls,)  # type: ignore[attr-defined]
     setattr(trainer_module, check_name, verify_strategy_supports_compile)
 
 
@@ -233,9 +234,7 @@ def set_lightning_sampler_injection(trainer: pl.Trainer, enabled: bool) -> bool:
     user's ``Trainer(use_distributed_sampler=...)``, remembered on the first call.
     """
     connector: Any = trainer._accelerator_connector
-    if not hasattr(connector, _USER_SAMPLER_FLAG):
-        setattr(connector, _USER_SAMPLER_FLAG, connector.use_distributed_sampler)
-    user_value = bool(getattr(connector, _USER_SAMPLER_FLAG))
+    user_value = bool(vars(connector).setdefault(_USER_SAMPLER_FLAG, connector.use_distributed_sampler))
     connector.use_distributed_sampler = user_value if enabled else False
     return user_value
 
@@ -266,14 +265,6 @@ def resumed_batch_count(trainer: pl.Trainer) -> int:
     return epoch_loop.batch_progress.current.completed + int(counts_it)
 
 
-# Lightning's collectives (fabric/utilities/distributed.py): namespace-neutral, they act on torch.distributed.
-PRIVATE_NAMES.update(
-    {
-        "sync_ddp_if_available": "fabric.utilities.distributed:_sync_ddp_if_available",
-        "all_gather_ddp_if_available": "fabric.utilities.distributed:_all_gather_ddp_if_available",
-        "gather_all_tensors": "fabric.utilities.distributed:_gather_all_tensors",
-    }
-)
 #: ``(tensor, group=None, reduce_op=None)``: all-reduce in place (``"mean"``/``"avg"`` on gloo: sum, then divide);
 #: the tensor itself without a process group. What Lightning's ``DDPStrategy.reduce`` calls.
 sync_ddp_if_available = _default.get(PRIVATE_NAMES["sync_ddp_if_available"])
@@ -282,6 +273,9 @@ sync_ddp_if_available = _default.get(PRIVATE_NAMES["sync_ddp_if_available"])
 all_gather_ddp_if_available = _default.get(PRIVATE_NAMES["all_gather_ddp_if_available"])
 #: ``(tensor, group=None)``: every rank's tensor, shapes may differ in every dimension (padded, gathered, trimmed).
 gather_all_tensors = _default.get(PRIVATE_NAMES["gather_all_tensors"])
+#: ``(optimizers, device)``: every tensor in each optimizer's state moved to ``device``; what Lightning's
+#: ``DDPStrategy.setup`` calls after setting the optimizers up.
+optimizers_to_device = _default.get(PRIVATE_NAMES["optimizers_to_device"])
 
 #: Lightning's ``Trainer.save_checkpoint`` calls ``strategy.save_checkpoint`` on every rank, then
 #: ``strategy.barrier(SAVE_BARRIER)`` (Lightning 2.4-2.6): that barrier carries rank 0's write outcome.
@@ -299,10 +293,6 @@ def saving_for_trainer() -> bool:
     """
     frame = sys._getframe(2)  # 0: here, 1: the strategy's save_checkpoint, 2: its caller
     return frame.f_code.co_name == "save_checkpoint" and frame.f_globals.get("__name__") in _TRAINER_MODULES
-
-
-# Lightning's SIGTERM handling; the strategy agrees on a SIGTERM at a step boundary itself (process/boundaries.py).
-PRIVATE_NAMES["sigterm_notifier"] = "pytorch.trainer.connectors.signal_connector:_SignalConnector._sigterm_notifier_fn"
 
 
 def take_over_sigterm(trainer: pl.Trainer, note: Any) -> bool:

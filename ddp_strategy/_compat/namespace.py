@@ -138,12 +138,7 @@ class Namespace:
     def __init__(self, name: str) -> None:
         self.name = name
         self.pytorch, self.fabric = map(importlib.import_module, _ROOTS[name])
-        self.pytorch_name: str = self.pytorch.__name__
-
-    @property
-    def version(self) -> str:
-        """The installed version, e.g. ``"2.6.6"``."""
-        return str(self.pytorch.__version__)
+        self.version: str = str(self.pytorch.__version__)  #: the installed version, e.g. ``"2.6.6"``
 
     def get(self, path: str) -> Any:
         """The object at ``path``: ``"<pytorch|fabric>.<module>:<attribute>"``, e.g.
@@ -328,7 +323,6 @@ rank_zero_warn = default.get("pytorch.utilities.rank_zero:rank_zero_warn")
 rank_zero_only = default.get("pytorch.utilities.rank_zero:rank_zero_only")
 reset_seed = default.get("fabric.utilities.seed:reset_seed")
 get_filesystem = default.get("fabric.utilities.cloud_io:get_filesystem")
-find_free_network_port = default.get("fabric.plugins.environments.lightning:find_free_network_port")
 lightning_getattr = default.get("pytorch.utilities.parsing:lightning_getattr")
 lightning_hasattr = default.get("pytorch.utilities.parsing:lightning_hasattr")
 sized_len = default.get("fabric.utilities.data:sized_len")

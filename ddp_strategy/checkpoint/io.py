@@ -81,9 +81,8 @@ def atomic_save(obj: Any, path: str | os.PathLike, save_fn: Callable[[Any, Any],
     os.makedirs(folder, exist_ok=True)
     remove_stale_temp_files(folder)
     tmp = os.path.join(folder, f".{os.path.basename(path)}.{_HOST}.{os.getpid()}.{secrets.token_hex(6)}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
     try:
-        with os.fdopen(fd, "wb") as f:
+        with open(tmp, "xb") as f:  # O_CREAT | O_EXCL, mode 0o666 less the umask
             save_fn(obj, f)
             f.flush()
             os.fsync(f.fileno())
@@ -107,7 +106,7 @@ def prepare_folders(callbacks: list[Any]) -> None:
     folders = [os.fspath(cb.dirpath) for cb in callbacks if getattr(cb, "dirpath", None)]
     for folder in folders:
         remove_stale_temp_files(folder)
-    for folder in [f for f in folders if "://" not in f]:
+    for folder in [f for f in folders if _is_local(f)]:
         absolute = Path(folder).absolute()
         existing = next(p for p in (absolute, *absolute.parents) if p.exists())
         try:
@@ -121,9 +120,15 @@ def prepare_folders(callbacks: list[Any]) -> None:
             return
 
 
+def _is_local(path: Any) -> bool:
+    """Whether ``path`` is a file path, not a URL: ``file://`` ones too go through Lightning's fsspec IO, where
+    they mean the path after the scheme (``os`` functions would read them as a relative ``file:/...``)."""
+    return isinstance(path, (str, os.PathLike)) and "://" not in os.fspath(path)
+
+
 def _stamp(path: Any) -> tuple[str, int, int] | None:
     """``(real path, size in bytes, mtime in ns)`` of a local file; None for a remote or missing one."""
-    if not isinstance(path, (str, os.PathLike)) or "://" in os.fspath(path):
+    if not _is_local(path):
         return None
     try:
         st = os.stat(path)
@@ -298,15 +303,10 @@ def _verify_zip_checksums(f: Any, path: str, size: int) -> None:
 
 
 # ----------------------------------------------------------------------------------- Lightning plugin
-def _is_local(path: Any) -> bool:
-    return (isinstance(path, (str, os.PathLike)) and "://" not in os.fspath(path)) or (
-        type(_namespace.get_filesystem(path)).__name__ == "LocalFileSystem"
-    )
-
-
 class DDPCheckpointIO(TorchCheckpointIO):
     """Lightning's ``TorchCheckpointIO``, crash-safe and safe to load: local files written by :func:`atomic_save`
-    (keys without ``_orig_mod.``), loaded by :func:`load_file`; remote paths and ``remove_checkpoint`` Lightning's.
+    (keys without ``_orig_mod.``), loaded by :func:`load_file`; URLs (``file://`` too) and ``remove_checkpoint``
+    Lightning's.
 
     Args:
         weights_only: what ``load_checkpoint(weights_only=None)`` uses (default True); an explicit

@@ -49,12 +49,6 @@ def _dealing_order(sizes: list[int]) -> list[tuple[int, int]]:
     return [(r, i) for i in range(max(sizes)) for r, n in enumerate(sizes) if i < n]
 
 
-def _gather_stacked(tensor: Tensor, sizes: list[int], group: Any | None, sync_grads: bool) -> Tensor:
-    """Every rank's rows padded with zeros to ``M = max(sizes)``, flattened: shape ``(W * M, *rest)``."""
-    padded = torch.cat([tensor, tensor.new_zeros((max(sizes) - tensor.shape[0], *tensor.shape[1:]))])
-    return _pl.all_gather_ddp_if_available(padded, group=group, sync_grads=sync_grads).flatten(0, 1)
-
-
 def all_gather_padded(
     tensor: Tensor,
     shapes: list[tuple[int, ...]],
@@ -77,7 +71,8 @@ def all_gather_padded(
             " those samples twice), so .flatten(0, 1) counts them twice. For every row exactly once use"
             " ddp_strategy.all_gather_rows(tensor), or a torchmetrics metric."
         )
-    stacked = _gather_stacked(tensor, sizes, group, sync_grads)
+    padded = torch.cat([tensor, tensor.new_zeros((most - tensor.shape[0], *rest))])  # zeros up to M rows
+    stacked = _pl.all_gather_ddp_if_available(padded, group=group, sync_grads=sync_grads).flatten(0, 1)  # (W * M, ...)
     missing = [(r, i) for i in range(most) for r in range(world) if i >= sizes[r]]  # in dealing order too
     fills = dict(zip(missing, itertools.cycle(_dealing_order(sizes)), strict=False))  # missing row -> real row
     source = [q * most + k for r in range(world) for i in range(most) for q, k in [fills.get((r, i), (r, i))]]
@@ -106,15 +101,9 @@ def all_gather_rows(tensor: Tensor, group: Any | None = None, sync_grads: bool =
     if not dist.is_initialized():
         return tensor
     shapes = gather_shapes(tensor, group)
-    check_gatherable(shapes, dist.get_rank())
-    sizes = [s[0] for s in shapes]
-    if max(sizes) == 0:
-        return tensor
-    stacked = _gather_stacked(tensor, sizes, group, sync_grads)
-    index = torch.tensor(
-        [r * max(sizes) + i for r, i in _dealing_order(sizes)], dtype=torch.long, device=stacked.device
-    )
-    return stacked.index_select(0, index)
+    padded = all_gather_padded(tensor, shapes, group, sync_grads)  # (W, M, *rest); its real rows are in place
+    rows = [r * padded.shape[1] + i for r, i in _dealing_order([shape[0] for shape in shapes])]
+    return padded.flatten(0, 1).index_select(0, torch.tensor(rows, dtype=torch.long, device=padded.device))
 
 
 def agree_on_rank_zero_failure(error: Exception | None, what: str, rank: int, device: torch.device) -> None:

@@ -126,12 +126,20 @@ class _EpochShards:
         if self.epoch_fn is not None:
             self.set_epoch(int(self.epoch_fn()))
         stream = self._stream(self.epoch)
-        n = len(stream)
-        if n != self.stream_length():
-            raise RuntimeError(
-                f"{type(self).__name__}: the original sampler yielded {n} items for epoch {self.epoch} but its"
-                f" len() is {self.stream_length()}. Batch counts come from len(); make them agree."
+        if len(stream) != self.stream_length():  # Lightning's ddp reads the first len() items (fewer: IndexError)
+            rank_zero_warn(
+                f"{type(self).__name__}: the original sampler yielded {len(stream)} items in an epoch but its len() is"
+                f" {self.stream_length()}. "
+                + (
+                    "The items past len() are not read, as under Lightning's ddp."
+                    if len(stream) > self.stream_length()
+                    else "The epoch reads only the items yielded (Lightning's ddp raises IndexError); the batch counts"
+                    " and progress still come from len()."
+                )
+                + " Make __len__ return the number of items __iter__ yields."
             )
+        stream = stream[: self.stream_length()]
+        n = len(stream)
         resume, self._resume = self._resume, None
         resuming = resume is not None and int(resume["epoch"]) == self.epoch
         if resume is not None and not resuming:
@@ -160,24 +168,22 @@ class _EpochShards:
         A position with nothing left (saved at the end of its epoch) is ignored: there is no rest of an epoch to
         restore, so it resumes whatever the training data is now, as under Lightning's ``ddp``.
 
-        Raises:
-            ValueError: ``position`` was saved mid-epoch for a stream of another length or kind.
+        A position saved mid-epoch for a stream of another length or kind (the data changed) is ignored with a
+        warning: the epoch's data restarts, as under Lightning's ``ddp``.
         """
         if not remaining_positions(int(position["length"]), position["layers"]):
             return
-        if int(position["length"]) != self.stream_length():
-            raise ValueError(
-                f"The checkpoint's sampler position was written for a training stream of {position['length']} items,"
-                f" but the training loader now yields {self.stream_length()}. The data set (or sampler) changed since"
-                " the checkpoint was saved, so the rest of its epoch cannot be found. Resume with the same training"
-                " data, or resume from a checkpoint saved at the end of an epoch (ModelCheckpoint's default), which"
-                " holds no partial epoch and resumes with any data."
+        if (int(position["length"]), position["kind"]) != (self.stream_length(), self.kind):
+            rank_zero_warn(
+                f"The checkpoint's sampler position was written in the middle of epoch {position['epoch']} for a"
+                f" training stream of {position['length']} items of kind {position['kind']!r}, but the training loader"
+                f" now yields {self.stream_length()} of kind {self.kind!r} ('index' = a sampler of indices, 'batch' = a"
+                " custom batch_sampler): the data set (or sampler) changed, so the rest of that epoch cannot be found."
+                " The epoch's data restarts from its beginning, as under Lightning's ddp: with Lightning's batch"
+                " counter restored, the batches read before the checkpoint may be read again and the epoch's last"
+                " ones are not. Resume with the same training data to continue exactly."
             )
-        if position["kind"] != self.kind:
-            raise ValueError(
-                f"The checkpoint's sampler position is for a {position['kind']!r} sampler, but the training loader"
-                f" now uses a {self.kind!r} one ('index' = a sampler of indices, 'batch' = a custom batch_sampler)."
-            )
+            return
         self.seed = int(position["seed"])  # the epoch's stream is regenerated with the saved seed
         self._resume = position
 
@@ -272,7 +278,8 @@ class ShardedSampler(_EpochShards, Sampler[Any]):
 
     Each epoch the original sampler is drawn once with :func:`draw_epoch` (the same draw on every rank), padded
     when ``shard.pad`` and strided: a draw ``[7, 7, 2, 9, 4]`` on 2 ranks gives rank 0 ``[7, 2, 4]`` and rank 1
-    ``[7, 9, 7]`` (the last 7 is padding). ``len(sampler)`` must equal what it yields.
+    ``[7, 9, 7]`` (the last 7 is padding). Where ``len(sampler)`` is not what it yields, a warning: the items past
+    ``len()`` are not read (Lightning's ddp's), and an epoch of fewer reads those.
     """
 
     def __init__(self, sampler: Iterable[Any], shard: Shard) -> None:

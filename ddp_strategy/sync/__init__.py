@@ -7,7 +7,13 @@ Owns: wrapping the LightningModule in ``DistributedDataParallel``, unwrapping it
 Must not touch: loaders, checkpoints, the process group's lifetime. The strategy's hooks call these directly.
 """
 
-from ddp_strategy.sync.comm_hooks import CommHook, CommHookConfig, bf16_all_reduce_hook, count_collective_bytes
+from ddp_strategy.sync.comm_hooks import (
+    CommHook,
+    CommHookConfig,
+    bf16_all_reduce_hook,
+    count_collective_bytes,
+    model_averager,
+)
 from ddp_strategy.sync.rank_check import verify_parameters_in_sync
 from ddp_strategy.sync.sync_batchnorm import CPUSyncBatchNorm, cpu_capable
 from ddp_strategy.sync.wrapping import (
@@ -30,6 +36,7 @@ __all__ = [
     "broadcast_states",
     "count_collective_bytes",
     "cpu_capable",
+    "model_averager",
     "non_default_options",
     "unwrap",
     "validate_ddp_kwargs",

@@ -21,7 +21,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.distributed.algorithms.ddp_comm_hooks import post_localSGD_hook as post_localsgd
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
+from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
+from torch.distributed.optim import PostLocalSGDOptimizer, ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
 from ddp_strategy._compat import torch_private as _torch_private
@@ -124,14 +127,18 @@ class CommHookConfig:
         return state, wrapper(hook) if wrapper is not None else hook
 
 
-def register_comm_hook(model: DistributedDataParallel, config: CommHookConfig, backend: str) -> None:
+def register_comm_hook(
+    model: DistributedDataParallel, config: CommHookConfig, backend: str, node_group: dist.ProcessGroup | None = None
+) -> None:
     """Register ``config``'s hook on a new DDP wrapper (every backend), before training and where the strategy wraps
     anew (``wrapping.wrap``); its process group counts for :func:`count_collective_bytes`. Errors are DDP's (a wrong
-    signature, a second hook)."""
-    resolved = config.resolve(backend, model.process_group)
-    if resolved is None:
+    signature, a second hook). A ``PostLocalSGDState`` without ``subgroup`` gets ``node_group``, the intra-node group
+    torch's default means (torch builds it from the CUDA device count, which fails on CPU)."""
+    if (resolved := config.resolve(backend, model.process_group)) is None:
         return
     state, hook = resolved
+    if isinstance(state, post_localsgd.PostLocalSGDState) and state.subgroup is None:
+        state.subgroup = node_group
     if state is None or isinstance(state, dist.ProcessGroup):
         state = _torch_private.CountingProcessGroup(state, _count)
     elif isinstance(state, powersgd.PowerSGDState):  # per-bucket memories: of an earlier wrapper's buckets, if any
@@ -139,6 +146,32 @@ def register_comm_hook(model: DistributedDataParallel, config: CommHookConfig, b
         if not isinstance(state.process_group, _torch_private.CountingProcessGroup):  # e.g. a state registered before
             state.process_group = _torch_private.CountingProcessGroup(state.process_group, _count)
     model.register_comm_hook(state, hook)
+
+
+def model_averager(config: CommHookConfig, period: int | None, optimizers: list[Any]) -> PeriodicModelAverager | None:
+    """Post-localSGD's averager, as Lightning's ``DDPStrategy._enable_model_averaging``: with a ``PostLocalSGDState``
+    (``ddp_comm_hook=post_localSGD_hook``), torch's ``PeriodicModelAverager`` averaging the parameters over the world
+    every ``period`` optimizer steps after ``start_localSGD_iter`` (its ``average_parameters``, called after each step,
+    is a collective); else None. Lin et al., 2020, https://arxiv.org/abs/1808.07217.
+
+    Raises:
+        ValueError: no ``period`` (``model_averaging_period``), or a ZeroRedundancy or PostLocalSGD optimizer (as
+            Lightning's).
+    """
+    if not isinstance(config.state, post_localsgd.PostLocalSGDState):
+        return None
+    if period is None:
+        raise ValueError(
+            "Post-localSGD algorithm is used, but model averaging period is not provided to DDP strategy:"
+            " pass MyDDPStrategy(model_averaging_period=N)."
+        )
+    for optimizer in optimizers:
+        if isinstance(getattr(optimizer, "_optimizer", optimizer), ZeroRedundancyOptimizer | PostLocalSGDOptimizer):
+            raise ValueError(
+                "Currently model averaging cannot work with a distributed optimizer of type"
+                f" {type(getattr(optimizer, '_optimizer', optimizer)).__name__}."
+            )
+    return PeriodicModelAverager(period=period, warmup_steps=config.state.start_localSGD_iter)
 
 
 @dataclass(eq=False)

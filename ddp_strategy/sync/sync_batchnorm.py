@@ -17,6 +17,7 @@ from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from typing_extensions import override
 
+from ddp_strategy._compat import lightning_private as _pl
 from ddp_strategy._compat import namespace as _namespace
 
 if TYPE_CHECKING:
@@ -102,14 +103,6 @@ def _rebuilt(source: _BatchNorm, cls: type[_BatchNorm]) -> _BatchNorm:
     return target
 
 
-class _AnyDimBatchNorm(_BatchNorm):
-    """Plain BatchNorm accepting any input rank (for reverting layers whose original class is unknown)."""
-
-    @override
-    def _check_input_dim(self, input: Tensor) -> None:
-        return
-
-
 class DDPSyncBatchNorm(TorchSyncBatchNorm):
     """Lightning's ``TorchSyncBatchNorm`` plugin made to work on CPU/gloo too, and to revert exactly."""
 
@@ -130,11 +123,12 @@ class DDPSyncBatchNorm(TorchSyncBatchNorm):
     @override
     def revert(self, model: nn.Module) -> nn.Module:
         """Undo :meth:`apply`: each layer gets its original class back, with the same parameters and buffers, so
-        checkpoints and single-device inference see ordinary BatchNorm (layers converted elsewhere become a
-        BatchNorm accepting any input rank, as Lightning's revert; the state_dict keys are the same)."""
+        checkpoints and single-device inference see ordinary BatchNorm (layers converted elsewhere become the
+        BatchNorm of any input rank Lightning's revert gives, its ``_BatchNormXd``; the state_dict keys are the
+        same)."""
         reverted = model
         if isinstance(model, _SYNCED):
-            reverted = _rebuilt(model, getattr(model, _ORIGINAL_CLASS, _AnyDimBatchNorm))
+            reverted = _rebuilt(model, getattr(model, _ORIGINAL_CLASS, _pl.BatchNormXd))
         for name, child in model.named_children():
             reverted.add_module(name, self.revert(child))
         return reverted

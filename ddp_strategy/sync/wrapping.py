@@ -50,8 +50,7 @@ def validate_ddp_kwargs(ddp_kwargs: dict[str, Any]) -> dict[str, Any]:
         TypeError: an option is not a ``DistributedDataParallel`` argument, or is one the strategy sets
             itself (``device_ids``, ``output_device``).
     """
-    unknown = sorted(set(ddp_kwargs) - set(DDP_OPTIONS))
-    if unknown:
+    if unknown := sorted(set(ddp_kwargs) - set(DDP_OPTIONS)):
         raise TypeError(
             f"MyDDPStrategy got unknown DistributedDataParallel option(s) {unknown}. The strategy sets"
             f" device_ids and output_device itself; valid options are {sorted(DDP_OPTIONS)}."
@@ -74,7 +73,10 @@ def keeps_passed_ddp_options(init: Callable[..., None]) -> Callable[..., None]:
 
 
 class LightningDDPAttributes:
-    """``DDPStrategy``'s attributes that Lightning's tests and callbacks read: read-only, its values for our args."""
+    """``DDPStrategy``'s attributes that Lightning's tests and callbacks read (read-only, its values for our args), and
+    its methods that subclasses override, called where Lightning's calls them."""
+
+    _model_averager: Any = None  #: post-localSGD's ``PeriodicModelAverager`` (Lightning's), set at setup
 
     def _get_process_group_backend(self: Any) -> str:
         """The backend, else torch's default for ``root_device`` (``"nccl"`` on CUDA, ``"gloo"`` on CPU)."""
@@ -91,6 +93,21 @@ class LightningDDPAttributes:
     def determine_ddp_device_ids(self: Any) -> list[int] | None:
         """DDP's ``device_ids``: ``None`` on CPU, else ``[root_device.index]``."""
         return None if self.root_device.type == "cpu" else [self.root_device.index]
+
+    def configure_ddp(self: Any) -> None:
+        """At setup when fitting (Lightning's): ``self.model = self._setup_model(self.model)``, then
+        :meth:`_register_ddp_hooks`. A collective, on every rank."""
+        self.model = self._setup_model(self.model)
+        self._register_ddp_hooks()
+
+    def _setup_model(self: Any, model: nn.Module) -> DistributedDataParallel:
+        """``model`` wrapped in DDP with the strategy's options (:func:`wrap`); no comm hook yet."""
+        return wrap(model, self.root_device, self._options.ddp_kwargs, comm_hooks.CommHookConfig())
+
+    def _register_ddp_hooks(self: Any) -> None:
+        """Register the comm hook on ``self.model`` (every backend; Lightning's only on CUDA): see
+        :func:`~ddp_strategy.sync.comm_hooks.register_comm_hook`; post-localSGD's default subgroup is the node's."""
+        comm_hooks.register_comm_hook(self.model, self._options.comm_hook, dist.get_backend(), self.node_group)
 
 
 def wrap(
@@ -119,7 +136,7 @@ def wrap(
     accumulation window's earlier micro-batches, whose gradients stay local anyway: the final one re-wraps and
     all-reduces what accumulated), with ``defer`` (a step some ranks only shadow) or with nothing left to train
     (backward's error then, as under Lightning's ddp) the wrapper stays. Every rank must change the same parameters at
-    the same step (the same user code does).
+    the same step (the same user code does). A wrapper not built here (a subclass's ``_setup_model``) stays as it is.
 
     Returns:
         The wrapper (``wrapper.module`` is the module).
@@ -130,7 +147,7 @@ def wrap(
     module = model.module if isinstance(model, DistributedDataParallel) else model
     trainable = tuple(id(p) for p in module.parameters() if p.requires_grad)  # identities: a swap shows
     if isinstance(model, DistributedDataParallel):
-        if defer or not model.require_backward_grad_sync or trainable in ((), model._trainable):
+        if defer or not model.require_backward_grad_sync or trainable in ((), getattr(model, "_trainable", trainable)):
             return model
         for grad in [p.grad for p in module.parameters() if p.grad is not None and not p.requires_grad]:
             dist.all_reduce(grad.div_(model.process_group.size()), group=model.process_group)

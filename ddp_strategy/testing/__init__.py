@@ -3,8 +3,8 @@
 Owns: starting ranks from a prepared parent (:func:`run_on_ranks`, :mod:`~ddp_strategy.testing.ranks`), the
 assertions DDP tests need (:mod:`~ddp_strategy.testing.checks`) and the pytest plugin that gives them to
 tests (the top-level module ``pytest_ddp_strategy``, registered as the ``pytest11`` entry point ``ddp_strategy``).
-Must not touch: the strategy's internals, or any other part of the package: it uses torch and the standard
-library only, as a user's test would.
+Must not touch: the strategy's internals, or any other part of the package: it uses torch, the standard library
+and Lightning's ``find_free_network_port`` (``ddp_strategy.process.free_port``) only, as a user's test would.
 """
 
 from ddp_strategy.testing.checks import (

@@ -17,7 +17,6 @@ import os
 import pickle
 import shutil
 import signal
-import socket
 import sys
 import tempfile
 import time
@@ -28,6 +27,8 @@ from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
+
+from ddp_strategy.process import free_port
 
 #: Imported once by the forkserver, so that ranks start from a warm parent.
 PRELOAD = ("torch", "torch.distributed", "ddp_strategy")
@@ -184,17 +185,15 @@ def run_on_ranks(
     if ctx.get_start_method() == "forkserver":
         ctx.set_forkserver_preload(list(PRELOAD))  # read only when the forkserver starts (at the first call)
     folder = Path(tempfile.mkdtemp(prefix="ddp_ranks_"))
-    with socket.socket() as probe:  # a port free a moment ago, for the ranks' rendezvous on 127.0.0.1
-        probe.bind(("127.0.0.1", 0))
-        environ = {
-            **{name: value for name, value in os.environ.items() if not name.startswith(_SCHEDULER_PREFIXES)},
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(probe.getsockname()[1]),
-            "WORLD_SIZE": str(world_size),
-            "NODE_RANK": "0",
-            "GROUP_RANK": "0",
-            "LOCAL_WORLD_SIZE": str(world_size),
-        }
+    environ = {
+        **{name: value for name, value in os.environ.items() if not name.startswith(_SCHEDULER_PREFIXES)},
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),  # Lightning's find_free_network_port: a port free a moment ago
+        "WORLD_SIZE": str(world_size),
+        "NODE_RANK": "0",
+        "GROUP_RANK": "0",
+        "LOCAL_WORLD_SIZE": str(world_size),
+    }
     # Not daemonic: a daemonic process may not start children, and a rank may (DataLoader workers, a subprocess).
     procs = [
         ctx.Process(

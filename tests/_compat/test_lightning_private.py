@@ -393,6 +393,17 @@ def test_lightnings_collectives_keep_their_signatures_and_world_of_one_behaviour
     assert _private(namespace, "all_gather_ddp_if_available")(t, sync_grads=True) is t
 
 
+def test_optimizers_to_device_moves_the_optimizer_state(namespace):
+    """_optimizers_to_device(optimizers, device) moves every state tensor but ``step`` (what DDPStrategy.setup
+    calls after the optimizers are set up, and MyDDPStrategy.setup too)."""
+    assert signature_of(_private(namespace, "optimizers_to_device")) == ["optimizers", "device"]
+    parameter = torch.nn.Parameter(torch.ones(2))
+    optimizer = torch.optim.SGD([parameter], lr=0.1, momentum=0.9)
+    optimizer.state[parameter]["momentum_buffer"] = buffer = torch.ones(2, dtype=torch.float64)
+    _private(namespace, "optimizers_to_device")([optimizer], torch.device("meta"))
+    assert optimizer.state[parameter]["momentum_buffer"].device.type == "meta" and buffer.device.type == "cpu"
+
+
 def test_trainer_save_checkpoint_saves_then_calls_the_named_barrier_and_is_recognised(namespace, tmp_path):
     """Trainer.save_checkpoint (weights only or not) calls strategy.save_checkpoint, then barrier(SAVE_BARRIER), and
     saving_for_trainer recognises it as the caller (a direct call is not): the barrier that carries rank 0's write

@@ -139,6 +139,18 @@ def test_io_saves_without_compile_segments_and_loads_weights_only(tmp_path):
     assert set(saved["state_dict"]) == LIGHTNING_KEYS and saved["epoch"] == 3
 
 
+def test_a_file_url_is_saved_where_lightnings_io_saves_it(tmp_path, monkeypatch):
+    """``file:///abs/c.ckpt`` means /abs/c.ckpt, as for Lightning's TorchCheckpointIO (fsspec), not a folder
+    ``file:`` in the working directory; it loads back from there."""
+    from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+
+    monkeypatch.chdir(tmp_path)
+    for io, name in ((TorchCheckpointIO(), "lightning.ckpt"), (DDPCheckpointIO(), "ours.ckpt")):
+        io.save_checkpoint({"state_dict": {"w": torch.ones(2)}, "epoch": 1}, f"file://{tmp_path / name}")
+        assert (tmp_path / name).is_file() and not (tmp_path / "file:").exists(), name
+        assert io.load_checkpoint(f"file://{tmp_path / name}")["epoch"] == 1
+
+
 def test_weights_only_refuses_foreign_objects_with_a_clear_error(tmp_path):
     """An object outside the allow-list is refused by default, named, and loads with an explicit opt-out."""
     path = tmp_path / "foreign.ckpt"

@@ -269,11 +269,45 @@ def test_resume_position_same_and_other_world_sizes():
     assert list(later) == list(EpochSeededDistributedSampler(data, 2, 0, seed=5, epoch_fn=lambda: 1))
 
 
-def test_resume_from_a_position_of_another_length_raises():
-    """A position written for 11 samples cannot resume a loader of 12."""
-    position = EpochSeededDistributedSampler(TensorDataset(torch.arange(11)), 1, 0).position(0)
-    with pytest.raises(ValueError, match="stream of 11 items, but the training loader now yields 12"):
-        EpochSeededDistributedSampler(TensorDataset(torch.arange(12)), 2, 0).resume_from(position)
+def test_resume_from_a_position_of_another_length_warns_and_restarts_the_epoch():
+    """A mid-epoch position written for 11 samples, resumed on a loader of 12: a warning, and the epoch's data starts
+    from its beginning, as Lightning's DistributedSampler reads it (no position, nothing pending)."""
+    old = EpochSeededDistributedSampler(TensorDataset(torch.arange(11)), 1, 0)
+    list(old)
+    position = old.position(3)
+    resumed, fresh = (EpochSeededDistributedSampler(TensorDataset(torch.arange(12)), 2, 0) for _ in range(2))
+    with pytest.warns(UserWarning, match="stream of 11 items of kind 'index', but the training loader now yields 12"):
+        resumed.resume_from(position)
+    assert resumed.pending_resume_batches(0) is None
+    assert list(resumed) == list(fresh) == list(DistributedSampler(TensorDataset(torch.arange(12)), 2, 0))
+
+
+class MisSized(Sampler[int]):
+    """Yields ``range(n)`` but says its len() is ``length``."""
+
+    def __init__(self, n: int, length: int) -> None:
+        self.n, self.length = n, length
+
+    def __iter__(self):
+        return iter(range(self.n))
+
+    def __len__(self) -> int:
+        return self.length
+
+
+def test_a_sampler_yielding_more_or_fewer_items_than_its_len_warns_and_is_read_as_lightning_reads_it():
+    """7 items, len() 5: a warning, and each rank reads what Lightning's DistributedSamplerWrapper gives it (the first
+    len() items); 3 items, len() 5: a warning, the 3 read (padded), where Lightning's wrapper raises IndexError."""
+    from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
+
+    for r in range(2):
+        with pytest.warns(UserWarning, match="yielded 7 items in an epoch but its len\\(\\) is 5. The items past"):
+            mine = list(ShardedSampler(MisSized(7, 5), Shard(2, r)))
+        assert mine == list(DistributedSamplerWrapper(MisSized(7, 5), num_replicas=2, rank=r, shuffle=False))
+        with pytest.warns(UserWarning, match="yielded 3 items in an epoch but its len\\(\\) is 5. The epoch reads"):
+            assert list(ShardedSampler(MisSized(3, 5), Shard(2, r))) == [[0, 2], [1, 0]][r]
+    with pytest.raises(IndexError):
+        list(DistributedSamplerWrapper(MisSized(3, 5), num_replicas=2, rank=0, shuffle=False))
 
 
 def test_chained_elastic_resumes_cover_the_epoch():

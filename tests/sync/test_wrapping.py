@@ -84,4 +84,7 @@ def test_wrap_called_again_wraps_anew_only_where_the_trainable_parameters_change
     module.requires_grad_(True)
     module.append(nn.Linear(2, 2))
     assert wrapping.wrap(second, cpu, {}, hook) is not second
+    own = DistributedDataParallel(module)  # a subclass's _setup_model may build its own: kept as it is
+    module[0].requires_grad_(False)
+    assert wrapping.wrap(own, cpu, {}, hook) is own
     dist.destroy_process_group()
