@@ -1,23 +1,28 @@
-"""The per-step cost of uneven inputs (issue 27): the small workload on 2 ranks, five ways, interleaved.
+"""The per-step cost of uneven inputs (issues 27, 38): the small workload on 2 ranks, six ways, interleaved.
 
-    python benchmarks/bench_uneven.py                   # 3 repeats, about 4 minutes on 2 CPU cores
+    python benchmarks/bench_uneven.py                   # 3 repeats, about 5 minutes on 2 CPU cores
     python benchmarks/bench_uneven.py --repeats 5 --steps 640
 
 Cases (same model, data, per-device batch, optimizer and seed as ``bench_ddp.py``'s small workload):
-    ddp, even          Lightning's strategy="ddp" on a shuffled DataLoader (the reference for the ratios' scale)
+    ddp, even          Lightning's strategy="ddp" on a shuffled DataLoader
     ours, even         MyDDPStrategy on the same loader: the strategy shards it, counts known and equal
+    ours, map-style    MyDDPStrategy on a map-style loader of the stream's own batches (rank r reads data[r::2] in
+                       order, use_distributed_sampler=False): counts known and equal, nothing added. The base
     ddp, iterable      Lightning's ddp on an IterableDataset without __len__ (rank r streams data[r::2]), equal
                        counts: what the stream costs without the join (Lightning fetches one batch ahead)
     ours, iterable     MyDDPStrategy on the same stream: the join is active, no rank runs out (the cost of the
-                       per-step notify all-reduce)
+                       agreement on whether every rank has a next batch)
     ours, uneven       the same stream with 5% fewer batches on rank 1 (rounded: 30 of 32 per epoch): the tail
-                       and the epoch-end state copy
+                       steps and the epoch-end state copy
 
 Each run is a fresh ``ddp_worker.py`` (``bench_runs.run_one``), ``--steps`` optimizer steps (default 320: 10 epochs
-of rank 0's 32 batches, so every case has the same epoch boundaries). Per-step time is rank 0's end-to-end step
-duration (the longest rank, which takes every step), warm-up left out: the median, and the mean, which includes the
-epoch boundaries (the uneven epoch's end: the join's exit and the state copy). Ratios are to "ours, even", per repeat,
-then their median. Prints a markdown table; a benchmark, not a test: nothing is asserted.
+of rank 0's 32 batches, so every case has the same epoch boundaries). A step's time is rank 0's (the longest rank,
+which takes every step), from one step's end to the next's (``bench_recorder.StepRecorder``): everything the loop
+does per batch, the fetch, the batch transfer (where the join agrees), the hooks, forward, backward and optimizer
+step, counted once; warm-up left out. Per case: the median, and the mean, which includes the epoch boundaries (the
+uneven epoch's end: the join's exit and the state copy); their ratios to the base, per repeat, then the median of
+those; and the tail steps' ratio: the median of the steps rank 1 has no batch for (the last 2 of each epoch) over
+the base's median at the same positions. Prints a markdown table; a benchmark, not a test: nothing is asserted.
 """
 
 from __future__ import annotations
@@ -41,16 +46,20 @@ _PER_RANK, _SHORT = short_batches(WORKLOADS["small"], 2)
 CASES = (
     ("Lightning ddp, even", "lightning", "even"),
     ("MyDDPStrategy, even", "ours", "even"),
+    ("MyDDPStrategy, map-style, the stream's batches", "ours", "map"),
     ("Lightning ddp, IterableDataset, equal counts", "lightning", "iterable"),
     ("MyDDPStrategy, IterableDataset, equal counts", "ours", "iterable"),
     (f"MyDDPStrategy, IterableDataset, rank 1 {_PER_RANK - _SHORT} of {_PER_RANK} batches", "ours", "uneven"),
 )
-BASE = 1  # the row ratios divide by
+BASE = 2  # the row ratios divide by: the map-style loader of the stream's batches
+UNEVEN = len(CASES) - 1  # the row with tail steps
 
 
-def rank0_steps(res: RunResult, warmup: int) -> list[float]:
-    """Rank 0's step durations after warm-up, milliseconds."""
-    return [s * 1e3 for s in res.ranks[0]["step_s"][warmup:]]
+def rank0_steps(res: RunResult, warmup: int, tail: bool = False) -> list[float]:
+    """Rank 0's step durations after warm-up, milliseconds; ``tail``: only those at the positions of the tail steps
+    (the last ``_SHORT`` of each epoch of ``_PER_RANK``)."""
+    steps = res.ranks[0]["step_s"]
+    return [s * 1e3 for i, s in enumerate(steps) if i >= warmup and (not tail or i % _PER_RANK >= _PER_RANK - _SHORT)]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -83,18 +92,26 @@ def main(argv: list[str] | None = None) -> int:
         steps = {r: rank0_steps(res, args.warmup) for r, res in done.items()}
         pooled = [s for v in steps.values() for s in v]
         if not pooled:
-            rows.append(f"| {label} | failed | | | | | |")
+            rows.append(f"| {label} | failed | | | | | | |")
             continue
         ratio = {
             kind: [fn(steps[r]) / fn(rank0_steps(runs[r][BASE], args.warmup)) for r in steps if runs[r][BASE].ok]
             for kind, fn in (("median", statistics.median), ("mean", statistics.fmean))
         }
+        if case == UNEVEN:
+            ratio["tail"] = [
+                statistics.median(rank0_steps(res, args.warmup, tail=True))
+                / statistics.median(rank0_steps(runs[r][BASE], args.warmup, tail=True))
+                for r, res in done.items()
+                if runs[r][BASE].ok
+            ]
         calls = statistics.median(res.ranks[0]["comm"]["other_calls_per_step"] for res in done.values())
         rows.append(
             f"| {label} | {statistics.median(pooled):.2f} | "
             + " / ".join(f"{statistics.median(v):.2f}" for v in steps.values())
             + f" | {statistics.fmean(pooled):.2f} | "
             + " | ".join(f"{statistics.median(v):.2f} ({min(v):.2f}–{max(v):.2f})" for v in ratio.values())
+            + (" | –" if "tail" not in ratio else "")
             + f" | {calls:.2f} |"
         )
     print(
@@ -104,10 +121,10 @@ def main(argv: list[str] | None = None) -> int:
         f" {statistics.median(loads):.1f}, max {max(loads):.1f}.\n"
     )
     print(
-        "| case | step ms (median) | run medians ms | mean ms | median ÷ ours, even | mean ÷ ours, even"
-        " | world-group collectives/step (rank 0) |"
+        "| case | step ms (median) | run medians ms | mean ms | median ÷ map-style | mean ÷ map-style"
+        " | tail steps ÷ map-style | world-group collectives/step (rank 0) |"
     )
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     print("\n".join(rows))
     return 0 if all(res.ok for c in runs.values() for res in c.values()) else 1
 

@@ -12,13 +12,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils.data import IterableDataset, TensorDataset
+from torch.utils.data import Dataset, IterableDataset, TensorDataset
 
 #: Implementation names, in table order: the PyTorch tutorial loop, Lightning's ``ddp``, ``MyDDPStrategy``.
 IMPLS = ("handwritten", "lightning", "ours")
 #: Training data of the Lightning runs (``bench_uneven.py``): a shuffled ``DataLoader`` the strategy shards
-#: (``even``), or a :class:`RankStream` with equal (``iterable``) or uneven (``uneven``) batch counts per rank.
-DATA = ("even", "iterable", "uneven")
+#: (``even``), a map-style :class:`RankShard` of the stream's batches (``map``, ``use_distributed_sampler=False``),
+#: or a :class:`RankStream` with equal (``iterable``) or uneven (``uneven``) batch counts per rank.
+DATA = ("even", "map", "iterable", "uneven")
 
 
 @dataclass(frozen=True)
@@ -110,6 +111,20 @@ class RankStream(IterableDataset):
         if rank == world - 1 and self.short_batches:
             indices = indices[: len(indices) - self.short_batches * self.batch]
         return (self.data[i] for i in indices)
+
+
+class RankShard(Dataset):
+    """Map-style: rank r's shard ``data[r::W]`` in order (rank read when indexed), the same batches as an even
+    :class:`RankStream`, with a ``__len__`` (equal counts, known)."""
+
+    def __init__(self, data: TensorDataset, world_size: int) -> None:
+        self.data, self.world_size = data, world_size
+
+    def __len__(self) -> int:
+        return len(self.data) // self.world_size
+
+    def __getitem__(self, i: int) -> Any:
+        return self.data[(dist.get_rank() if dist.is_initialized() else 0) + i * self.world_size]
 
 
 def short_batches(w: Workload, world_size: int) -> tuple[int, int]:

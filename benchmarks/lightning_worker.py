@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from bench_recorder import StepRecorder, register_counting_hook
 from bench_workloads import (
     WORKLOADS,
+    RankShard,
     RankStream,
     RunConfig,
     Workload,
@@ -101,6 +102,8 @@ def run(cfg: RunConfig) -> None:
     data = build_dataset(w, cfg.seed)
     if cfg.data == "even":
         loader = DataLoader(data, batch_size=w.batch, shuffle=True)
+    elif cfg.data == "map":
+        loader = DataLoader(RankShard(data, cfg.world_size), batch_size=w.batch)
     else:
         short = short_batches(w, cfg.world_size)[1] if cfg.data == "uneven" else 0
         loader = DataLoader(RankStream(data, w.batch, short), batch_size=w.batch)
@@ -115,6 +118,7 @@ def run(cfg: RunConfig) -> None:
         enable_checkpointing=False,
         enable_model_summary=False,
         num_sanity_val_steps=0,
+        use_distributed_sampler=cfg.data != "map",  # map: each rank reads its own shard, as the stream does
         callbacks=[BenchCallback(recorder, cfg.steps)],
     )
     recorder.mark("trainer")

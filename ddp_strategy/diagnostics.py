@@ -90,9 +90,13 @@ class FitSummary:
         return (
             f"DDP fit summary: world size {self.world_size} ({nodes}), backend {self.backend},"
             f" start method {self.start_method}\n  batch: {batch}\n  data: {data},"
-            f" {self.batches_per_epoch:.0f} batches per epoch per rank ="  # .0f: whole numbers, or inf
-            f" {self.optimizer_steps_per_epoch:.0f} optimizer steps\n"
-            f"  DDP options: {options}; comm hook: {self.comm_hook}"
+            + (  # a loader without a length (a stream): Lightning's progress bar shows no total either
+                " batches and optimizer steps per epoch unknown (streaming loader)\n"
+                if math.isinf(self.batches_per_epoch)
+                else f" {self.batches_per_epoch:.0f} batches per epoch per rank ="
+                f" {self.optimizer_steps_per_epoch:.0f} optimizer steps\n"
+            )
+            + f"  DDP options: {options}; comm hook: {self.comm_hook}"
         )
 
 

@@ -210,7 +210,7 @@ class MyDDPStrategy(sync.wrapping.LightningDDPAttributes, ParallelStrategy):
                 self.global_rank,
                 self.world_size,
                 self._uneven.callback,
-                self._uneven.begin_epoch,
+                lambda t: self._uneven.begin_epoch(t, self._run.barrier_group),  # its next-batch flags: side group
                 lambda: self._uneven.tail,
                 lambda: len(set(self._uneven.epochs.get(trainer.current_epoch, ()))) > 1,  # the same on every rank
             )
@@ -448,6 +448,7 @@ class MyDDPStrategy(sync.wrapping.LightningDDPAttributes, ParallelStrategy):
     @override
     def on_exception(self, exception: BaseException) -> None:
         """Name the failed rank and why; save on SIGTERM if asked (no collective)."""
+        cause = self._uneven.failure_cause  # read before the epoch is forgotten
         self._uneven.abandon()
         if self._diagnostics is not None:  # remove the gradient hooks; no collective (other ranks may be gone)
             self._diagnostics.tracker.close()
@@ -459,7 +460,7 @@ class MyDDPStrategy(sync.wrapping.LightningDDPAttributes, ParallelStrategy):
             exception,
             self.global_rank,
             self.world_size,
-            None,
+            cause,
             save,
         )
 

@@ -319,7 +319,9 @@ def training_state(trainer: pl.Trainer) -> dict[str, Any]:
     """What a fit's ranks must hold alike besides the module (read on the rank that trained longest, after uneven
     inputs): optimizer and LR-scheduler states, the precision plugin's, the optimizer-step counters behind
     ``trainer.global_step`` and the logging step, and each ``ModelCheckpoint``'s state with its (private) last
-    saved step, which decides its next save (and so its ``barrier``)."""
+    saved step, which decides its next save (and so its ``barrier``), and each weight-averaging callback's
+    (``EMAWeightAveraging``, Lightning >= 2.5) averaged model and (private) last update step and epoch, which a rank
+    out of data in a tail step did not update."""
     loop: Any = trainer.fit_loop.epoch_loop
     return {
         "optimizers": [o.state_dict() for o in trainer.optimizers],
@@ -331,6 +333,9 @@ def training_state(trainer: pl.Trainer) -> dict[str, Any]:
             loop._batches_that_stepped,
         ),
         "checkpoints": [(c.state_dict(), c._last_global_step_saved) for c in trainer.checkpoint_callbacks],
+        "averages": [
+            (c._average_model.state_dict(), c._latest_update_step, c._latest_update_epoch) for c in _averaging(trainer)
+        ],
     }
 
 
@@ -348,6 +353,18 @@ def load_training_state(trainer: pl.Trainer, state: dict[str, Any]) -> None:
     for callback, (callback_state, step) in zip(trainer.checkpoint_callbacks, state["checkpoints"], strict=True):
         callback.load_state_dict(callback_state)
         callback._last_global_step_saved = step
+    for callback, (average, *latest) in zip(_averaging(trainer), state["averages"], strict=True):
+        callback._average_model.load_state_dict(average)
+        callback._latest_update_step, callback._latest_update_epoch = latest
+
+
+def _averaging(trainer: pl.Trainer) -> list[Any]:
+    """The fit's ``WeightAveraging`` callbacks (per step; by their private state, in either namespace)."""
+    return [
+        c
+        for c in trainer.callbacks
+        if getattr(c, "_average_model", None) is not None and hasattr(c, "_latest_update_step")
+    ]
 
 
 def cut_epoch(trainer: pl.Trainer, batches: int) -> None:

@@ -6,9 +6,15 @@ after the epoch barrier). ``uneven_inputs="stop"`` ends every rank's epoch with 
 ``"error"`` refuses; equal known counts (the strategy's own shards) cost nothing.
 
 ``"join"`` (default) runs the epoch in torch's generic join context manager
-(``torch.distributed.algorithms.Join``), :class:`UnevenInputs` its ``Joinable`` and its own join hook: each step's
-ranks notify it (the all-reduce of one number ``Join.notify_join_context`` makes); a rank past its last batch
-enters ``Join.__exit__``, whose hook takes part in the others' steps. ``Join([ddp])``, DDP's own join, cannot
+(``torch.distributed.algorithms.Join``), :class:`UnevenInputs` its ``Joinable`` and its own join hook. Whether
+every rank has a next batch is known a step early (``is_last_batch``: Lightning's loop fetches one batch ahead of a
+loader without a length; known counts are exact), so each step starts an asynchronous all-reduce of it on the gloo
+side group, waited for at the next step's start, as the SIGTERM flags are (``process.boundaries``): while every
+rank has one, steps make no blocking collective of their own (where a length is only a hint, or validation may
+start at other batches on other ranks, each step notifies: :meth:`UnevenInputs.step_start`). At the step a rank
+lacks, and in each step after, the ranks notify the join (the all-reduce of one number
+``Join.notify_join_context`` makes), and a rank past its last batch enters ``Join.__exit__``, whose hook takes part
+in the others' steps. ``Join([ddp])``, DDP's own join, cannot
 serve: its hook shadows one DDP forward and backward per step, but a Lightning step makes collectives of its own
 between them (``self.log(sync_dist=True)``, ``reduce_boolean_decision``, a checkpoint's barrier and broadcast)
 that would meet the wrong collective on a rank out of data. So in a *tail* step (one that some ranks only shadow)
@@ -16,7 +22,8 @@ the active ranks announce each collective before making it, one message (an all-
 integers) of a kind in :data:`_KINDS`, the one table both sides read: DDP's forward and gradient buckets (the calls
 of DDP's own join hook, in two halves, since the step's own collectives come between), gathers (reductions and
 torchmetrics' syncs: a rank out of data gives an empty tensor, the active ranks keep their own rows), barriers,
-broadcasts from an active rank, a save's agreement; what a rank out of data cannot take part in (:data:`Refusal`)
+broadcasts from an active rank, a save's agreement, a ``ZeroRedundancyOptimizer``'s step and consolidation
+(:meth:`UnevenInputs.step_zero`); what a rank out of data cannot take part in (:data:`Refusal`)
 raises :class:`UnevenInputsError` on every rank. At the end every rank takes the longest rank's module and training
 state. This rank's state in such an epoch is one :class:`_Epoch`.
 
@@ -35,6 +42,7 @@ import torch
 import torch.distributed as dist
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch.distributed.algorithms import Join, Joinable, JoinHook
+from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import IterableDataset
 from torchmetrics.utilities.distributed import gather_all_tensors
@@ -135,6 +143,13 @@ _KINDS = {
         ),
         Refusal.SAVE,
     ),
+    "zero_step": (lambda u, index, src, c: u.step_zero(index, src), None),
+    "consolidate": (
+        lambda u, a, b, c: [
+            o.consolidate_state_dict() for o in u._trainer.optimizers if isinstance(o, ZeroRedundancyOptimizer)
+        ],
+        None,
+    ),
 }
 
 
@@ -142,6 +157,17 @@ class UnevenInputsError(RuntimeError):
     """Raised on every rank where ranks with different amounts of training data cannot go on together: a
     collective a rank without data cannot take part in (``uneven_inputs="join"``), or any unevenness under
     ``uneven_inputs="error"``. The message names the step, the ranks without data and what to do."""
+
+
+def _accumulation_message(trainer: Any, k: int, ranks: list[int]) -> str:
+    """The error for ``accumulate_grad_batches=k`` whose accumulations ``ranks``' last batches end alone."""
+    return (
+        f"[rank {trainer.global_rank}] accumulate_grad_batches={k} on ranks with different numbers of"
+        f" training batches (epoch {trainer.current_epoch}): the last batch of ranks {ranks} ends an"
+        " accumulation (a gradient all-reduce) where the longer ranks accumulate on, so their all-reduces"
+        f" cannot pair. Give every rank but the longest a multiple of {k} batches, or pass"
+        " MyDDPStrategy(uneven_inputs='stop'), or accumulate_grad_batches=1."
+    )
 
 
 @dataclass
@@ -153,10 +179,14 @@ class _Epoch:
     join: Join | None = None  #: ``"join"``: torch's join context, entered at the start
     uncut: int | None = None  #: ``"stop"`` with known counts (cut at the start, no per-step work): the epoch's length
     seen: int = -1  #: the batch counter at the last step's start (each step starts once)
+    ahead: Any = None  #: ``"join"``: the all-reduce (SUM) of next-batch flags in flight (None: notify at the next step)
     trained: int = 0  #: steps started
     tail: bool = False  #: in a step some ranks, out of data, only shadow
     synced: list[Any] | None = None  #: an evaluation's (None: a training epoch): the metrics it syncs (``gather``)
     outer: _Epoch | None = None  #: an evaluation's: the training epoch it interrupts (a validation run mid-epoch)
+    #: a training epoch's: the gloo side group of its next-batch flags (held no longer than the epoch: a group kept
+    #: past the fit keeps its store, and rank 0's port, after destroy_process_group)
+    group: Any = None
 
 
 class UnevenInputs(Joinable, JoinHook):
@@ -188,9 +218,10 @@ class UnevenInputs(Joinable, JoinHook):
             )
         self.policy, self.divide_by_initial_world_size = policy, divide_by_initial_world_size
         self.callback = _EpochEnd(self)  #: ends the join at the epoch's end, first among the callbacks
-        self.epochs: dict[int, tuple[int, ...]] = {}  #: uneven epoch -> batches each rank trained
+        self.epochs: dict[int, tuple[int, ...]] = {}  #: epoch whose counts differed -> batches each rank trained
         self._trainer: Any = None
         self._epoch: _Epoch | None = None
+        self._hooks: list[Any] = []  #: the post-hooks of each ZeroRedundancyOptimizer's local optimizer
 
     @property
     def tail(self) -> bool:
@@ -206,23 +237,42 @@ class UnevenInputs(Joinable, JoinHook):
     def join_device(self) -> torch.device:
         return self._trainer.strategy.root_device
 
+    @property
+    def failure_cause(self) -> str | None:
+        """For the failure report of a collective that breaks in a stage run under the join (its ranks' counts differ
+        or are unknown): the collective a user makes with ``torch.distributed`` directly, which the strategy cannot
+        see (in a tail step it meets the join's message; gloo aborts one rank, the others' collectives break). None
+        outside such a stage."""
+        return (
+            None
+            if self._epoch is None or self._epoch.join is None
+            else "A likely cause: the ranks hold different or unknown numbers of batches here (uneven inputs), and a"
+            " rank out of data takes part in the others' steps only through the strategy's collectives, so a"
+            " collective that a step or callback makes with torch.distributed directly meets the join's own message"
+            ' instead (gloo aborts one rank: "Received data size doesn\'t match expected size"). Make it through'
+            " trainer.strategy.reduce, barrier or broadcast, or at the epoch's end, or give every rank the same"
+            " number of batches."
+        )
+
     join_process_group = None  #: the world (torch's ``Joinable`` property, as a constant)
 
     def join_hook(self, **kwargs: Any) -> JoinHook:
         return self
 
-    def begin_epoch(self, trainer: Any) -> None:
+    def begin_epoch(self, trainer: Any, group: Any) -> None:
         """At a training epoch's start, on every rank, after the epoch barrier: gather every rank's batch count
         (-1: unknown, as any ``IterableDataset``'s, whose length is only a hint; one all-reduce of W integers), and
-        where they differ or are unknown, set the epoch up for the policy.
+        where they differ or are unknown, set the epoch up for the policy. ``group``: the gloo side group (the
+        epoch barrier's), where ``"join"``'s next-batch flags go.
 
         Raises:
             ValueError: known, unequal counts under ``"error"``, or under ``"join"`` with ``accumulate_grad_batches``
                 not dividing a shorter rank's count (its last batch would sync gradients alone).
         """
         self._trainer, self._epoch, batches = trainer, None, trainer.num_training_batches
-        loaders = flat_loaders(trainer.train_dataloader)
-        if batches == float("inf") or any(isinstance(getattr(dl, "dataset", None), IterableDataset) for dl in loaders):
+        if batches == float("inf") or any(
+            isinstance(getattr(dl, "dataset", None), IterableDataset) for dl in flat_loaders(trainer.train_dataloader)
+        ):
             batches = -1
         counts = [c - 1 for c in self._flags(int(batches) + 1)]
         if len(set(counts)) == 1 and -1 not in counts:
@@ -237,30 +287,47 @@ class UnevenInputs(Joinable, JoinHook):
                 " shards hold the same number of batches."
             )
         if self.policy == "join" and known and any(c % k for c in counts if c < max(counts)):
-            raise ValueError(self._accumulation_message([r for r, c in enumerate(counts) if c % k and c < max(counts)]))
-        self._epoch = _Epoch(known, trainer.fit_loop.epoch_loop.batch_progress)
-        if self.policy == "stop" and known:
-            self._epoch.uncut = trainer.num_training_batches  # given back at the epoch's end: the next one is cut anew
+            raise ValueError(
+                _accumulation_message(trainer, k, [r for r, c in enumerate(counts) if c % k and c < max(counts)])
+            )
+        self._epoch = _Epoch(
+            known,
+            trainer.fit_loop.epoch_loop.batch_progress,
+            Join([self]) if self.policy == "join" else None,
+            uncut=trainer.num_training_batches if self.policy == "stop" and known else None,  # given back at the end
+            group=group,
+        )
+        if self._epoch.uncut is not None:  # "stop" on known counts: cut here, the next epoch is cut anew
             _pl.cut_epoch(trainer, min(counts))
             self.epochs[epoch] = (min(counts),) * len(counts)
-        elif self.policy == "join":
-            self._epoch.join = Join([self])
+        elif self._epoch.join is not None:
             self._epoch.join.__enter__()
 
     def step_start(self) -> None:
-        """At a training step's start (``batch_to_device``, else ``training_step``), every rank with a batch, once:
-        one all-reduce (a second under ``"join"`` with unknown counts and ``accumulate_grad_batches > 1``).
+        """At a training step's start (``batch_to_device``, else ``training_step``), every rank with a batch, once.
+        ``"join"``: wait for the next-batch flags the last step sent, and start this step's (asynchronous, on the side
+        group). The join's notify (one blocking all-reduce) instead where a rank lacks this step, in the epoch's first
+        step, and in every step where the flags cannot be sent: a loader whose length is a hint (an
+        ``IterableDataset``'s ``__len__``, or ``limit_train_batches`` on one: Lightning then fetches no batch ahead,
+        and ``is_last_batch`` is the length's guess; known counts and a stream without a length are exact), or a
+        validation run that may start at other batches on other ranks
+        (``val_check_interval`` a fraction or a time, or an int counted across epochs,
+        ``check_val_every_n_epoch=None``). With unknown counts and ``accumulate_grad_batches > 1``, one more.
+        ``"stop"``/``"error"`` on unknown counts: one blocking all-reduce.
 
         Raises:
             UnevenInputsError: as the policy says; ranks validating at other batches; an accumulation a shorter
                 rank's last batch ends alone. StopIteration: ``"stop"``, a rank has no batch: the epoch ends here.
         """
         epoch, trainer = self._epoch, self._trainer
-        if epoch is None or epoch.uncut is not None or trainer.training != (epoch.synced is None):
+        if (
+            epoch is None
+            or epoch.uncut is not None
+            or trainer.training != (epoch.synced is None)
+            or epoch.progress.total.completed == epoch.seen  # each step starts once
+        ):
             return
         progress, k = epoch.progress, trainer.accumulate_grad_batches
-        if progress.total.completed == epoch.seen:
-            return
         epoch.seen, epoch.trained = progress.total.completed, epoch.trained + 1
         if epoch.join is None:  # "stop" or "error" on unknown counts: 1 a batch, 2 the last one, 3 none (finish)
             flags = self._flags(1 + progress.is_last_batch)
@@ -272,21 +339,36 @@ class UnevenInputs(Joinable, JoinHook):
                     " (the default: every rank trains all its batches) or 'stop' (all stop there), or give every rank"
                     " the same number."
                 )
-            epoch.trained -= 3 in flags  # a rank had no batch: "stop" ends the epoch before this one
+            if len(set(flags)) > 1:  # "stop" ends the epoch with this batch (before it, where a rank had none)
+                self.epochs[trainer.current_epoch] = (epoch.trained - (3 in flags),) * trainer.world_size
             if 3 in flags:
                 raise StopIteration
             progress.is_last_batch = max(flags) >= 2
             return
         if epoch.tail:
             self._exchange("end")
-        stepping, work = self._notify(1)
-        epoch.tail = stepping < trainer.world_size
-        if epoch.tail and not self.divide_by_initial_world_size and trainer.training:
-            _tp.set_gradient_divisor(self.ddp, work, False)
+        if epoch.ahead is None or epoch.ahead.get_future().wait()[0].item() < trainer.world_size:
+            stepping, work = self._notify(1)  # a rank that lacks this step is in Join.__exit__: it answers
+            epoch.tail = stepping < trainer.world_size
+            if epoch.tail and not self.divide_by_initial_world_size and trainer.training:
+                _tp.set_gradient_divisor(self.ddp, work, False)
+        epoch.ahead = (
+            dist.all_reduce(torch.tensor([int(not progress.is_last_batch)]), group=epoch.group, async_op=True)
+            if trainer.training  # an evaluation step notifies
+            and not epoch.tail
+            and (epoch.known or trainer.num_training_batches == float("inf"))  # else is_last_batch is a length's guess
+            and (
+                not trainer.enable_validation  # or the ranks validate at the same batches while all of them step:
+                or (interval := getattr(trainer, "val_check_interval", None)) == 1.0  # (unset for a time interval)
+                or isinstance(interval, int)
+                and trainer.check_val_every_n_epoch is not None
+            )
+            else None
+        )
         if k > 1 and not epoch.tail and not epoch.known and trainer.training:
             syncs = self._flags(1 + (progress.is_last_batch or (progress.current.ready + 1) % k == 0))
             if len(set(syncs)) > 1:
-                raise UnevenInputsError(self._accumulation_message([r for r, f in enumerate(syncs) if f == 2]))
+                raise UnevenInputsError(_accumulation_message(trainer, k, [r for r, f in enumerate(syncs) if f == 2]))
 
     def _notify(self, value: int) -> tuple[int, Any]:
         """One all-reduce of one number, the one ``Join.notify_join_context`` makes and ``Join.__exit__`` shadows
@@ -299,8 +381,7 @@ class UnevenInputs(Joinable, JoinHook):
         """
         trainer = self._trainer
         work = dist.all_reduce(torch.full((1,), float(value), device=self.join_device), async_op=True)
-        work.wait()
-        validating, stepping = divmod(int(work.get_future().value()[0].item()), trainer.world_size + 1)
+        validating, stepping = divmod(int(work.get_future().wait()[0].item()), trainer.world_size + 1)
         if 0 < validating < trainer.world_size:  # some ranks validate while the others train or are out of data
             if stepping + validating < trainer.world_size:
                 self.refuse(Refusal.VALIDATION)
@@ -315,48 +396,31 @@ class UnevenInputs(Joinable, JoinHook):
 
     def _flags(self, flag: int) -> list[int]:
         """One all-reduce (MAX) of every rank's small flag (this rank's ``flag``, at least 0); returns them by rank."""
-        strategy = self._trainer.strategy
-        flags = torch.zeros(strategy.world_size, dtype=torch.int64, device=strategy.root_device)
-        flags[strategy.global_rank] = flag
+        flags = torch.tensor(
+            [flag if r == self._trainer.global_rank else 0 for r in range(self._trainer.world_size)],
+            device=self.join_device,
+        )
         dist.all_reduce(flags, dist.ReduceOp.MAX)
         return flags.tolist()
-
-    def _accumulation_message(self, ranks: list[int]) -> str:
-        trainer, k = self._trainer, self._trainer.accumulate_grad_batches
-        return (
-            f"[rank {trainer.global_rank}] accumulate_grad_batches={k} on ranks with different numbers of"
-            f" training batches (epoch {trainer.current_epoch}): the last batch of ranks {ranks} ends an"
-            " accumulation (a gradient all-reduce) where the longer ranks accumulate on, so their all-reduces"
-            f" cannot pair. Give every rank but the longest a multiple of {k} batches, or pass"
-            " MyDDPStrategy(uneven_inputs='stop'), or accumulate_grad_batches=1."
-        )
 
     def before_forward(self) -> None:
         """Before DDP's forward (``training_step``): notify if not yet; in a step with fewer ranks announce it."""
         self.step_start()
-        if not self.tail:
-            return
-        if any(
-            getattr(m, "dist_sync_on_step", False) is True
-            and hasattr(m, "compute")
-            or "SyncBatchNorm" in type(m).__name__
-            for m in self._trainer.lightning_module.modules()
-        ):
-            self.refuse(Refusal.PER_STEP_SYNC)
-        _tp.set_ddp_join_mode(self.ddp, True)  # buffers from an active rank; whether the backward syncs: told
-        self._exchange("forward")
+        if self.tail:
+            if any(
+                getattr(m, "dist_sync_on_step", False) is True
+                and hasattr(m, "compute")
+                or "SyncBatchNorm" in type(m).__name__
+                for m in self._trainer.lightning_module.modules()
+            ):
+                self.refuse(Refusal.PER_STEP_SYNC)
+            _tp.set_ddp_join_mode(self.ddp, True)  # buffers from an active rank; whether the backward syncs: told
+            self._exchange("forward")
 
     def before_backward(self) -> None:
         """Before a backward through DDP in a step with fewer ranks: announce its gradient all-reduce."""
         if self.tail:
             self._exchange("backward", self.ddp.require_backward_grad_sync)
-
-    def before_validation(self) -> None:
-        """At a validation run's start: refused in a step with fewer ranks; mid-epoch, every rank must validate.
-        After this rank's last batch the epoch ends first (:meth:`announce`)."""
-        self.announce("validation")
-        if self._epoch is not None and self._epoch.join is not None:
-            self._notify(self._trainer.world_size + 1)
 
     def announce(self, collective: str, src: int = 0) -> bool:
         """Before each strategy collective (and validation run): whether it is in a step with fewer ranks, where
@@ -389,8 +453,7 @@ class UnevenInputs(Joinable, JoinHook):
             if isinstance(reduce_op, str)
             else next((n for n in _OPS if reduce_op == getattr(dist.ReduceOp, n.upper(), None)), None)
         )
-        rows = torch.stack(self.gather(tensor, group, name))
-        return tensor.copy_(_OPS[name](rows, 0))
+        return tensor.copy_(_OPS[name](torch.stack(self.gather(tensor, group, name)), 0))
 
     def gather(self, tensor: torch.Tensor, group: Any = None, op: str | None = "sum") -> list[torch.Tensor]:
         """Every rank's ``tensor`` (torchmetrics' ``gather_all_tensors``: shapes may differ), in a step with fewer
@@ -428,16 +491,18 @@ class UnevenInputs(Joinable, JoinHook):
         if epoch.uncut is not None:
             _pl.cut_epoch(trainer, epoch.uncut)
         elif epoch.join is None:  # "stop"/"error" on unknown counts; without a batch: answer the others' first step
-            if epoch.seen == -1 and len(set(self._flags(3))) > 1 and self.policy == "error":
-                raise UnevenInputsError(
-                    f"[rank {trainer.global_rank}] this rank has no training batch in epoch {trainer.current_epoch}"
-                    " while others have some (MyDDPStrategy(uneven_inputs='error')). Pass uneven_inputs='join' or"
-                    " 'stop', or give every rank batches."
-                )
-            self.epochs[trainer.current_epoch] = (epoch.trained,) * trainer.world_size
+            if epoch.seen == -1 and len(set(self._flags(3))) > 1:
+                if self.policy == "error":
+                    raise UnevenInputsError(
+                        f"[rank {trainer.global_rank}] this rank has no training batch in epoch"
+                        f" {trainer.current_epoch} while others have some (MyDDPStrategy(uneven_inputs='error'))."
+                        " Pass uneven_inputs='join' or 'stop', or give every rank batches."
+                    )
+                self.epochs[trainer.current_epoch] = (0,) * trainer.world_size  # "stop": no rank trains one
         else:
             if epoch.tail:
                 self._exchange("end")
+            epoch.tail = False  # out of data: its shadow of a ZeroRedundancyOptimizer's step announces nothing
             epoch.join.__exit__(None, None, None)
         self.abandon()
 
@@ -470,6 +535,32 @@ class UnevenInputs(Joinable, JoinHook):
         for metric in self._epoch.synced:
             metric.dist_sync_fn = self.gather
 
+    def step_zero(self, index: int, src: int | None = None) -> None:
+        """``ZeroRedundancyOptimizer`` number ``index`` (in ``trainer.optimizers``) in a step some ranks only shadow,
+        after the active ranks' update of their shards (its local optimizer's post-hook, ``src`` None) and before
+        its parameter broadcasts (one from each rank's shard): announced, then the highest active rank, ``src``,
+        broadcasts its gradients (as the update read them: clipped, accumulated) and hyperparameters (a scheduler's
+        ``lr``), which a rank out of data sets before its own step: the update of its shard and those broadcasts.
+        So every shard takes each step, as a single process's optimizer would."""
+        src = max(self._exchange("zero_step", index, self._trainer.global_rank)[1]) if src is None else src
+        zero = self._trainer.optimizers[index]
+        box = [
+            [
+                (
+                    {k: v for k, v in group.items() if k != "params"},
+                    [None if p.grad is None else p.grad.cpu() for p in group["params"]],
+                )
+                for group in zero.param_groups
+            ]
+        ]
+        dist.broadcast_object_list(box, src=src)
+        if not self.tail:  # out of data (an active rank's step goes on to the parameter broadcasts)
+            for group, (hyperparameters, grads) in zip(zero.param_groups, box[0], strict=True):
+                group.update(hyperparameters)
+                for p, grad in zip(group["params"], grads, strict=True):
+                    p.grad = None if grad is None else grad.to(p.device)
+            zero.step()
+
     def main_hook(self) -> None:
         """``Join``'s main hook, on a rank out of data: the others' step, each message read and taken part in, to its
         end."""
@@ -477,18 +568,22 @@ class UnevenInputs(Joinable, JoinHook):
             pass
 
     def post_hook(self, is_last_joiner: bool) -> None:
-        """``Join``'s post-hook, on every rank: record the batch counts; after a step with fewer ranks every rank
-        takes the module (parameters, buffers) and training state of the highest rank that trained longest."""
+        """``Join``'s post-hook, on every rank: where the batch counts differ (some rank joined before the last),
+        record them, and every rank takes the module (parameters, buffers) and training state of the highest rank
+        that trained longest."""
         if self._epoch.synced is not None:  # an evaluation's: nothing to record or copy
             return
         trainer = self._trainer
         flags = self._flags(2 * self._epoch.trained + is_last_joiner)  # every rank's steps, and whether it was last
-        self.epochs[trainer.current_epoch] = tuple(f // 2 for f in flags)
         _tp.set_gradient_divisor(self.ddp, None, True)  # the next epochs: DDP's own divisor and forward again
         _tp.set_ddp_join_mode(self.ddp, False)
-        if all(f % 2 for f in flags):
+        if all(f % 2 for f in flags):  # every rank was the last to join: equal counts
             return
+        self.epochs[trainer.current_epoch] = tuple(f // 2 for f in flags)
         source, module = max(r for r, f in enumerate(flags) if f % 2), trainer.lightning_module
+        for optimizer in trainer.optimizers:  # a sharded one's state_dict() is the one consolidated on the source
+            if isinstance(optimizer, ZeroRedundancyOptimizer):
+                optimizer.consolidate_state_dict(to=source)
         _tp.broadcast_coalesced([t.detach() for t in (*module.parameters(), *module.buffers())], src=source)
         box = [
             apply_to_collection(_pl.training_state(trainer), torch.Tensor, torch.Tensor.cpu)
@@ -506,8 +601,7 @@ class UnevenInputs(Joinable, JoinHook):
         trainer = self._trainer
         message = torch.zeros(5 + trainer.world_size, dtype=torch.int64, device=self.join_device)
         if kind:
-            batch = self._epoch.progress.current.ready
-            message[:5] = torch.tensor([list(_KINDS).index(kind) + 1, a, b, c, batch])
+            message[:5] = torch.tensor([list(_KINDS).index(kind) + 1, a, b, c, self._epoch.progress.current.ready])
             message[5 + trainer.global_rank] = 1
         dist.all_reduce(message, dist.ReduceOp.MAX)
         code, a, b, c, batch, *mask = message.tolist()
@@ -542,7 +636,11 @@ class _EpochEnd(Callback):
         self.uneven = uneven
 
     def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
-        self.uneven.before_validation()
+        """At a validation run's start: refused in a step with fewer ranks; mid-epoch, every rank must validate.
+        After this rank's last batch the epoch ends first (:meth:`UnevenInputs.announce`)."""
+        self.uneven.announce("validation")
+        if self.uneven._epoch is not None and self.uneven._epoch.join is not None:
+            self.uneven._notify(trainer.world_size + 1)
 
     def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
         """At a training epoch's end, or an evaluation stage's (before its metrics are computed)."""
@@ -551,17 +649,32 @@ class _EpochEnd(Callback):
     on_validation_epoch_end = on_test_epoch_end = on_predict_epoch_end = on_train_epoch_end
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        """Forget the last fit's counts; hook each ``ZeroRedundancyOptimizer``'s step (``UnevenInputs.step_zero``)."""
         self.uneven.epochs = {}
+        for hook in self.uneven._hooks:  # a last fit's, which a failure left
+            hook.remove()
+        self.uneven._hooks = [
+            zero.optim.register_step_post_hook(lambda *_, i=i: self.uneven.tail and self.uneven.step_zero(i))
+            for i, zero in enumerate(trainer.optimizers)
+            if isinstance(zero, ZeroRedundancyOptimizer)
+        ]
+
+    def state_dict(self) -> dict[str, Any]:
+        """Called first in each checkpoint's ``dump_checkpoint``, before the optimizer states, whose
+        ``consolidate_state_dict`` (a ``ZeroRedundancyOptimizer``'s, each rank's shard broadcast) a step some ranks
+        only shadow announces here. Returns ``{}`` (nothing is saved)."""
+        if self.uneven.tail and any(isinstance(o, ZeroRedundancyOptimizer) for o in self.uneven._trainer.optimizers):
+            self.uneven._exchange("consolidate")
+        return {}
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         """Rank 0 logs, for the fit summary, the policy and the batches each rank trained in each uneven epoch."""
-        u = self.uneven
-        if u.epochs:
+        if (u := self.uneven).epochs:
             rule = {
                 "join": f"; a step's gradient sum divided by {'W' if u.divide_by_initial_world_size else 'its ranks'}",
                 "stop": "; the longer ranks' later batches not trained",
             }.get(u.policy, "")
-            epochs = ", ".join(f"epoch {epoch}: {list(counts)}" for epoch, counts in u.epochs.items())
             _namespace.rank_zero_info(
-                f"Uneven inputs (uneven_inputs={u.policy!r}{rule}): batches trained per rank, {epochs}"
+                f"Uneven inputs (uneven_inputs={u.policy!r}{rule}): batches trained per rank, "
+                + ", ".join(f"epoch {epoch}: {list(counts)}" for epoch, counts in u.epochs.items())
             )

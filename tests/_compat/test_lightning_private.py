@@ -476,11 +476,13 @@ def test_the_per_batch_sigterm_broadcast_is_where_we_turn_it_off_and_lightning_s
 def test_training_state_round_trips_and_cut_epoch_sets_the_loops_counts(namespace, tmp_path):
     """After a 1-process fit, training_state holds the optimizer's momentum, the scheduler's and the step counters,
     and the ModelCheckpoint's last saved step; load_training_state into another fitted Trainer makes it read the
-    same (global_step too); cut_epoch sets fit_loop.max_batches and a fractional val_check_interval's batch."""
+    same (global_step too), and an EMAWeightAveraging's averaged weights and last update step where the namespace
+    has it (Lightning >= 2.5); cut_epoch sets fit_loop.max_batches and a fractional val_check_interval's batch."""
     from ddp_strategy.testing import assert_same_on_every_rank
 
     boring_model = namespace.get("pytorch.demos.boring_classes:BoringModel")
     model_checkpoint = namespace.get("pytorch.callbacks:ModelCheckpoint")
+    ema = getattr(namespace.pytorch.callbacks, "EMAWeightAveraging", None)
 
     class Momentum(boring_model):
         def configure_optimizers(self):
@@ -498,7 +500,10 @@ def test_training_state_round_trips_and_cut_epoch_sets_the_loops_counts(namespac
             enable_progress_bar=False,
             enable_model_summary=False,
             default_root_dir=tmp_path,
-            callbacks=[model_checkpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=1, save_top_k=-1)],
+            callbacks=[
+                model_checkpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=1, save_top_k=-1),
+                *([ema(decay=0.5)] if ema else []),
+            ],
         )
         trainer.fit(Momentum())
         return trainer
@@ -506,6 +511,7 @@ def test_training_state_round_trips_and_cut_epoch_sets_the_loops_counts(namespac
     source, target = fitted(3), fitted(1)
     state = _pl.training_state(source)
     assert state["optimizers"][0]["state"] and state["checkpoints"][0][1] == 3 and target.global_step == 1
+    assert [latest for _, latest, _ in state["averages"]] == ([3] if ema else [])
     _pl.load_training_state(target, state)
     assert target.global_step == 3 and target.checkpoint_callback._last_global_step_saved == 3
     assert_same_on_every_rank([state, _pl.training_state(target)], "training state")

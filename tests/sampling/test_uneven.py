@@ -18,10 +18,13 @@ from ddp_testing import launch, load
 from uneven_workers import (
     BN_COUNTS,
     BN_MOMENTUM,
+    CLIP,
+    EMA_DECAY,
     EPOCHS,
     EVAL,
     EVAL_BATCH,
     EVAL_SALT,
+    GAMMA,
     ITERABLE,
     ITERABLE_BATCH,
     LR,
@@ -36,6 +39,7 @@ from uneven_workers import (
     loss_of,
     make_layer,
     samples,
+    scenario_direct_collective,
     scenario_evaluation_ddp,
     scenario_join,
     scenario_policies,
@@ -86,18 +90,21 @@ def reference(
     steps: int | None = None,
     epochs: int = EPOCHS,
     accumulate: int = 1,
+    clip: float | None = None,
+    gamma: float = 1.0,
 ) -> SimpleNamespace:
     """One process, the documented rule: ``layer`` (final), ``after_step`` (the weights after each step), ``val``
     (after each epoch, the loss over all of ``VAL``'s samples) and ``val_of_batch_means`` (the mean of its batches'
     means, which weighs the one-sample batch more). ``steps``: batches per epoch (default: the most of any rank);
     ``accumulate``: batches per optimizer step (Lightning divides each loss by it; the epoch's last step may hold
-    fewer)."""
+    fewer); ``clip``: the gradient's norm is clipped to it before each step; ``gamma``: the learning rate's factor
+    after each step. ``optimizer``: the final SGD."""
     layer = make_layer()
     optimizer = torch.optim.SGD(layer.parameters(), lr=LR, momentum=MOMENTUM)
     per_rank, world_size = rank_batches(counts, batch_size), len(counts)
     val_batches = [b for batches in rank_batches(VAL, VAL_BATCH, VAL_SALT) for b in batches]
     val_x, val_y = (torch.cat([b[i] for b in val_batches]) for i in (0, 1))
-    result = SimpleNamespace(layer=layer, after_step=[], val=[], val_of_batch_means=[])
+    result = SimpleNamespace(layer=layer, optimizer=optimizer, after_step=[], val=[], val_of_batch_means=[])
     for _ in range(epochs):
         n = steps or max(map(len, per_rank))
         for first in range(0, n, accumulate):
@@ -106,7 +113,11 @@ def reference(
                 active = [batches[s] for batches in per_rank if s < len(batches)]
                 total = sum(loss_of(layer, x, y) for x, y, _ in active) / accumulate
                 (total / (world_size if by_world_size else len(active))).backward()
+            if clip is not None:
+                torch.nn.utils.clip_grad_norm_(layer.parameters(), clip)
             optimizer.step()
+            for group in optimizer.param_groups:
+                group["lr"] *= gamma
             result.after_step.append({f"layer.{k}": v.detach().clone() for k, v in layer.state_dict().items()})
         with torch.no_grad():
             result.val.append(loss_of(layer, val_x, val_y).item())
@@ -126,6 +137,14 @@ def assert_weights(records: list[dict], expected: torch.nn.Module) -> None:
 def indices(counts: tuple[int, ...], batch_size: int, steps: int | None = None) -> list[list[list[int]]]:
     """Per rank, the indices of its batches in one epoch (the first ``steps``)."""
     return [[b[2].tolist() for b in batches][:steps] for batches in rank_batches(counts, batch_size)]
+
+
+def ema(after_step: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """EMAWeightAveraging's average (``EMA_DECAY``) of the weights after each step (the first: a copy)."""
+    average = after_step[0]
+    for weights in after_step[1:]:
+        average = {k: EMA_DECAY * v + (1 - EMA_DECAY) * weights[k] for k, v in average.items()}
+    return average
 
 
 # ------------------------------------------------------------------------------------------ processes
@@ -195,6 +214,54 @@ def test_collectives_of_a_tail_step_are_shadowed_with_the_active_ranks_values(ru
             assert (got["sum"], got["max"], got["min"]) == ((2 * v0 + 10, -v0, v0) if both else (v0, -v0, v0)), got
             assert (got["all"], got["any"]) == ((False, True) if both else (True, False)), got  # rank 0's decision
             assert got["barrier"] and got["broadcast"] == "from rank 0"
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_a_zero_redundancy_optimizer_takes_every_step_on_every_shard_with_the_reference_weights_and_state(runs):
+    """ZeroRedundancyOptimizer (SGD with momentum, each rank one parameter's state) with gradient_clip_val and a
+    per-step StepLR, 5 and 4 batches, a checkpoint each step: where it hung (its step's broadcast met the rank out of
+    data), both ranks take 10 steps with identical weights equal to the reference (clipped, decayed); every step's
+    file, the tail steps 5 and 10 included, holds that step's reference weights, and the last one the reference's
+    consolidated optimizer state (both shards' momentum, the decayed learning rate)."""
+    records = load(runs, "zero", 2)
+    for rec in records:
+        assert rec["error"] is None and rec["steps"] == 10 and rec["epochs"] == {0: (5, 4), 1: (5, 4)}
+    expected = reference(ITERABLE, ITERABLE_BATCH, clip=CLIP, gamma=GAMMA)
+    assert_weights(records, expected.layer)
+    assert not torch.allclose(expected.layer.weight, reference(ITERABLE, ITERABLE_BATCH).layer.weight)  # clipped
+    for step in range(1, 11):
+        checkpoint = torch.load(runs / "ckpt_zero" / f"step={step}.ckpt", weights_only=True)
+        for k, v in checkpoint["state_dict"].items():
+            assert torch.allclose(v, expected.after_step[step - 1][k], **TIGHT), (step, k)
+    state, reference_state = checkpoint["optimizer_states"][0], expected.optimizer.state_dict()
+    assert state["param_groups"][0]["lr"] == pytest.approx(reference_state["param_groups"][0]["lr"])
+    for i, param_state in reference_state["state"].items():
+        assert torch.allclose(state["state"][i]["momentum_buffer"], param_state["momentum_buffer"], **TIGHT), i
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_an_ema_callback_and_clipping_by_norm_hold_the_reference_average_of_every_step_on_every_rank(runs):
+    """EMAWeightAveraging (decay 0.5, after each optimizer step; no collective) with gradient_clip_val (by norm, each
+    rank clips the all-reduced gradient it holds: no collective) on 5 and 4 batches: rank 1, out of data in rank 0's
+    5th steps, takes rank 0's average with the module at each epoch's end, so after fit (the average swapped in)
+    both ranks hold bitwise the same weights, the average over the clipped reference's 10 steps (where rank 1's
+    average missed steps 5 and 10); on 5 and 5 batches the same user code gives bitwise the same weights under
+    strategy="ddp", the reference's average."""
+    records = load(runs, "ema", 2)
+    assert [(rec["error"], rec["steps"], rec["epochs"]) for rec in records] == [(None, 10, {0: (5, 4), 1: (5, 4)})] * 2
+    assert_same_on_every_rank([rec["weights"] for rec in records], "parameters")
+    after_step = reference(ITERABLE, ITERABLE_BATCH, clip=CLIP).after_step
+    for k, v in ema(after_step).items():
+        assert torch.allclose(records[0]["weights"][k], v, **TIGHT), (k, records[0]["weights"][k], v)
+    assert not torch.allclose(ema(after_step)["layer.weight"], after_step[-1]["layer.weight"])  # not the last
+    assert not torch.allclose(after_step[-1]["layer.weight"], reference(ITERABLE, ITERABLE_BATCH).layer.weight)
+    ours, lightning = load(runs, "ema_even_ours", 2), load(runs, "ema_even_ddp", 2)  # 5 and 5 batches
+    assert [rec["error"] for rec in ours + lightning] == [None] * 4
+    assert_same_on_every_rank([rec["weights"] for rec in ours + lightning], "parameters")
+    even = ema(reference((ITERABLE[0],) * 2, ITERABLE_BATCH, clip=CLIP).after_step)
+    assert all(torch.allclose(ours[0]["weights"][k], v, **TIGHT) for k, v in even.items())
 
 
 @pytest.mark.multiprocess
@@ -345,6 +412,59 @@ def test_even_inputs_train_bitwise_as_under_lightning_ddp_and_sharded_loaders_ar
         assert rec["error"] is None and rec["steps"] == 5 and rec["epochs"] == {}
 
 
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_steps_every_rank_takes_agree_asynchronously_and_a_step_a_rank_lacks_notifies_the_join(runs):
+    """Under uneven_inputs="join" each step starts one asynchronous all-reduce of whether this rank has a next batch
+    (on the gloo side group) and waits for it at the next step: on an even stream (5 and 5 batches, 2 epochs) the
+    policy's world-group all-reduces (each one blocking) come only with the epochs' first steps (the epoch start's
+    count, the join's first notify) and ends; on 5 and 4 batches also in the step rank 1 lacks (rank 0's 5th: the
+    join's notify, its announcements), which rank 1 answers after its 4th."""
+    for rec in load(runs, "even_ours", 2):
+        calls = [(step, world) for step, module, _, world in rec["all_reduces"] if module == "uneven.py"]
+        assert sorted(step for step, world in calls if not world) == list(range(10))  # one flag each step
+        assert {step for step, world in calls if world} == {0, 5, 10}
+    records = load(runs, "join_iterable", 2)
+    for rec, expected in zip(records, ({0, 4, 5, 9, 10}, {0, 4, 8}), strict=True):
+        calls = [(step, world) for step, module, _, world in rec["all_reduces"] if module == "uneven.py"]
+        assert {step for step, world in calls if world} == expected
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_only_epochs_whose_counts_differ_are_recorded_and_logged(runs):
+    """An even stream (5 and 5 batches) under "join" and "stop": no epoch recorded, no "Uneven inputs" line, and
+    the fit summary says a stream's batches and optimizer steps are unknown (not "inf"); 5 and 4 batches still log
+    the counts of each epoch on rank 0, "stop" what every rank trained."""
+    for name in ("even_ours", "stop_even"):
+        records = load(runs, name, 2)
+        assert [rec["epochs"] for rec in records] == [{}, {}], name
+        assert not [m for rec in records for m in rec["messages"] if m.startswith("Uneven inputs")], name
+        (summary,) = [m for m in records[0]["messages"] if m.startswith("DDP fit summary")]
+        assert "data: training samples: ?, batches and optimizer steps per epoch unknown (streaming loader)" in summary
+    assert (
+        "Uneven inputs (uneven_inputs='join'; a step's gradient sum divided by W): batches trained per rank,"
+        " epoch 0: [5, 4], epoch 1: [5, 4]" in load(runs, "join_iterable", 2)[0]["messages"]
+    )
+    assert (
+        "Uneven inputs (uneven_inputs='stop'; the longer ranks' later batches not trained): batches trained per"
+        " rank, epoch 0: [4, 4], epoch 1: [4, 4]" in load(runs, "stop_iterable", 2)[0]["messages"]
+    )
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_a_zero_redundancy_optimizer_on_even_inputs_trains_bitwise_as_under_lightning_ddp(runs):
+    """The same ZeroRedundancyOptimizer module, clipping and scheduler on 5 batches per rank: MyDDPStrategy() and
+    strategy="ddp" give bitwise the same weights after 10 steps, equal to the reference."""
+    ours, lightning = load(runs, "zero_even_ours", 2), load(runs, "zero_even_ddp", 2)
+    for r in range(2):
+        assert ours[r]["error"] is None and lightning[r]["error"] is None
+        assert ours[r]["steps"] == lightning[r]["steps"] == 10
+        assert_same_on_every_rank([ours[r]["weights"], lightning[r]["weights"]], "parameters")
+    assert_weights(ours, reference((ITERABLE[0],) * 2, ITERABLE_BATCH, clip=CLIP, gamma=GAMMA).layer)
+
+
 def assert_refused(records: list[dict], error_type: str, *parts: str) -> None:
     """Every rank raised ``error_type`` within seconds (the collective timeout is 60 s), its message naming its rank
     and holding each of ``parts``."""
@@ -391,12 +511,13 @@ def test_accumulation_that_every_shorter_rank_ends_trains_every_batch_once_with_
 @pytest.mark.timeout(600)
 def test_validation_inside_an_uneven_epoch_is_refused_on_every_rank(runs):
     """val_check_interval=2 on an IterableDataset (5 and 4 batches: rank 1's 4th, its last, would validate alone
-    after the shared run at batch 2) and val_check_interval=0.5 on pre-sharded 4 and 3 batches (rank 1 validates
-    after batch 1, rank 0 after 2): UnevenInputsError on both ranks within seconds, naming the validation run and
-    val_check_interval."""
-    records = load(runs, "val_every_2", 2)
-    assert_refused(records, UnevenInputsError.__name__, "validation run", "val_check_interval")
-    assert [rec["steps"] for rec in records] == [4, 4] and [len(rec["val"]) for rec in records] == [1, 1]
+    after the shared run at batch 2; counted across epochs or per epoch, where the steps agree asynchronously) and
+    val_check_interval=0.5 on pre-sharded 4 and 3 batches (rank 1 validates after batch 1, rank 0 after 2):
+    UnevenInputsError on both ranks within seconds, naming the validation run and val_check_interval."""
+    for name in ("val_every_2", "val_every_2_per_epoch"):  # per epoch: the steps both take agree asynchronously
+        records = load(runs, name, 2)
+        assert_refused(records, UnevenInputsError.__name__, "validation run", "val_check_interval")
+        assert [rec["steps"] for rec in records] == [4, 4] and [len(rec["val"]) for rec in records] == [1, 1], name
     records = load(runs, "val_half_map", 2)
     assert_refused(
         records,
@@ -519,3 +640,22 @@ def test_lightnings_ddp_goes_wrong_on_the_same_uneven_evaluation_streams(tmp_pat
         or rec["computed"] != pytest.approx(expected.total, abs=1e-5)
         for rec in records
     ), records
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_a_direct_torch_distributed_call_in_a_tail_step_is_named_on_the_rank_left(tmp_path):
+    """A training_step's own torch.distributed.all_reduce (not through the strategy, so not seen): in the 4 steps
+    both ranks take it sums both ranks' values; in rank 0's 5th, while rank 1 is out of data, it meets the join's
+    message and gloo aborts rank 0 (its C++ check, "Received data size doesn't match expected size": no Python
+    error there), and rank 1's error comes within seconds naming the direct call and what to do."""
+    with pytest.raises(AssertionError, match="rank 0 exited with code -6"):
+        launch(scenario_direct_collective, 2, tmp_path, timeout_s=180)
+    record = torch.load(tmp_path / "direct.rank1.pt", weights_only=True)
+    assert [got["torch_distributed"] for got in record["results"]] == [30.0 + 2 * i for i in range(4)]
+    error_type, message, seconds = record["error"]
+    assert error_type == "RuntimeError" and seconds < 20, record["error"]
+    assert "[rank 1] a collective failed because another rank did not take part." in message
+    assert "A likely cause: the ranks hold different or unknown numbers of batches here (uneven inputs)" in message
+    assert "a collective that a step or callback makes with torch.distributed directly meets the join's" in message
+    assert "Make it through trainer.strategy.reduce, barrier or broadcast, or at the epoch's end" in message

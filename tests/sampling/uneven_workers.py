@@ -8,20 +8,24 @@ single-process reference.
 
 from __future__ import annotations
 
+import logging
 import os
+import sys
 import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
+import lightning_utilities.core.rank_zero as rank_zero
 import torch
 import torch.distributed as dist
 import torchmetrics
 from ddp_testing import save
-from lightning.pytorch.callbacks import BasePredictionWriter, ModelCheckpoint
+from lightning.pytorch.callbacks import BasePredictionWriter, EMAWeightAveraging, ModelCheckpoint
 from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
+from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
 
 from ddp_strategy import MyDDPStrategy
@@ -37,6 +41,11 @@ EPOCHS = 2
 BN_COUNTS, BN_MOMENTUM = (2, 6), 0.5  # rank 0: 1 batch of 2, rank 1: 3
 #: Evaluation streams (issue 38 item 1): 10 and 8 samples, batch 2: 5 and 4 batches per rank.
 EVAL, EVAL_BATCH, EVAL_SALT = (10, 8), 2, 2
+
+#: ``Zero``'s gradient clipping (by norm, Lightning's ``gradient_clip_val``) and its per-step learning-rate decay.
+CLIP, GAMMA = 0.5, 0.9
+#: ``EMAWeightAveraging``'s decay (an update after each optimizer step).
+EMA_DECAY = 0.5
 #: The collectives a training step makes (``Probed(probes=...)``): shadowed ones, then each refused one.
 SHADOWED = ("log", "reduce", "decision", "barrier", "broadcast")
 
@@ -143,6 +152,9 @@ class Probed(pl.LightningModule):
             got["broadcast_from_1"] = strategy.broadcast(f"from rank {self.global_rank}", src=1)
         if "all_gather" in self.probes:
             got["all_gather"] = self.all_gather(torch.tensor([v])).tolist()
+        if "torch_distributed" in self.probes:  # the user's own collective, not through the strategy
+            dist.all_reduce(value := torch.tensor([v]))
+            got["torch_distributed"] = value.item()
         self.results.append(got)
         return loss
 
@@ -256,6 +268,51 @@ def evaluate(out: Path, name: str, strategy: Any, stages: tuple[str, ...]) -> No
         )
 
 
+class Observed(pl.Callback, logging.Handler):
+    """While a fit runs: the messages of Lightning's rank-zero logger (the fit summary, the uneven-inputs line), and
+    each ``torch.distributed.all_reduce`` called from a ``ddp_strategy`` module, as ``(step, module, async_op,
+    world)``: ``step`` the training steps ended before it (a step lasts from one step's end to the next's)."""
+
+    def __init__(self) -> None:
+        pl.Callback.__init__(self)
+        logging.Handler.__init__(self, logging.INFO)
+        self.messages: list[str] = []
+        self.calls: list[tuple[int, str, bool, bool]] = []
+        self.steps, self._all_reduce = 0, dist.all_reduce
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+    def _counted(self, tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        caller = sys._getframe(1).f_code.co_filename
+        if f"{os.sep}ddp_strategy{os.sep}" in caller:
+            group = kwargs.get("group", args[1] if len(args) > 1 else None)
+            self.calls.append((self.steps, Path(caller).name, bool(kwargs.get("async_op")), group is None))
+        return self._all_reduce(tensor, *args, **kwargs)
+
+    def __enter__(self) -> Observed:
+        rank_zero.log.addHandler(self)
+        dist.all_reduce = self._counted
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        dist.all_reduce = self._all_reduce
+        rank_zero.log.removeHandler(self)
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        self.steps += 1
+
+
+class Zero(Probed):
+    """:class:`Probed` trained by ``ZeroRedundancyOptimizer`` (SGD with momentum, one parameter's state per rank)
+    with a learning rate decayed by ``GAMMA`` after each step (``StepLR``, ``interval="step"``)."""
+
+    def configure_optimizers(self) -> Any:
+        zero = ZeroRedundancyOptimizer(self.parameters(), torch.optim.SGD, lr=LR, momentum=MOMENTUM)
+        scheduler = torch.optim.lr_scheduler.StepLR(zero, step_size=1, gamma=GAMMA)
+        return {"optimizer": zero, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
 def trainer(out: Path, strategy: Any = None, **kwargs: Any) -> pl.Trainer:
     """A quiet 2-process CPU trainer (externally launched) for ``EPOCHS`` epochs."""
     defaults: dict[str, Any] = dict(
@@ -280,13 +337,16 @@ def weights(model: nn.Module) -> dict[str, torch.Tensor]:
 
 def fit(out: Path, name: str, train: Any, val: Any = None, model: Probed | None = None, **kwargs: Any) -> None:
     """Fit and record ``name``: batches seen, step results, validation values, weights, global step, the counts
-    per uneven epoch, and the error (type, message, seconds from the fit's start) if the fit raised."""
-    model = model or Probed()
+    per uneven epoch, what :class:`Observed` saw, and the error (type, message, seconds from the fit's start) if the
+    fit raised."""
+    model, observed = model or Probed(), Observed()
+    kwargs["callbacks"] = [*kwargs.get("callbacks", []), observed]
     t = trainer(out, **kwargs)
     record: dict[str, Any] = {"error": None}
     start = time.monotonic()
     try:
-        t.fit(model, train, val)
+        with observed:
+            t.fit(model, train, val)
     except Exception as error:  # noqa: BLE001 - recorded for the test
         record["error"] = (type(error).__name__, str(error), time.monotonic() - start)
     save(
@@ -301,6 +361,8 @@ def fit(out: Path, name: str, train: Any, val: Any = None, model: Probed | None 
             "initial": weights(make_layer()),
             "steps": t.global_step,
             "epochs": dict(t.strategy._uneven.epochs) if isinstance(t.strategy, MyDDPStrategy) else None,
+            "messages": observed.messages,
+            "all_reduces": observed.calls,
         },
     )
 
@@ -320,7 +382,9 @@ def scenario_join(out: Path) -> None:
     validation, and with the other gradient divisor; a checkpoint each step while rank 0 has fewer; each refused
     collective (an all_gather, a broadcast from the joined rank, torchmetrics' per-step sync, SyncBatchNorm); then
     the cases a probe found hanging: accumulate_grad_batches (refused, and one that trains), validation inside
-    the epoch (val_check_interval), and an IterableDataset with limit_train_batches or a __len__ (both hints)."""
+    the epoch (val_check_interval), and an IterableDataset with limit_train_batches or a __len__ (both hints); a
+    ZeroRedundancyOptimizer with gradient clipping, a per-step scheduler and a checkpoint each step; an
+    EMAWeightAveraging callback with gradient clipping (by norm) of a plain optimizer."""
     fit(
         out,
         "join_iterable",
@@ -346,6 +410,22 @@ def scenario_join(out: Path) -> None:
         callbacks=[every_step_checkpoint(out / "ckpt_fewer")],
         enable_checkpointing=True,
     )
+    fit(
+        out,
+        "zero",
+        stream(ITERABLE, ITERABLE_BATCH),
+        model=Zero(),
+        gradient_clip_val=CLIP,
+        callbacks=[every_step_checkpoint(out / "ckpt_zero")],
+        enable_checkpointing=True,
+    )
+    fit(
+        out,
+        "ema",
+        stream(ITERABLE, ITERABLE_BATCH),
+        gradient_clip_val=CLIP,
+        callbacks=[EMAWeightAveraging(decay=EMA_DECAY)],
+    )
     fit(out, "refuse_all_gather", stream(ITERABLE, ITERABLE_BATCH), model=Probed(("all_gather",)))
     fit(out, "refuse_broadcast", stream(ITERABLE, ITERABLE_BATCH), model=Probed(("broadcast_from_1",)))
     fit(out, "refuse_metric", stream(ITERABLE, ITERABLE_BATCH), model=Probed(metric=True))
@@ -356,6 +436,7 @@ def scenario_join(out: Path) -> None:
     fit(out, "accumulate_2", stream(ITERABLE, ITERABLE_BATCH), accumulate_grad_batches=2)
     val = stream(VAL, VAL_BATCH, VAL_SALT)
     fit(out, "val_every_2", stream(ITERABLE, ITERABLE_BATCH), val, val_check_interval=2, check_val_every_n_epoch=None)
+    fit(out, "val_every_2_per_epoch", stream(ITERABLE, ITERABLE_BATCH), val, val_check_interval=2)  # flags async
     fit(
         out,
         "val_half_map",
@@ -372,7 +453,7 @@ def scenario_policies(out: Path) -> None:
     """uneven_inputs="stop" and "error" on both loader kinds, on a rank without any batch and on a data set whose
     ``__len__`` reads the rank; validation, test and predict on uneven streams; even inputs under MyDDPStrategy, a
     loader the strategy shards, then the even inputs under Lightning's ddp (last: its teardown keeps the process
-    group)."""
+    group); each with a ZeroRedundancyOptimizer too."""
     fit(out, "stop_iterable", stream(ITERABLE, ITERABLE_BATCH), strategy=strategy(uneven_inputs="stop"))
     fit(
         out,
@@ -402,9 +483,20 @@ def scenario_policies(out: Path) -> None:
     evaluate(out, "eval", strategy, ("validate", "test", "predict", "refuse"))
     even, val = (ITERABLE[0], ITERABLE[0]), stream((VAL[0], VAL[0]), VAL_BATCH, VAL_SALT)
     fit(out, "even_ours", stream(even, ITERABLE_BATCH), val, Probed(("log",)))
+    fit(out, "stop_even", stream(even, ITERABLE_BATCH), strategy=strategy(uneven_inputs="stop"))
     whole = DataLoader(TensorDataset(*samples(0, 20, TRAIN_SALT)), batch_size=2, shuffle=True)
     fit(out, "sharded", whole, max_epochs=1)
+    fit(out, "zero_even_ours", stream(even, ITERABLE_BATCH), model=Zero(), gradient_clip_val=CLIP)
     fit(out, "even_ddp", stream(even, ITERABLE_BATCH), val, Probed(("log",)), strategy="ddp")
+    fit(out, "zero_even_ddp", stream(even, ITERABLE_BATCH), model=Zero(), gradient_clip_val=CLIP, strategy="ddp")
+    for name, ddp in (("ema_even_ours", None), ("ema_even_ddp", "ddp")):
+        averaged = EMAWeightAveraging(decay=EMA_DECAY)
+        fit(out, name, stream(even, ITERABLE_BATCH), gradient_clip_val=CLIP, callbacks=[averaged], strategy=ddp)
+
+
+def scenario_direct_collective(out: Path) -> None:
+    """A training step's own torch.distributed.all_reduce on 5 and 4 batches (rank 0 does not come back)."""
+    fit(out, "direct", stream(ITERABLE, ITERABLE_BATCH), model=Probed(("torch_distributed",)))
 
 
 def scenario_evaluation_ddp(out: Path) -> None:
