@@ -14,6 +14,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from ddp_strategy.process import failures
+
 # The suite imports both Lightning namespaces in one process (tests/_compat/test_namespace.py imports
 # pytorch_lightning);
 # objects built without a namespace of their own (DigitsClassifier()) follow the user's imports, so pin the
@@ -67,7 +69,8 @@ def module_environment():
 
 @pytest.fixture(autouse=True)
 def clean_process_state():
-    """Destroy any process group, restore os.environ, and fail on leftover children or files in the cwd."""
+    """Destroy any process group (and a failed run's kept store), restore os.environ, and fail on leftover
+    children or files in the cwd."""
     env_before = dict(os.environ)
     cwd = Path.cwd()
     files_before = set(os.listdir(cwd))
@@ -75,6 +78,7 @@ def clean_process_state():
     yield
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+    failures.KEPT_STORES.clear()  # a failed run's store, kept for this process's next run, ends with its test
     os.environ.clear()
     os.environ.update(env_before)
     torch.set_num_threads(threads_before)
