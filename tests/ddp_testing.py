@@ -168,19 +168,26 @@ def loader(n: int = 8, batch_size: int = 2, drop_last: bool = False) -> DataLoad
     )
 
 
-def one_rank_trainer(root: Path, strategy: MyDDPStrategy | None = None, **kwargs: Any) -> pl.Trainer:
-    """A quiet ``Trainer(devices=1)`` in this process under ``strategy`` (default ``MyDDPStrategy(timeout=30)``)."""
+def quiet_trainer(devices: int, strategy: Any, **kwargs: Any) -> pl.Trainer:
+    """A ``Trainer`` on ``devices`` CPU processes under ``strategy`` (ours, or Lightning's, e.g. ``"ddp"``) with no
+    logger, progress bar or model summary, and no checkpointing unless ``enable_checkpointing=True``; ``kwargs`` go
+    to the Trainer as they are."""
     kwargs.setdefault("enable_checkpointing", False)
     return pl.Trainer(
-        devices=1,
         accelerator="cpu",
-        strategy=strategy or MyDDPStrategy(timeout=30),
-        default_root_dir=root,
+        devices=devices,
+        strategy=strategy,
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,
         **kwargs,
     )
+
+
+def one_rank_trainer(root: Path, strategy: MyDDPStrategy | None = None, **kwargs: Any) -> pl.Trainer:
+    """A :func:`quiet_trainer` on 1 device in this process, rooted at ``root``, under ``strategy`` (default
+    ``MyDDPStrategy(timeout=30)``)."""
+    return quiet_trainer(1, strategy or MyDDPStrategy(timeout=30), default_root_dir=root, **kwargs)
 
 
 def fit_steps(root: Path, model: pl.LightningModule, strategy: MyDDPStrategy | None = None, **kwargs: Any) -> int:

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from ddp_testing import IndexedDigits, RecordingClassifier, launch, load, save
+from ddp_testing import IndexedDigits, RecordingClassifier, launch, load, quiet_trainer, save
 from lightning.pytorch import Trainer
 from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
@@ -172,14 +172,7 @@ def _group_collectives(out: Path) -> None:
     """The same validation under MyDDPStrategy and then Lightning's ddp; each rank records what it got."""
     for name, strategy in (("ours", MyDDPStrategy(timeout=60)), ("lightning", "ddp")):
         model = GroupCollectives()
-        trainer = pl.Trainer(
-            accelerator="cpu",
-            devices=2,
-            strategy=strategy,
-            logger=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-        )
+        trainer = quiet_trainer(2, strategy, enable_checkpointing=True)
         trainer.validate(model, DataLoader(TensorDataset(torch.zeros(8, 1)), batch_size=2))
         save(out, name, {**model.record, **{k: v.item() for k, v in trainer.callback_metrics.items()}})
 
@@ -212,17 +205,7 @@ def _recorded_fit(out_dir: str, strategy: MyDDPStrategy) -> None:
     """Fit the recording model on 2 ranks; each rank saves its record as ``out_dir/rank{r}.pt``."""
     pl.seed_everything(SEED)
     model = RecordingClassifier(out_dir=out_dir)
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=2,
-        strategy=strategy,
-        max_epochs=EPOCHS,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=out_dir,
-    )
+    trainer = quiet_trainer(2, strategy, max_epochs=EPOCHS, default_root_dir=out_dir)
     trainer.fit(model, IndexedDigits(batch_size=32))
 
 

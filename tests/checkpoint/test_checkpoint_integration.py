@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import lightning.pytorch as pl
 import pytest
 import torch
-from ddp_testing import LIGHTNING_KEYS, probe_input
+from ddp_testing import LIGHTNING_KEYS, probe_input, quiet_trainer
 from lightning.fabric.plugins.environments import LightningEnvironment
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import DDPStrategy
@@ -70,14 +70,11 @@ def _fit(
     out_dir: Path, model: DigitsClassifier, max_epochs: int, strategy: MyDDPStrategy, ckpt_path: Path | None = None
 ) -> None:
     """A 2-rank fit (gloo) saving a checkpoint every epoch into ``out_dir/ckpts``; each rank records its end."""
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=2,
-        strategy=strategy,
+    trainer = quiet_trainer(
+        2,
+        strategy,
+        enable_checkpointing=True,
         max_epochs=max_epochs,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         default_root_dir=str(out_dir),
         limit_train_batches=10,
         limit_val_batches=2,

@@ -15,6 +15,7 @@ from pathlib import Path
 import lightning.pytorch as pl
 import pytest
 import torch
+from ddp_testing import one_rank_trainer, quiet_trainer
 from diagnostics_workers import ListHandler, MultipliedBatchDigits, UnusedHeadClassifier
 from torch import nn
 
@@ -238,17 +239,8 @@ def lightning_log():
 def test_one_process_fit_logs_summary_and_names_the_unused_head(tmp_path, lightning_log):
     """A 1-process fit (in this process) logs the summary, the timings and warns about aux_head's parameters."""
     pl.seed_everything(0)
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=1,
-        strategy=MyDDPStrategy(find_unused_parameters=True, timeout=30),
-        max_steps=12,
-        limit_val_batches=0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=tmp_path,
+    trainer = one_rank_trainer(
+        tmp_path, MyDDPStrategy(find_unused_parameters=True, timeout=30), max_steps=12, limit_val_batches=0
     )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -307,19 +299,14 @@ def two_process_output(tmp_path_factory) -> str:
     out_dir = tmp_path_factory.mktemp("diagnostics_fit")
     with _fds_to(out_dir / "output.txt"):
         pl.seed_everything(7)
-        trainer = pl.Trainer(
-            accelerator="cpu",
-            devices=2,
+        trainer = quiet_trainer(
+            2,
+            MyDDPStrategy(start_method="spawn", timeout=60, find_unused_parameters=True),
             max_epochs=1,
             accumulate_grad_batches=2,
             limit_val_batches=2,
             num_sanity_val_steps=0,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
             default_root_dir=out_dir,
-            strategy=MyDDPStrategy(start_method="spawn", timeout=60, find_unused_parameters=True),
         )
         trainer.fit(UnusedHeadClassifier(), MultipliedBatchDigits(batch_size=16, val_fraction=0.2003))
     return (out_dir / "output.txt").read_text()

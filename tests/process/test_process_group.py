@@ -10,7 +10,7 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
-from ddp_testing import Regressor, error_of, free_port, listening_sockets, loader, one_rank_trainer
+from ddp_testing import Regressor, error_of, free_port, listening_sockets, loader, one_rank_trainer, quiet_trainer
 from lightning.pytorch.strategies import DDPStrategy
 
 from ddp_strategy import MyDDPStrategy
@@ -202,17 +202,7 @@ def _refit_after_a_failed_fit(rank: int, world_size: int) -> tuple[float, list[f
 
     def fit(samples: int) -> Linear:
         model = Linear()
-        pl.Trainer(
-            accelerator="cpu",
-            devices=world_size,
-            strategy=MyDDPStrategy(timeout=30),
-            max_epochs=1,
-            use_distributed_sampler=False,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-        ).fit(
+        quiet_trainer(world_size, MyDDPStrategy(timeout=30), max_epochs=1, use_distributed_sampler=False).fit(
             model,
             DataLoader(
                 TensorDataset(torch.randn(samples, 4, generator=torch.Generator().manual_seed(rank))), batch_size=2

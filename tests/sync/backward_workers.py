@@ -13,7 +13,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from ddp_testing import save
+from ddp_testing import quiet_trainer, save
 from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
@@ -89,17 +89,12 @@ def fit(name: str, out: Path, strategy: Any, model: AuxNet, accumulate: int = 1,
     and the seconds the fit took."""
     started = time.monotonic()
     try:
-        pl.Trainer(
-            accelerator="cpu",
-            devices=2,
-            strategy=strategy,
+        quiet_trainer(
+            2,
+            strategy,
             max_epochs=1,
             limit_train_batches=steps,
             accumulate_grad_batches=accumulate,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
             default_root_dir=str(out),
         ).fit(model)
         model.rec["error"] = None

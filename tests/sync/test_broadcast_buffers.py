@@ -14,7 +14,7 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
-from ddp_testing import launch, load, save
+from ddp_testing import launch, load, quiet_trainer, save
 from lightning.pytorch.callbacks import EMAWeightAveraging
 from sync_workers import scenario_batchnorm
 from torch.utils.data import DataLoader
@@ -63,16 +63,11 @@ def scenario_ema_then_batchnorm(out: Path) -> None:
     """Fit EMANet 2 epochs with EMAWeightAveraging under Lightning's ddp and MyDDPStrategy; then scenario_batchnorm."""
     for name, strategy in (("ema_lightning", "ddp"), ("ema_mine", MyDDPStrategy(start_method="popen", timeout=60))):
         model = EMANet()
-        pl.Trainer(
-            accelerator="cpu",
-            devices=2,
-            strategy=strategy,
+        quiet_trainer(
+            2,
+            strategy,
             max_epochs=2,
-            logger=False,
             callbacks=[EMAWeightAveraging(decay=0.5)],
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
             num_sanity_val_steps=0,
             default_root_dir=str(out),
         ).fit(model)

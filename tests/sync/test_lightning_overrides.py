@@ -19,7 +19,7 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
-from ddp_testing import launch, load, save
+from ddp_testing import launch, load, quiet_trainer, save
 from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import post_localSGD_hook as post_localsgd
@@ -109,16 +109,7 @@ def scenario_overrides(out: Path, prefix: str = "", **state_options: Any) -> Non
             **options,
         )
         model = Net()
-        pl.Trainer(
-            accelerator="cpu",
-            devices=2,
-            strategy=strategy,
-            max_steps=STEPS,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-        ).fit(model)
+        quiet_trainer(2, strategy, max_steps=STEPS).fit(model)
         averager = strategy._model_averager
         save(
             out,
