@@ -165,11 +165,10 @@ def model_averager(config: CommHookConfig, period: int | None, optimizers: list[
             "Post-localSGD algorithm is used, but model averaging period is not provided to DDP strategy:"
             " pass MyDDPStrategy(model_averaging_period=N)."
         )
-    for optimizer in optimizers:
-        if isinstance(getattr(optimizer, "_optimizer", optimizer), ZeroRedundancyOptimizer | PostLocalSGDOptimizer):
+    for inner in (getattr(optimizer, "_optimizer", optimizer) for optimizer in optimizers):  # Lightning's wrapper
+        if isinstance(inner, ZeroRedundancyOptimizer | PostLocalSGDOptimizer):
             raise ValueError(
-                "Currently model averaging cannot work with a distributed optimizer of type"
-                f" {type(getattr(optimizer, '_optimizer', optimizer)).__name__}."
+                f"Currently model averaging cannot work with a distributed optimizer of type {type(inner).__name__}."
             )
     return PeriodicModelAverager(period=period, warmup_steps=config.state.start_localSGD_iter)
 
