@@ -10,6 +10,7 @@ Environment read here (set by ``bench_ddp.py``):
     BENCH_LAUNCH_TIME: ``time.time()`` of the launch, in seconds since the epoch.
 """
 
+import functools
 import inspect
 import json
 import os
@@ -44,6 +45,12 @@ def _tensor_bytes(obj: Any) -> int:
     return 0
 
 
+@functools.cache
+def _site(path: str, line: int, name: str) -> str:
+    """``file:line function``, the path's last 3 parts; cached: a per-step call site costs a lookup, not a Path."""
+    return f"{'/'.join(Path(path).parts[-3:])}:{line} {name}"
+
+
 def _caller_outside_torch(max_depth: int = 40) -> str:
     """``file:line function`` of the nearest caller outside ``torch/`` (a few microseconds)."""
     frame = sys._getframe(2)
@@ -52,9 +59,7 @@ def _caller_outside_torch(max_depth: int = 40) -> str:
             break
         path = frame.f_code.co_filename
         if f"{os.sep}torch{os.sep}" not in path:
-            parts = Path(path).parts
-            short = "/".join(parts[-3:])
-            return f"{short}:{frame.f_lineno} {frame.f_code.co_name}"
+            return _site(path, frame.f_lineno, frame.f_code.co_name)
         frame = frame.f_back
     return "?"
 
