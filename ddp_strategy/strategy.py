@@ -210,9 +210,10 @@ class MyDDPStrategy(sync.wrapping.LightningDDPAttributes, ParallelStrategy):
                 self.global_rank,
                 self.world_size,
                 self._uneven.callback,
-                lambda t: self._uneven.begin_epoch(t, self._run.barrier_group),  # its next-batch flags: side group
+                self._uneven.begin_epoch,  # its next-batch flags ride in the step boundaries' rounds
                 lambda: self._uneven.tail,
                 lambda: len(set(self._uneven.epochs.get(trainer.current_epoch, ()))) > 1,  # the same on every rank
+                self._uneven.lacks_next,
             )
             if self.is_global_zero:
                 checkpoint.prepare_folders(trainer.checkpoint_callbacks)

@@ -63,17 +63,18 @@ class EpochBoundaryCheck(Callback):
 class SignalsAtStepBoundary(Callback):
     """SIGTERM and Lightning's SLURM requeue signal, acted on at one step boundary on every rank, whichever got it.
 
-    A signal sets a flag. At each step's end every rank starts an asynchronous all-reduce (MAX) of its flags (CPU,
-    on the gloo side ``group``: no world-group collective, no host-device sync) and waits for the one it started a
-    step before; at an epoch's end, for this step's, and after an uneven epoch (``uneven_epoch()``, the same on every
-    rank) once more for every flag raised since (steps that only some ranks take, ``in_tail()`` on those, send
+    A signal sets a flag. At each batch's start every rank starts an asynchronous all-reduce (MAX) of its flags and
+    of the uneven-inputs flag ``ahead()`` (CPU, on the gloo side ``group``: no world-group collective, no
+    host-device sync; the one per-step round of both, :meth:`all_have_next`), and at each step's end waits for the
+    one it started at that batch's start (long done by then); after an uneven epoch (``uneven_epoch()``, the same on
+    every rank) once more for every flag raised since (steps that only some ranks take, ``in_tail()`` on those, send
     nothing). Only the uneven epoch's end starts a new round there: a rank-0-only collective in an earlier
     callback (a progress bar reading ``trainer.progress_bar_metrics``, which syncs metrics) would otherwise wait
     for the other ranks while they wait in this round. So a signal during step ``s`` acts on every rank at the
-    end of step ``s + 1`` (or of the epoch, if sooner; a validation run in between ends first), where a step is an
-    optimizer step (``accumulate_grad_batches`` batches: a resume from its checkpoint is exact): SIGTERM sets
-    ``trainer.received_sigterm``, Lightning raises ``SIGTERMException`` there (``checkpoint_on_sigterm`` saves);
-    the requeue signal runs Lightning's handler (save, requeue)."""
+    end of step ``s + 1`` (the next epoch's first, after an epoch's last step; a validation run in between ends
+    first), where a step is an optimizer step (``accumulate_grad_batches`` batches: a resume from its checkpoint is
+    exact): SIGTERM sets ``trainer.received_sigterm``, Lightning raises ``SIGTERMException`` there
+    (``checkpoint_on_sigterm`` saves); the requeue signal runs Lightning's handler (save, requeue)."""
 
     def __init__(
         self,
@@ -81,9 +82,10 @@ class SignalsAtStepBoundary(Callback):
         world_size: int,
         in_tail: Callable[[], bool],
         uneven_epoch: Callable[[], bool],
+        ahead: Callable[[], int],
     ) -> None:
         self.group, self.world_size, self.in_tail, self._stopping = group, world_size, in_tail, False
-        self.uneven_epoch = uneven_epoch
+        self.uneven_epoch, self.ahead = uneven_epoch, ahead
         self._signal: int | None = None
         self._lightning_handler = self._launcher = self._sent = None  # _sent: (the flags in flight, their work)
 
@@ -107,33 +109,47 @@ class SignalsAtStepBoundary(Callback):
         self._flags[signum != signal.SIGTERM] = 1
 
     def _agree(self, trainer: Any) -> None:
-        """Wait for the flags sent last (every rank has sent the same number), act on them. Collective."""
-        (flags, work), self._sent = self._sent or (torch.zeros(2), None), None
+        """Wait for the flags sent last (every rank has sent the same number), act on them once. Collective."""
+        flags, work = self._sent or (torch.zeros(3), None)
         if work is not None:
             work.wait()
-        stop, requeue = flags.tolist()
+        stop, requeue = flags[:2].tolist()
+        flags[:2] = 0  # acted on (an epoch's end reads the last step's round again)
         if requeue:
+            self._flags[1] = 0
             self._lightning_handler(self._signal, None)
         if stop:
             self._stopping = True
             _pl.set_received_sigterm(trainer, True)
 
-    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-        """At the end of an accumulation window (every ``accumulate_grad_batches`` batches: an optimizer step; the
-        epoch's end is :meth:`on_train_epoch_end`'s), act on the flags sent a window ago and send this one's (a
-        collective, every rank). Not inside a window: its checkpoint could not hold the accumulated gradients. The
-        test is the same on every rank (a rank's own last batch, in an uneven epoch, is not)."""
-        if (batch_idx + 1) % trainer.accumulate_grad_batches:
-            return
-        self._agree(trainer)
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        """Send this batch's flags, unless in a step only some ranks take (a collective, every rank that takes it)."""
         if not self.in_tail():
             self._send()
 
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        """At the end of an accumulation window (every ``accumulate_grad_batches`` batches: an optimizer step; the
+        epoch's end is :meth:`on_train_epoch_end`'s), act on the flags sent at this batch's start (a collective,
+        every rank). Not inside a window: its checkpoint could not hold the accumulated gradients. The test is the
+        same on every rank (a rank's own last batch, in an uneven epoch, is not)."""
+        if not (batch_idx + 1) % trainer.accumulate_grad_batches:
+            self._agree(trainer)
+
+    def all_have_next(self) -> bool:
+        """At a training step's start, for the uneven inputs' join: whether the round sent at the last batch's start
+        says that no rank's ``ahead()`` was 1 (every rank has this batch; False without a round). Waits for it (sent
+        a step ago: done). No round is read twice: one is sent at each batch that every rank takes (and a stop on a
+        signal ends the fit at that step); the last of an epoch, or of the steps before a tail, carries a 1."""
+        flags, work = self._sent or (torch.ones(3), None)
+        if work is not None:
+            work.wait()
+        return not flags[2]
+
     def _send(self) -> None:
-        """Start the all-reduce of this rank's flags (unless stopping); :meth:`_agree` waits for it."""
+        """Start the all-reduce of this rank's flags and ``ahead()`` (unless stopping); :meth:`_agree` and
+        :meth:`all_have_next` wait for it. A requeue flag stays set until acted on."""
         if not self._stopping:
-            pending, self._flags = self._flags, [self._flags[0], 0]  # a signal now lands in one or the other
-            flags = torch.tensor(pending, dtype=torch.uint8)
+            flags = torch.tensor([*self._flags, self.ahead()], dtype=torch.uint8)
             work = dist.all_reduce(flags, dist.ReduceOp.MAX, self.group, async_op=True) if self.world_size > 1 else None
             self._sent = (flags, work)
 
@@ -171,18 +187,21 @@ def add_fit_callbacks(
     then: Callable[[Any], None],
     in_tail: Callable[[], bool],
     uneven_epoch: Callable[[], bool],
+    ahead: Callable[[], int],
 ) -> None:
     """Put both callbacks last in ``trainer.callbacks`` (replacing earlier ones), on ``run``'s barrier group (a
     ``ProcessGroupRun``), and ``first`` first; ``then(trainer)`` runs after each epoch's barrier, ``in_tail()`` says
     whether this rank is in a step only some ranks take, ``uneven_epoch()`` whether the epoch ending had ranks with
-    different batch counts (``first``, ``then``, ``in_tail``, ``uneven_epoch``: the strategy's uneven-inputs
-    policy's callback, epoch start and tail)."""
+    different batch counts, ``ahead()`` the uneven-inputs flag of each batch's round (``first``, ``then``,
+    ``in_tail``, ``uneven_epoch``, ``ahead``: the strategy's uneven-inputs policy's callback, epoch start, tail and
+    flag; ``then`` is also given the signals callback, whose round it reads)."""
     remove_fit_callbacks(trainer, first)
+    signals = SignalsAtStepBoundary(run.barrier_group, world_size, in_tail, uneven_epoch, ahead)
     trainer.callbacks[:] = [
         first,
         *trainer.callbacks,
-        EpochBoundaryCheck(run.barrier_group, run.barrier_timeout, rank, world_size, then),
-        SignalsAtStepBoundary(run.barrier_group, world_size, in_tail, uneven_epoch),
+        EpochBoundaryCheck(run.barrier_group, run.barrier_timeout, rank, world_size, lambda t: then(t, signals)),
+        signals,
     ]
 
 

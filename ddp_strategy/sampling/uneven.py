@@ -8,8 +8,8 @@ after the epoch barrier). ``uneven_inputs="stop"`` ends every rank's epoch with 
 ``"join"`` (default) runs the epoch in torch's generic join context manager
 (``torch.distributed.algorithms.Join``), :class:`UnevenInputs` its ``Joinable`` and its own join hook. Whether
 every rank has a next batch is known a step early (``is_last_batch``: Lightning's loop fetches one batch ahead of a
-loader without a length; known counts are exact), so each step starts an asynchronous all-reduce of it on the gloo
-side group, waited for at the next step's start, as the SIGTERM flags are (``process.boundaries``): while every
+loader without a length; known counts are exact), so it rides in each batch's asynchronous round of the SIGTERM flags
+on the gloo side group (``process.boundaries``), read at the next step's start: while every
 rank has one, steps make no blocking collective of their own (where a length is only a hint, or validation may
 start at other batches on other ranks, each step notifies: :meth:`UnevenInputs.step_start`). At the step a rank
 lacks, and in each step after, the ranks notify the join (the all-reduce of one number
@@ -179,14 +179,12 @@ class _Epoch:
     join: Join | None = None  #: ``"join"``: torch's join context, entered at the start
     uncut: int | None = None  #: ``"stop"`` with known counts (cut at the start, no per-step work): the epoch's length
     seen: int = -1  #: the batch counter at the last step's start (each step starts once)
-    ahead: Any = None  #: ``"join"``: the all-reduce (SUM) of next-batch flags in flight (None: notify at the next step)
+    ahead: bool = False  #: ``"join"``: a step's flag round may stand for the next step's notify (:meth:`step_start`)
     trained: int = 0  #: steps started
     tail: bool = False  #: in a step some ranks, out of data, only shadow
     synced: list[Any] | None = None  #: an evaluation's (None: a training epoch): the metrics it syncs (``gather``)
     outer: _Epoch | None = None  #: an evaluation's: the training epoch it interrupts (a validation run mid-epoch)
-    #: a training epoch's: the gloo side group of its next-batch flags (held no longer than the epoch: a group kept
-    #: past the fit keeps its store, and rank 0's port, after destroy_process_group)
-    group: Any = None
+    signals: Any = None  #: a training epoch's: the step boundaries' callback, whose rounds carry the next-batch flags
 
 
 class UnevenInputs(Joinable, JoinHook):
@@ -259,22 +257,21 @@ class UnevenInputs(Joinable, JoinHook):
     def join_hook(self, **kwargs: Any) -> JoinHook:
         return self
 
-    def begin_epoch(self, trainer: Any, group: Any) -> None:
+    def begin_epoch(self, trainer: Any, signals: Any) -> None:
         """At a training epoch's start, on every rank, after the epoch barrier: gather every rank's batch count
         (-1: unknown, as any ``IterableDataset``'s, whose length is only a hint; one all-reduce of W integers), and
-        where they differ or are unknown, set the epoch up for the policy. ``group``: the gloo side group (the
-        epoch barrier's), where ``"join"``'s next-batch flags go.
+        where they differ or are unknown, set the epoch up for the policy. ``signals``: the step boundaries' callback
+        (``process.boundaries.SignalsAtStepBoundary``), whose per-batch rounds carry ``"join"``'s next-batch flags.
 
         Raises:
             ValueError: known, unequal counts under ``"error"``, or under ``"join"`` with ``accumulate_grad_batches``
                 not dividing a shorter rank's count (its last batch would sync gradients alone).
         """
-        self._trainer, self._epoch, batches = trainer, None, trainer.num_training_batches
-        if batches == float("inf") or any(
+        self._trainer, self._epoch = trainer, None
+        unknown = trainer.num_training_batches == float("inf") or any(
             isinstance(getattr(dl, "dataset", None), IterableDataset) for dl in flat_loaders(trainer.train_dataloader)
-        ):
-            batches = -1
-        counts = [c - 1 for c in self._flags(int(batches) + 1)]
+        )
+        counts = [c - 1 for c in self._flags(0 if unknown else int(trainer.num_training_batches) + 1)]
         if len(set(counts)) == 1 and -1 not in counts:
             return
         epoch, k, known = trainer.current_epoch, trainer.accumulate_grad_batches, -1 not in counts
@@ -295,7 +292,14 @@ class UnevenInputs(Joinable, JoinHook):
             trainer.fit_loop.epoch_loop.batch_progress,
             Join([self]) if self.policy == "join" else None,
             uncut=trainer.num_training_batches if self.policy == "stop" and known else None,  # given back at the end
-            group=group,
+            ahead=(known or trainer.num_training_batches == float("inf"))  # else is_last_batch is a length's guess
+            and (
+                not trainer.enable_validation  # or the ranks validate at the same batches while all of them step:
+                or (interval := getattr(trainer, "val_check_interval", None)) == 1.0  # (unset for a time interval)
+                or isinstance(interval, int)
+                and trainer.check_val_every_n_epoch is not None
+            ),
+            signals=signals,
         )
         if self._epoch.uncut is not None:  # "stop" on known counts: cut here, the next epoch is cut anew
             _pl.cut_epoch(trainer, min(counts))
@@ -305,9 +309,10 @@ class UnevenInputs(Joinable, JoinHook):
 
     def step_start(self) -> None:
         """At a training step's start (``batch_to_device``, else ``training_step``), every rank with a batch, once.
-        ``"join"``: wait for the next-batch flags the last step sent, and start this step's (asynchronous, on the side
-        group). The join's notify (one blocking all-reduce) instead where a rank lacks this step, in the epoch's first
-        step, and in every step where the flags cannot be sent: a loader whose length is a hint (an
+        ``"join"``: read the next-batch flags of the last batch's round (``process.boundaries``; this batch's follows
+        at its start, :meth:`lacks_next`). The join's notify (one blocking all-reduce) instead where a rank lacks
+        this step, in the epoch's first step, and in every step where the flags say nothing (each rank's says 1): a
+        loader whose length is a hint (an
         ``IterableDataset``'s ``__len__``, or ``limit_train_batches`` on one: Lightning then fetches no batch ahead,
         and ``is_last_batch`` is the length's guess; known counts and a stream without a length are exact), or a
         validation run that may start at other batches on other ranks
@@ -347,28 +352,21 @@ class UnevenInputs(Joinable, JoinHook):
             return
         if epoch.tail:
             self._exchange("end")
-        if epoch.ahead is None or epoch.ahead.get_future().wait()[0].item() < trainer.world_size:
+        if epoch.signals is None or not epoch.signals.all_have_next():  # an evaluation step notifies
             stepping, work = self._notify(1)  # a rank that lacks this step is in Join.__exit__: it answers
             epoch.tail = stepping < trainer.world_size
             if epoch.tail and not self.divide_by_initial_world_size and trainer.training:
                 _tp.set_gradient_divisor(self.ddp, work, False)
-        epoch.ahead = (
-            dist.all_reduce(torch.tensor([int(not progress.is_last_batch)]), group=epoch.group, async_op=True)
-            if trainer.training  # an evaluation step notifies
-            and not epoch.tail
-            and (epoch.known or trainer.num_training_batches == float("inf"))  # else is_last_batch is a length's guess
-            and (
-                not trainer.enable_validation  # or the ranks validate at the same batches while all of them step:
-                or (interval := getattr(trainer, "val_check_interval", None)) == 1.0  # (unset for a time interval)
-                or isinstance(interval, int)
-                and trainer.check_val_every_n_epoch is not None
-            )
-            else None
-        )
         if k > 1 and not epoch.tail and not epoch.known and trainer.training:
             syncs = self._flags(1 + (progress.is_last_batch or (progress.current.ready + 1) % k == 0))
             if len(set(syncs)) > 1:
                 raise UnevenInputsError(_accumulation_message(trainer, k, [r for r, f in enumerate(syncs) if f == 2]))
+
+    def lacks_next(self) -> int:
+        """The next-batch flag of this training batch's round (``process.boundaries``, at its start, after
+        :meth:`step_start`): 0 where this rank has a next batch and the round may stand for the next step's notify,
+        else 1 (any rank's 1 makes every rank notify)."""
+        return int(self._epoch is None or not self._epoch.ahead or self._epoch.progress.is_last_batch)
 
     def _notify(self, value: int) -> tuple[int, Any]:
         """One all-reduce of one number, the one ``Join.notify_join_context`` makes and ``Join.__exit__`` shadows
