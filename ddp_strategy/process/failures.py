@@ -99,11 +99,10 @@ def on_exception(
     exception: BaseException,
     rank: int,
     world_size: int,
-    known_cause: str | None,
     sigterm_save: Callable[[], None] | None,
 ) -> None:
-    """Steps 2 and 3 where ``exception`` was raised (no collective); ``known_cause``: one the strategy knows
-    (uneven evaluation batches); ``sigterm_save``: the SIGTERM checkpoint (a collective: every rank got it)."""
+    """Steps 2 and 3 where ``exception`` was raised (no collective); ``sigterm_save``: the SIGTERM checkpoint (a
+    collective: every rank got it)."""
     run.failed, store = True, run.reports
     if isinstance(exception, SIGTERMException) and sigterm_save is not None:
         rank_zero_info(
@@ -116,7 +115,7 @@ def on_exception(
     elif isinstance(exception, (KeyboardInterrupt, SIGTERMException)) or store is None:
         return  # an interruption, or not a rank (the parent of spawned ranks), or one that never joined
     elif (peers := describe_peers(exception, store, rank, world_size)) is not None:
-        extra = explain(rank, peers, run.timeout, known_cause)
+        extra = explain(rank, peers, run.timeout)
         exception.args = (
             (f"{exception.args[0]}\n{extra}", *exception.args[1:])
             if exception.args and isinstance(exception.args[0], str)
@@ -250,19 +249,15 @@ def describe_peers(exception: BaseException, store: dist.Store, rank: int, world
     return "; ".join(found) if found or certain else None
 
 
-def explain(rank: int, peers: str, timeout: timedelta, known_cause: str | None = None) -> str:
+def explain(rank: int, peers: str, timeout: timedelta) -> str:
     """The sentence added to a collective error: which peers failed, or the likely causes."""
-    parts = [f"[rank {rank}] a collective failed because another rank did not take part.", *filter(None, [known_cause])]
+    head = f"[rank {rank}] a collective failed because another rank did not take part."
     if peers:
-        parts.append(f"Cause: {peers}.")
-        if " failed: " in peers:
-            parts.append("The failing rank's own traceback is printed above this one.")
-    elif not known_cause:
-        parts.append(
-            "No rank reported an error: a peer exited or lost its connection, or is stalled (an endless loop, a"
-            f" deadlocked DataLoader worker, slow storage; a collective waits {timeout.total_seconds():.0f} s), or"
-            " the ranks called collectives in a different order or number (self.log(..., sync_dist=True) on some"
-            " ranks only, an all_gather in a branch, a direct torch.distributed call in a step of an uneven epoch). Set"
-            " TORCH_DISTRIBUTED_DEBUG=DETAIL to have PyTorch check that collectives match."
-        )
-    return " ".join(parts)
+        failing = " The failing rank's own traceback is printed above this one." if " failed: " in peers else ""
+        return f"{head} Cause: {peers}.{failing}"
+    return (
+        f"{head} No rank reported an error: a peer exited or lost its connection, or is stalled (an endless loop, a"
+        f" deadlocked DataLoader worker, slow storage; a collective waits {timeout.total_seconds():.0f} s), or the"
+        " ranks called collectives in a different order or number (self.log(..., sync_dist=True) on some ranks only,"
+        " an all_gather in a branch). Set TORCH_DISTRIBUTED_DEBUG=DETAIL to have PyTorch check that collectives match."
+    )

@@ -23,9 +23,10 @@ integers) of a kind in :data:`_KINDS`, the one table both sides read: DDP's forw
 of DDP's own join hook, in two halves, since the step's own collectives come between), gathers (reductions and
 torchmetrics' syncs: a rank out of data gives an empty tensor, the active ranks keep their own rows), barriers,
 broadcasts from an active rank, a save's agreement, a ``ZeroRedundancyOptimizer``'s step and consolidation
-(:meth:`UnevenInputs.step_zero`); what a rank out of data cannot take part in (:data:`Refusal`)
-raises :class:`UnevenInputsError` on every rank. At the end every rank takes the longest rank's module and training
-state. This rank's state in such an epoch is one :class:`_Epoch`.
+(:meth:`UnevenInputs.step_zero`); what a rank out of data cannot take part in (:data:`Refusal`, a collective the user's
+code makes with ``torch.distributed`` directly included: a dispatch mode sees it in a tail step,
+:meth:`UnevenInputs._watch`) raises :class:`UnevenInputsError` on every rank. At the end every rank takes the longest
+rank's module and training state. This rank's state in such an epoch is one :class:`_Epoch`.
 
 An evaluation stage (validation, test, predict) whose loaders' counts differ or are unknown runs under the same
 join (:meth:`UnevenInputs.begin_evaluation`), under every policy, its metrics' syncs routed through the join's
@@ -106,10 +107,11 @@ Refusal = enum.Enum(
             " product, or of a dtype other than float, int or bool",
             "move it to the epoch's end",
         ),
-        "PER_STEP_SYNC": (
-            "a per-step sync a rank without data cannot shadow (a torchmetrics Metric with dist_sync_on_step=True, a"
-            " SyncBatchNorm layer)",
-            "sync metrics at the epoch's end (dist_sync_on_step=False), or drop sync_batchnorm",
+        "DIRECT": (
+            "a collective the strategy does not make (torch.distributed called directly; a torchmetrics Metric's"
+            " compute, or its per-step sync with dist_sync_on_step=True; a SyncBatchNorm layer)",
+            "make it through self.log(..., sync_dist=True) or trainer.strategy.reduce, barrier or broadcast, or at"
+            " the epoch's end (dist_sync_on_step=False; drop sync_batchnorm)",
         ),
         "VALIDATION": (
             "a validation run (val_check_interval) in a step that not every rank reaches",
@@ -121,9 +123,9 @@ Refusal = enum.Enum(
 
 
 #: The messages of a tail step, by kind (sent as its position, from 1; a rank out of data sends 0): what the active
-#: ranks are about to do, with what a rank out of data does for it given the message's integers ``a, b, c``, and
-#: the refusal when rank ``a``, the collective's source, is out of data. ``"end"`` ends the step, ``"refuse"``
-#: raises ``Refusal`` number ``a``. Read by both sides, in :meth:`UnevenInputs._exchange`.
+#: ranks are about to do, with what a rank out of data does for it given the message's integers ``a, b, c``, and the
+#: refusal when rank ``a``, the collective's source, is out of data (always, where it has nothing to do). ``"end"`` ends
+#: the step, ``"refuse"`` raises ``Refusal`` number ``a``. Read by both sides, in :meth:`UnevenInputs._exchange`.
 _KINDS = {
     "end": (None, None),
     "refuse": (None, None),
@@ -137,6 +139,8 @@ _KINDS = {
     ),
     "barrier": (lambda u, a, b, c: dist.barrier(), None),
     "broadcast": (lambda u, src, b, c: dist.broadcast_object_list([None], src=src), Refusal.BROADCAST),
+    "all_gather": (None, Refusal.ALL_GATHER),
+    "validation": (None, Refusal.VALIDATION),
     "save": (
         lambda u, a, b, c: agree_on_rank_zero_failure(
             None, "saving a checkpoint", u._trainer.global_rank, u.join_device
@@ -144,9 +148,9 @@ _KINDS = {
         Refusal.SAVE,
     ),
     "zero_step": (lambda u, index, src, c: u.step_zero(index, src), None),
-    "consolidate": (
-        lambda u, a, b, c: [
-            o.consolidate_state_dict() for o in u._trainer.optimizers if isinstance(o, ZeroRedundancyOptimizer)
+    "consolidate": (  # each ZeroRedundancyOptimizer's state to rank ``to``
+        lambda u, to, b, c: [
+            o.consolidate_state_dict(to=to) for o in u._trainer.optimizers if isinstance(o, ZeroRedundancyOptimizer)
         ],
         None,
     ),
@@ -220,6 +224,7 @@ class UnevenInputs(Joinable, JoinHook):
         self._trainer: Any = None
         self._epoch: _Epoch | None = None
         self._hooks: list[Any] = []  #: the post-hooks of each ZeroRedundancyOptimizer's local optimizer
+        self._direct = _tp.DirectCollectives(lambda: self.refuse(Refusal.DIRECT))  #: entered in a tail step
 
     @property
     def tail(self) -> bool:
@@ -234,23 +239,6 @@ class UnevenInputs(Joinable, JoinHook):
     @property
     def join_device(self) -> torch.device:
         return self._trainer.strategy.root_device
-
-    @property
-    def failure_cause(self) -> str | None:
-        """For the failure report of a collective that breaks in a stage run under the join (its ranks' counts differ
-        or are unknown): the collective a user makes with ``torch.distributed`` directly, which the strategy cannot
-        see (in a tail step it meets the join's message; gloo aborts one rank, the others' collectives break). None
-        outside such a stage."""
-        return (
-            None
-            if self._epoch is None or self._epoch.join is None
-            else "A likely cause: the ranks hold different or unknown numbers of batches here (uneven inputs), and a"
-            " rank out of data takes part in the others' steps only through the strategy's collectives, so a"
-            " collective that a step or callback makes with torch.distributed directly meets the join's own message"
-            ' instead (gloo aborts one rank: "Received data size doesn\'t match expected size"). Make it through'
-            " trainer.strategy.reduce, barrier or broadcast, or at the epoch's end, or give every rank the same"
-            " number of batches."
-        )
 
     join_process_group = None  #: the world (torch's ``Joinable`` property, as a constant)
 
@@ -354,7 +342,7 @@ class UnevenInputs(Joinable, JoinHook):
             self._exchange("end")
         if epoch.signals is None or not epoch.signals.all_have_next():  # an evaluation step notifies
             stepping, work = self._notify(1)  # a rank that lacks this step is in Join.__exit__: it answers
-            epoch.tail = stepping < trainer.world_size
+            self._watch(stepping < trainer.world_size)
             if epoch.tail and not self.divide_by_initial_world_size and trainer.training:
                 _tp.set_gradient_divisor(self.ddp, work, False)
         if k > 1 and not epoch.tail and not epoch.known and trainer.training:
@@ -367,6 +355,15 @@ class UnevenInputs(Joinable, JoinHook):
         :meth:`step_start`): 0 where this rank has a next batch and the round may stand for the next step's notify,
         else 1 (any rank's 1 makes every rank notify)."""
         return int(self._epoch is None or not self._epoch.ahead or self._epoch.progress.is_last_batch)
+
+    def _watch(self, tail: bool) -> None:
+        """Set whether this rank is in a tail step; while it is, a collective that user code makes with
+        ``torch.distributed`` directly (:class:`~ddp_strategy._compat.torch_private.DirectCollectives`, entered for
+        the tail only: each op costs some 10-20 us in it) raises :class:`UnevenInputsError` on every rank
+        (``Refusal.DIRECT``). No collective."""
+        if tail != self._epoch.tail:
+            self._direct.__enter__() if tail else self._direct.__exit__(None, None, None)
+        self._epoch.tail = tail
 
     def _notify(self, value: int) -> tuple[int, Any]:
         """One all-reduce of one number, the one ``Join.notify_join_context`` makes and ``Join.__exit__`` shadows
@@ -405,13 +402,6 @@ class UnevenInputs(Joinable, JoinHook):
         """Before DDP's forward (``training_step``): notify if not yet; in a step with fewer ranks announce it."""
         self.step_start()
         if self.tail:
-            if any(
-                getattr(m, "dist_sync_on_step", False) is True
-                and hasattr(m, "compute")
-                or "SyncBatchNorm" in type(m).__name__
-                for m in self._trainer.lightning_module.modules()
-            ):
-                self.refuse(Refusal.PER_STEP_SYNC)
             _tp.set_ddp_join_mode(self.ddp, True)  # buffers from an active rank; whether the backward syncs: told
             self._exchange("forward")
 
@@ -437,9 +427,7 @@ class UnevenInputs(Joinable, JoinHook):
             and self._epoch.progress.current.completed == self._epoch.progress.current.ready
         ):
             self.finish()
-        if self.tail and collective in ("all_gather", "validation"):  # they need every rank
-            self.refuse(Refusal[collective.upper()])
-        if self.tail and collective in ("barrier", "broadcast", "save"):
+        if self.tail and collective in _KINDS:
             self._exchange(collective, src)
         return self.tail
 
@@ -500,13 +488,15 @@ class UnevenInputs(Joinable, JoinHook):
         else:
             if epoch.tail:
                 self._exchange("end")
-            epoch.tail = False  # out of data: its shadow of a ZeroRedundancyOptimizer's step announces nothing
+            self._watch(False)  # out of data: its shadow of a ZeroRedundancyOptimizer's step announces nothing
             epoch.join.__exit__(None, None, None)
         self.abandon()
 
     def abandon(self) -> None:
         """After a failure, at teardown or its end: forget the epoch (an evaluation's gives its metrics their own sync
         back, and its place to the training epoch it interrupted). No collective."""
+        if self.tail:
+            self._watch(False)
         for metric in getattr(self._epoch, "synced", None) or ():
             metric.dist_sync_fn = None
         self._epoch = self._epoch and self._epoch.outer
@@ -579,9 +569,7 @@ class UnevenInputs(Joinable, JoinHook):
             return
         self.epochs[trainer.current_epoch] = tuple(f // 2 for f in flags)
         source, module = max(r for r, f in enumerate(flags) if f % 2), trainer.lightning_module
-        for optimizer in trainer.optimizers:  # a sharded one's state_dict() is the one consolidated on the source
-            if isinstance(optimizer, ZeroRedundancyOptimizer):
-                optimizer.consolidate_state_dict(to=source)
+        _KINDS["consolidate"][0](self, source, 0, 0)  # a sharded optimizer's state_dict(): the source's, consolidated
         _tp.broadcast_coalesced([t.detach() for t in (*module.parameters(), *module.buffers())], src=source)
         box = [
             apply_to_collection(_pl.training_state(trainer), torch.Tensor, torch.Tensor.cpu)
@@ -605,7 +593,7 @@ class UnevenInputs(Joinable, JoinHook):
         code, a, b, c, batch, *mask = message.tolist()
         kind, active = list(_KINDS)[code - 1], [r for r, m in enumerate(mask) if m]
         shadow, refusal = _KINDS[kind]
-        if kind == "refuse" or refusal is not None and a not in active:
+        if kind == "refuse" or refusal is not None and (shadow is None or a not in active):
             stage = {"train": "training", "test": "test", "predict": "predict"}.get(trainer.state.stage, "validation")
             what, fix = (list(Refusal)[a] if kind == "refuse" else refusal).value
             raise UnevenInputsError(

@@ -311,7 +311,7 @@ def test_a_failing_rank_stops_waiting_once_every_peer_is_accounted_for(peer_stat
         try:
             raise ValueError("the same bug on rank 1")
         except ValueError as e:
-            failures.on_exception(run, e, 1, 3, None, None)
+            failures.on_exception(run, e, 1, 3, None)
         assert run.own_failure and store.get("failed/1").decode().startswith("ValueError: the same bug on rank 1 (")
     else:
         store.set("pid/1", f"{socket.gethostname()}:{gone.pid}")
@@ -426,7 +426,7 @@ def test_errors_are_classified_by_type_and_where_they_were_raised_not_by_their_w
         try:
             raise error
         except RuntimeError as e:
-            failures.on_exception(run, e, 1, 2, None, None)
+            failures.on_exception(run, e, 1, 2, None)
         own = not isinstance(error, dist.DistBackendError)
         assert run.own_failure is own and store.check(["failed/1"]) is own and store.check(["explained/1"]) is not own
     assert store.check(["explained/1"]) and "No rank reported an error" in str(error)

@@ -380,7 +380,8 @@ def scenario_join(out: Path) -> None:
     """The default policy: an IterableDataset (5 and 4 batches) with uneven validation, the shadowed collectives
     and a checkpoint each step (rank 0 has more); pre-sharded map-style data (4 and 3 batches) with uneven
     validation, and with the other gradient divisor; a checkpoint each step while rank 0 has fewer; each refused
-    collective (an all_gather, a broadcast from the joined rank, torchmetrics' per-step sync, SyncBatchNorm); then
+    collective (an all_gather, a broadcast from the joined rank, torchmetrics' per-step sync, SyncBatchNorm, the
+    step's own torch.distributed.all_reduce); then
     the cases a probe found hanging: accumulate_grad_batches (refused, and one that trains), validation inside
     the epoch (val_check_interval), and an IterableDataset with limit_train_batches or a __len__ (both hints); a
     ZeroRedundancyOptimizer with gradient clipping, a per-step scheduler and a checkpoint each step; an
@@ -429,6 +430,7 @@ def scenario_join(out: Path) -> None:
     fit(out, "refuse_all_gather", stream(ITERABLE, ITERABLE_BATCH), model=Probed(("all_gather",)))
     fit(out, "refuse_broadcast", stream(ITERABLE, ITERABLE_BATCH), model=Probed(("broadcast_from_1",)))
     fit(out, "refuse_metric", stream(ITERABLE, ITERABLE_BATCH), model=Probed(metric=True))
+    fit(out, "refuse_direct", stream(ITERABLE, ITERABLE_BATCH), model=Probed(("torch_distributed",)))
     fit(out, "buffers", stream(BN_COUNTS, ITERABLE_BATCH), model=Normed(), max_epochs=1)
     fit(out, "refuse_sync_batchnorm", stream(ITERABLE, ITERABLE_BATCH), model=Normed(), sync_batchnorm=True)
     fit(out, "accumulate_3", stream(ITERABLE, ITERABLE_BATCH), accumulate_grad_batches=3)
@@ -492,11 +494,6 @@ def scenario_policies(out: Path) -> None:
     for name, ddp in (("ema_even_ours", None), ("ema_even_ddp", "ddp")):
         averaged = EMAWeightAveraging(decay=EMA_DECAY)
         fit(out, name, stream(even, ITERABLE_BATCH), gradient_clip_val=CLIP, callbacks=[averaged], strategy=ddp)
-
-
-def scenario_direct_collective(out: Path) -> None:
-    """A training step's own torch.distributed.all_reduce on 5 and 4 batches (rank 0 does not come back)."""
-    fit(out, "direct", stream(ITERABLE, ITERABLE_BATCH), model=Probed(("torch_distributed",)))
 
 
 def scenario_evaluation_ddp(out: Path) -> None:
