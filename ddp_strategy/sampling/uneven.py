@@ -36,6 +36,7 @@ gather; it ends at the stage's epoch end, before its epoch-level values are redu
 from __future__ import annotations
 
 import enum
+import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -224,7 +225,7 @@ class UnevenInputs(Joinable, JoinHook):
         self._trainer: Any = None
         self._epoch: _Epoch | None = None
         self._hooks: list[Any] = []  #: the post-hooks of each ZeroRedundancyOptimizer's local optimizer
-        self._direct = _tp.DirectCollectives(lambda: self.refuse(Refusal.DIRECT))  #: entered in a tail step
+        self._direct = _tp.DirectCollectives(functools.partial(self.refuse, Refusal.DIRECT))  #: in a tail step
 
     @property
     def tail(self) -> bool:

@@ -267,21 +267,23 @@ def test_an_ema_callback_and_clipping_by_norm_hold_the_reference_average_of_ever
 @pytest.mark.timeout(600)
 def test_refused_collectives_raise_uneven_inputs_error_on_every_rank_without_waiting(runs):
     """In rank 0's 5th step while rank 1 is out of data, self.all_gather, a broadcast from rank 1, a torchmetrics
-    metric with dist_sync_on_step=True, Trainer(sync_batchnorm=True) with a BatchNorm and the step's own
-    torch.distributed.all_reduce (not through the strategy: where gloo aborted rank 0) each raise UnevenInputsError on
-    both ranks within seconds (the collective timeout is 60 s), naming the collective, the batch and the rank without
-    data, with what to do; in the 4 steps both ranks take, the direct all_reduce sums both ranks' values, as under
-    ddp. (The fix it names, strategy.reduce, gives the single process's values in a tail step: the test of the
-    shadowed collectives.)"""
+    metric with dist_sync_on_step=True, Trainer(sync_batchnorm=True) with a BatchNorm, the step's own
+    torch.distributed.all_reduce (not through the strategy: where gloo aborted rank 0) and one in a callback's
+    on_train_batch_end each raise UnevenInputsError on both ranks within seconds (the collective timeout is 60 s),
+    naming the collective, the batch and the rank without data, with what to do; in the 4 steps both ranks take, the
+    direct all_reduce sums both ranks' values, as under ddp. (The fix it names, strategy.reduce, gives the single
+    process's values in a tail step: the test of the shadowed collectives.)"""
     direct = "a collective the strategy does not make (torch.distributed called directly; a torchmetrics Metric"
-    kinds = {
-        "refuse_all_gather": ("an all_gather", "gather at the epoch's end", 5),
-        "refuse_broadcast": ("a broadcast from a rank that has no data left", "broadcast from a rank that still", 5),
-        "refuse_metric": (direct, "dist_sync_on_step=False", 5),
-        "refuse_sync_batchnorm": (direct, "drop sync_batchnorm", 4),  # its forward comes before the step's record
-        "refuse_direct": (direct, "make it through self.log(..., sync_dist=True) or trainer.strategy.reduce", 5),
+    through = "make it through self.log(..., sync_dist=True) or trainer.strategy.reduce"
+    kinds = {  # name: what, the fix, rank 0's batches seen and optimizer steps
+        "refuse_all_gather": ("an all_gather", "gather at the epoch's end", 5, 4),
+        "refuse_broadcast": ("a broadcast from a rank that has no data left", "broadcast from a rank that still", 5, 4),
+        "refuse_metric": (direct, "dist_sync_on_step=False", 5, 4),
+        "refuse_sync_batchnorm": (direct, "drop sync_batchnorm", 4, 4),  # its forward comes before the step's record
+        "refuse_direct": (direct, through, 5, 4),
+        "refuse_direct_callback": (direct, through, 5, 5),  # on_train_batch_end: after rank 0's 5th step
     }
-    for name, (kind, fix, batches_of_rank_0) in kinds.items():
+    for name, (kind, fix, batches_of_rank_0, steps_of_rank_0) in kinds.items():
         for r, rec in enumerate(load(runs, name, 2)):
             assert rec["error"] is not None, name
             error_type, message, seconds = rec["error"]
@@ -291,7 +293,7 @@ def test_refused_collectives_raise_uneven_inputs_error_on_every_rank_without_wai
             ), message
             assert "in which ranks [1], out of training data, cannot take part" in message
             assert fix in message and "uneven_inputs='stop'" in message
-            assert rec["steps"] == 4 and len(rec["seen"][0]) == (batches_of_rank_0 if r == 0 else 4)
+            assert (rec["steps"], len(rec["seen"][0])) == ((steps_of_rank_0, batches_of_rank_0) if r == 0 else (4, 4))
     assert [[got["torch_distributed"] for got in rec["results"]] for rec in load(runs, "refuse_direct", 2)] == [
         [30.0 + 2 * i for i in range(4)]
     ] * 2
@@ -612,14 +614,22 @@ def test_uneven_evaluation_streams_run_under_the_join_with_the_single_process_va
 @pytest.mark.multiprocess
 @pytest.mark.timeout(600)
 def test_an_all_gather_in_an_evaluation_tail_step_is_refused_on_every_rank(runs):
-    """self.all_gather in validation_step on streams of 5 and 4 batches: rank 0's 5th step, which rank 1 (out of data)
-    only shadows, raises UnevenInputsError on both ranks within seconds, naming the validation batch and what to do."""
+    """self.all_gather in validation_step on streams of 5 and 4 batches, and a torch.distributed.all_reduce of the
+    step's own: rank 0's 5th step, which rank 1 (out of data) only shadows, raises UnevenInputsError on both ranks
+    within seconds, naming the validation batch and what to do."""
     assert_refused(
         load(runs, "eval_refuse", 2),
         UnevenInputsError.__name__,
         "validation batch 5 (batch_idx 4) of epoch 0 on ranks [0] makes an all_gather",
         "in which ranks [1], out of validation data, cannot take part",
         "gather at the epoch's end",
+    )
+    assert_refused(
+        load(runs, "eval_refuse_direct", 2),
+        UnevenInputsError.__name__,
+        "validation batch 5 (batch_idx 4) of epoch 0 on ranks [0] makes a collective the strategy does not make",
+        "in which ranks [1], out of validation data, cannot take part",
+        "make it through self.log(..., sync_dist=True) or trainer.strategy.reduce",
     )
 
 

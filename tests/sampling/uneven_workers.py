@@ -174,6 +174,13 @@ class Probed(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=LR, momentum=MOMENTUM)
 
 
+class DirectCallback(pl.Callback):
+    """A callback whose ``on_train_batch_end`` makes its own ``torch.distributed.all_reduce`` (an EMA's sync)."""
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        dist.all_reduce(torch.ones(1))
+
+
 class Normed(Probed):
     """:class:`Probed` with a BatchNorm on the inputs, whose running mean DDP broadcasts before each forward."""
 
@@ -192,11 +199,11 @@ class Evaluated(pl.LightningModule):
     ``dist_sync_on_step=True`` its batch's target sum (its forward: the step's sum over the ranks), and logs the loss
     per epoch (``sync_dist=True``); each predict step feeds the metric and returns the batch's indices. Records, per
     step, the logged ``x`` and the metric's value, and, per stage, the metric's ``compute()``. ``gather``: also
-    ``self.all_gather`` in each step."""
+    ``self.all_gather`` in each step; ``direct``: also a ``torch.distributed.all_reduce`` of its own."""
 
-    def __init__(self, gather: bool = False) -> None:
+    def __init__(self, gather: bool = False, direct: bool = False) -> None:
         super().__init__()
-        self.layer, self.gather = make_layer(), gather
+        self.layer, self.gather, self.direct = make_layer(), gather, direct
         self.metric = torchmetrics.SumMetric(dist_sync_on_step=True)
         self.steps: list[dict[str, Any]] = []
         self.computed: float | None = None
@@ -208,6 +215,8 @@ class Evaluated(pl.LightningModule):
         self.steps.append({"batch": batch_idx, "metric": float(self.metric(y.sum()))})
         if self.gather:
             self.all_gather(y)
+        if self.direct:
+            dist.all_reduce(torch.ones(1))
 
     test_step = validation_step
 
@@ -241,15 +250,19 @@ class Written(BasePredictionWriter):
 def evaluate(out: Path, name: str, strategy: Any, stages: tuple[str, ...]) -> None:
     """Run ``stages``, each under a new ``strategy()``, of an :class:`Evaluated` on ``EVAL``'s streams (test: one
     whose ``__len__`` is a wrong hint, 5 batches on both ranks; ``"refuse"``: validate with ``self.all_gather`` in
-    each step) and record
+    each step, ``"refuse_direct"``: with a ``torch.distributed.all_reduce``) and record
     ``<name>_<stage>``: the steps, the epoch's loss and metric, the written indices, and the error (type, message,
     seconds) if the stage raised."""
     for stage in stages:
-        model, writer, start = Evaluated(gather=stage == "refuse"), Written(), time.monotonic()
+        model, writer, start = (
+            Evaluated(gather=stage == "refuse", direct=stage == "refuse_direct"),
+            Written(),
+            time.monotonic(),
+        )
         loader = DataLoader((Hinted if stage == "test" else Stream)(EVAL, EVAL_SALT), batch_size=EVAL_BATCH)
         record: dict[str, Any] = {"error": None}
         try:
-            getattr(trainer(out, strategy(), callbacks=[writer]), "validate" if stage == "refuse" else stage)(
+            getattr(trainer(out, strategy(), callbacks=[writer]), "validate" if stage.startswith("refuse") else stage)(
                 model, loader, **({"return_predictions": False} if stage == "predict" else {"verbose": False})
             )
         except Exception as error:  # noqa: BLE001 - recorded for the test
@@ -381,7 +394,7 @@ def scenario_join(out: Path) -> None:
     and a checkpoint each step (rank 0 has more); pre-sharded map-style data (4 and 3 batches) with uneven
     validation, and with the other gradient divisor; a checkpoint each step while rank 0 has fewer; each refused
     collective (an all_gather, a broadcast from the joined rank, torchmetrics' per-step sync, SyncBatchNorm, the
-    step's own torch.distributed.all_reduce); then
+    step's own torch.distributed.all_reduce, and a callback's); then
     the cases a probe found hanging: accumulate_grad_batches (refused, and one that trains), validation inside
     the epoch (val_check_interval), and an IterableDataset with limit_train_batches or a __len__ (both hints); a
     ZeroRedundancyOptimizer with gradient clipping, a per-step scheduler and a checkpoint each step; an
@@ -431,6 +444,7 @@ def scenario_join(out: Path) -> None:
     fit(out, "refuse_broadcast", stream(ITERABLE, ITERABLE_BATCH), model=Probed(("broadcast_from_1",)))
     fit(out, "refuse_metric", stream(ITERABLE, ITERABLE_BATCH), model=Probed(metric=True))
     fit(out, "refuse_direct", stream(ITERABLE, ITERABLE_BATCH), model=Probed(("torch_distributed",)))
+    fit(out, "refuse_direct_callback", stream(ITERABLE, ITERABLE_BATCH), callbacks=[DirectCallback()])
     fit(out, "buffers", stream(BN_COUNTS, ITERABLE_BATCH), model=Normed(), max_epochs=1)
     fit(out, "refuse_sync_batchnorm", stream(ITERABLE, ITERABLE_BATCH), model=Normed(), sync_batchnorm=True)
     fit(out, "accumulate_3", stream(ITERABLE, ITERABLE_BATCH), accumulate_grad_batches=3)
@@ -482,7 +496,7 @@ def scenario_policies(out: Path) -> None:
         use_distributed_sampler=False,
         strategy=strategy(uneven_inputs="error"),
     )
-    evaluate(out, "eval", strategy, ("validate", "test", "predict", "refuse"))
+    evaluate(out, "eval", strategy, ("validate", "test", "predict", "refuse", "refuse_direct"))
     even, val = (ITERABLE[0], ITERABLE[0]), stream((VAL[0], VAL[0]), VAL_BATCH, VAL_SALT)
     fit(out, "even_ours", stream(even, ITERABLE_BATCH), val, Probed(("log",)))
     fit(out, "stop_even", stream(even, ITERABLE_BATCH), strategy=strategy(uneven_inputs="stop"))
