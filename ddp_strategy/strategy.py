@@ -212,7 +212,6 @@ class MyDDPStrategy(sync.wrapping.LightningDDPAttributes, ParallelStrategy):
                 self._uneven.callback,
                 self._uneven.begin_epoch,  # its next-batch flags ride in the step boundaries' rounds
                 lambda: self._uneven.tail,
-                lambda: len(set(self._uneven.epochs.get(trainer.current_epoch, ()))) > 1,  # the same on every rank
                 self._uneven.lacks_next,
             )
             if self.is_global_zero:

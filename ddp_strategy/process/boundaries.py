@@ -66,26 +66,25 @@ class SignalsAtStepBoundary(Callback):
     A signal sets a flag. At each batch's start every rank starts an asynchronous all-reduce (MAX) of its flags and
     of the uneven-inputs flag ``ahead()`` (CPU, on the gloo side ``group``: no world-group collective, no
     host-device sync; the one per-step round of both, :meth:`all_have_next`), and at each step's end waits for the
-    one it started at that batch's start (long done by then); after an uneven epoch (``uneven_epoch()``, the same on
-    every rank) once more for every flag raised since (steps that only some ranks take, ``in_tail()`` on those, send
-    nothing). Only the uneven epoch's end starts a new round there: a rank-0-only collective in an earlier
-    callback (a progress bar reading ``trainer.progress_bar_metrics``, which syncs metrics) would otherwise wait
-    for the other ranks while they wait in this round. So a signal during step ``s`` acts on every rank at the
-    end of step ``s + 1`` (the next epoch's first, after an epoch's last step; a validation run in between ends
-    first), where a step is an optimizer step (``accumulate_grad_batches`` batches: a resume from its checkpoint is
-    exact): SIGTERM sets ``trainer.received_sigterm``, Lightning raises ``SIGTERMException`` there
-    (``checkpoint_on_sigterm`` saves); the requeue signal runs Lightning's handler (save, requeue)."""
+    one it started at that batch's start (long done by then). Steps that only some ranks take (``in_tail()`` on
+    those) send nothing: a flag raised in them goes in the next epoch's first round (flags stay set until acted on).
+    No round starts at an epoch's end: a rank-0-only collective in an earlier callback (a progress bar reading
+    ``trainer.progress_bar_metrics``, which syncs metrics) would wait there for the other ranks while they wait in
+    the round. So a signal during step ``s`` acts on every rank at the end of step ``s + 1`` (the next epoch's
+    first, after an epoch's last step or its tail; a validation run in between ends first), where a step is an
+    optimizer step (``accumulate_grad_batches`` batches: a resume from its checkpoint is exact): SIGTERM sets
+    ``trainer.received_sigterm``, Lightning raises ``SIGTERMException`` there (``checkpoint_on_sigterm`` saves); the
+    requeue signal runs Lightning's handler (save, requeue)."""
 
     def __init__(
         self,
         group: Any,
         world_size: int,
         in_tail: Callable[[], bool],
-        uneven_epoch: Callable[[], bool],
         ahead: Callable[[], int],
     ) -> None:
         self.group, self.world_size, self.in_tail, self._stopping = group, world_size, in_tail, False
-        self.uneven_epoch, self.ahead = uneven_epoch, ahead
+        self.ahead = ahead
         self._signal: int | None = None
         self._lightning_handler = self._launcher = self._sent = None  # _sent: (the flags in flight, their work)
 
@@ -154,12 +153,9 @@ class SignalsAtStepBoundary(Callback):
             self._sent = (flags, work)
 
     def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
-        """Act on the last step's flags (Lightning stops at the epoch's end on SIGTERM); after an uneven epoch, also
-        on those of the steps only some ranks took. Collective."""
+        """Act on the last step's flags (Lightning stops at the epoch's end on SIGTERM): a last window shorter than
+        ``accumulate_grad_batches``. Collective."""
         self._agree(trainer)
-        if self.uneven_epoch():
-            self._send()
-            self._agree(trainer)
 
     def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
         if self._stopping:  # the validation loop would stop at its first batch: it ends first
@@ -186,17 +182,15 @@ def add_fit_callbacks(
     first: Any,
     then: Callable[[Any], None],
     in_tail: Callable[[], bool],
-    uneven_epoch: Callable[[], bool],
     ahead: Callable[[], int],
 ) -> None:
     """Put both callbacks last in ``trainer.callbacks`` (replacing earlier ones), on ``run``'s barrier group (a
     ``ProcessGroupRun``), and ``first`` first; ``then(trainer)`` runs after each epoch's barrier, ``in_tail()`` says
-    whether this rank is in a step only some ranks take, ``uneven_epoch()`` whether the epoch ending had ranks with
-    different batch counts, ``ahead()`` the uneven-inputs flag of each batch's round (``first``, ``then``,
-    ``in_tail``, ``uneven_epoch``, ``ahead``: the strategy's uneven-inputs policy's callback, epoch start, tail and
+    whether this rank is in a step only some ranks take, ``ahead()`` the uneven-inputs flag of each batch's round
+    (``first``, ``then``, ``in_tail``, ``ahead``: the strategy's uneven-inputs policy's callback, epoch start, tail and
     flag; ``then`` is also given the signals callback, whose round it reads)."""
     remove_fit_callbacks(trainer, first)
-    signals = SignalsAtStepBoundary(run.barrier_group, world_size, in_tail, uneven_epoch, ahead)
+    signals = SignalsAtStepBoundary(run.barrier_group, world_size, in_tail, ahead)
     trainer.callbacks[:] = [
         first,
         *trainer.callbacks,

@@ -135,6 +135,7 @@ class Probed(pl.LightningModule):
         strategy, got = self.trainer.strategy, {"epoch": self.current_epoch, "batch": batch_idx, "v": v}
         if "log" in self.probes:
             self.log("x", v, on_step=True, sync_dist=True)
+            self.log("x_epoch", v, on_step=False, on_epoch=True, sync_dist=True, prog_bar=True)
         if "reduce" in self.probes:
             got["sum"] = strategy.reduce(torch.tensor([v]), reduce_op="sum").item()
             got["max"] = strategy.reduce(torch.tensor([-v]), reduce_op="max").item()  # a joined 0 would win
@@ -376,6 +377,7 @@ def fit(out: Path, name: str, train: Any, val: Any = None, model: Probed | None 
             "epochs": dict(t.strategy._uneven.epochs) if isinstance(t.strategy, MyDDPStrategy) else None,
             "messages": observed.messages,
             "all_reduces": observed.calls,
+            "metrics": {k: float(v) for k, v in t.callback_metrics.items()},
         },
     )
 
@@ -407,6 +409,7 @@ def scenario_join(out: Path) -> None:
         Probed(SHADOWED),
         callbacks=[every_step_checkpoint(out / "ckpt_more")],
         enable_checkpointing=True,
+        enable_progress_bar=True,  # rank 0's bar syncs the epoch-level "x_epoch" alone at the epoch's end
     )
     fit(out, "join_map", own_shard(MAP, MAP_BATCH), own_shard(VAL, VAL_BATCH, VAL_SALT), use_distributed_sampler=False)
     fit(
