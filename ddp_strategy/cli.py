@@ -17,10 +17,9 @@ import ddp_strategy  # noqa: F401  (registers "my_ddp" with Lightning)
 from ddp_strategy._compat import namespace as _namespace
 from ddp_strategy.reference import DigitsClassifier, DigitsDataModule
 
-#: The CLI runs on the default namespace (``DDP_STRATEGY_LIGHTNING`` chooses; else ``lightning`` if installed).
-_LIGHTNING = _namespace.default
 log = logging.getLogger(__name__)
-LightningCLI, ProgressBar = _LIGHTNING.get("pytorch.cli:LightningCLI"), _LIGHTNING.get("pytorch.callbacks:ProgressBar")
+#: The CLI runs on the process's namespace (``DDP_STRATEGY_LIGHTNING`` chooses; else ``lightning`` if installed).
+LightningCLI, ProgressBar = _namespace.get("pytorch.cli:LightningCLI"), _namespace.get("pytorch.callbacks:ProgressBar")
 
 #: Trainer defaults of the main job; each is a flag (``--trainer.devices=1``) or a YAML entry.
 TRAINER_DEFAULTS: dict[str, Any] = {
@@ -28,7 +27,7 @@ TRAINER_DEFAULTS: dict[str, Any] = {
     "devices": 2,
     "strategy": "my_ddp",
     "max_epochs": 20,
-    "logger": {"class_path": f"{_LIGHTNING.pytorch.__name__}.loggers.CSVLogger", "init_args": {"save_dir": "."}},
+    "logger": {"class_path": f"{_namespace.get('pytorch').__name__}.loggers.CSVLogger", "init_args": {"save_dir": "."}},
     "log_every_n_steps": 10,
 }
 
@@ -93,8 +92,8 @@ class DigitsCLI(LightningCLI):
 def build_cli(args: list[str] | None = None, run: bool = True) -> DigitsCLI:
     """Parse ``args`` (default ``sys.argv[1:]``), run the chosen subcommand (``run=False``: none, nor subcommands)."""
     return DigitsCLI(
-        DigitsClassifier.for_namespace(_LIGHTNING.name),
-        DigitsDataModule.for_namespace(_LIGHTNING.name),
+        DigitsClassifier,
+        DigitsDataModule,
         trainer_defaults=TRAINER_DEFAULTS,
         seed_everything_default=42,
         save_config_kwargs={"overwrite": True},

@@ -26,8 +26,8 @@ if TYPE_CHECKING:
     import lightning.pytorch as pl
     from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
     from lightning.pytorch.strategies import ParallelStrategy
-else:  # the flavour for the user's Lightning namespace is built on construction (see ddp_strategy._compat.namespace)
-    ParallelStrategy = _namespace.lightning_base("pytorch.strategies:ParallelStrategy")
+else:  # this process's Lightning namespace (see ddp_strategy._compat.namespace)
+    ParallelStrategy = _namespace.get("pytorch.strategies:ParallelStrategy")
 
 
 class MyDDPStrategy(sync.wrapping.LightningDDPAttributes, ParallelStrategy):
@@ -114,6 +114,11 @@ class MyDDPStrategy(sync.wrapping.LightningDDPAttributes, ParallelStrategy):
         self._written = checkpoint.WrittenFiles()  # checkpoints saved by this run, trusted when loaded back unchanged
         self._diagnostics: diagnostics.FitRecord | None = None
         self._saving: tuple[Any, Exception | None] | None = None  # path, rank 0's error: for the save's barrier
+
+    def __repr__(self) -> str:
+        """``<MyDDPStrategy for lightning (DDP_STRATEGY_LIGHTNING chooses)>``: the Lightning namespace it derives
+        from, one per process (``ddp_strategy._compat.namespace``); the other's Trainer refuses it, showing this."""
+        return f"<{type(self).__name__} for {_namespace.NAME} ({_namespace.ENV_VAR} chooses)>"
 
     @property
     @override
@@ -489,10 +494,6 @@ class MyDDPStrategy(sync.wrapping.LightningDDPAttributes, ParallelStrategy):
                 )
 
 
-# In each namespace's registry, the flavour for that namespace; and its Trainer accepts compiled models for it.
-_namespace.on_load(
-    lambda namespace: MyDDPStrategy.for_namespace(namespace.name).register_strategies(
-        namespace.get("pytorch.strategies:StrategyRegistry")
-    )
-)
-_namespace.on_load(lambda namespace: _pl.allow_compiled_models(namespace, MyDDPStrategy))
+# "my_ddp" in this namespace's registry; its Trainer accepts compiled models for the strategy.
+MyDDPStrategy.register_strategies(_namespace.get("pytorch.strategies:StrategyRegistry"))
+_pl.allow_compiled_models(MyDDPStrategy)

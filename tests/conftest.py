@@ -16,10 +16,8 @@ import torch.distributed as dist
 
 from ddp_strategy.process import failures
 
-# The suite imports both Lightning namespaces in one process (tests/_compat/test_namespace.py imports
-# pytorch_lightning);
-# objects built without a namespace of their own (DigitsClassifier()) follow the user's imports, so pin the
-# namespace the other test files are written against. tests/_compat/test_namespace.py clears it for its user processes.
+# One Lightning namespace per process (ddp_strategy._compat.namespace): pin the one the test files are written
+# against (pytest's __main__ names none). tests/_compat/test_namespace.py clears it for its user processes.
 if all(importlib.util.find_spec(name) is not None for name in ("lightning", "pytorch_lightning")):
     os.environ.setdefault("DDP_STRATEGY_LIGHTNING", "lightning")
 

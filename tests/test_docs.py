@@ -285,7 +285,7 @@ def test_repository_paths_and_module_names_in_the_docs_exist():
     files, tests, trainer = (
         repository_file_names() | USER_FILES,
         names_of_tests(),
-        namespace.default.get("pytorch:Trainer"),
+        namespace.get("pytorch:Trainer"),
     )
     problems = []
     for path in doc_files():

@@ -34,9 +34,6 @@ PRIVATE_NAMES: dict[str, str] = {
     "set_num_threads_if_needed": "fabric.utilities.distributed:_set_num_threads_if_needed",
     "DDPForwardRedirection": "pytorch.strategies.ddp:_DDPForwardRedirection",
     "update_dataloader": "pytorch.utilities.data:_update_dataloader",
-    "given_hyperparameters": "pytorch.core.mixins.hparams_mixin:_given_hyperparameters",
-    "collect_init_args": "pytorch.utilities.parsing:collect_init_args",
-    "save_hyperparameters": "pytorch.utilities.parsing:save_hyperparameters",
     "cloud_load": "fabric.utilities.cloud_io:_load",
     "get_dataloader_init_args_and_kwargs": "pytorch.utilities.data:_get_dataloader_init_args_and_kwargs",
     "reinstantiate_wrapped_cls": "pytorch.utilities.data:_reinstantiate_wrapped_cls",
@@ -51,8 +48,6 @@ PRIVATE_NAMES: dict[str, str] = {
     "optimizers_to_device": "fabric.utilities.optimizer:_optimizers_to_device",
 }
 
-_default = _namespace.default
-
 
 #: Seconds the popen launching process has, after a rank it launched exited non-zero, to name it and exit by itself
 #: before :class:`Supervisor` SIGKILLs it and every rank (Lightning's observer: at its next 5 s poll); and how long,
@@ -60,7 +55,7 @@ _default = _namespace.default
 GRACE_S = 30.0
 
 
-class SubprocessScriptLauncher(_namespace.lightning_base(PRIVATE_NAMES["SubprocessScriptLauncher"])):  # type: ignore[misc]
+class SubprocessScriptLauncher(_namespace.get(PRIVATE_NAMES["SubprocessScriptLauncher"])):  # type: ignore[misc]
     """Lightning's launcher that re-runs the user's script per extra local rank (``start_method="popen"``), with
     :class:`Supervisor` watching the ranks it starts in place of Lightning's ``_ChildProcessObserver``."""
 
@@ -76,7 +71,7 @@ class SubprocessScriptLauncher(_namespace.lightning_base(PRIVATE_NAMES["Subproce
         return function(*args, **kwargs)
 
 
-class Supervisor(_default.get(PRIVATE_NAMES["ChildProcessObserver"])):  # type: ignore[misc]
+class Supervisor(_namespace.get(PRIVATE_NAMES["ChildProcessObserver"])):  # type: ignore[misc]
     """The one supervisor of the ranks popen's launching process starts (once per process: later launches find
     ``LOCAL_RANK`` set and start none). Lightning's observer, a daemon thread that polls them every 5 s, except:
 
@@ -112,16 +107,16 @@ class Supervisor(_default.get(PRIVATE_NAMES["ChildProcessObserver"])):  # type: 
 
 #: Lightning's launcher for ``spawn``, ``fork`` and ``forkserver`` (``torch.multiprocessing``): a base class
 #: for the namespace of the strategy it is given.
-MultiProcessingLauncher: type = _namespace.lightning_base(PRIVATE_NAMES["MultiProcessingLauncher"])
+MultiProcessingLauncher: type = _namespace.get(PRIVATE_NAMES["MultiProcessingLauncher"])
 #: Base class that routes ``training_step`` and friends through the DDP wrapper's ``forward``, turning DDP's
 #: gradient sync off inside it under manual optimization (plain Python, namespace-neutral).
-DDPForwardRedirection: type = _default.get(PRIVATE_NAMES["DDPForwardRedirection"])
-prepare_for_backward = _default.get(PRIVATE_NAMES["prepare_for_backward"])
-_set_num_threads_if_needed = _default.get(PRIVATE_NAMES["set_num_threads_if_needed"])
+DDPForwardRedirection: type = _namespace.get(PRIVATE_NAMES["DDPForwardRedirection"])
+prepare_for_backward = _namespace.get(PRIVATE_NAMES["prepare_for_backward"])
+_set_num_threads_if_needed = _namespace.get(PRIVATE_NAMES["set_num_threads_if_needed"])
 #: The BatchNorm Lightning's ``TorchSyncBatchNorm.revert`` gives back: any input rank (a torch ``_BatchNorm``).
-BatchNormXd: type = _default.get(PRIVATE_NAMES["BatchNormXd"])
+BatchNormXd: type = _namespace.get(PRIVATE_NAMES["BatchNormXd"])
 #: ``update_dataloader(dataloader, sampler)``: re-create ``dataloader`` with ``sampler``, keeping its other arguments.
-update_dataloader = _default.get(PRIVATE_NAMES["update_dataloader"])
+update_dataloader = _namespace.get(PRIVATE_NAMES["update_dataloader"])
 
 
 def takes_weights_only(method: Any) -> bool:
@@ -150,31 +145,8 @@ def load_checkpoint_with_weights_only(path: Any, map_location: Any, weights_only
     fs = _namespace.get_filesystem(path)
     if not fs.exists(path):
         raise FileNotFoundError(f"Checkpoint file not found: {path}")
-    return _default.get(PRIVATE_NAMES["cloud_load"])(path, map_location=map_location, weights_only=weights_only)
+    return _namespace.get(PRIVATE_NAMES["cloud_load"])(path, map_location=map_location, weights_only=weights_only)
 
-
-class SavesPublicInitArgs:
-    """Mixed into LightningModule/LightningDataModule flavours: ``save_hyperparameters()`` also collects the
-    ``__init__`` arguments of our public classes, which are no ``HyperparametersMixin`` (whose frames Lightning
-    reads); the rest is Lightning's own ``save_hyperparameters``."""
-
-    def save_hyperparameters(self, *args: Any, ignore: Any = None, frame: Any = None, logger: bool = True) -> None:
-        """As Lightning's ``HyperparametersMixin.save_hyperparameters``."""
-        if frame is None:
-            frame = sys._getframe(1)  # the caller's: the __init__ that called save_hyperparameters()
-        namespace = _namespace.load(type(self)._ddp_namespace)  # type: ignore[attr-defined]
-        given = namespace.get(PRIVATE_NAMES["given_hyperparameters"]).get()
-        if given is None:  # each __init__ of the chain, the most specific last and winning (as Lightning merges them)
-            classes = (namespace.get("pytorch.core.mixins:HyperparametersMixin"), _namespace.Flavoured)
-            collected = namespace.get(PRIVATE_NAMES["collect_init_args"])(frame, [], classes=classes)
-            given = {key: value for local_args in collected for key, value in local_args.items()}
-        self._log_hyperparams = logger
-        namespace.get(PRIVATE_NAMES["save_hyperparameters"])(
-            self, *args, ignore=ignore, frame=frame, given_hparams=given
-        )
-
-
-_namespace.MIXINS.append(("pytorch.core.mixins:HyperparametersMixin", SavesPublicInitArgs))
 
 _USER_SAMPLER_FLAG = "_ddp_strategy_user_use_distributed_sampler"
 
@@ -183,7 +155,7 @@ def is_interactive() -> bool:
     """Whether Python runs interactively: a REPL, ``python -i``, or a running IPython shell or Jupyter kernel
     (``IPython.get_ipython()`` is not None; merely importing ``ipykernel`` does not count)."""
     ipython = sys.modules.get("IPython")
-    return _default.get(PRIVATE_NAMES["is_interactive"]) or (
+    return _namespace.get(PRIVATE_NAMES["is_interactive"]) or (
         ipython is not None and getattr(ipython, "get_ipython", lambda: None)() is not None
     )
 
@@ -200,30 +172,26 @@ def update_dataloader_batch_sampler(dataloader: DataLoader, batch_sampler: Any) 
     placeholder = SequentialSampler(range(0))
     proxy = copy.copy(dataloader)
     object.__setattr__(proxy, "batch_sampler", BatchSampler(placeholder, 1, False))
-    args, kwargs = _default.get(PRIVATE_NAMES["get_dataloader_init_args_and_kwargs"])(proxy, placeholder)
+    args, kwargs = _namespace.get(PRIVATE_NAMES["get_dataloader_init_args_and_kwargs"])(proxy, placeholder)
     kwargs.update(batch_sampler=batch_sampler, sampler=None, shuffle=False, batch_size=1, drop_last=False)
-    return _default.get(PRIVATE_NAMES["reinstantiate_wrapped_cls"])(dataloader, *args, **kwargs)
+    return _namespace.get(PRIVATE_NAMES["reinstantiate_wrapped_cls"])(dataloader, *args, **kwargs)
 
 
-def allow_compiled_models(namespace: _namespace.Namespace, strategy_cls: type) -> None:
-    """Let the Trainer of ``namespace`` accept a ``torch.compile``'d LightningModule for ``strategy_cls``.
+def allow_compiled_models(strategy_cls: type) -> None:
+    """Let the Trainer accept a ``torch.compile``'d LightningModule for ``strategy_cls`` (and its subclasses).
 
     Lightning refuses one unless the strategy is in a fixed tuple (``_verify_strategy_supports_compile``);
-    ``strategy_cls`` wraps in DDP as ``DDPStrategy`` does, so the trainer module's check is replaced by one
-    that accepts it (and its subclasses) and defers to the check it replaced otherwise. Idempotent (another class
-    wraps the check once more).
+    ``strategy_cls`` wraps in DDP as ``DDPStrategy`` does, so the trainer module's check is replaced, once per
+    process, by one that accepts it and defers to the check it replaced otherwise.
     """
     module_path, _, check_name = PRIVATE_NAMES["verify_strategy_supports_compile"].partition(":")
-    trainer_module = namespace.get(module_path)
+    trainer_module = _namespace.get(module_path)
     lightning_check = getattr(trainer_module, check_name)
-    if strategy_cls in getattr(lightning_check, "_ddp_strategy_accepts", ()):
-        return
 
     def verify_strategy_supports_compile(model: Any, strategy: Any) -> None:
         if not isinstance(strategy, strategy_cls):
             lightning_check(model, strategy)
 
-    verify_strategy_supports_compile._ddp_strategy_accepts = (strategy_cls,)  # type: ignore[attr-defined]
     setattr(trainer_module, check_name, verify_strategy_supports_compile)
 
 
@@ -267,15 +235,15 @@ def resumed_batch_count(trainer: pl.Trainer) -> int:
 
 #: ``(tensor, group=None, reduce_op=None)``: all-reduce in place (``"mean"``/``"avg"`` on gloo: sum, then divide);
 #: the tensor itself without a process group. What Lightning's ``DDPStrategy.reduce`` calls.
-sync_ddp_if_available = _default.get(PRIVATE_NAMES["sync_ddp_if_available"])
+sync_ddp_if_available = _namespace.get(PRIVATE_NAMES["sync_ddp_if_available"])
 #: ``(tensor, group=None, sync_grads=False)``: ``(W, *shape)`` of equal shapes; what ``ParallelStrategy.all_gather``
 #: calls.
-all_gather_ddp_if_available = _default.get(PRIVATE_NAMES["all_gather_ddp_if_available"])
+all_gather_ddp_if_available = _namespace.get(PRIVATE_NAMES["all_gather_ddp_if_available"])
 #: ``(tensor, group=None)``: every rank's tensor, shapes may differ in every dimension (padded, gathered, trimmed).
-gather_all_tensors = _default.get(PRIVATE_NAMES["gather_all_tensors"])
+gather_all_tensors = _namespace.get(PRIVATE_NAMES["gather_all_tensors"])
 #: ``(optimizers, device)``: every tensor in each optimizer's state moved to ``device``; what Lightning's
 #: ``DDPStrategy.setup`` calls after setting the optimizers up.
-optimizers_to_device = _default.get(PRIVATE_NAMES["optimizers_to_device"])
+optimizers_to_device = _namespace.get(PRIVATE_NAMES["optimizers_to_device"])
 
 #: Lightning's ``Trainer.save_checkpoint`` calls ``strategy.save_checkpoint`` on every rank, then
 #: ``strategy.barrier(SAVE_BARRIER)`` (Lightning 2.4-2.6): that barrier carries rank 0's write outcome.

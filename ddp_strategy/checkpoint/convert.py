@@ -156,7 +156,7 @@ def _check_optimizer_lines_up(optimizer_state: Mapping[str, Any], params: list[t
 
 def _fit_loop_state(epochs_completed: int, global_step: int) -> dict[str, Any]:
     """A fresh Trainer's ``fit_loop.state_dict()`` (Lightning's layout), counters set to the epochs and steps."""
-    trainer = _namespace.default.pytorch.Trainer(
+    trainer = _namespace.get("pytorch:Trainer")(
         accelerator="cpu",
         devices=1,
         logger=False,
@@ -242,7 +242,7 @@ def import_plain_checkpoint(
     result: dict[str, Any] = {
         "epoch": max(epochs_completed - 1, 0),
         "global_step": global_step,
-        "pytorch-lightning_version": _namespace.load(_namespace.namespace_of(model) or _namespace.default.name).version,
+        "pytorch-lightning_version": _namespace.version,
         "state_dict": unwrapped_state_dict(model),
         "loops": {"fit_loop": _fit_loop_state(epochs_completed, global_step)},
         "lr_schedulers": [],

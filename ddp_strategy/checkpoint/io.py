@@ -28,8 +28,8 @@ from ddp_strategy.checkpoint.keys import strip_compile_prefixes
 
 if TYPE_CHECKING:
     from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
-else:  # built for the user's Lightning namespace on construction (see ddp_strategy._compat.namespace)
-    TorchCheckpointIO = _namespace.lightning_base("fabric.plugins.io.torch_io:TorchCheckpointIO")
+else:  # this process's Lightning namespace (see ddp_strategy._compat.namespace)
+    TorchCheckpointIO = _namespace.get("fabric.plugins.io.torch_io:TorchCheckpointIO")
 
 log = logging.getLogger(__name__)
 

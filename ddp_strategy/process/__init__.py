@@ -5,7 +5,7 @@ protocol (:mod:`~ddp_strategy.process.failures`), the epoch- and step-boundary c
 every rank (:mod:`~ddp_strategy.process.collectives`). Must not touch: loaders, the model or checkpoints.
 """
 
-from ddp_strategy._compat.namespace import default as _default
+from ddp_strategy._compat import namespace as _namespace
 from ddp_strategy.process import boundaries, failures, launching
 from ddp_strategy.process.collectives import (
     agree_on_rank_zero_failure,
@@ -25,7 +25,7 @@ from ddp_strategy.process.group import (
 from ddp_strategy.process.launching import START_METHODS, StartMethod, check_launch_env, default_start_method
 
 #: Lightning's ``find_free_network_port`` (for the demo): a port free a moment ago.
-free_port = _default.get("fabric.plugins.environments.lightning:find_free_network_port")
+free_port = _namespace.get("fabric.plugins.environments.lightning:find_free_network_port")
 
 __all__ = [
     "DEFAULT_TIMEOUT",

@@ -22,8 +22,8 @@ from ddp_strategy.process.failures import StalledRankError
 
 if TYPE_CHECKING:
     from lightning.pytorch import Callback
-else:  # built for the user's Lightning namespace on construction (see ddp_strategy._compat.namespace)
-    Callback = _namespace.lightning_base("pytorch.callbacks:Callback")
+else:  # this process's Lightning namespace (see ddp_strategy._compat.namespace)
+    Callback = _namespace.get("pytorch.callbacks:Callback")
 
 log = logging.getLogger(__name__)
 

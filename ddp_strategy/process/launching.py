@@ -23,8 +23,8 @@ if TYPE_CHECKING:
     from lightning.fabric.plugins import ClusterEnvironment
 
 #: Lightning's cluster environments of either namespace, for isinstance checks.
-LightningEnvironment = _namespace.any_namespace("fabric.plugins.environments:LightningEnvironment")
-TorchElasticEnvironment = _namespace.any_namespace("fabric.plugins.environments:TorchElasticEnvironment")
+LightningEnvironment = _namespace.get("fabric.plugins.environments:LightningEnvironment")
+TorchElasticEnvironment = _namespace.get("fabric.plugins.environments:TorchElasticEnvironment")
 
 
 StartMethod = Literal["popen", "spawn", "fork", "forkserver"]

@@ -16,8 +16,8 @@ from ddp_strategy._compat.namespace import rank_zero_info
 
 if TYPE_CHECKING:
     from lightning.pytorch import LightningDataModule
-else:  # built for the user's Lightning namespace on construction (see ddp_strategy._compat.namespace)
-    LightningDataModule = _namespace.lightning_base("pytorch:LightningDataModule")
+else:  # this process's Lightning namespace (see ddp_strategy._compat.namespace)
+    LightningDataModule = _namespace.get("pytorch:LightningDataModule")
 
 NUM_FEATURES = 64
 NUM_CLASSES = 10

@@ -14,8 +14,8 @@ from ddp_strategy.reference.data import NUM_CLASSES, NUM_FEATURES
 
 if TYPE_CHECKING:
     from lightning.pytorch import LightningModule
-else:  # built for the user's Lightning namespace on construction (see ddp_strategy._compat.namespace)
-    LightningModule = _namespace.lightning_base("pytorch:LightningModule")
+else:  # this process's Lightning namespace (see ddp_strategy._compat.namespace)
+    LightningModule = _namespace.get("pytorch:LightningModule")
 
 
 class DigitsNet(nn.Module):

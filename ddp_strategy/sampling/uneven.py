@@ -57,8 +57,8 @@ from ddp_strategy.sampling.loaders import flat_loaders
 
 if TYPE_CHECKING:
     from lightning.pytorch import Callback
-else:  # built for the user's Lightning namespace on construction (see ddp_strategy._compat.namespace)
-    Callback = _namespace.lightning_base("pytorch.callbacks:Callback")
+else:  # this process's Lightning namespace (see ddp_strategy._compat.namespace)
+    Callback = _namespace.get("pytorch.callbacks:Callback")
 
 #: ``MyDDPStrategy(uneven_inputs=...)``'s values, the default first.
 POLICIES = ("join", "stop", "error")

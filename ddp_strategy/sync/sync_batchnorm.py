@@ -22,8 +22,8 @@ from ddp_strategy._compat import namespace as _namespace
 
 if TYPE_CHECKING:
     from lightning.pytorch.plugins import LayerSync, TorchSyncBatchNorm
-else:  # built for the user's Lightning namespace on construction (see ddp_strategy._compat.namespace)
-    TorchSyncBatchNorm = _namespace.lightning_base("pytorch.plugins:TorchSyncBatchNorm")
+else:  # this process's Lightning namespace (see ddp_strategy._compat.namespace)
+    TorchSyncBatchNorm = _namespace.get("pytorch.plugins:TorchSyncBatchNorm")
 
 
 class CPUSyncBatchNorm(_BatchNorm):
@@ -136,7 +136,4 @@ class DDPSyncBatchNorm(TorchSyncBatchNorm):
 
 def cpu_capable(layer_sync: LayerSync | None) -> LayerSync | None:
     """Swap Lightning's default ``TorchSyncBatchNorm`` for :class:`DDPSyncBatchNorm`; keep any other plugin."""
-    namespace = _namespace.namespace_of(layer_sync)  # the Trainer's: it made the plugin
-    if namespace is not None and type(layer_sync) is _namespace.load(namespace).get(TorchSyncBatchNorm._ddp_base):
-        return DDPSyncBatchNorm.for_namespace(namespace)()
-    return layer_sync
+    return DDPSyncBatchNorm() if type(layer_sync) is TorchSyncBatchNorm else layer_sync

@@ -22,10 +22,27 @@ pytestmark = pytest.mark.compat
 SUPPORTED_MINORS = ("2.4.", "2.5.", "2.6.")
 
 
+class Namespace:
+    """One installed Lightning namespace, imported: its name, version and objects by path (``_namespace.get``)."""
+
+    def __init__(self, name: str) -> None:
+        self.name, self.version = name, _namespace.get("pytorch:__version__", name)
+        self.pytorch = _namespace.get("pytorch", name)
+
+    def get(self, path: str):
+        return _namespace.get(path, self.name)
+
+
 @pytest.fixture(params=_namespace.installed())
-def namespace(request) -> _namespace.Namespace:
-    """Each installed namespace, imported."""
-    return _namespace.load(request.param)
+def namespace(request) -> Namespace:
+    """Each installed namespace, imported (another process may choose either)."""
+    return Namespace(request.param)
+
+
+@pytest.fixture
+def ours() -> Namespace:
+    """This process's namespace: the one our classes derive from."""
+    return Namespace(_namespace.NAME)
 
 
 def signature_of(obj) -> list[str]:
@@ -33,7 +50,7 @@ def signature_of(obj) -> list[str]:
     return list(inspect.signature(obj).parameters)
 
 
-def _private(namespace: _namespace.Namespace, name: str):
+def _private(namespace: Namespace, name: str):
     return namespace.get(_pl.PRIVATE_NAMES[name])
 
 
@@ -67,11 +84,11 @@ def test_launchers_keep_their_signatures(namespace):
     assert _private(namespace, "SubprocessScriptLauncher")(env, 2, 1).procs == []
 
 
-def test_our_launchers_are_built_for_the_namespace_of_their_arguments(namespace):
-    """SubprocessScriptLauncher(env, ...) is the launcher of env's namespace; so is the spawn launcher."""
-    env = namespace.get("fabric.plugins.environments:LightningEnvironment")()
+def test_our_popen_launcher_is_lightnings(ours):
+    """Our SubprocessScriptLauncher is a subclass of the process namespace's."""
+    env = ours.get("fabric.plugins.environments:LightningEnvironment")()
     launcher = _pl.SubprocessScriptLauncher(env, 2, 1)
-    assert isinstance(launcher, _private(namespace, "SubprocessScriptLauncher"))
+    assert isinstance(launcher, _private(ours, "SubprocessScriptLauncher"))
     assert isinstance(launcher, _pl.SubprocessScriptLauncher)
     assert launcher.num_processes == 2
 
@@ -95,7 +112,7 @@ def test_checkpoint_loading_takes_weights_only_or_we_load_ourselves(namespace):
     assert signature_of(_private(namespace, "cloud_load"))[:3] == ["path_or_url", "map_location", "weights_only"]
 
 
-def test_remote_loading_honours_weights_only(namespace):
+def test_remote_loading_honours_weights_only(ours):
     """From a non-local fsspec file system (memory://), DDPCheckpointIO refuses a pickled object by default."""
     import argparse
     import pickle
@@ -104,29 +121,17 @@ def test_remote_loading_honours_weights_only(namespace):
 
     from ddp_strategy import DDPCheckpointIO
 
+    namespace = ours
     fs = fsspec.filesystem("memory")
     with fs.open(f"/{namespace.name}/object.ckpt", "wb") as f:
         torch.save({"state_dict": {}, "object": argparse.Namespace(a=1)}, f)
-    io = DDPCheckpointIO.for_namespace(namespace.name)()
+    io = DDPCheckpointIO()
     with pytest.raises(pickle.UnpicklingError):
         io.load_checkpoint(f"memory://{namespace.name}/object.ckpt")
     assert io.load_checkpoint(f"memory://{namespace.name}/object.ckpt", weights_only=False)["object"].a == 1
     with pytest.raises(FileNotFoundError):
         io.load_checkpoint(f"memory://{namespace.name}/missing.ckpt")
     fs.rm(f"/{namespace.name}", recursive=True)
-
-
-def test_hyperparameter_helpers_keep_their_signatures(namespace):
-    """save_hyperparameters for our classes calls Lightning's parsing helpers and reads its context variable."""
-    assert signature_of(_private(namespace, "collect_init_args")) == ["frame", "path_args", "inside", "classes"]
-    assert signature_of(_private(namespace, "save_hyperparameters")) == [
-        "obj",
-        "args",
-        "ignore",
-        "frame",
-        "given_hparams",
-    ]
-    assert _private(namespace, "given_hyperparameters").get() is None
 
 
 def test_update_dataloader_replaces_the_sampler(namespace):
@@ -198,11 +203,12 @@ def test_update_dataloader_batch_sampler_keeps_subclass_arguments(namespace):
         assert callable(namespace.get(_pl.PRIVATE_NAMES[key]))
 
 
-def test_compiled_models_are_accepted_for_our_strategy_only(namespace):
-    """Each namespace's trainer module calls _verify_strategy_supports_compile(model, strategy) in fit/validate/
-    test/predict; our replacement accepts MyDDPStrategy and still refuses a compiled model on other strategies."""
+def test_compiled_models_are_accepted_for_our_strategy_only(ours):
+    """The trainer module calls _verify_strategy_supports_compile(model, strategy) in fit/validate/test/predict;
+    our replacement accepts MyDDPStrategy and still refuses a compiled model on other strategies."""
     from ddp_strategy import DigitsClassifier, MyDDPStrategy
 
+    namespace = ours
     trainer_module = namespace.get("pytorch.trainer.trainer")
     compile_module = namespace.get("pytorch.utilities.compile")
     assert inspect.signature(compile_module._verify_strategy_supports_compile).parameters.keys() == {
@@ -213,16 +219,14 @@ def test_compiled_models_are_accepted_for_our_strategy_only(namespace):
     for method in (trainer_cls.fit, trainer_cls.validate, trainer_cls.test, trainer_cls.predict):
         assert "_verify_strategy_supports_compile" in method.__code__.co_names
     check = trainer_module._verify_strategy_supports_compile
-    assert MyDDPStrategy in check._ddp_strategy_accepts
-    model = DigitsClassifier.for_namespace(namespace.name)()
+    assert check is not compile_module._verify_strategy_supports_compile  # ours, in the trainer module
+    model = DigitsClassifier()
     model._compiler_ctx = {"compiler": "dynamo"}
-    check(model, MyDDPStrategy.for_namespace(namespace.name)())
+    check(model, MyDDPStrategy())
     check(model, namespace.get("pytorch.strategies:SingleDeviceStrategy")("cpu"))
     assert not issubclass(MyDDPStrategy, namespace.get("pytorch.strategies:DDPStrategy"))
     with pytest.raises(RuntimeError, match="Using a compiled model is incompatible with the current strategy"):
         check(model, object())  # any strategy outside Lightning's list is still refused
-    _pl.allow_compiled_models(namespace, MyDDPStrategy)  # idempotent
-    assert trainer_module._verify_strategy_supports_compile is check
 
 
 def test_epoch_batch_progress_counters_shift_together(namespace):
@@ -243,20 +247,21 @@ def test_not_resumable_warning_text_is_still_lightnings(namespace):
     assert LIGHTNING_NOT_RESUMABLE_WARNING in inspect.getsource(namespace.get("pytorch.loops.training_epoch_loop"))
 
 
-def test_base_class_attributes_the_strategy_sets_or_reads(namespace):
+def test_base_class_attributes_the_strategy_sets_or_reads(ours):
     """MyDDPStrategy uses four underscore attributes of Lightning's Strategy/ParallelStrategy, as Lightning's own
     DDPStrategy does: _launcher, _checkpoint_io, _layer_sync (filled by Trainer(sync_batchnorm=True)) and
     _forward_redirection (routes training_step through DDP's forward)."""
     from ddp_strategy import MyDDPStrategy
 
+    namespace = ours
     ParallelStrategy = namespace.get("pytorch.strategies:ParallelStrategy")
-    _ForwardRedirection = _private(_namespace.default, "DDPForwardRedirection")  # plain Python: the default's
-    s = MyDDPStrategy.for_namespace(namespace.name)()
+    _ForwardRedirection = _private(namespace, "DDPForwardRedirection")
+    s = MyDDPStrategy()
     for name in ("_launcher", "_checkpoint_io", "_layer_sync", "_forward_redirection"):
         assert name in vars(s), f"Lightning's Strategy no longer sets {name}"
     assert isinstance(s._forward_redirection, _ForwardRedirection)
     assert callable(getattr(ParallelStrategy, "_configure_launcher", None))
-    strategy = MyDDPStrategy.for_namespace(namespace.name)(start_method="spawn")
+    strategy = MyDDPStrategy(start_method="spawn")
     trainer = namespace.pytorch.Trainer(
         accelerator="cpu", devices=2, strategy=strategy, sync_batchnorm=True, logger=False
     )
@@ -362,7 +367,7 @@ def test_the_popen_launcher_starts_the_supervisor_alone_and_only_for_the_ranks_i
     import subprocess
     import threading
 
-    env = _namespace.default.get("fabric.plugins.environments:LightningEnvironment")()
+    env = _namespace.get("fabric.plugins.environments:LightningEnvironment")()
     launcher = _pl.SubprocessScriptLauncher(env, 2, 1)
     started = []
     monkeypatch.setattr(

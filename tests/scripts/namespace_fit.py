@@ -1,31 +1,36 @@
-"""A 2-process fit written as a user of one Lightning namespace would write it, with a strategy built elsewhere.
+"""A 2-process fit written as a user of one Lightning namespace would write it.
 
-Usage: python namespace_fit.py NAMESPACE STRATEGY_FOR OUT_DIR. NAMESPACE is ``lightning`` (``import
-lightning.pytorch as pl``) or ``pytorch_lightning`` (``import pytorch_lightning as pl``). The script imports
-``ddp_strategy`` *first*, as an alphabetical import order does, then builds the strategy at import time, as a config
-module would: ``MyDDPStrategy.for_namespace(STRATEGY_FOR)(...)``, or with STRATEGY_FOR ``unnamed``
-``MyDDPStrategy(...)`` where no namespace is named yet (``lightning``'s where both are installed); only then it
-imports the user's namespace, whose Trainer gets that strategy. It trains DigitsClassifier for 2 epochs of 10
-batches under ``start_method="spawn"`` (which pickles the trainer), saving a checkpoint per epoch under
-OUT_DIR/ckpts. Each rank writes OUT_DIR/rank{global_rank}.pt: its final weights, epoch, step, validation accuracy,
-the namespace the strategy was built for, and the namespace of its strategy, model, data module and checkpoint IO.
+Usage: python namespace_fit.py OUT_DIR; tests/_compat/test_namespace.py runs a copy importing pytorch_lightning
+for the standalone namespace. The script imports ``ddp_strategy`` *first*, as an alphabetical import order does,
+and the user's namespace after it (the process's namespace follows this script's imports:
+``ddp_strategy._compat.namespace.resolve``). It trains DigitsClassifier for 2 epochs of 10 batches under
+``start_method="spawn"`` (which pickles the trainer), saving a checkpoint per epoch under OUT_DIR/ckpts. Each rank
+writes OUT_DIR/rank{global_rank}.pt: its final weights, epoch, step, validation accuracy, and the namespace of the
+Lightning classes its strategy, model, data module and checkpoint IO derive from.
 """
 
-import importlib
 import sys
 from pathlib import Path
 
 import torch
 
+# ddp_strategy first, as an alphabetical order of `from` imports puts it
+# isort: off
 from ddp_strategy import DDPCheckpointIO, DigitsClassifier, DigitsDataModule, MyDDPStrategy
-from ddp_strategy._compat import namespace as _namespace
+import lightning.pytorch as pl  # tests/_compat/test_namespace.py runs a copy importing pytorch_lightning too
+# isort: on
 
-STRATEGY_CLASS = MyDDPStrategy if sys.argv[2] == "unnamed" else MyDDPStrategy.for_namespace(sys.argv[2])
-STRATEGY = STRATEGY_CLASS(timeout=60, start_method="spawn")
-BUILT_FOR = _namespace.namespace_of(STRATEGY)
 
-# The user's namespace, at module level as a user imports it (spawned ranks re-import this module).
-pl = importlib.import_module("lightning.pytorch" if sys.argv[1] == "lightning" else "pytorch_lightning")
+def namespace_of(obj: object) -> str:
+    """The namespace of the Lightning classes ``obj``'s class derives from."""
+    tops = {c.__module__.split(".")[0] for c in type(obj).__mro__}
+    return (
+        "lightning"
+        if "lightning" in tops
+        else "pytorch_lightning"
+        if tops & {"pytorch_lightning", "lightning_fabric"}
+        else "?"
+    )
 
 
 class Record(pl.Callback):
@@ -41,9 +46,8 @@ class Record(pl.Callback):
                 "epoch": trainer.current_epoch,
                 "step": trainer.global_step,
                 "val_acc": float(trainer.callback_metrics["val_acc"]),
-                "built_for": BUILT_FOR,
                 "namespaces": {
-                    name: _namespace.namespace_of(obj)
+                    name: namespace_of(obj)
                     for name, obj in (
                         ("strategy", trainer.strategy),
                         ("model", pl_module),
@@ -57,12 +61,12 @@ class Record(pl.Callback):
 
 
 if __name__ == "__main__":
-    out = Path(sys.argv[3])
+    out = Path(sys.argv[1])
     pl.seed_everything(321)
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=2,
-        strategy=STRATEGY,
+        strategy=MyDDPStrategy(timeout=60, start_method="spawn"),
         plugins=[DDPCheckpointIO()],
         max_epochs=2,
         logger=False,
@@ -73,5 +77,4 @@ if __name__ == "__main__":
         limit_val_batches=2,
         callbacks=[pl.callbacks.ModelCheckpoint(dirpath=out / "ckpts", filename="{epoch}", save_top_k=-1), Record(out)],
     )
-    assert trainer.strategy is STRATEGY
     trainer.fit(DigitsClassifier(), DigitsDataModule(batch_size=32))
