@@ -56,6 +56,10 @@ WORKLOADS: dict[str, Workload] = {
     "small": Workload("small", "mlp", features=64, hidden=192, classes=10, batch=32, samples=2048, steps=300),
     # small CNN on 32x32 images, ~57k parameters (~222 KiB) but tens of times the compute per step.
     "heavy": Workload("heavy", "cnn", features=32, hidden=64, classes=10, batch=32, samples=1024, steps=30),
+    # For one GPU (benchmarks/gpu_check.py): the heavy CNN 8 times wider, ~3.5M parameters (~13.5 MiB of fp32
+    # gradients, 2 buckets), ~11 GFLOP per sample forward and backward: a step of several milliseconds on an H100
+    # (not yet measured), so per-step framework overhead is a few percent of it. Far too slow for a CPU.
+    "gpu": Workload("gpu", "cnn", features=32, hidden=512, classes=10, batch=32, samples=4096, steps=300),
 }
 
 

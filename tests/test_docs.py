@@ -316,6 +316,16 @@ def test_repository_paths_and_module_names_in_the_docs_exist():
     assert not problems, "\n".join(problems)
 
 
+#: The README is the front page, read in five minutes (issue 48): its size in bytes, as ``wc -c README.md`` counts.
+README_MAX_BYTES = 15_000
+
+
+def test_the_readme_stays_short():
+    """README.md is at most 15,000 bytes: long explanations go to the docs page of their step, which it links."""
+    size = len((ROOT / "README.md").read_bytes())
+    assert size <= README_MAX_BYTES, f"README.md is {size:,} bytes, over {README_MAX_BYTES:,}: move detail to docs/"
+
+
 def test_the_harness_runs_examples_as_files_and_reports_failures(tmp_path):
     """The runner sees a failing assert as a non-zero exit, and runs the example as a file in its own folder."""
     failing = run_example("assert 1 + 1 == 3, 'arithmetic'\n", tmp_path)

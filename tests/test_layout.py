@@ -163,10 +163,11 @@ def test_no_import_cycles_in_the_package():
 def test_the_tests_mirror_the_package():
     """tests/ holds one folder per sub-package (and scripts/, and diagnostics/ for diagnostics.py and its
     workers), and at its top only the tests of the top-level modules
-    (test_strategy.py for strategy.py, ...), of the docs and of this layout, conftest.py and the shared helpers.
+    (test_strategy.py for strategy.py, ...), of the docs, of the benchmarks and of this layout, conftest.py and the
+    shared helpers.
     Module names are unique: tests/ has no __init__.py, so pytest and spawned ranks import them by name."""
     modules = {f"test_{path.stem}.py" for path in PACKAGE.glob("*.py") if not path.stem.startswith("_")}
-    allowed = modules | {"conftest.py", "ddp_testing.py", "test_docs.py", "test_layout.py"}
+    allowed = modules | {"conftest.py", "ddp_testing.py", "test_docs.py", "test_benchmarks.py", "test_layout.py"}
     assert sorted(path.name for path in TESTS.glob("*.py") if path.name not in allowed) == []
     folders = {path.name for path in TESTS.iterdir() if path.is_dir() and not path.name.startswith((".", "__"))}
     assert sorted(folders - set(SUBPACKAGES) - {"scripts", "diagnostics"}) == []
