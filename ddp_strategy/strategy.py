@@ -113,7 +113,6 @@ class MyDDPStrategy(sync.wrapping.LightningDDPAttributes, ParallelStrategy):
         self._verify_sync_every_n_steps = verify_sync_every_n_steps
         self._written = checkpoint.WrittenFiles()  # checkpoints saved by this run, trusted when loaded back unchanged
         self._diagnostics: diagnostics.FitRecord | None = None
-        self._saving: tuple[Any, Exception | None] | None = None  # path, rank 0's error: for the save's barrier
 
     def __repr__(self) -> str:
         """``<MyDDPStrategy for lightning (DDP_STRATEGY_LIGHTNING chooses)>``: the Lightning namespace it derives
@@ -331,12 +330,8 @@ class MyDDPStrategy(sync.wrapping.LightningDDPAttributes, ParallelStrategy):
     @override
     def barrier(self, name: str | None = None) -> None:
         """Wait for every rank (NCCL: on this rank's device); a no-op without a process group."""
-        self._uneven.announce("save" if name == _pl.SAVE_BARRIER and self._saving is not None else "barrier")
-        if name == _pl.SAVE_BARRIER and self._saving is not None:  # Trainer.save_checkpoint's: rank 0's outcome
-            (path, error), self._saving = self._saving, None
-            process.agree_on_rank_zero_failure(error, f"saving checkpoint {path}", self.global_rank, self.root_device)
-            self._written.add(path)
-        elif dist.is_available() and dist.is_initialized():
+        self._uneven.announce("save" if name == _pl.SAVE_BARRIER else "barrier")
+        if dist.is_available() and dist.is_initialized():
             dist.barrier(device_ids=process.device_ids(self.root_device) if dist.get_backend() == "nccl" else None)
 
     @override
@@ -382,19 +377,12 @@ class MyDDPStrategy(sync.wrapping.LightningDDPAttributes, ParallelStrategy):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
-        """Global rank 0 writes (no collective); a failure raises there, or, called by ``Trainer.save_checkpoint``
-        (``_compat.lightning_private.saving_for_trainer``), at the barrier that follows, on every rank."""
+        """Global rank 0 writes (no collective, as Lightning's); a failure raises there, and the other ranks, waiting
+        in ``Trainer.save_checkpoint``'s barrier, name it within seconds (:mod:`ddp_strategy.process.failures`)."""
         sampling.save_positions(self._trainer, checkpoint)
-        error = None
         if self.is_global_zero:
-            try:
-                self.checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
-                self._written.add(filepath)
-            except Exception as e:
-                if not _pl.saving_for_trainer():
-                    raise
-                error = e
-        self._saving = (filepath, error)  # rank 0's outcome, for the barrier that ends Trainer.save_checkpoint
+            self.checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+        self._written.add(filepath)  # on every rank: each reads the file back as one saved here
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:

@@ -246,21 +246,8 @@ gather_all_tensors = _namespace.get(PRIVATE_NAMES["gather_all_tensors"])
 optimizers_to_device = _namespace.get(PRIVATE_NAMES["optimizers_to_device"])
 
 #: Lightning's ``Trainer.save_checkpoint`` calls ``strategy.save_checkpoint`` on every rank, then
-#: ``strategy.barrier(SAVE_BARRIER)`` (Lightning 2.4-2.6): that barrier carries rank 0's write outcome.
+#: ``strategy.barrier(SAVE_BARRIER)`` (Lightning 2.4-2.6): in a step some ranks only shadow, announced as a save.
 SAVE_BARRIER = "Trainer.save_checkpoint"
-_TRAINER_MODULES = ("lightning.pytorch.trainer.trainer", "pytorch_lightning.trainer.trainer")
-
-
-def saving_for_trainer() -> bool:
-    """Whether the strategy method calling this was called by Lightning's ``Trainer.save_checkpoint`` (either
-    namespace), so that ``barrier(SAVE_BARRIER)`` follows on every rank and may carry rank 0's failure.
-
-    The one frame inspection of the package: Lightning passes no argument and calls no hook that says which caller a
-    ``Strategy.save_checkpoint`` has (a flag set in ``lightning_module_state_dict`` would also be set by a user's
-    ``dump_checkpoint()`` followed by a direct save, whose failure would then be held for a barrier that never comes).
-    """
-    frame = sys._getframe(2)  # 0: here, 1: the strategy's save_checkpoint, 2: its caller
-    return frame.f_code.co_name == "save_checkpoint" and frame.f_globals.get("__name__") in _TRAINER_MODULES
 
 
 def take_over_sigterm(trainer: pl.Trainer, note: Any) -> bool:

@@ -41,6 +41,7 @@ JOBS: dict[str, tuple[str, str, int | None]] = {  # the long ones first; spawn (
     "sigkill/spawn": ("sigkill", "spawn", None),
     "val_raise/popen": ("val_raise", "popen", None),
     "callback_raise/popen": ("callback_raise", "popen", None),
+    "save_raise/popen": ("save_raise", "popen", None),
     "uneven/popen": ("uneven", "popen", None),
     "train_raise/popen": ("train_raise", "popen", None),
     "sigkill/popen": ("sigkill", "popen", None),
@@ -167,6 +168,11 @@ def jobs(request, tmp_path_factory) -> dict[str, Job]:
             "callback_raise/popen",
             "[rank 1] failed: ValueError: a callback on rank 1 failed on purpose",
             "Cause: rank 1 failed: ValueError: a callback on rank 1 failed on purpose",
+        ),
+        (  # Trainer.save_checkpoint on every rank; rank 0's write fails, rank 1 waits in the save's barrier
+            "save_raise/popen",
+            "[rank 0] failed: OSError: disk full on purpose",
+            "Cause: rank 0 failed: OSError: disk full on purpose",
         ),
     ],
 )

@@ -23,7 +23,7 @@ import sklearn  # noqa: F401 (imported by the data module; its import sets KMP_*
 import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
-from ddp_strategy import DigitsClassifier, DigitsDataModule, MyDDPStrategy
+from ddp_strategy import DDPCheckpointIO, DigitsClassifier, DigitsDataModule, MyDDPStrategy
 
 # Ctrl+C raises KeyboardInterrupt as in a terminal, even when the suite itself was started in the background
 # (a non-interactive shell's `cmd &` makes SIGINT ignored, and an ignored signal stays ignored across exec).
@@ -91,6 +91,8 @@ class Events(L.Callback):
         if SCENARIO == "callback_raise" and trainer.global_rank == 1 and trainer.global_step == FAIL_STEP:
             mark_failing()
             raise ValueError("a callback on rank 1 failed on purpose")
+        if SCENARIO == "save_raise" and trainer.global_step == FAIL_STEP:  # every rank; rank 0's write fails
+            trainer.save_checkpoint(OUT / "step.ckpt")
 
     def on_train_epoch_start(self, trainer, pl_module):
         if SCENARIO == "refit" and trainer.current_epoch == 1:
@@ -99,6 +101,14 @@ class Events(L.Callback):
         if SCENARIO == "stall" and trainer.global_rank == 1 and trainer.current_epoch == 1:
             mark_failing()
             time.sleep(3600)
+
+
+class FullDisk(DDPCheckpointIO):
+    """A checkpoint plugin whose writes fail, as on a full disk (only rank 0 writes)."""
+
+    def save_checkpoint(self, checkpoint, path, storage_options=None) -> None:
+        mark_failing()
+        raise OSError("disk full on purpose")
 
 
 class UnevenData(DigitsDataModule):
@@ -133,6 +143,7 @@ if __name__ == "__main__":
         enable_model_summary=False,
         callbacks=[Events()],
         default_root_dir=str(OUT),
+        plugins=[FullDisk()] if SCENARIO == "save_raise" else [],
     )
     data = UnevenData() if SCENARIO == "uneven" else DigitsDataModule()
     try:
