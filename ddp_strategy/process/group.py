@@ -39,18 +39,14 @@ def resolve_backend(device: torch.device, backend: str | None) -> str:
     (:func:`~ddp_strategy.process.launching.make_launcher`).
 
     Raises:
-        ValueError: a name not in ``torch.distributed.Backend.backend_list``, or not compiled in.
+        ValueError: a name not in ``torch.distributed.Backend.backend_list``, or one this build lacks
+            (``torch.distributed.is_backend_available``); the message lists those it has.
     """
-    known = [b for b in dist.Backend.backend_list if b not in ("undefined", "fake")]
-    if backend is not None and backend.lower() not in known:
+    usable = [b for b in dist.Backend.backend_list if b not in ("undefined", "fake") and dist.is_backend_available(b)]
+    if backend is not None and backend.lower() not in usable:
         raise ValueError(
-            f"Unknown process_group_backend={backend!r}. Use one of {known}, or leave it as None to get"
-            " 'nccl' on CUDA devices and 'gloo' on CPU."
-        )
-    if backend is not None and not dist.is_backend_available(backend):
-        raise ValueError(
-            f"process_group_backend={backend!r} is not available in this PyTorch build (torch"
-            f" {torch.__version__}). Use 'gloo', or install a PyTorch build with {backend} support."
+            f"Unknown process_group_backend={backend!r}, or not built into this PyTorch (torch {torch.__version__})."
+            f" Use one of {usable}, or leave it as None to get 'nccl' on CUDA devices and 'gloo' on CPU."
         )
     return backend or dist.Backend.default_device_backend_map.get(device.type, "gloo")
 
