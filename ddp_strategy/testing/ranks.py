@@ -16,7 +16,6 @@ import multiprocessing
 import numbers
 import os
 import pickle
-import shutil
 import signal
 import sys
 import tempfile
@@ -161,7 +160,6 @@ def run_on_ranks(
         ) from e
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(list(PRELOAD))  # read only when the forkserver starts (at the first call)
-    folder = Path(tempfile.mkdtemp(prefix="ddp_ranks_"))
     environ = {
         **{name: value for name, value in os.environ.items() if not name.startswith(_SCHEDULER_PREFIXES)},
         "MASTER_ADDR": "127.0.0.1",
@@ -171,34 +169,35 @@ def run_on_ranks(
         "GROUP_RANK": "0",
         "LOCAL_WORLD_SIZE": str(world_size),
     }
-    # Not daemonic: a daemonic process may not start children, and a rank may (DataLoader workers, a subprocess).
-    procs = [
-        ctx.Process(
-            target=_rank_main,
-            name=f"rank {rank}",
-            daemon=False,
-            args=(
-                rank,
-                world_size,
-                folder,
-                fn,
-                tuple(args),
-                kwargs,
-                init_process_group,
-                {**environ, "RANK": str(rank), "LOCAL_RANK": str(rank)},
-                multiprocessing.get_start_method(True),
-            ),
-        )
-        for rank in range(world_size)
-    ]
-    try:
-        for proc in procs:
-            proc.start()
-        timed_out = _wait(procs, folder, time.monotonic() + timeout_s)
-        return _collect(procs, folder, timed_out, timeout_s)
-    finally:
-        _end(procs)
-        shutil.rmtree(folder, ignore_errors=True)
+    with tempfile.TemporaryDirectory(prefix="ddp_ranks_", ignore_cleanup_errors=True) as temporary:
+        folder = Path(temporary)
+        # Not daemonic: a daemonic process may not start children, and a rank may (DataLoader workers, a subprocess).
+        procs = [
+            ctx.Process(
+                target=_rank_main,
+                name=f"rank {rank}",
+                daemon=False,
+                args=(
+                    rank,
+                    world_size,
+                    folder,
+                    fn,
+                    tuple(args),
+                    kwargs,
+                    init_process_group,
+                    {**environ, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+                    multiprocessing.get_start_method(True),
+                ),
+            )
+            for rank in range(world_size)
+        ]
+        try:
+            for proc in procs:
+                proc.start()
+            timed_out = _wait(procs, folder, time.monotonic() + timeout_s)
+            return _collect(procs, folder, timed_out, timeout_s)
+        finally:
+            _end(procs)
 
 
 def _end(procs: list[Any]) -> None:
