@@ -9,7 +9,6 @@ import os
 import pickle
 import signal
 import threading
-from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
@@ -75,31 +74,25 @@ def check_external_world(env: ClusterEnvironment, num_nodes: int, num_processes:
         )
 
 
-def check_launch_env(
-    env: ClusterEnvironment,
-    num_nodes: int,
-    num_processes: int,
-    environ: Mapping[str, str] | None = None,
-) -> None:
+def check_launch_env(env: ClusterEnvironment, num_nodes: int, num_processes: int) -> None:
     """Check the launch variables ``env`` reads with a bare ``int(...)``, before Lightning does (every rank).
 
     Only what ``env`` reads, parsed as it parses it, each when set: ``LightningEnvironment`` (exactly):
     ``MASTER_PORT``, ``LOCAL_RANK``, ``NODE_RANK`` (else ``GROUP_RANK``); ``TorchElasticEnvironment``:
     ``WORLD_SIZE``, ``RANK``, ``LOCAL_RANK``, ``MASTER_PORT``, ``GROUP_RANK`` (one torchrun did not set is
-    Lightning's ``KeyError``); others (SLURM, ...): nothing. ``environ`` defaults to ``os.environ``.
+    Lightning's ``KeyError``); others (SLURM, ...): nothing.
 
     Raises:
         ValueError: a variable is empty, not a whole number, or out of range (a port outside 1..65535, 0
             allowed for a Trainer of one process; a negative rank; ``WORLD_SIZE < 1``; ``NODE_RANK >= num_nodes``);
             the message names the variable and its value.
     """
-    environ = os.environ if environ is None else environ
     elastic = isinstance(env, TorchElasticEnvironment)
     if not elastic and not (type(env).__name__ == "LightningEnvironment" and isinstance(env, LightningEnvironment)):
         return  # a subclass or another environment (SLURM, ...) reads its own variables
     # Upper bounds against the Trainer (RANK < WORLD_SIZE, LOCAL_RANK < devices) are check_external_world's,
     # which runs before the rendezvous; NODE_RANK is bounded here since a Lightning-launched job skips that.
-    node = "NODE_RANK" if not elastic and "NODE_RANK" in environ else "GROUP_RANK"
+    node = "NODE_RANK" if not elastic and "NODE_RANK" in os.environ else "GROUP_RANK"
     limits = {  # name: (lowest, highest or None, what it is)
         "WORLD_SIZE": (1, None, "the number of processes"),
         "RANK": (0, None, "a global rank"),
@@ -110,9 +103,9 @@ def check_launch_env(
         "MASTER_PORT": (int(num_nodes * num_processes > 1), 65535, "a TCP port"),  # 0: any free one, alone
     }
     for name, (low, high, meaning) in limits.items():
-        if name not in environ or (not elastic and name in ("WORLD_SIZE", "RANK")):
+        if name not in os.environ or (not elastic and name in ("WORLD_SIZE", "RANK")):
             continue
-        raw = environ[name]
+        raw = os.environ[name]
         try:
             value = int(raw)
         except ValueError:
