@@ -196,17 +196,12 @@ class CheckedMultiProcessingLauncher(_pl.MultiProcessingLauncher):
         """In each rank: Lightning's worker, with the strategy's ``on_exception`` on failure (Lightning calls it only
         in the parent) and the group destroyed at the end; a SIGTERM stop is raised as an error, not Lightning's
         ``SystemExit``, so the parent does not wait for results that will not come."""
-
-        def guarded(*args: Any, **kwargs: Any) -> Any:
-            try:
-                return function(*args, **kwargs)
-            except BaseException as exception:
-                self._strategy.on_exception(exception)
-                if isinstance(exception, SystemExit):
-                    raise RuntimeError(f"[rank {self._strategy.global_rank}] stopped by SIGTERM") from exception
-                raise
-
         try:
-            return super()._wrapping_function(process_idx, trainer, guarded, *rest, **kw)
+            return super()._wrapping_function(process_idx, trainer, function, *rest, **kw)
+        except BaseException as exception:
+            self._strategy.on_exception(exception)
+            if isinstance(exception, SystemExit):
+                raise RuntimeError(f"[rank {self._strategy.global_rank}] stopped by SIGTERM") from exception
+            raise
         finally:
             failures.destroy_process_group()
