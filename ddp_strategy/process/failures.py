@@ -122,7 +122,7 @@ def on_exception(
             else (*exception.args, extra)
         )
         log.error("[rank %d] %s", rank, exception)  # now: a launcher may stop this rank soon
-        _best_effort(store, rank, lambda: store.set(f"explained/{rank}", "1"))
+        _best_effort(store, rank, store.set, f"explained/{rank}", "1")
     else:
         log.error(
             "[rank %d] failed: %s",
@@ -130,7 +130,7 @@ def on_exception(
             summarize(exception),
             exc_info=(type(exception), exception, exception.__traceback__),
         )
-        _best_effort(store, rank, lambda: store.set(f"failed/{rank}", summarize(exception)))
+        _best_effort(store, rank, store.set, f"failed/{rank}", summarize(exception))
         run.own_failure = True
 
 
@@ -174,11 +174,11 @@ def destroy_process_group() -> bool:
     return world is None or world() is None
 
 
-def _best_effort(store: dist.Store, rank: int, operation: Callable[[], Any]) -> Any:
-    """``operation()`` on ``store`` with :data:`STORE_TIMEOUT_S`; None if the store is gone."""
+def _best_effort(store: dist.Store, rank: int, operation: Callable[..., Any], *args: Any) -> Any:
+    """``operation(*args)`` on ``store`` with :data:`STORE_TIMEOUT_S`; None if the store is gone."""
     try:
         store.set_timeout(timedelta(seconds=STORE_TIMEOUT_S))
-        return operation()
+        return operation(*args)
     except Exception as e:  # the store lives in rank 0, which may be gone: None
         log.debug("[rank %d] store unreachable while failing: %s", rank, e)
 
