@@ -154,7 +154,7 @@ def is_interactive() -> bool:
     (``IPython.get_ipython()`` is not None; merely importing ``ipykernel`` does not count)."""
     ipython = sys.modules.get("IPython")
     return _namespace.get(PRIVATE_NAMES["is_interactive"]) or (
-        ipython is not None and getattr(ipython, "get_ipython", lambda: None)() is not None
+        ipython is not None and ipython.get_ipython() is not None
     )
 
 
