@@ -14,16 +14,11 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 
 from ddp_strategy._compat import lightning_private as _pl
-from ddp_strategy._compat import namespace as _namespace
 from ddp_strategy._compat.namespace import rank_zero_warn
 from ddp_strategy.process import failures
 
 if TYPE_CHECKING:
     from lightning.fabric.plugins import ClusterEnvironment
-
-#: Lightning's cluster environments of either namespace, for isinstance checks.
-LightningEnvironment = _namespace.get("fabric.plugins.environments:LightningEnvironment")
-TorchElasticEnvironment = _namespace.get("fabric.plugins.environments:TorchElasticEnvironment")
 
 
 StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
@@ -77,7 +72,8 @@ def check_external_world(env: ClusterEnvironment, num_nodes: int, num_processes:
 def check_launch_env(env: ClusterEnvironment, num_nodes: int, num_processes: int) -> None:
     """Check the launch variables ``env`` reads with a bare ``int(...)``, before Lightning does (every rank).
 
-    Only what ``env`` reads, parsed as it parses it, each when set: ``LightningEnvironment`` (exactly):
+    Only what ``env`` reads, parsed as it parses it, each when set, for Lightning's two classes that read launch
+    variables themselves (either namespace; exactly those: a subclass may read its own): ``LightningEnvironment``:
     ``MASTER_PORT``, ``LOCAL_RANK``, ``NODE_RANK`` (else ``GROUP_RANK``); ``TorchElasticEnvironment``:
     ``WORLD_SIZE``, ``RANK``, ``LOCAL_RANK``, ``MASTER_PORT``, ``GROUP_RANK`` (one torchrun did not set is
     Lightning's ``KeyError``); others (SLURM, ...): nothing.
@@ -87,8 +83,8 @@ def check_launch_env(env: ClusterEnvironment, num_nodes: int, num_processes: int
             allowed for a Trainer of one process; a negative rank; ``WORLD_SIZE < 1``; ``NODE_RANK >= num_nodes``);
             the message names the variable and its value.
     """
-    elastic = isinstance(env, TorchElasticEnvironment)
-    if not elastic and not (type(env).__name__ == "LightningEnvironment" and isinstance(env, LightningEnvironment)):
+    elastic = type(env).__name__ == "TorchElasticEnvironment"
+    if not elastic and type(env).__name__ != "LightningEnvironment":
         return  # a subclass or another environment (SLURM, ...) reads its own variables
     # Upper bounds against the Trainer (RANK < WORLD_SIZE, LOCAL_RANK < devices) are check_external_world's,
     # which runs before the rendezvous; NODE_RANK is bounded here since a Lightning-launched job skips that.
