@@ -152,13 +152,7 @@ def teardown(run: Any, rank: int, world_size: int) -> None:
         KEPT_STORES[os.getpid(), base.port] = base
     # The group is destroyed, always; once released, the peers' collectives break now, and a rank whose own code
     # failed waits for their explanations (not with live DataLoader workers: they hold copies of its connections).
-    if (
-        destroy_process_group()
-        and run.own_failure
-        and not multiprocessing.active_children()
-        and store is not None
-        and world_size > 1
-    ):
+    if destroy_process_group() and run.own_failure and not multiprocessing.active_children() and store is not None:
         wait_for_peers(store, rank, world_size)
 
 
