@@ -79,9 +79,9 @@ def validate_init_method(init_method: str | None) -> None:
 
 def _tcp_store(host: str, port: int, rank: int, timeout: timedelta, num_nodes: int) -> dist.TCPStore:
     """A ``TCPStore`` at ``host:port`` (``127.0.0.1:port`` on one node). Rank 0 serves it from a socket it binds
-    itself, as torch's own server would listen on every interface: on one node on 127.0.0.1; on several on the
-    address ``host`` resolves to, else (a loopback address, which no other node reaches; not an address of this
-    machine; not resolvable) on every interface, with a warning."""
+    itself (torch's own server listens on every interface): on one node on 127.0.0.1; on several on the address
+    ``host`` resolves to, else on every interface, with a warning naming why (a loopback address, which no other
+    node reaches; an address of another machine, e.g. a Kubernetes service's; a name that does not resolve)."""
     host = "127.0.0.1" if num_nodes == 1 else host
     if rank != 0:
         return dist.TCPStore(host, port, None, is_master=False, timeout=timeout)
