@@ -83,22 +83,20 @@ class Supervisor(_namespace.get(PRIVATE_NAMES["ChildProcessObserver"])):  # type
       leaves them running).
     """
 
-    grace_s: float = GRACE_S  #: seconds of grace, per supervisor (a test gives its own a shorter one)
-
     def _terminate_all(self) -> None:
-        time.sleep(self.grace_s)  # a daemon thread: if this process exits first, nothing happens
+        time.sleep(GRACE_S)  # a daemon thread: if this process exits first, nothing happens
         super()._terminate_all()
 
     def stop(self) -> None:
         """Wait up to :data:`GRACE_S` for the ranks to exit, SIGKILL those left, reap them all (this process's
         exit)."""
-        deadline = time.monotonic() + self.grace_s
+        deadline = time.monotonic() + GRACE_S
         while any(proc.poll() is None for proc in self._child_processes) and time.monotonic() < deadline:
             time.sleep(0.1)
         for local_rank, proc in enumerate(self._child_processes, start=1):
             if proc.poll() is None:
                 _namespace.rank_zero_warn(
-                    f"local rank {local_rank} (pid {proc.pid}) is still running {self.grace_s:.0f} s after the"
+                    f"local rank {local_rank} (pid {proc.pid}) is still running {GRACE_S:.0f} s after the"
                     " launching process: SIGKILL"
                 )
                 proc.kill()
@@ -156,7 +154,7 @@ def is_interactive() -> bool:
     (``IPython.get_ipython()`` is not None; merely importing ``ipykernel`` does not count)."""
     ipython = sys.modules.get("IPython")
     return _namespace.get(PRIVATE_NAMES["is_interactive"]) or (
-        ipython is not None and getattr(ipython, "get_ipython", lambda: None)() is not None
+        ipython is not None and ipython.get_ipython() is not None
     )
 
 

@@ -19,7 +19,6 @@ from ddp_strategy.process.group import (
     ProcessGroupRun,
     as_timedelta,
     device_ids,
-    init_process_group,
     validate_init_method,
 )
 from ddp_strategy.process.launching import START_METHODS, StartMethod, check_launch_env, default_start_method
@@ -44,7 +43,6 @@ __all__ = [
     "failures",
     "free_port",
     "gather_shapes",
-    "init_process_group",
     "launching",
     "validate_init_method",
 ]

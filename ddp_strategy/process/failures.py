@@ -122,7 +122,7 @@ def on_exception(
             else (*exception.args, extra)
         )
         log.error("[rank %d] %s", rank, exception)  # now: a launcher may stop this rank soon
-        _best_effort(store, rank, lambda: store.set(f"explained/{rank}", "1"))
+        _best_effort(store, rank, store.set, f"explained/{rank}", "1")
     else:
         log.error(
             "[rank %d] failed: %s",
@@ -130,7 +130,7 @@ def on_exception(
             summarize(exception),
             exc_info=(type(exception), exception, exception.__traceback__),
         )
-        _best_effort(store, rank, lambda: store.set(f"failed/{rank}", summarize(exception)))
+        _best_effort(store, rank, store.set, f"failed/{rank}", summarize(exception))
         run.own_failure = True
 
 
@@ -152,13 +152,7 @@ def teardown(run: Any, rank: int, world_size: int) -> None:
         KEPT_STORES[os.getpid(), base.port] = base
     # The group is destroyed, always; once released, the peers' collectives break now, and a rank whose own code
     # failed waits for their explanations (not with live DataLoader workers: they hold copies of its connections).
-    if (
-        destroy_process_group()
-        and run.own_failure
-        and not multiprocessing.active_children()
-        and store is not None
-        and world_size > 1
-    ):
+    if destroy_process_group() and run.own_failure and not multiprocessing.active_children() and store is not None:
         wait_for_peers(store, rank, world_size)
 
 
@@ -174,11 +168,11 @@ def destroy_process_group() -> bool:
     return world is None or world() is None
 
 
-def _best_effort(store: dist.Store, rank: int, operation: Callable[[], Any]) -> Any:
-    """``operation()`` on ``store`` with :data:`STORE_TIMEOUT_S`; None if the store is gone."""
+def _best_effort(store: dist.Store, rank: int, operation: Callable[..., Any], *args: Any) -> Any:
+    """``operation(*args)`` on ``store`` with :data:`STORE_TIMEOUT_S`; None if the store is gone."""
     try:
         store.set_timeout(timedelta(seconds=STORE_TIMEOUT_S))
-        return operation()
+        return operation(*args)
     except Exception as e:  # the store lives in rank 0, which may be gone: None
         log.debug("[rank %d] store unreachable while failing: %s", rank, e)
 

@@ -39,18 +39,14 @@ def resolve_backend(device: torch.device, backend: str | None) -> str:
     (:func:`~ddp_strategy.process.launching.make_launcher`).
 
     Raises:
-        ValueError: a name not in ``torch.distributed.Backend.backend_list``, or not compiled in.
+        ValueError: a name not in ``torch.distributed.Backend.backend_list``, or one this build lacks
+            (``torch.distributed.is_backend_available``); the message lists those it has.
     """
-    known = [b for b in dist.Backend.backend_list if b not in ("undefined", "fake")]
-    if backend is not None and backend.lower() not in known:
+    usable = [b for b in dist.Backend.backend_list if b not in ("undefined", "fake") and dist.is_backend_available(b)]
+    if backend is not None and backend.lower() not in usable:
         raise ValueError(
-            f"Unknown process_group_backend={backend!r}. Use one of {known}, or leave it as None to get"
-            " 'nccl' on CUDA devices and 'gloo' on CPU."
-        )
-    if backend is not None and not dist.is_backend_available(backend):
-        raise ValueError(
-            f"process_group_backend={backend!r} is not available in this PyTorch build (torch"
-            f" {torch.__version__}). Use 'gloo', or install a PyTorch build with {backend} support."
+            f"Unknown process_group_backend={backend!r}, or not built into this PyTorch (torch {torch.__version__})."
+            f" Use one of {usable}, or leave it as None to get 'nccl' on CUDA devices and 'gloo' on CPU."
         )
     return backend or dist.Backend.default_device_backend_map.get(device.type, "gloo")
 
@@ -81,58 +77,33 @@ def validate_init_method(init_method: str | None) -> None:
         raise ValueError(f"init_method={init_method!r} has no port; write it as 'tcp://host:port'.")
 
 
-def listen_address(main_address: str, num_nodes: int) -> str:
-    """Where rank 0's store listens: ``"127.0.0.1"`` on one node, else the IP ``main_address`` resolves to; ``""``
-    (every interface, with a warning) when that is a loopback address or cannot be resolved."""
-    if num_nodes == 1:
-        return "127.0.0.1"
-    try:
-        ip = socket.getaddrinfo(main_address, None, type=socket.SOCK_STREAM)[0][4][0]
-    except OSError as e:
-        log.warning(
-            "MASTER_ADDR=%s cannot be resolved here (%s): the rendezvous store listens on every interface",
-            main_address,
-            e,
-        )
-        return ""
-    if ipaddress.ip_address(ip).is_loopback:
-        log.warning(
-            "MASTER_ADDR=%s resolves to the loopback address %s on rank 0's machine, but the job has %d nodes:"
-            " the rendezvous store listens on every interface. Set MASTER_ADDR to the address other nodes"
-            " reach this one by.",
-            main_address,
-            ip,
-            num_nodes,
-        )
-        return ""
-    return ip
-
-
 def _tcp_store(host: str, port: int, rank: int, timeout: timedelta, num_nodes: int) -> dist.TCPStore:
-    """A ``TCPStore`` at ``host:port``; rank 0 serves it from a socket bound on :func:`listen_address` (torch's
-    own server would listen on every interface)."""
+    """A ``TCPStore`` at ``host:port`` (``127.0.0.1:port`` on one node). Rank 0 serves it from a socket it binds
+    itself (torch's own server listens on every interface): on one node on 127.0.0.1; on several on the address
+    ``host`` resolves to, else on every interface, with a warning naming why (a loopback address, which no other
+    node reaches; an address of another machine, e.g. a Kubernetes service's; a name that does not resolve)."""
+    host = "127.0.0.1" if num_nodes == 1 else host
     if rank != 0:
-        return dist.TCPStore("127.0.0.1" if num_nodes == 1 else host, port, None, is_master=False, timeout=timeout)
-    bind, sock = listen_address(host, num_nodes), None
+        return dist.TCPStore(host, port, None, is_master=False, timeout=timeout)
     try:
-        sock = (
-            socket.create_server((bind, port), family=socket.AF_INET6 if ":" in bind else socket.AF_INET)
-            if bind
-            else None
-        )
+        ip = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][4][0]
+        if num_nodes > 1 and ipaddress.ip_address(ip).is_loopback:
+            raise OSError(errno.EADDRNOTAVAIL, f"it resolves to the loopback address {ip} here")
+        sock = socket.create_server((ip, port), family=socket.AF_INET6 if ":" in ip else socket.AF_INET)
     except OSError as e:  # (a failed run's store, still serving this port, is reused: failures.KEPT_STORES)
-        if e.errno != errno.EADDRNOTAVAIL:
+        if num_nodes == 1 or e.errno == errno.EADDRINUSE:
             raise
         log.warning(
-            "MASTER_ADDR=%s (%s) is not an address of rank 0's machine: the rendezvous store listens on"
-            " every interface.",
+            "MASTER_ADDR=%s is no address of rank 0's machine that other nodes reach (%s), but the job has %d"
+            " nodes: the rendezvous store listens on every interface. Set MASTER_ADDR to the address the other"
+            " nodes reach this one by.",
             host,
-            bind,
+            e,
+            num_nodes,
         )
-    if sock is None:  # every interface, IPv4 and IPv6
         sock = socket.create_server(("", port), family=socket.AF_INET6, dualstack_ipv6=True)
     return dist.TCPStore(
-        bind or host,
+        host,
         port,
         None,
         is_master=True,

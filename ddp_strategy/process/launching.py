@@ -9,22 +9,16 @@ import os
 import pickle
 import signal
 import threading
-from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
 from ddp_strategy._compat import lightning_private as _pl
-from ddp_strategy._compat import namespace as _namespace
 from ddp_strategy._compat.namespace import rank_zero_warn
 from ddp_strategy.process import failures
 
 if TYPE_CHECKING:
     from lightning.fabric.plugins import ClusterEnvironment
-
-#: Lightning's cluster environments of either namespace, for isinstance checks.
-LightningEnvironment = _namespace.get("fabric.plugins.environments:LightningEnvironment")
-TorchElasticEnvironment = _namespace.get("fabric.plugins.environments:TorchElasticEnvironment")
 
 
 StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
@@ -75,31 +69,26 @@ def check_external_world(env: ClusterEnvironment, num_nodes: int, num_processes:
         )
 
 
-def check_launch_env(
-    env: ClusterEnvironment,
-    num_nodes: int,
-    num_processes: int,
-    environ: Mapping[str, str] | None = None,
-) -> None:
+def check_launch_env(env: ClusterEnvironment, num_nodes: int, num_processes: int) -> None:
     """Check the launch variables ``env`` reads with a bare ``int(...)``, before Lightning does (every rank).
 
-    Only what ``env`` reads, parsed as it parses it, each when set: ``LightningEnvironment`` (exactly):
+    Only what ``env`` reads, parsed as it parses it, each when set, for Lightning's two classes that read launch
+    variables themselves (either namespace; exactly those: a subclass may read its own): ``LightningEnvironment``:
     ``MASTER_PORT``, ``LOCAL_RANK``, ``NODE_RANK`` (else ``GROUP_RANK``); ``TorchElasticEnvironment``:
     ``WORLD_SIZE``, ``RANK``, ``LOCAL_RANK``, ``MASTER_PORT``, ``GROUP_RANK`` (one torchrun did not set is
-    Lightning's ``KeyError``); others (SLURM, ...): nothing. ``environ`` defaults to ``os.environ``.
+    Lightning's ``KeyError``); others (SLURM, ...): nothing.
 
     Raises:
         ValueError: a variable is empty, not a whole number, or out of range (a port outside 1..65535, 0
             allowed for a Trainer of one process; a negative rank; ``WORLD_SIZE < 1``; ``NODE_RANK >= num_nodes``);
             the message names the variable and its value.
     """
-    environ = os.environ if environ is None else environ
-    elastic = isinstance(env, TorchElasticEnvironment)
-    if not elastic and not (type(env).__name__ == "LightningEnvironment" and isinstance(env, LightningEnvironment)):
+    elastic = type(env).__name__ == "TorchElasticEnvironment"
+    if not elastic and type(env).__name__ != "LightningEnvironment":
         return  # a subclass or another environment (SLURM, ...) reads its own variables
     # Upper bounds against the Trainer (RANK < WORLD_SIZE, LOCAL_RANK < devices) are check_external_world's,
     # which runs before the rendezvous; NODE_RANK is bounded here since a Lightning-launched job skips that.
-    node = "NODE_RANK" if not elastic and "NODE_RANK" in environ else "GROUP_RANK"
+    node = "NODE_RANK" if not elastic and "NODE_RANK" in os.environ else "GROUP_RANK"
     limits = {  # name: (lowest, highest or None, what it is)
         "WORLD_SIZE": (1, None, "the number of processes"),
         "RANK": (0, None, "a global rank"),
@@ -110,9 +99,9 @@ def check_launch_env(
         "MASTER_PORT": (int(num_nodes * num_processes > 1), 65535, "a TCP port"),  # 0: any free one, alone
     }
     for name, (low, high, meaning) in limits.items():
-        if name not in environ or (not elastic and name in ("WORLD_SIZE", "RANK")):
+        if name not in os.environ or (not elastic and name in ("WORLD_SIZE", "RANK")):
             continue
-        raw = environ[name]
+        raw = os.environ[name]
         try:
             value = int(raw)
         except ValueError:
@@ -203,17 +192,12 @@ class CheckedMultiProcessingLauncher(_pl.MultiProcessingLauncher):
         """In each rank: Lightning's worker, with the strategy's ``on_exception`` on failure (Lightning calls it only
         in the parent) and the group destroyed at the end; a SIGTERM stop is raised as an error, not Lightning's
         ``SystemExit``, so the parent does not wait for results that will not come."""
-
-        def guarded(*args: Any, **kwargs: Any) -> Any:
-            try:
-                return function(*args, **kwargs)
-            except BaseException as exception:
-                self._strategy.on_exception(exception)
-                if isinstance(exception, SystemExit):
-                    raise RuntimeError(f"[rank {self._strategy.global_rank}] stopped by SIGTERM") from exception
-                raise
-
         try:
-            return super()._wrapping_function(process_idx, trainer, guarded, *rest, **kw)
+            return super()._wrapping_function(process_idx, trainer, function, *rest, **kw)
+        except BaseException as exception:
+            self._strategy.on_exception(exception)
+            if isinstance(exception, SystemExit):
+                raise RuntimeError(f"[rank {self._strategy.global_rank}] stopped by SIGTERM") from exception
+            raise
         finally:
             failures.destroy_process_group()

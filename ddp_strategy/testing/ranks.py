@@ -1,9 +1,10 @@
 """Run a function on N CPU ranks (gloo) from a test, and get every rank's return value back (docs/testing.md).
 
 Ranks fork from multiprocessing's ``forkserver``, which imports torch, Lightning and ``ddp_strategy`` once and
-never starts torch's threads or a process group, so forking it copies no half-held lock. Each rank has the
-caller's environment plus what torchrun would set, is not daemonic (it may start DataLoader workers) and leads its
-own process group, SIGKILLed when the call ends.
+never starts torch's threads or a process group, so forking it copies no half-held lock (forking the test process
+itself, which may have used torch's thread pools, could). Each rank has the caller's environment plus what
+torchrun would set, is not daemonic (it may start DataLoader workers) and leads its own process group, SIGKILLed
+when the call ends.
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ import multiprocessing
 import numbers
 import os
 import pickle
-import shutil
 import signal
 import sys
 import tempfile
@@ -37,8 +37,8 @@ PRELOAD = ("torch", "torch.distributed", "ddp_strategy")
 FAILURE_GRACE_S = 10.0
 #: How long ending the ranks may wait for them, and their descendants, to be gone (seconds).
 END_WAIT_S = 5.0
-#: The start methods :func:`run_on_ranks` offers, the default first.
-START_METHODS = ("forkserver", "spawn")
+#: The timeout of the process group a rank is given (``init_process_group=True``), seconds.
+COLLECTIVE_TIMEOUT_S = 30.0
 #: Variables of the cluster schedulers Lightning detects (SLURM, LSF/jsrun) that ranks do not inherit: a test run
 #: inside a SLURM job would otherwise have a ``Trainer`` in the rank take the job's tasks for its ranks.
 _SCHEDULER_PREFIXES = ("SLURM_", "LSB_", "JSM_NAMESPACE_")
@@ -65,8 +65,6 @@ def _rank_main(
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
     init_process_group: bool,
-    backend: str,
-    collective_timeout_s: float,
     environ: dict[str, str],
     caller_start_method: str | None,
 ) -> None:
@@ -83,7 +81,7 @@ def _rank_main(
     code = 0
     try:
         if init_process_group:
-            dist.init_process_group(backend, timeout=timedelta(seconds=collective_timeout_s))  # env://
+            dist.init_process_group("gloo", timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))  # env://
         # read only after a 0 exit status, so never half-written
         (out / f"result_{rank}.pkl").write_bytes(pickle.dumps(fn(rank, world_size, *args, **kwargs)))
     except BaseException:  # noqa: BLE001 - everything a rank raises is reported to the test
@@ -110,9 +108,6 @@ def run_on_ranks(
     kwargs: dict[str, Any] | None = None,
     timeout_s: float = 60.0,
     init_process_group: bool = True,
-    backend: str = "gloo",
-    collective_timeout_s: float = 30.0,
-    start_method: str | None = None,
 ) -> list[Any]:
     """Call ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` CPU processes; return every rank's value.
 
@@ -120,14 +115,14 @@ def run_on_ranks(
         fn: a module-level function (it is pickled to the ranks), run with the launch environment set and, by
             default, inside a process group; for a ``Trainer`` built inside ``fn`` pass
             ``init_process_group=False`` and ``Trainer(devices=world_size, ...)``: the strategy joins the ranks.
+            Ranks start from a forkserver (module docstring).
         world_size: number of ranks, W (default 2).
         args, kwargs: extra arguments for ``fn`` (pickled).
         timeout_s: deadline for the whole run, seconds (default 60); past it every live rank's stack is dumped
             and the ranks are stopped, so a hang fails the test instead of blocking CI.
-        init_process_group: create the default process group before ``fn`` (default True), destroyed after it.
-        backend, collective_timeout_s: the process group's backend (default ``"gloo"``) and timeout (30 s).
-        start_method: ``"forkserver"`` (``None``, the default, where available) or ``"spawn"``; ``"fork"`` of
-            the test process is not offered (one that has used torch's thread pools cannot be forked safely).
+        init_process_group: create the default process group before ``fn`` (default True: gloo, a timeout of
+            :data:`COLLECTIVE_TIMEOUT_S`), destroyed after it; for another backend or timeout pass False and call
+            ``torch.distributed.init_process_group(backend, timeout=...)`` in ``fn`` (the launch variables are set).
 
     Returns:
         ``[value of rank 0, ..., value of rank W-1]``; values must be picklable.
@@ -135,24 +130,17 @@ def run_on_ranks(
     Raises:
         TypeError: ``fn`` or its arguments cannot be pickled (a lambda, a local function); ``args`` not a tuple or
             list, ``kwargs`` not a dict.
-        ValueError: ``world_size`` not an int >= 1; ``timeout_s`` or ``collective_timeout_s`` not a finite number
-            > 0; a ``backend`` this torch does not have; a ``start_method`` not offered (the message says why).
+        ValueError: ``world_size`` not an int >= 1; ``timeout_s`` not a finite number > 0.
         RankError: a rank raised (its traceback is in the message), exited without a result, or the deadline
             passed (each live rank's stack is in the message). No rank, nor any process it started, is left.
     """
     # Refused before any rank starts: each would otherwise fail inside every rank or never end.
     if not isinstance(world_size, numbers.Integral) or isinstance(world_size, bool) or world_size < 1:
         raise ValueError(f"run_on_ranks needs an int world_size >= 1 (the number of ranks), got {world_size!r}.")
-    for name, value in (("timeout_s", timeout_s), ("collective_timeout_s", collective_timeout_s)):
-        if not (isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value) and value > 0):
-            raise ValueError(
-                f"run_on_ranks needs {name} as a finite number of seconds > 0, got {value!r}: the"
-                " deadline is what turns a hang into a failed test with each rank's stack."
-            )
-    if not isinstance(backend, str) or not dist.is_backend_available(backend):
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, numbers.Real) or not 0 < timeout_s < math.inf:
         raise ValueError(
-            f"run_on_ranks got backend={backend!r}, which this torch does not have; pass 'gloo' (CPU,"
-            " the default) or, with one GPU per rank, 'nccl'."
+            f"run_on_ranks needs timeout_s as a finite number of seconds > 0, got {timeout_s!r}: the"
+            " deadline is what turns a hang into a failed test with each rank's stack."
         )
     if isinstance(args, (str, bytes)) or not isinstance(args, Sequence):
         raise TypeError(
@@ -170,21 +158,8 @@ def run_on_ranks(
             " define the function at module level of an importable file (not a lambda or a nested"
             " function), and pass picklable arguments."
         ) from e
-    available = [m for m in START_METHODS if m in multiprocessing.get_all_start_methods()]
-    if start_method not in (None, *available):
-        raise ValueError(
-            "run_on_ranks does not offer start_method='fork': forking the test process, which may have"
-            " used torch's thread pools or a process group, can copy a lock another thread holds and"
-            " hang a rank. Pass start_method=None (the default: forkserver, which forks each rank"
-            " from a parent that never ran torch's threads) or 'spawn'."
-            if start_method == "fork"
-            else f"run_on_ranks got start_method={start_method!r}; pass None (the default: the first of"
-            f" {available} this platform has), " + " or ".join(map(repr, available)) + "."
-        )
-    ctx = multiprocessing.get_context(start_method or available[0])
-    if ctx.get_start_method() == "forkserver":
-        ctx.set_forkserver_preload(list(PRELOAD))  # read only when the forkserver starts (at the first call)
-    folder = Path(tempfile.mkdtemp(prefix="ddp_ranks_"))
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(list(PRELOAD))  # read only when the forkserver starts (at the first call)
     environ = {
         **{name: value for name, value in os.environ.items() if not name.startswith(_SCHEDULER_PREFIXES)},
         "MASTER_ADDR": "127.0.0.1",
@@ -194,36 +169,35 @@ def run_on_ranks(
         "GROUP_RANK": "0",
         "LOCAL_WORLD_SIZE": str(world_size),
     }
-    # Not daemonic: a daemonic process may not start children, and a rank may (DataLoader workers, a subprocess).
-    procs = [
-        ctx.Process(
-            target=_rank_main,
-            name=f"rank {rank}",
-            daemon=False,
-            args=(
-                rank,
-                world_size,
-                folder,
-                fn,
-                tuple(args),
-                kwargs,
-                init_process_group,
-                backend,
-                collective_timeout_s,
-                {**environ, "RANK": str(rank), "LOCAL_RANK": str(rank)},
-                multiprocessing.get_start_method(True),
-            ),
-        )
-        for rank in range(world_size)
-    ]
-    try:
-        for proc in procs:
-            proc.start()
-        timed_out = _wait(procs, folder, time.monotonic() + timeout_s)
-        return _collect(procs, folder, timed_out, timeout_s)
-    finally:
-        _end(procs)
-        shutil.rmtree(folder, ignore_errors=True)
+    with tempfile.TemporaryDirectory(prefix="ddp_ranks_", ignore_cleanup_errors=True) as temporary:
+        folder = Path(temporary)
+        # Not daemonic: a daemonic process may not start children, and a rank may (DataLoader workers, a subprocess).
+        procs = [
+            ctx.Process(
+                target=_rank_main,
+                name=f"rank {rank}",
+                daemon=False,
+                args=(
+                    rank,
+                    world_size,
+                    folder,
+                    fn,
+                    tuple(args),
+                    kwargs,
+                    init_process_group,
+                    {**environ, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+                    multiprocessing.get_start_method(True),
+                ),
+            )
+            for rank in range(world_size)
+        ]
+        try:
+            for proc in procs:
+                proc.start()
+            timed_out = _wait(procs, folder, time.monotonic() + timeout_s)
+            return _collect(procs, folder, timed_out, timeout_s)
+        finally:
+            _end(procs)
 
 
 def _end(procs: list[Any]) -> None:

@@ -331,20 +331,20 @@ def test_the_popen_launcher_is_lightnings_with_our_supervisor_in_place_of_its_ob
     assert observer._run() is True and main.wait(10) == -signal.SIGKILL
 
 
-def test_the_supervisor_gives_the_launching_process_its_grace_and_stops_the_ranks_at_its_exit():
+def test_the_supervisor_gives_the_launching_process_its_grace_and_stops_the_ranks_at_its_exit(monkeypatch):
     """After a rank exited non-zero the supervisor SIGKILLs the launching process only once GRACE_S have passed; at
     the exit it SIGKILLs and reaps a rank still running GRACE_S later, with a warning naming it, and one that exits
     in time is reaped without a word."""
     import subprocess
     import warnings
 
-    assert _pl.Supervisor.grace_s == _pl.GRACE_S == 30.0
+    assert _pl.GRACE_S == 30.0
+    monkeypatch.setattr(_pl, "GRACE_S", 0.5)
     failed = subprocess.Popen([sys.executable, "-c", "raise SystemExit(1)"])
     failed.wait()
     main = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])  # stands in for this process
     start = time.monotonic()
     supervisor = _pl.Supervisor(main.pid, [failed])
-    supervisor.grace_s = 0.5
     assert supervisor._run() is True  # one poll (not started)
     assert time.monotonic() - start >= 0.5 and main.wait(10) == -signal.SIGKILL
     stalled = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
@@ -352,7 +352,6 @@ def test_the_supervisor_gives_the_launching_process_its_grace_and_stops_the_rank
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         supervisor = _pl.Supervisor(os.getpid(), [quick, stalled])
-        supervisor.grace_s = 0.5
         supervisor.stop()
     assert (quick.returncode, stalled.returncode) == (0, -signal.SIGKILL)
     assert [str(w.message) for w in caught] == [

@@ -7,11 +7,13 @@ same test with many more (``DDP_FUZZ_EXAMPLES``).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
 import sys
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -49,21 +51,29 @@ _values = st.one_of(
 )
 
 
-def _accepted_by_lightning(env, environ: dict[str, str]) -> bool:
-    """Whether Lightning's own environment parses every variable it reads from ``environ`` (its int())."""
+@contextlib.contextmanager
+def _environment(environ: dict[str, str]) -> Iterator[None]:
+    """``os.environ`` is exactly ``environ`` inside the block, and as it was after it."""
     saved = dict(os.environ)
     os.environ.clear()
     os.environ.update(environ)
     try:
-        env.local_rank(), env.node_rank(), env.world_size(), env.global_rank()
-        if "MASTER_PORT" in environ:
-            env.main_port  # noqa: B018 (a property that parses MASTER_PORT)
-        return True
-    except (ValueError, KeyError):
-        return False
+        yield
     finally:
         os.environ.clear()
         os.environ.update(saved)
+
+
+def _accepted_by_lightning(env, environ: dict[str, str]) -> bool:
+    """Whether Lightning's own environment parses every variable it reads from ``environ`` (its int())."""
+    with _environment(environ):
+        try:
+            env.local_rank(), env.node_rank(), env.world_size(), env.global_rank()
+            if "MASTER_PORT" in environ:
+                env.main_port  # noqa: B018 (a property that parses MASTER_PORT)
+            return True
+        except (ValueError, KeyError):
+            return False
 
 
 @FUZZ
@@ -77,7 +87,8 @@ def test_launch_variables_fuzz(environ, elastic):
     if elastic:
         environ = {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0", **environ}
     try:
-        check_launch_env(env, num_nodes=1, num_processes=2, environ=environ)
+        with _environment(environ):
+            check_launch_env(env, num_nodes=1, num_processes=2)
         accepted = True
     except ValueError as e:
         accepted = False

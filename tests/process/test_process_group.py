@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import copy
+import ipaddress
 import itertools
 import os
+import socket
 from datetime import timedelta
 
+import psutil
 import pytest
 import torch
 import torch.distributed as dist
@@ -125,11 +128,28 @@ def test_each_run_reports_under_its_own_prefix_of_the_groups_store(monkeypatch):
 
 
 def test_store_listens_on_loopback_on_one_node_and_on_master_addr_otherwise(caplog):
-    """One node: 127.0.0.1 whatever MASTER_ADDR is; several: MASTER_ADDR's address, or all interfaces and a warning."""
-    assert process_group.listen_address("192.0.2.7", num_nodes=1) == "127.0.0.1"
-    assert process_group.listen_address("192.0.2.7", num_nodes=2) == "192.0.2.7"
-    assert process_group.listen_address("localhost", num_nodes=2) == ""
-    assert "resolves to the loopback address" in caplog.text
+    """Rank 0's store on one node: 127.0.0.1 whatever MASTER_ADDR is; on several: the address MASTER_ADDR resolves to
+    (this machine's, when it has one beside loopback), or every interface and a warning naming why (a loopback
+    address: no other node reaches it)."""
+    here = [
+        a.address
+        for addresses in psutil.net_if_addrs().values()
+        for a in addresses
+        if a.family == socket.AF_INET and not ipaddress.ip_address(a.address).is_loopback
+    ]
+    cases = [("198.51.100.7", 1, ["127.0.0.1"], None), ("localhost", 2, ["::"], "resolves to the loopback address")]
+    cases += [(ip, 2, [ip], None) for ip in here[:1]]
+    for host, num_nodes, listens, warning in cases:
+        caplog.clear()
+        port = free_port()
+        store = process_group._tcp_store(host, port, 0, timedelta(seconds=30), num_nodes)
+        listening = [address for address, p in listening_sockets(os.getpid()) if p == port]
+        assert listening == listens or (listens == ["::"] and listening == ["0.0.0.0"]), (host, num_nodes, listening)
+        if warning:
+            assert warning in caplog.text, (host, num_nodes)
+        else:
+            assert "every interface" not in caplog.text, (host, num_nodes)
+        del store
 
 
 def test_on_several_nodes_a_loopback_master_addr_makes_the_store_listen_everywhere(caplog):
