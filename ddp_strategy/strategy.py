@@ -112,6 +112,7 @@ class MyDDPStrategy(sync.wrapping.LightningDDPAttributes, ParallelStrategy):
         self._gradients_steps = 0  # optimizer steps (for the unused-parameter check and verify_sync_every_n_steps)
         self._verify_sync_every_n_steps = verify_sync_every_n_steps
         self._written = checkpoint.WrittenFiles()  # checkpoints saved by this run, trusted when loaded back unchanged
+        self._saved: Any = None  # the path of the last save_checkpoint, for the other ranks' _written at its barrier
         self._diagnostics: diagnostics.FitRecord | None = None
 
     def __repr__(self) -> str:
@@ -333,6 +334,8 @@ class MyDDPStrategy(sync.wrapping.LightningDDPAttributes, ParallelStrategy):
         self._uneven.announce("save" if name == _pl.SAVE_BARRIER else "barrier")
         if dist.is_available() and dist.is_initialized():
             dist.barrier(device_ids=process.device_ids(self.root_device) if dist.get_backend() == "nccl" else None)
+        if name == _pl.SAVE_BARRIER and self._saved is not None:  # rank 0 wrote it: the file as it is now
+            self._written.add(self._saved)
 
     @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:
@@ -382,7 +385,8 @@ class MyDDPStrategy(sync.wrapping.LightningDDPAttributes, ParallelStrategy):
         sampling.save_positions(self._trainer, checkpoint)
         if self.is_global_zero:
             self.checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
-        self._written.add(filepath)  # on every rank: each reads the file back as one saved here
+            self._written.add(filepath)
+        self._saved = filepath
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:
