@@ -9,7 +9,6 @@ import contextlib
 import logging
 import os
 import pickle
-import pickletools
 import re
 import secrets
 import socket
@@ -176,7 +175,7 @@ def load_file(
     """``torch.load`` a checkpoint file; whatever bytes it holds, a failure is one of the errors below, naming it.
 
     Warnings of a failing load are dropped, a successful one's passed on. With ``verify_checksums`` every zip
-    member's CRC-32 is checked first (``torch.load`` does not; members saved with CRC-32 off are skipped).
+    member's CRC-32 is checked first (``torch.load`` does not; a file saved with CRC-32 off is not checked).
     ``weights_only=False`` only for files you trust; ``opt_out`` (how the caller turns it off) is quoted in the
     :class:`UnsafeCheckpointError`. Returns what the file holds (any object).
 
@@ -217,7 +216,8 @@ def load_file(
                 raise own_errors[0]  # noqa: B904 (the caller's own error, as it raised it)
             if isinstance(e, RuntimeError) and "Attempting to deserialize object on" in str(e):
                 raise  # a valid file for a device this machine lacks: PyTorch's message says what to do
-            raise _load_error(path, size, weights_only, e, opt_out) from e
+            warned = " ".join(str(w.message) for w in caught)  # torch's "Detected pickle protocol 4 ..."
+            raise _load_error(path, size, weights_only, e, opt_out, warned) from e
     for w in caught:
         warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)
     return loaded
@@ -240,8 +240,8 @@ def _open_error(path: str, error: OSError) -> OSError:
     return FileNotFoundError(f"Checkpoint file not found: {path} ({error.strerror or type(error).__name__}).")
 
 
-def _load_error(path: str, size: int, weights_only: bool, error: Exception, opt_out: str) -> Exception:
-    """The documented error for a file ``torch.load`` failed on: unsafe content, else damaged."""
+def _load_error(path: str, size: int, weights_only: bool, error: Exception, opt_out: str, warned: str) -> Exception:
+    """The documented error for a file ``torch.load`` failed on (``warned``: its warnings): unsafe, else damaged."""
     message = str(error)
     if weights_only is not False and "Unsupported global" in message:  # None: torch.load's default, True
         first = next(
@@ -254,16 +254,21 @@ def _load_error(path: str, size: int, weights_only: bool, error: Exception, opt_
             f" trust this file, load it with {opt_out}, or allow the type before loading (on every rank) with"
             f" torch.serialization.add_safe_globals([{first.removeprefix('GLOBAL').strip()}])."
         )
-    if weights_only is not False and isinstance(error, pickle.UnpicklingError) and _well_formed_zip_pickle(path):
-        # A complete pickle the weights-only unpickler cannot read (torch.save(..., pickle_protocol=4), or
-        # another library's pickle inside a torch zip): not damaged, but refused.
+    protocol = re.search(r"Detected pickle protocol (\d+)", warned)
+    if weights_only is not False and isinstance(error, pickle.UnpicklingError) and protocol:
+        # torch.save(..., pickle_protocol=4): torch warns that its weights-only unpickler may not read it
         reason = next((line.strip() for line in message.splitlines() if "Unsupported" in line), message[:120])
         return UnsafeCheckpointError(
-            f"Checkpoint {path} is a well-formed PyTorch file, but weights_only=True loading cannot read its"
-            f" pickle ({reason}); torch.save(..., pickle_protocol=N) with N > 2 does this. If you trust this file,"
+            f"Checkpoint {path} holds a pickle of protocol {protocol[1]} that weights_only=True loading cannot"
+            f" read ({reason}); torch.save(..., pickle_protocol=N) with N > 2 does this. If you trust this file,"
             f" load it with {opt_out}, or save it again with the default protocol."
         )
-    message = message.split("WeightsUnpickler error:", 1)[-1]  # skip torch's long preamble about weights_only
+    return _damaged(path, size, error)
+
+
+def _damaged(path: str, size: int, error: BaseException) -> DamagedCheckpointError:
+    """The error for a file whose bytes are no checkpoint, quoting the first line of ``error`` (why)."""
+    message = str(error).split("WeightsUnpickler error:", 1)[-1]  # skip torch's long preamble about weights_only
     detail = next((line.strip() for line in message.splitlines() if line.strip()), "")[:200]
     return DamagedCheckpointError(
         f"Checkpoint file {path} is damaged (truncated or corrupt, {size} bytes) or is not a PyTorch"
@@ -271,35 +276,17 @@ def _load_error(path: str, size: int, weights_only: bool, error: Exception, opt_
     )
 
 
-def _well_formed_zip_pickle(path: str) -> bool:
-    """Whether ``path`` is a zip whose ``data.pkl`` is one complete pickle stream (parsed, never executed)."""
-    try:
-        with zipfile.ZipFile(path) as archive:
-            data = archive.read(next(n for n in archive.namelist() if n.endswith("/data.pkl") or n == "data.pkl"))
-        ops = list(pickletools.genops(data))
-        return bool(ops) and ops[-1][0].name == "STOP" and ops[-1][2] + 1 == len(data)
-    except Exception:  # not a zip, no data.pkl, or a malformed stream: damaged
-        return False
-
-
 def _verify_zip_checksums(f: Any, path: str, size: int) -> None:
-    """Read every member of the zip ``f`` once, so ``zipfile`` compares each CRC-32; else ``DamagedCheckpointError``."""
-    member = None
+    """Read every member of the zip ``f`` once (``ZipFile.testzip``), so ``zipfile`` compares each CRC-32; a file
+    saved with torch's CRC-32 switched off (every CRC 0) is not checked. Else ``DamagedCheckpointError``."""
     try:
         with zipfile.ZipFile(f) as archive:
-            for info in archive.infolist():
-                member = info.filename
-                if info.CRC or not info.file_size:  # else written with torch's CRC-32 switched off: skipped
-                    with archive.open(info) as data:
-                        while data.read(1 << 24):
-                            pass
+            if any(info.CRC for info in archive.infolist()):
+                bad = archive.testzip()
+                if bad is not None:
+                    raise zipfile.BadZipFile(f"the CRC-32 or the header of member {bad} does not check out")
     except Exception as e:  # zipfile raises BadZipFile, EOFError, ValueError, struct.error, ... on bad bytes
-        raise DamagedCheckpointError(
-            f"Checkpoint file {path} is damaged (truncated or corrupt, {size} bytes): its zip structure or a"
-            f" checksum does not check out{f' (member {member})' if member else ''}: {type(e).__name__}:"
-            f" {str(e)[:200]}. Use an earlier"
-            " checkpoint or save this one again."
-        ) from e
+        raise _damaged(path, size, e) from e
 
 
 # ----------------------------------------------------------------------------------- Lightning plugin

@@ -143,7 +143,10 @@ def test_a_pickle_weights_only_cannot_read_is_unsafe_not_damaged(scratch):
     torch.save({"state_dict": {"w": torch.ones(2)}}, path, pickle_protocol=4)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # torch's "Detected pickle protocol 4" warning must not leak
-        with pytest.raises(UnsafeCheckpointError, match=r"protocol4.ckpt is a well-formed .*weights_only=False"):
+        with pytest.raises(
+            UnsafeCheckpointError,
+            match=r"protocol4.ckpt holds a pickle of protocol 4 that weights_only=True .*weights_only=False",
+        ):
             DDPCheckpointIO().load_checkpoint(path)
     assert torch.equal(DDPCheckpointIO(weights_only=False).load_checkpoint(path)["state_dict"]["w"], torch.ones(2))
 
