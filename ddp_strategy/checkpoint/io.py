@@ -177,14 +177,16 @@ def load_file(
     Warnings of a failing load are dropped, a successful one's passed on. With ``verify_checksums`` every zip
     member's CRC-32 is checked first (``torch.load`` does not; a file saved with CRC-32 off is not checked).
     ``weights_only=False`` only for files you trust; ``opt_out`` (how the caller turns it off) is quoted in the
-    :class:`UnsafeCheckpointError`. Returns what the file holds (any object).
+    :class:`UnsafeCheckpointError`. ``map_location``: a device (string or ``torch.device``); a callable gets
+    ``torch.load``'s own errors once the file is open, whatever they are, as Lightning's ``TorchCheckpointIO``.
+    Returns what the file holds (any object).
 
     Raises:
         FileNotFoundError: ``path`` does not exist or is a directory (the message lists checkpoint files in it).
         PermissionError: ``path`` cannot be read by this user.
         DamagedCheckpointError: the file is truncated, corrupt or not a PyTorch checkpoint.
         UnsafeCheckpointError: ``weights_only`` and the file holds an object outside PyTorch's allow-list.
-        RuntimeError: ``map_location`` names a device this machine lacks (PyTorch's); a callable's error as is.
+        RuntimeError: ``map_location`` names a device this machine lacks (PyTorch's).
     """
     path = os.fspath(path)
     try:
@@ -194,17 +196,6 @@ def load_file(
                 _verify_zip_checksums(f, path, size)
     except OSError as e:
         raise _open_error(path, e) from e
-    own_errors: list[Exception] = []  # raised by the caller's map_location callable: not the file's fault
-    if callable(map_location):
-
-        def tagged(storage: Any, location: str, user_map: Callable = map_location) -> Any:
-            try:
-                return user_map(storage, location)
-            except Exception as e:
-                own_errors.append(e)
-                raise
-
-        map_location = tagged
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
@@ -212,8 +203,8 @@ def load_file(
         except OSError as e:  # the file changed (removed, chmod) since it was opened above
             raise _open_error(path, e) from e
         except Exception as e:  # whatever the unpickler raised, the file is not a checkpoint we can load
-            if own_errors:
-                raise own_errors[0]  # noqa: B904 (the caller's own error, as it raised it)
+            if callable(map_location):
+                raise  # torch's own error, as Lightning's TorchCheckpointIO gives it: the callable's, or the file's
             if isinstance(e, RuntimeError) and "Attempting to deserialize object on" in str(e):
                 raise  # a valid file for a device this machine lacks: PyTorch's message says what to do
             warned = " ".join(str(w.message) for w in caught)  # torch's "Detected pickle protocol 4 ..."
@@ -323,10 +314,11 @@ class DDPCheckpointIO(TorchCheckpointIO):
         atomic_save(checkpoint, path)
 
     def load_checkpoint(
-        self, path: Any, map_location: Callable | Any = lambda storage, loc: storage, weights_only: bool | None = None
+        self, path: Any, map_location: Callable | Any = "cpu", weights_only: bool | None = None
     ) -> dict[str, Any]:
-        """Load a checkpoint (``weights_only=None``: this plugin's default); a local file gives a dict, else the
-        errors of :func:`load_file`, or ``DamagedCheckpointError`` when it holds something other than a dict."""
+        """Load a checkpoint (``weights_only=None``: this plugin's default) onto ``map_location`` (default the CPU,
+        as Lightning's ``lambda storage, loc: storage``); a local file gives a dict, else the errors of
+        :func:`load_file`, or ``DamagedCheckpointError`` when it holds something other than a dict."""
         weights_only = self.weights_only if weights_only is None else weights_only
         if not _is_local(path):
             return _pl.load_checkpoint_with_weights_only(path, map_location, weights_only)

@@ -7,6 +7,7 @@ benchmarks/fuzz_inputs.py runs these tests with many more examples (``DDP_FUZZ_E
 from __future__ import annotations
 
 import os
+import pickle
 import tempfile
 import warnings
 from pathlib import Path
@@ -30,7 +31,7 @@ from checkpoint_fuzzing import (
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ddp_strategy import DDPCheckpointIO, UnsafeCheckpointError
+from ddp_strategy import DamagedCheckpointError, DDPCheckpointIO, UnsafeCheckpointError
 
 GOOD = reference_checkpoint()
 FUZZ = settings(
@@ -135,6 +136,24 @@ def test_errors_that_are_not_about_the_file_pass_through(scratch):
     if not torch.cuda.is_available():
         with pytest.raises(RuntimeError, match="Attempting to deserialize object on a CUDA device"):
             load_file(path, map_location="cuda")
+
+
+def test_a_map_location_callable_gets_torchs_own_errors_and_a_device_the_documented_ones(scratch):
+    """Bytes that are no checkpoint: with a map_location callable DDPCheckpointIO raises torch.load's own error,
+    as Lightning's TorchCheckpointIO does (docs/differences.md, "corrupt checkpoint files"); with a device, the
+    default "cpu" as the alternative, the documented DamagedCheckpointError naming the file."""
+    from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+
+    path = write(scratch, b"not a checkpoint at all")
+    for io in (TorchCheckpointIO(), DDPCheckpointIO()):
+        with pytest.raises(pickle.UnpicklingError) as raised:
+            io.load_checkpoint(path, map_location=lambda storage, location: storage)
+        assert not isinstance(raised.value, UnsafeCheckpointError), type(io).__name__
+    for device in ("cpu", torch.device("cpu")):
+        with pytest.raises(DamagedCheckpointError, match=rf"{path} is damaged"):
+            DDPCheckpointIO().load_checkpoint(path, map_location=device)
+    with pytest.raises(DamagedCheckpointError, match=rf"{path} is damaged"):
+        DDPCheckpointIO().load_checkpoint(path)
 
 
 def test_a_pickle_weights_only_cannot_read_is_unsafe_not_damaged(scratch):
