@@ -15,7 +15,7 @@ import socket
 import tempfile
 import warnings
 import zipfile
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -23,7 +23,6 @@ import torch
 
 from ddp_strategy._compat import lightning_private as _pl
 from ddp_strategy._compat import namespace as _namespace
-from ddp_strategy.checkpoint.keys import strip_compile_prefixes
 
 if TYPE_CHECKING:
     from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
@@ -283,8 +282,8 @@ def _verify_zip_checksums(f: Any, path: str, size: int) -> None:
 # ----------------------------------------------------------------------------------- Lightning plugin
 class DDPCheckpointIO(TorchCheckpointIO):
     """Lightning's ``TorchCheckpointIO``, crash-safe and safe to load: local files written by :func:`atomic_save`
-    (keys without ``_orig_mod.``), loaded by :func:`load_file`; URLs (``file://`` too) and ``remove_checkpoint``
-    Lightning's.
+    (the keys as given: ``MyDDPStrategy`` hands it clean ones), loaded by :func:`load_file`; URLs (``file://`` too)
+    and ``remove_checkpoint`` Lightning's.
 
     Args:
         weights_only: what ``load_checkpoint(weights_only=None)`` uses (default True); an explicit
@@ -305,10 +304,7 @@ class DDPCheckpointIO(TorchCheckpointIO):
         self.verify_checksums = verify_checksums
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
-        """Save ``checkpoint`` atomically, ``_orig_mod.`` gone from its keys; ``TypeError`` for ``storage_options``
-        (unsupported, as in Lightning's)."""
-        if isinstance(checkpoint.get("state_dict"), Mapping):
-            checkpoint = {**checkpoint, "state_dict": strip_compile_prefixes(checkpoint["state_dict"])}
+        """Save ``checkpoint`` atomically; ``TypeError`` for ``storage_options`` (unsupported, as in Lightning's)."""
         if storage_options is not None or not _is_local(path):  # Lightning's: refuses storage_options (TypeError)
             return super().save_checkpoint(checkpoint, path, storage_options=storage_options)
         atomic_save(checkpoint, path)
