@@ -348,9 +348,8 @@ def on_fit_end(record: FitRecord, ddp_model: nn.Module, device: torch.device) ->
             torch.tensor([local is not None, *record.tracker.seen], dtype=torch.float64),  # timed?, gradients seen
         ]
     ).to(device)
-    if dist.is_initialized():
-        dist.all_reduce(total)
-    world_size, total = dist.get_world_size() if dist.is_initialized() else 1, total.cpu()
+    dist.all_reduce(total)  # the group the DDP wrapper was built in (world size 1 too)
+    world_size, total = dist.get_world_size(), total.cpu()
     ranks_timed = int(total[4].item())
     stats = CommStats(*(total[:4] / ranks_timed).tolist()) if ranks_timed else None
     unused = [name for name, count in zip(record.tracker.names, total[5:].tolist(), strict=True) if count == 0]

@@ -30,10 +30,11 @@ MODEL_STATE_KEYS = ("state_dict", "model_state_dict", "model")
 OPTIMIZER_STATE_KEYS = ("optimizer_state_dict", "optimizer")
 
 
-def find_model_state_dict(checkpoint: Any, path: str | os.PathLike | None = None) -> Mapping[str, Any]:
-    """The model state dict inside a loaded checkpoint: a :data:`MODEL_STATE_KEYS` entry, or the dict itself if
-    it holds tensors only; else, or for a key that is not a string, ``DamagedCheckpointError``."""
-    where = os.fspath(path) if path else "the checkpoint"
+def find_model_state_dict(checkpoint: Any, where: str | os.PathLike) -> Mapping[str, Any]:
+    """The model state dict inside a checkpoint loaded from ``where`` (named in errors): a :data:`MODEL_STATE_KEYS`
+    entry, or the dict itself if it holds tensors only; else, or for a key that is not a string,
+    ``DamagedCheckpointError``."""
+    where = os.fspath(where)
     state_dict: Mapping[str, Any] | None = None
     if isinstance(checkpoint, Mapping):
         bare = checkpoint if checkpoint and all(isinstance(v, torch.Tensor) for v in checkpoint.values()) else None
