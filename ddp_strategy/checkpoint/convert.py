@@ -157,14 +157,7 @@ def _check_optimizer_lines_up(optimizer_state: Mapping[str, Any], params: list[t
 
 def _fit_loop_state(epochs_completed: int, global_step: int) -> dict[str, Any]:
     """A fresh Trainer's ``fit_loop.state_dict()`` (Lightning's layout), counters set to the epochs and steps."""
-    trainer = _namespace.get("pytorch:Trainer")(
-        accelerator="cpu",
-        devices=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = _namespace.get("pytorch:Trainer")(accelerator="cpu", devices=1, logger=False)  # never fitted
     state = trainer.fit_loop.state_dict()
     steps = state["epoch_loop.automatic_optimization.optim_progress"]["optimizer"]["step"]
     for scope in ("total", "current"):
