@@ -274,24 +274,24 @@ def export_weights(
     source: str | os.PathLike | nn.Module,
     path: str | os.PathLike,
     submodule: str = "model",
-    safetensors: bool | None = None,
     weights_only: bool = True,
 ) -> dict[str, torch.Tensor]:
     """Write just the plain model weights (a ``state_dict``) for inference without Lightning, atomically: keys
     without ``module.``, ``_orig_mod.`` or ``<submodule>.``, tensors detached, contiguous, on the CPU.
 
     Args:
-        source: a checkpoint file (Lightning or plain) or a module; path: the output file.
+        source: a checkpoint file (Lightning or plain) or a module.
+        path: the output file: safetensors if it ends in ``.safetensors`` (``pip install ddp_strategy[safetensors]``;
+            ``torch.load`` reads any such path as safetensors), else ``torch.save``'s format.
         submodule: attribute of the plain model in the LightningModule (default ``"model"``); ``""``: everything.
-        safetensors: write safetensors (``pip install ddp_strategy[safetensors]``); default: if the suffix is
-            ``.safetensors``. weights_only: as for :func:`load_plain_state_dict`.
+        weights_only: as for :func:`load_plain_state_dict`.
 
     Returns:
         The exported state dict.
 
     Raises:
         FileNotFoundError, PermissionError, DamagedCheckpointError, UnsafeCheckpointError, KeyError: as for
-            :func:`load_plain_state_dict`. ImportError: safetensors requested but not installed.
+            :func:`load_plain_state_dict`. ImportError: a ``.safetensors`` path without safetensors installed.
         TypeError: ``source`` is a module whose state dict holds a non-tensor (extra state) under ``submodule``.
     """
     if isinstance(source, nn.Module):
@@ -310,7 +310,7 @@ def export_weights(
             f" {type(weights[odd]).__name__} under {odd!r}, not a tensor; only tensors can be exported."
         )
     weights = {k: v.detach().cpu().contiguous() for k, v in weights.items()}
-    if os.fspath(path).endswith(".safetensors") if safetensors is None else safetensors:
+    if os.fspath(path).endswith(".safetensors"):
         try:
             from safetensors.torch import save as to_safetensors_bytes
         except ImportError as e:
