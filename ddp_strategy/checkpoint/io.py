@@ -97,13 +97,11 @@ def atomic_save(obj: Any, path: str | os.PathLike, save_fn: Callable[[Any, Any],
 
 
 def prepare_folders(callbacks: list[Any]) -> None:
-    """At fit start (global rank 0), in the ``dirpath`` of each checkpoint callback: remove what killed writers left
-    (:func:`remove_stale_temp_files`), then warn now about the first that is not writable, where Lightning's ddp fails
-    at the first save (a ``tempfile.TemporaryFile`` probe there or in its nearest existing parent leaves no trace;
-    remote paths are not probed)."""
+    """At fit start (global rank 0), warn now about the first ``dirpath`` of a checkpoint callback that is not
+    writable, where Lightning's ddp fails at the first save (a ``tempfile.TemporaryFile`` probe there or in its
+    nearest existing parent leaves no trace; remote paths are not probed). What killed writers left there goes at
+    the next save (:func:`atomic_save`)."""
     folders = [os.fspath(cb.dirpath) for cb in callbacks if getattr(cb, "dirpath", None)]
-    for folder in folders:
-        remove_stale_temp_files(folder)
     for folder in [f for f in folders if _is_local(f)]:
         absolute = Path(folder).absolute()
         existing = next(p for p in (absolute, *absolute.parents) if p.exists())

@@ -272,6 +272,30 @@ def test_sigkill_mid_save_keeps_the_previous_checkpoint(tmp_path):
     assert [p.name for p in path.parent.iterdir()] == ["last.ckpt"]
 
 
+def test_the_next_save_removes_what_dead_writers_on_this_host_left(tmp_path):
+    """A temporary file whose writer died on this host goes at the next save into its folder; one of a live writer
+    or of another host (a shared file system) stays, and so does the file the save replaces."""
+    names = []
+
+    def recording(obj, f):
+        names.append(pathlib.Path(f.name).name)
+        torch.save(obj, f)
+
+    atomic_save({"a": 1}, tmp_path / "c.pt", save_fn=recording)
+    _, target, ext, host, pid, token, tmp = names[0].split(".")  # .c.pt.<host>.<pid>.<token>.tmp
+    finished = subprocess.Popen([sys.executable, "-c", "pass"])
+    finished.wait()
+    dead, live, elsewhere = (
+        f".{target}.{ext}.{h}.{p}.{token}.{tmp}"
+        for h, p in ((host, finished.pid), (host, os.getppid()), ("other-host", finished.pid))
+    )
+    for name in (dead, live, elsewhere):
+        (tmp_path / name).write_bytes(b"half a checkpoint")
+    atomic_save({"a": 2}, tmp_path / "c.pt")
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["c.pt", live, elsewhere])
+    assert load_file(tmp_path / "c.pt") == {"a": 2}
+
+
 def test_atomic_save_removes_its_temp_file_on_error(tmp_path):
     """A save that fails half-way leaves the old file and no temporary file."""
     path = tmp_path / "c.pt"
