@@ -296,16 +296,9 @@ def on_fit_start(
         size = loader.batch_size if loader.batch_size is not None else getattr(loader.batch_sampler, "batch_size", None)
         batch_size = int(size) if isinstance(size, int) else None
         n = sized_len(loader.dataset)  # None for an iterable data set
-        sampler = next(
-            (
-                s
-                for s in (loader.sampler, getattr(loader.batch_sampler, "sampler", None))
-                if isinstance(s, DistributedSampler)
-            ),
-            None,
-        )
-        if sampler is not None:
-            per_rank, padding = int(sampler.num_samples), int(sampler.total_size) - len(sampler.dataset)
+        for sampler in (loader.sampler, getattr(loader.batch_sampler, "sampler", None)):  # at most one is distributed
+            if isinstance(sampler, DistributedSampler):
+                per_rank, padding = int(sampler.num_samples), int(sampler.total_size) - len(sampler.dataset)
     summary = FitSummary(
         world_size=trainer.world_size,
         num_nodes=trainer.num_nodes,
