@@ -242,19 +242,13 @@ def import_plain_checkpoint(
         "lr_schedulers": [],
         "callbacks": {},
     }
-    optimizer_state = next(
-        (
-            dict(v)
-            for v in map(checkpoint.get, OPTIMIZER_STATE_KEYS)
-            if isinstance(v, Mapping) and "state" in v and "param_groups" in v
-        ),
-        None,
-    )
-    if optimizer_state is not None:
-        clean = [unwrapped_name(model, k) for k in loadable]  # the deepest part holding every loaded key
-        part = [model, *(m for path, m in parts.items() if clean and all(k.startswith(path) for k in clean))][-1]
-        _check_optimizer_lines_up(optimizer_state, list(part.parameters()), name)
-        result["optimizer_states"] = [optimizer_state]
+    for entry in map(checkpoint.get, OPTIMIZER_STATE_KEYS):  # the first in the layout Optimizer.state_dict() has
+        if isinstance(entry, Mapping) and "state" in entry and "param_groups" in entry:
+            clean = [unwrapped_name(model, k) for k in loadable]  # the deepest part holding every loaded key
+            part = [model, *(m for path, m in parts.items() if clean and all(k.startswith(path) for k in clean))][-1]
+            _check_optimizer_lines_up(entry, list(part.parameters()), name)
+            result["optimizer_states"] = [dict(entry)]
+            break
     if isinstance(model, _namespace.LightningModule) and model.hparams:
         result[model.CHECKPOINT_HYPER_PARAMS_KEY] = dict(model.hparams)
     if output_path is not None:
