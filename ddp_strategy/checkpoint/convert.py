@@ -35,19 +35,16 @@ def find_model_state_dict(checkpoint: Any, where: str | os.PathLike) -> Mapping[
     entry, or the dict itself if it holds tensors only; else, or for a key that is not a string,
     ``DamagedCheckpointError``."""
     where = os.fspath(where)
-    state_dict: Mapping[str, Any] | None = None
-    if isinstance(checkpoint, Mapping):
-        bare = checkpoint if checkpoint and all(isinstance(v, torch.Tensor) for v in checkpoint.values()) else None
-        state_dict = next((checkpoint[k] for k in MODEL_STATE_KEYS if isinstance(checkpoint.get(k), Mapping)), bare)
-    if state_dict is None:
-        found = (
-            [repr(k)[:40] for k in list(checkpoint)[:10]]
-            if isinstance(checkpoint, Mapping)
-            else (f"a {type(checkpoint).__name__}")
-        )
+    if not isinstance(checkpoint, Mapping):
         raise DamagedCheckpointError(
-            f"No model state dict in {where}: expected one of the entries"
-            f" {list(MODEL_STATE_KEYS)} or a dict of tensors, found {found}."
+            f"No model state dict in {where}: expected a dict, found a {type(checkpoint).__name__}."
+        )
+    bare = checkpoint if checkpoint and all(isinstance(v, torch.Tensor) for v in checkpoint.values()) else None
+    state_dict = next((checkpoint[k] for k in MODEL_STATE_KEYS if isinstance(checkpoint.get(k), Mapping)), bare)
+    if state_dict is None:
+        raise DamagedCheckpointError(
+            f"No model state dict in {where}: expected one of the entries {list(MODEL_STATE_KEYS)} or a dict of"
+            f" tensors, found {[repr(k)[:40] for k in list(checkpoint)[:10]]}."
         )
     odd = next((k for k in state_dict if not isinstance(k, str)), None)
     if odd is not None:
@@ -110,11 +107,12 @@ def _int_entry(checkpoint: Mapping[str, Any], keys: tuple[str, ...], source: str
     value = checkpoint[key] if key is not None else 0
     try:
         number = int(value)
-        whole = number == value or isinstance(value, str)
+        if number < 0 or not (number == value or isinstance(value, str)):  # "3" is 3; -1 and 2.5 are refused
+            raise ValueError("not a whole number >= 0")
     except (TypeError, ValueError, OverflowError, RuntimeError) as e:  # RuntimeError: a tensor of many values
-        raise DamagedCheckpointError(f"The {key!r} entry of {source} is {value!r:.80}, not a whole number.") from e
-    if number < 0 or not whole:
-        raise DamagedCheckpointError(f"The {key!r} entry of {source} is {value!r:.80}; expected a whole number >= 0.")
+        raise DamagedCheckpointError(
+            f"The {key!r} entry of {source} is {value!r:.80}; expected a whole number >= 0."
+        ) from e
     return number
 
 
