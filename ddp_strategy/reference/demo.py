@@ -20,8 +20,6 @@ from ddp_strategy.reference.model import DigitsNet
 from ddp_strategy.sampling import EpochSeededDistributedSampler
 from ddp_strategy.testing import run_on_ranks
 
-__all__ = ["AllReduceDemo", "allreduce_demo", "epoch_shards", "forgotten_set_epoch"]
-
 
 def epoch_shards(
     dataset_size: int, world_size: int = 2, epochs: int = 2, seed: int = 0, shuffle: bool = True
