@@ -296,16 +296,9 @@ def on_fit_start(
         size = loader.batch_size if loader.batch_size is not None else getattr(loader.batch_sampler, "batch_size", None)
         batch_size = int(size) if isinstance(size, int) else None
         n = sized_len(loader.dataset)  # None for an iterable data set
-        sampler = next(
-            (
-                s
-                for s in (loader.sampler, getattr(loader.batch_sampler, "sampler", None))
-                if isinstance(s, DistributedSampler)
-            ),
-            None,
-        )
-        if sampler is not None:
-            per_rank, padding = int(sampler.num_samples), int(sampler.total_size) - len(sampler.dataset)
+        for sampler in (loader.sampler, getattr(loader.batch_sampler, "sampler", None)):  # at most one is distributed
+            if isinstance(sampler, DistributedSampler):
+                per_rank, padding = int(sampler.num_samples), int(sampler.total_size) - len(sampler.dataset)
     summary = FitSummary(
         world_size=trainer.world_size,
         num_nodes=trainer.num_nodes,
@@ -348,9 +341,8 @@ def on_fit_end(record: FitRecord, ddp_model: nn.Module, device: torch.device) ->
             torch.tensor([local is not None, *record.tracker.seen], dtype=torch.float64),  # timed?, gradients seen
         ]
     ).to(device)
-    if dist.is_initialized():
-        dist.all_reduce(total)
-    world_size, total = dist.get_world_size() if dist.is_initialized() else 1, total.cpu()
+    dist.all_reduce(total)  # the group the DDP wrapper was built in (world size 1 too)
+    world_size, total = dist.get_world_size(), total.cpu()
     ranks_timed = int(total[4].item())
     stats = CommStats(*(total[:4] / ranks_timed).tolist()) if ranks_timed else None
     unused = [name for name, count in zip(record.tracker.names, total[5:].tolist(), strict=True) if count == 0]

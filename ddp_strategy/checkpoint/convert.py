@@ -30,23 +30,21 @@ MODEL_STATE_KEYS = ("state_dict", "model_state_dict", "model")
 OPTIMIZER_STATE_KEYS = ("optimizer_state_dict", "optimizer")
 
 
-def find_model_state_dict(checkpoint: Any, path: str | os.PathLike | None = None) -> Mapping[str, Any]:
-    """The model state dict inside a loaded checkpoint: a :data:`MODEL_STATE_KEYS` entry, or the dict itself if
-    it holds tensors only; else, or for a key that is not a string, ``DamagedCheckpointError``."""
-    where = os.fspath(path) if path else "the checkpoint"
-    state_dict: Mapping[str, Any] | None = None
-    if isinstance(checkpoint, Mapping):
-        bare = checkpoint if checkpoint and all(isinstance(v, torch.Tensor) for v in checkpoint.values()) else None
-        state_dict = next((checkpoint[k] for k in MODEL_STATE_KEYS if isinstance(checkpoint.get(k), Mapping)), bare)
-    if state_dict is None:
-        found = (
-            [repr(k)[:40] for k in list(checkpoint)[:10]]
-            if isinstance(checkpoint, Mapping)
-            else (f"a {type(checkpoint).__name__}")
-        )
+def find_model_state_dict(checkpoint: Any, where: str | os.PathLike) -> Mapping[str, Any]:
+    """The model state dict inside a checkpoint loaded from ``where`` (named in errors): a :data:`MODEL_STATE_KEYS`
+    entry, or the dict itself if it holds tensors only; else, or for a key that is not a string,
+    ``DamagedCheckpointError``."""
+    where = os.fspath(where)
+    if not isinstance(checkpoint, Mapping):
         raise DamagedCheckpointError(
-            f"No model state dict in {where}: expected one of the entries"
-            f" {list(MODEL_STATE_KEYS)} or a dict of tensors, found {found}."
+            f"No model state dict in {where}: expected a dict, found a {type(checkpoint).__name__}."
+        )
+    bare = checkpoint if checkpoint and all(isinstance(v, torch.Tensor) for v in checkpoint.values()) else None
+    state_dict = next((checkpoint[k] for k in MODEL_STATE_KEYS if isinstance(checkpoint.get(k), Mapping)), bare)
+    if state_dict is None:
+        raise DamagedCheckpointError(
+            f"No model state dict in {where}: expected one of the entries {list(MODEL_STATE_KEYS)} or a dict of"
+            f" tensors, found {[repr(k)[:40] for k in list(checkpoint)[:10]]}."
         )
     odd = next((k for k in state_dict if not isinstance(k, str)), None)
     if odd is not None:
@@ -109,11 +107,12 @@ def _int_entry(checkpoint: Mapping[str, Any], keys: tuple[str, ...], source: str
     value = checkpoint[key] if key is not None else 0
     try:
         number = int(value)
-        whole = number == value or isinstance(value, str)
+        if number < 0 or not (number == value or isinstance(value, str)):  # "3" is 3; -1 and 2.5 are refused
+            raise ValueError("not a whole number >= 0")
     except (TypeError, ValueError, OverflowError, RuntimeError) as e:  # RuntimeError: a tensor of many values
-        raise DamagedCheckpointError(f"The {key!r} entry of {source} is {value!r:.80}, not a whole number.") from e
-    if number < 0 or not whole:
-        raise DamagedCheckpointError(f"The {key!r} entry of {source} is {value!r:.80}; expected a whole number >= 0.")
+        raise DamagedCheckpointError(
+            f"The {key!r} entry of {source} is {value!r:.80}; expected a whole number >= 0."
+        ) from e
     return number
 
 
@@ -156,14 +155,7 @@ def _check_optimizer_lines_up(optimizer_state: Mapping[str, Any], params: list[t
 
 def _fit_loop_state(epochs_completed: int, global_step: int) -> dict[str, Any]:
     """A fresh Trainer's ``fit_loop.state_dict()`` (Lightning's layout), counters set to the epochs and steps."""
-    trainer = _namespace.get("pytorch:Trainer")(
-        accelerator="cpu",
-        devices=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = _namespace.get("pytorch:Trainer")(accelerator="cpu", devices=1, logger=False)  # never fitted
     state = trainer.fit_loop.state_dict()
     steps = state["epoch_loop.automatic_optimization.optim_progress"]["optimizer"]["step"]
     for scope in ("total", "current"):
@@ -248,19 +240,13 @@ def import_plain_checkpoint(
         "lr_schedulers": [],
         "callbacks": {},
     }
-    optimizer_state = next(
-        (
-            dict(v)
-            for v in map(checkpoint.get, OPTIMIZER_STATE_KEYS)
-            if isinstance(v, Mapping) and "state" in v and "param_groups" in v
-        ),
-        None,
-    )
-    if optimizer_state is not None:
-        clean = [unwrapped_name(model, k) for k in loadable]  # the deepest part holding every loaded key
-        part = [model, *(m for path, m in parts.items() if clean and all(k.startswith(path) for k in clean))][-1]
-        _check_optimizer_lines_up(optimizer_state, list(part.parameters()), name)
-        result["optimizer_states"] = [optimizer_state]
+    for entry in map(checkpoint.get, OPTIMIZER_STATE_KEYS):  # the first in the layout Optimizer.state_dict() has
+        if isinstance(entry, Mapping) and "state" in entry and "param_groups" in entry:
+            clean = [unwrapped_name(model, k) for k in loadable]  # the deepest part holding every loaded key
+            part = [model, *(m for path, m in parts.items() if clean and all(k.startswith(path) for k in clean))][-1]
+            _check_optimizer_lines_up(entry, list(part.parameters()), name)
+            result["optimizer_states"] = [dict(entry)]
+            break
     if isinstance(model, _namespace.LightningModule) and model.hparams:
         result[model.CHECKPOINT_HYPER_PARAMS_KEY] = dict(model.hparams)
     if output_path is not None:
@@ -280,24 +266,24 @@ def export_weights(
     source: str | os.PathLike | nn.Module,
     path: str | os.PathLike,
     submodule: str = "model",
-    safetensors: bool | None = None,
     weights_only: bool = True,
 ) -> dict[str, torch.Tensor]:
     """Write just the plain model weights (a ``state_dict``) for inference without Lightning, atomically: keys
     without ``module.``, ``_orig_mod.`` or ``<submodule>.``, tensors detached, contiguous, on the CPU.
 
     Args:
-        source: a checkpoint file (Lightning or plain) or a module; path: the output file.
+        source: a checkpoint file (Lightning or plain) or a module.
+        path: the output file: safetensors if it ends in ``.safetensors`` (``pip install ddp_strategy[safetensors]``;
+            ``torch.load`` reads any such path as safetensors), else ``torch.save``'s format.
         submodule: attribute of the plain model in the LightningModule (default ``"model"``); ``""``: everything.
-        safetensors: write safetensors (``pip install ddp_strategy[safetensors]``); default: if the suffix is
-            ``.safetensors``. weights_only: as for :func:`load_plain_state_dict`.
+        weights_only: as for :func:`load_plain_state_dict`.
 
     Returns:
         The exported state dict.
 
     Raises:
         FileNotFoundError, PermissionError, DamagedCheckpointError, UnsafeCheckpointError, KeyError: as for
-            :func:`load_plain_state_dict`. ImportError: safetensors requested but not installed.
+            :func:`load_plain_state_dict`. ImportError: a ``.safetensors`` path without safetensors installed.
         TypeError: ``source`` is a module whose state dict holds a non-tensor (extra state) under ``submodule``.
     """
     if isinstance(source, nn.Module):
@@ -316,7 +302,7 @@ def export_weights(
             f" {type(weights[odd]).__name__} under {odd!r}, not a tensor; only tensors can be exported."
         )
     weights = {k: v.detach().cpu().contiguous() for k, v in weights.items()}
-    if os.fspath(path).endswith(".safetensors") if safetensors is None else safetensors:
+    if os.fspath(path).endswith(".safetensors"):
         try:
             from safetensors.torch import save as to_safetensors_bytes
         except ImportError as e:

@@ -9,14 +9,13 @@ import contextlib
 import logging
 import os
 import pickle
-import pickletools
 import re
 import secrets
 import socket
 import tempfile
 import warnings
 import zipfile
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -24,7 +23,6 @@ import torch
 
 from ddp_strategy._compat import lightning_private as _pl
 from ddp_strategy._compat import namespace as _namespace
-from ddp_strategy.checkpoint.keys import strip_compile_prefixes
 
 if TYPE_CHECKING:
     from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
@@ -99,13 +97,11 @@ def atomic_save(obj: Any, path: str | os.PathLike, save_fn: Callable[[Any, Any],
 
 
 def prepare_folders(callbacks: list[Any]) -> None:
-    """At fit start (global rank 0), in the ``dirpath`` of each checkpoint callback: remove what killed writers left
-    (:func:`remove_stale_temp_files`), then warn now about the first that is not writable, where Lightning's ddp fails
-    at the first save (a ``tempfile.TemporaryFile`` probe there or in its nearest existing parent leaves no trace;
-    remote paths are not probed)."""
+    """At fit start (global rank 0), warn now about the first ``dirpath`` of a checkpoint callback that is not
+    writable, where Lightning's ddp fails at the first save (a ``tempfile.TemporaryFile`` probe there or in its
+    nearest existing parent leaves no trace; remote paths are not probed). What killed writers left there goes at
+    the next save (:func:`atomic_save`)."""
     folders = [os.fspath(cb.dirpath) for cb in callbacks if getattr(cb, "dirpath", None)]
-    for folder in folders:
-        remove_stale_temp_files(folder)
     for folder in [f for f in folders if _is_local(f)]:
         absolute = Path(folder).absolute()
         existing = next(p for p in (absolute, *absolute.parents) if p.exists())
@@ -176,16 +172,18 @@ def load_file(
     """``torch.load`` a checkpoint file; whatever bytes it holds, a failure is one of the errors below, naming it.
 
     Warnings of a failing load are dropped, a successful one's passed on. With ``verify_checksums`` every zip
-    member's CRC-32 is checked first (``torch.load`` does not; members saved with CRC-32 off are skipped).
+    member's CRC-32 is checked first (``torch.load`` does not; a file saved with CRC-32 off is not checked).
     ``weights_only=False`` only for files you trust; ``opt_out`` (how the caller turns it off) is quoted in the
-    :class:`UnsafeCheckpointError`. Returns what the file holds (any object).
+    :class:`UnsafeCheckpointError`. ``map_location``: a device (string or ``torch.device``); a callable gets
+    ``torch.load``'s own errors once the file is open, whatever they are, as Lightning's ``TorchCheckpointIO``.
+    Returns what the file holds (any object).
 
     Raises:
         FileNotFoundError: ``path`` does not exist or is a directory (the message lists checkpoint files in it).
         PermissionError: ``path`` cannot be read by this user.
         DamagedCheckpointError: the file is truncated, corrupt or not a PyTorch checkpoint.
         UnsafeCheckpointError: ``weights_only`` and the file holds an object outside PyTorch's allow-list.
-        RuntimeError: ``map_location`` names a device this machine lacks (PyTorch's); a callable's error as is.
+        RuntimeError: ``map_location`` names a device this machine lacks (PyTorch's).
     """
     path = os.fspath(path)
     try:
@@ -195,17 +193,6 @@ def load_file(
                 _verify_zip_checksums(f, path, size)
     except OSError as e:
         raise _open_error(path, e) from e
-    own_errors: list[Exception] = []  # raised by the caller's map_location callable: not the file's fault
-    if callable(map_location):
-
-        def tagged(storage: Any, location: str, user_map: Callable = map_location) -> Any:
-            try:
-                return user_map(storage, location)
-            except Exception as e:
-                own_errors.append(e)
-                raise
-
-        map_location = tagged
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
@@ -213,11 +200,12 @@ def load_file(
         except OSError as e:  # the file changed (removed, chmod) since it was opened above
             raise _open_error(path, e) from e
         except Exception as e:  # whatever the unpickler raised, the file is not a checkpoint we can load
-            if own_errors:
-                raise own_errors[0]  # noqa: B904 (the caller's own error, as it raised it)
+            if callable(map_location):
+                raise  # torch's own error, as Lightning's TorchCheckpointIO gives it: the callable's, or the file's
             if isinstance(e, RuntimeError) and "Attempting to deserialize object on" in str(e):
                 raise  # a valid file for a device this machine lacks: PyTorch's message says what to do
-            raise _load_error(path, size, weights_only, e, opt_out) from e
+            warned = " ".join(str(w.message) for w in caught)  # torch's "Detected pickle protocol 4 ..."
+            raise _load_error(path, size, weights_only, e, opt_out, warned) from e
     for w in caught:
         warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)
     return loaded
@@ -240,8 +228,8 @@ def _open_error(path: str, error: OSError) -> OSError:
     return FileNotFoundError(f"Checkpoint file not found: {path} ({error.strerror or type(error).__name__}).")
 
 
-def _load_error(path: str, size: int, weights_only: bool, error: Exception, opt_out: str) -> Exception:
-    """The documented error for a file ``torch.load`` failed on: unsafe content, else damaged."""
+def _load_error(path: str, size: int, weights_only: bool, error: Exception, opt_out: str, warned: str) -> Exception:
+    """The documented error for a file ``torch.load`` failed on (``warned``: its warnings): unsafe, else damaged."""
     message = str(error)
     if weights_only is not False and "Unsupported global" in message:  # None: torch.load's default, True
         first = next(
@@ -254,16 +242,21 @@ def _load_error(path: str, size: int, weights_only: bool, error: Exception, opt_
             f" trust this file, load it with {opt_out}, or allow the type before loading (on every rank) with"
             f" torch.serialization.add_safe_globals([{first.removeprefix('GLOBAL').strip()}])."
         )
-    if weights_only is not False and isinstance(error, pickle.UnpicklingError) and _well_formed_zip_pickle(path):
-        # A complete pickle the weights-only unpickler cannot read (torch.save(..., pickle_protocol=4), or
-        # another library's pickle inside a torch zip): not damaged, but refused.
+    protocol = re.search(r"Detected pickle protocol (\d+)", warned)
+    if weights_only is not False and isinstance(error, pickle.UnpicklingError) and protocol:
+        # torch.save(..., pickle_protocol=4): torch warns that its weights-only unpickler may not read it
         reason = next((line.strip() for line in message.splitlines() if "Unsupported" in line), message[:120])
         return UnsafeCheckpointError(
-            f"Checkpoint {path} is a well-formed PyTorch file, but weights_only=True loading cannot read its"
-            f" pickle ({reason}); torch.save(..., pickle_protocol=N) with N > 2 does this. If you trust this file,"
+            f"Checkpoint {path} holds a pickle of protocol {protocol[1]} that weights_only=True loading cannot"
+            f" read ({reason}); torch.save(..., pickle_protocol=N) with N > 2 does this. If you trust this file,"
             f" load it with {opt_out}, or save it again with the default protocol."
         )
-    message = message.split("WeightsUnpickler error:", 1)[-1]  # skip torch's long preamble about weights_only
+    return _damaged(path, size, error)
+
+
+def _damaged(path: str, size: int, error: BaseException) -> DamagedCheckpointError:
+    """The error for a file whose bytes are no checkpoint, quoting the first line of ``error`` (why)."""
+    message = str(error).split("WeightsUnpickler error:", 1)[-1]  # skip torch's long preamble about weights_only
     detail = next((line.strip() for line in message.splitlines() if line.strip()), "")[:200]
     return DamagedCheckpointError(
         f"Checkpoint file {path} is damaged (truncated or corrupt, {size} bytes) or is not a PyTorch"
@@ -271,42 +264,24 @@ def _load_error(path: str, size: int, weights_only: bool, error: Exception, opt_
     )
 
 
-def _well_formed_zip_pickle(path: str) -> bool:
-    """Whether ``path`` is a zip whose ``data.pkl`` is one complete pickle stream (parsed, never executed)."""
-    try:
-        with zipfile.ZipFile(path) as archive:
-            data = archive.read(next(n for n in archive.namelist() if n.endswith("/data.pkl") or n == "data.pkl"))
-        ops = list(pickletools.genops(data))
-        return bool(ops) and ops[-1][0].name == "STOP" and ops[-1][2] + 1 == len(data)
-    except Exception:  # not a zip, no data.pkl, or a malformed stream: damaged
-        return False
-
-
 def _verify_zip_checksums(f: Any, path: str, size: int) -> None:
-    """Read every member of the zip ``f`` once, so ``zipfile`` compares each CRC-32; else ``DamagedCheckpointError``."""
-    member = None
+    """Read every member of the zip ``f`` once (``ZipFile.testzip``), so ``zipfile`` compares each CRC-32; a file
+    saved with torch's CRC-32 switched off (every CRC 0) is not checked. Else ``DamagedCheckpointError``."""
     try:
         with zipfile.ZipFile(f) as archive:
-            for info in archive.infolist():
-                member = info.filename
-                if info.CRC or not info.file_size:  # else written with torch's CRC-32 switched off: skipped
-                    with archive.open(info) as data:
-                        while data.read(1 << 24):
-                            pass
+            if any(info.CRC for info in archive.infolist()):
+                bad = archive.testzip()
+                if bad is not None:
+                    raise zipfile.BadZipFile(f"the CRC-32 or the header of member {bad} does not check out")
     except Exception as e:  # zipfile raises BadZipFile, EOFError, ValueError, struct.error, ... on bad bytes
-        raise DamagedCheckpointError(
-            f"Checkpoint file {path} is damaged (truncated or corrupt, {size} bytes): its zip structure or a"
-            f" checksum does not check out{f' (member {member})' if member else ''}: {type(e).__name__}:"
-            f" {str(e)[:200]}. Use an earlier"
-            " checkpoint or save this one again."
-        ) from e
+        raise _damaged(path, size, e) from e
 
 
 # ----------------------------------------------------------------------------------- Lightning plugin
 class DDPCheckpointIO(TorchCheckpointIO):
     """Lightning's ``TorchCheckpointIO``, crash-safe and safe to load: local files written by :func:`atomic_save`
-    (keys without ``_orig_mod.``), loaded by :func:`load_file`; URLs (``file://`` too) and ``remove_checkpoint``
-    Lightning's.
+    (the keys as given: ``MyDDPStrategy`` hands it clean ones), loaded by :func:`load_file`; URLs (``file://`` too)
+    and ``remove_checkpoint`` Lightning's.
 
     Args:
         weights_only: what ``load_checkpoint(weights_only=None)`` uses (default True); an explicit
@@ -327,19 +302,17 @@ class DDPCheckpointIO(TorchCheckpointIO):
         self.verify_checksums = verify_checksums
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
-        """Save ``checkpoint`` atomically, ``_orig_mod.`` gone from its keys; ``TypeError`` for ``storage_options``
-        (unsupported, as in Lightning's)."""
-        if isinstance(checkpoint.get("state_dict"), Mapping):
-            checkpoint = {**checkpoint, "state_dict": strip_compile_prefixes(checkpoint["state_dict"])}
+        """Save ``checkpoint`` atomically; ``TypeError`` for ``storage_options`` (unsupported, as in Lightning's)."""
         if storage_options is not None or not _is_local(path):  # Lightning's: refuses storage_options (TypeError)
             return super().save_checkpoint(checkpoint, path, storage_options=storage_options)
         atomic_save(checkpoint, path)
 
     def load_checkpoint(
-        self, path: Any, map_location: Callable | Any = lambda storage, loc: storage, weights_only: bool | None = None
+        self, path: Any, map_location: Callable | Any = "cpu", weights_only: bool | None = None
     ) -> dict[str, Any]:
-        """Load a checkpoint (``weights_only=None``: this plugin's default); a local file gives a dict, else the
-        errors of :func:`load_file`, or ``DamagedCheckpointError`` when it holds something other than a dict."""
+        """Load a checkpoint (``weights_only=None``: this plugin's default) onto ``map_location`` (default the CPU,
+        as Lightning's ``lambda storage, loc: storage``); a local file gives a dict, else the errors of
+        :func:`load_file`, or ``DamagedCheckpointError`` when it holds something other than a dict."""
         weights_only = self.weights_only if weights_only is None else weights_only
         if not _is_local(path):
             return _pl.load_checkpoint_with_weights_only(path, map_location, weights_only)

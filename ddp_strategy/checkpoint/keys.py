@@ -44,18 +44,10 @@ def unwrapped_name(module: nn.Module, key: str) -> str:
 def unwrapped_state_dict(module: nn.Module) -> dict[str, Any]:
     """``module.state_dict()`` (same tensors, same order) with every wrapper segment removed (:func:`unwrapped_name`).
 
-    Raises:
-        RuntimeError: two keys map to the same clean name (a sub-module literally called ``_orig_mod``).
+    Names stay distinct: a segment is dropped only below a DDP or ``torch.compile`` wrapper, whose one child it names
+    and which holds no state of its own.
     """
-    state_dict = module.state_dict()
-    names = [unwrapped_name(module, key) for key in state_dict]
-    if len(set(names)) < len(names):
-        raise RuntimeError(
-            f"Several state_dict keys of {type(module).__name__} map to each of"
-            f" {sorted({n for n in names if names.count(n) > 1})} once wrapper segments are removed (a sub-module"
-            " literally called '_orig_mod'?); rename the sub-module."
-        )
-    return dict(zip(names, state_dict.values(), strict=True))
+    return {unwrapped_name(module, key): value for key, value in module.state_dict().items()}
 
 
 def _without_compile_segments(key: str) -> str:

@@ -12,7 +12,6 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset, random_split
 
 from ddp_strategy._compat import namespace as _namespace
-from ddp_strategy._compat.namespace import rank_zero_info
 
 if TYPE_CHECKING:
     from lightning.pytorch import LightningDataModule
@@ -77,13 +76,9 @@ class DigitsDataModule(LightningDataModule):
         self.val_set = TensorDataset(x[val.indices], y[val.indices])
 
     def train_dataloader(self) -> DataLoader:
-        """Shuffled training batches of the per-device batch size; the strategy shards them."""
+        """Shuffled training batches of the per-device batch size; the strategy shards them (its fit summary states
+        the global batch size)."""
         assert self.train_set is not None, "call setup() first"
-        world = self.trainer.world_size if self.trainer is not None else 1
-        rank_zero_info(
-            f"Digits: per-device batch size {self.batch_size} x world size {world}"
-            f" = global batch size {self.batch_size * world}"
-        )
         return DataLoader(
             self.train_set, batch_size=self.batch_size, shuffle=True, num_workers=self.hparams.num_workers
         )

@@ -20,8 +20,6 @@ from ddp_strategy.reference.model import DigitsNet
 from ddp_strategy.sampling import EpochSeededDistributedSampler
 from ddp_strategy.testing import run_on_ranks
 
-__all__ = ["AllReduceDemo", "allreduce_demo", "epoch_shards", "forgotten_set_epoch"]
-
 
 def epoch_shards(
     dataset_size: int, world_size: int = 2, epochs: int = 2, seed: int = 0, shuffle: bool = True
@@ -103,7 +101,7 @@ def _grads(net: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {name: p.grad.detach().clone() for name, p in net.named_parameters() if p.grad is not None}
 
 
-def _demo_steps(rank: int, world_size: int, batch_size: int, lr: float, timed_steps: int) -> dict[str, Any]:
+def _demo_steps(rank: int, world_size: int, batch_size: int, lr: float) -> dict[str, Any]:
     """One rank of :func:`allreduce_demo`, in the testing kit's gloo group; its DDP wrapper is freed when it returns,
     before the kit destroys the group (destroying the group under a live gloo DDP wrapper was seen to hang a rank)."""
     torch.set_num_threads(1)
@@ -127,7 +125,7 @@ def _demo_steps(rank: int, world_size: int, batch_size: int, lr: float, timed_st
     F.cross_entropy(ddp(x[batch]), y[batch]).backward()
     ddp_grads = _grads(ddp.module)
     optimizer = torch.optim.SGD(ddp.parameters(), lr=lr)
-    for step in range(timed_steps):  # DDP times iterations 1-10 itself
+    for step in range(11):  # DDP times iterations 1-10 itself
         idx = shard[(step % 10) * batch_size : (step % 10 + 1) * batch_size]
         optimizer.zero_grad()
         F.cross_entropy(ddp(x[idx]), y[idx]).backward()
@@ -144,23 +142,20 @@ def _demo_steps(rank: int, world_size: int, batch_size: int, lr: float, timed_st
     }
 
 
-def allreduce_demo(
-    world_size: int = 2, batch_size: int = 16, lr: float = 0.1, timed_steps: int = 11, start_method: str | None = None
-) -> AllReduceDemo:
+def allreduce_demo(world_size: int = 2, batch_size: int = 16, lr: float = 0.1) -> AllReduceDemo:
     """Run forward, backward, gradient all-reduce and one SGD step on ``world_size`` real CPU processes.
 
     Every rank starts from rank 0's weights (a :class:`~ddp_strategy.reference.model.DigitsNet` with 32 hidden units),
     takes the first ``batch_size`` indices of its epoch-0 shard of the digits, computes its local gradients, averages
     them with ``torch.distributed.all_reduce`` and steps; then repeats the backward through ``DistributedDataParallel``
-    (the same averaged gradients) and times ``timed_steps`` more DDP steps with DDP's own timers. A few seconds.
+    (the same averaged gradients) and times 11 more DDP steps with DDP's own timers (it times iterations 1-10).
+    A few seconds.
 
     Args:
         world_size: W processes, started by the testing kit (:func:`ddp_strategy.testing.run_on_ranks`: gloo,
-            127.0.0.1, a free port).
+            127.0.0.1, a free port, ``"forkserver"``, which forks each rank from a fresh parent, safe from a Jupyter
+            kernel, whose I/O threads may hold a lock when it forks).
         batch_size: B, samples per rank; lr: SGD learning rate.
-        timed_steps: DDP steps to time after the demonstration step (DDP times iterations 1-10).
-        start_method: ``None`` (the default: ``"forkserver"``, which forks each rank from a fresh parent, safe
-            from a Jupyter kernel, whose I/O threads may hold a lock when it forks) or ``"spawn"``.
 
     Returns:
         What every rank recorded.
@@ -169,9 +164,7 @@ def allreduce_demo(
         ddp_strategy.testing.RankError: a rank failed (its traceback is in the message), or the ranks did not
             finish within 120 s.
     """
-    records = run_on_ranks(
-        _demo_steps, world_size, args=(batch_size, lr, timed_steps), timeout_s=120, start_method=start_method
-    )
+    records = run_on_ranks(_demo_steps, world_size, args=(batch_size, lr), timeout_s=120)
     timed = [r["comm_stats"].as_tensor() for r in records if r["comm_stats"] is not None]
     per_rank = ("batches", "local_grads", "averaged_grads", "ddp_grads", "weights_after_step")
     return AllReduceDemo(

@@ -7,6 +7,7 @@ benchmarks/fuzz_inputs.py runs these tests with many more examples (``DDP_FUZZ_E
 from __future__ import annotations
 
 import os
+import pickle
 import tempfile
 import warnings
 from pathlib import Path
@@ -30,7 +31,7 @@ from checkpoint_fuzzing import (
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ddp_strategy import DDPCheckpointIO, UnsafeCheckpointError
+from ddp_strategy import DamagedCheckpointError, DDPCheckpointIO, UnsafeCheckpointError
 
 GOOD = reference_checkpoint()
 FUZZ = settings(
@@ -137,13 +138,34 @@ def test_errors_that_are_not_about_the_file_pass_through(scratch):
             load_file(path, map_location="cuda")
 
 
+def test_a_map_location_callable_gets_torchs_own_errors_and_a_device_the_documented_ones(scratch):
+    """Bytes that are no checkpoint: with a map_location callable DDPCheckpointIO raises torch.load's own error,
+    as Lightning's TorchCheckpointIO does (docs/differences.md, "corrupt checkpoint files"); with a device, the
+    default "cpu" as the alternative, the documented DamagedCheckpointError naming the file."""
+    from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+
+    path = write(scratch, b"not a checkpoint at all")
+    for io in (TorchCheckpointIO(), DDPCheckpointIO()):
+        with pytest.raises(pickle.UnpicklingError) as raised:
+            io.load_checkpoint(path, map_location=lambda storage, location: storage)
+        assert not isinstance(raised.value, UnsafeCheckpointError), type(io).__name__
+    for device in ("cpu", torch.device("cpu")):
+        with pytest.raises(DamagedCheckpointError, match=rf"{path} is damaged"):
+            DDPCheckpointIO().load_checkpoint(path, map_location=device)
+    with pytest.raises(DamagedCheckpointError, match=rf"{path} is damaged"):
+        DDPCheckpointIO().load_checkpoint(path)
+
+
 def test_a_pickle_weights_only_cannot_read_is_unsafe_not_damaged(scratch):
     """torch.save(pickle_protocol=4): a sound file weights_only=True cannot read gives UnsafeCheckpointError."""
     path = scratch / "protocol4.ckpt"
     torch.save({"state_dict": {"w": torch.ones(2)}}, path, pickle_protocol=4)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # torch's "Detected pickle protocol 4" warning must not leak
-        with pytest.raises(UnsafeCheckpointError, match=r"protocol4.ckpt is a well-formed .*weights_only=False"):
+        with pytest.raises(
+            UnsafeCheckpointError,
+            match=r"protocol4.ckpt holds a pickle of protocol 4 that weights_only=True .*weights_only=False",
+        ):
             DDPCheckpointIO().load_checkpoint(path)
     assert torch.equal(DDPCheckpointIO(weights_only=False).load_checkpoint(path)["state_dict"]["w"], torch.ones(2))
 

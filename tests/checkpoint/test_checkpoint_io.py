@@ -16,6 +16,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.distributed as dist
+from ddp_testing import quiet_trainer
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -25,6 +26,7 @@ from ddp_strategy import (
     DigitsClassifier,
     DigitsDataModule,
     DigitsNet,
+    MyDDPStrategy,
     StateDictMismatchError,
     UnsafeCheckpointError,
     export_weights,
@@ -128,15 +130,53 @@ def test_strip_ddp_prefix_heuristic_without_a_model():
     assert strip_ddp_prefix(mixed) == mixed
 
 
-def test_io_saves_without_compile_segments_and_loads_weights_only(tmp_path):
-    """DDPCheckpointIO drops _orig_mod. on save, leaves no temporary file and loads with weights_only=True."""
+def test_io_saves_the_keys_given_and_loads_weights_only(tmp_path):
+    """DDPCheckpointIO writes the keys it is given (as TorchCheckpointIO), leaves no temporary file and loads with
+    weights_only=True."""
     model = DigitsClassifier()
     path = tmp_path / "sub" / "c.ckpt"
-    compiled_keys = {k.replace("model.", "model._orig_mod.", 1): v for k, v in model.state_dict().items()}
-    DDPCheckpointIO().save_checkpoint({"state_dict": compiled_keys, "epoch": 3}, path)
+    DDPCheckpointIO().save_checkpoint({"state_dict": model.state_dict(), "epoch": 3}, path)
     assert os.listdir(path.parent) == ["c.ckpt"]
     saved = DDPCheckpointIO().load_checkpoint(path)
     assert set(saved["state_dict"]) == LIGHTNING_KEYS and saved["epoch"] == 3
+
+
+class CompiledDigits(DigitsClassifier):
+    """DigitsClassifier whose plain model is compiled (eager backend, so it runs on CPU without a compiler)."""
+
+    def __init__(self) -> None:
+        super().__init__(hidden_size=8)
+        self.model = torch.compile(self.model, backend="eager")
+
+
+def _fit_compiled(root: pathlib.Path, ours: bool, max_steps: int, ckpt_path: pathlib.Path | None = None) -> pl.Trainer:
+    """Fit a CompiledDigits on one device, saving a checkpoint in ``root``, under MyDDPStrategy (``ours``) or under
+    Lightning's own strategy with DDPCheckpointIO as its plugin."""
+    trainer = quiet_trainer(
+        1,
+        MyDDPStrategy(timeout=30) if ours else "auto",
+        plugins=[] if ours else [DDPCheckpointIO()],
+        max_steps=max_steps,
+        limit_val_batches=0,
+        enable_checkpointing=True,
+        default_root_dir=root,
+    )
+    trainer.fit(CompiledDigits(), DigitsDataModule(), ckpt_path=ckpt_path)
+    return trainer
+
+
+def test_compiled_keys_are_cleaned_by_the_strategy_and_kept_by_the_plugin_alone(tmp_path):
+    """MyDDPStrategy saves a compiled model's checkpoint with the plain keys (its lightning_module_state_dict),
+    and it resumes into the compiled model; DDPCheckpointIO alone, under Lightning's own strategy, writes the keys
+    as given, as TorchCheckpointIO does, so that fit resumes too (until 0.2 the plugin removed _orig_mod. itself,
+    and Lightning's strategy could not load such a file back: docs/differences.md, checkpoint keys)."""
+    compiled_keys = {k.replace("model.", "model._orig_mod.", 1) for k in LIGHTNING_KEYS}
+    for ours, keys in ((True, LIGHTNING_KEYS), (False, compiled_keys)):
+        root = tmp_path / str(ours)
+        _fit_compiled(root, ours, max_steps=2)
+        (path,) = (root / "checkpoints").iterdir()
+        assert set(torch.load(path, weights_only=True)["state_dict"]) == keys, ours
+        assert _fit_compiled(root, ours, max_steps=3, ckpt_path=path).global_step == 3, ours
 
 
 def test_a_file_url_is_saved_where_lightnings_io_saves_it(tmp_path, monkeypatch):
@@ -230,6 +270,30 @@ def test_sigkill_mid_save_keeps_the_previous_checkpoint(tmp_path):
     assert torch.equal(checkpoint["state_dict"]["w15"], torch.full((1024, 1024), 15.0))
     assert set(remove_stale_temp_files(path.parent)) == set(leftovers)
     assert [p.name for p in path.parent.iterdir()] == ["last.ckpt"]
+
+
+def test_the_next_save_removes_what_dead_writers_on_this_host_left(tmp_path):
+    """A temporary file whose writer died on this host goes at the next save into its folder; one of a live writer
+    or of another host (a shared file system) stays, and so does the file the save replaces."""
+    names = []
+
+    def recording(obj, f):
+        names.append(pathlib.Path(f.name).name)
+        torch.save(obj, f)
+
+    atomic_save({"a": 1}, tmp_path / "c.pt", save_fn=recording)
+    _, target, ext, host, pid, token, tmp = names[0].split(".")  # .c.pt.<host>.<pid>.<token>.tmp
+    finished = subprocess.Popen([sys.executable, "-c", "pass"])
+    finished.wait()
+    dead, live, elsewhere = (
+        f".{target}.{ext}.{h}.{p}.{token}.{tmp}"
+        for h, p in ((host, finished.pid), (host, os.getppid()), ("other-host", finished.pid))
+    )
+    for name in (dead, live, elsewhere):
+        (tmp_path / name).write_bytes(b"half a checkpoint")
+    atomic_save({"a": 2}, tmp_path / "c.pt")
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["c.pt", live, elsewhere])
+    assert load_file(tmp_path / "c.pt") == {"a": 2}
 
 
 def test_atomic_save_removes_its_temp_file_on_error(tmp_path):
