@@ -169,19 +169,11 @@ def loader(n: int = 8, batch_size: int = 2, drop_last: bool = False) -> DataLoad
 
 
 def quiet_trainer(devices: int, strategy: Any, **kwargs: Any) -> pl.Trainer:
-    """A ``Trainer`` on ``devices`` CPU processes under ``strategy`` (ours, or Lightning's, e.g. ``"ddp"``) with no
-    logger, progress bar or model summary, and no checkpointing unless ``enable_checkpointing=True``; ``kwargs`` go
-    to the Trainer as they are."""
-    kwargs.setdefault("enable_checkpointing", False)
-    return pl.Trainer(
-        accelerator="cpu",
-        devices=devices,
-        strategy=strategy,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        **kwargs,
-    )
+    """A ``Trainer`` on ``devices`` CPU processes under ``strategy`` (ours, or Lightning's, e.g. ``"ddp"`` or
+    ``"auto"``) with no logger, checkpointing, progress bar or model summary; ``kwargs`` go to the Trainer as they
+    are and override those (``enable_checkpointing=True``, ``enable_progress_bar=True``)."""
+    quiet = dict(logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    return pl.Trainer(accelerator="cpu", devices=devices, strategy=strategy, **{**quiet, **kwargs})
 
 
 def one_rank_trainer(root: Path, strategy: MyDDPStrategy | None = None, **kwargs: Any) -> pl.Trainer:

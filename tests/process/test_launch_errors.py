@@ -17,7 +17,7 @@ from pathlib import Path
 import lightning.pytorch as pl
 import pytest
 import torch
-from ddp_testing import Regressor, finish, fit_steps, free_port
+from ddp_testing import Regressor, finish, fit_steps, free_port, quiet_trainer
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from lightning.fabric.plugins.environments import LightningEnvironment, TorchElasticEnvironment
@@ -101,14 +101,7 @@ def test_a_bad_launch_variable_fails_in_trainer_construction(monkeypatch, variab
     """Trainer(strategy=MyDDPStrategy()) raises the named ValueError before launching; unsetting it (the fix) works."""
 
     def build() -> pl.Trainer:
-        return pl.Trainer(
-            accelerator="cpu",
-            devices=2,
-            strategy=MyDDPStrategy(allow_cpu_oversubscription=True),
-            logger=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-        )
+        return quiet_trainer(2, MyDDPStrategy(allow_cpu_oversubscription=True), enable_checkpointing=True)
 
     monkeypatch.setenv(variable, value)
     with pytest.raises(ValueError, match=words):
@@ -122,14 +115,7 @@ def test_variables_lightning_ignores_are_not_checked(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "")
     monkeypatch.setenv("RANK", "junk")
     monkeypatch.setenv("MASTER_PORT", " 29500 ")  # int() accepts the spaces, as Lightning does
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=2,
-        strategy=MyDDPStrategy(allow_cpu_oversubscription=True),
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = quiet_trainer(2, MyDDPStrategy(allow_cpu_oversubscription=True), enable_checkpointing=True)
     assert trainer.strategy.cluster_environment.main_port == 29500
 
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from ddp_testing import finish, free_port, session_members
+from ddp_testing import finish, free_port, quiet_trainer, session_members
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from ddp_strategy import DigitsClassifier, DigitsDataModule, MyDDPStrategy
@@ -139,15 +139,7 @@ def test_spawn_with_an_unpicklable_model_says_so_plainly():
     class LocalModel(DigitsClassifier):
         pass
 
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=2,
-        strategy=MyDDPStrategy(start_method="spawn"),
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        max_steps=1,
-    )
+    trainer = quiet_trainer(2, MyDDPStrategy(start_method="spawn"), enable_checkpointing=True, max_steps=1)
     with pytest.raises(RuntimeError, match="start_method='spawn' must pickle LocalModel .* module level"):
         trainer.fit(LocalModel(), DigitsDataModule())
 
@@ -220,15 +212,10 @@ def test_second_fit_in_the_same_process_works_with_fork(tmp_path):
     model = DigitsClassifier()
     weights = [model.model.layers[0].weight.detach().clone()]
     for _ in range(2):
-        trainer = pl.Trainer(
-            accelerator="cpu",
-            devices=2,
-            strategy=MyDDPStrategy(start_method="fork", timeout=60),
+        trainer = quiet_trainer(
+            2,
+            MyDDPStrategy(start_method="fork", timeout=60),
             max_steps=3,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
             limit_val_batches=1,
             default_root_dir=str(tmp_path),
         )

@@ -13,12 +13,11 @@ import sys
 import threading
 from pathlib import Path
 
-import lightning.pytorch as pl
 import psutil
 import pytest
 import torch
 import torch.distributed as dist
-from ddp_testing import finish, free_port, is_loopback, listening_sockets
+from ddp_testing import finish, free_port, is_loopback, listening_sockets, quiet_trainer
 
 from ddp_strategy import DigitsClassifier, DigitsDataModule, MyDDPStrategy
 from ddp_strategy.checkpoint.io import load_file
@@ -205,16 +204,11 @@ def test_ten_fits_in_one_process_keep_descriptors_threads_and_children_flat(tmp_
     """As in a notebook (fork): 10 fits in one process leave descriptors, threads and child processes unchanged."""
     model, counts = DigitsClassifier(), []
     for _ in range(10):
-        trainer = pl.Trainer(
-            accelerator="cpu",
-            devices=2,
-            strategy=MyDDPStrategy(start_method="fork", timeout=60),
+        trainer = quiet_trainer(
+            2,
+            MyDDPStrategy(start_method="fork", timeout=60),
             max_steps=1,
             limit_val_batches=1,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
             default_root_dir=str(tmp_path),
         )
         trainer.fit(model, DigitsDataModule())
