@@ -19,7 +19,7 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from ddp_testing import IndexedDigits, save
+from ddp_testing import IndexedDigits, quiet_trainer, save
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState
@@ -177,21 +177,9 @@ class HookClassifier(DigitsClassifier):
 
 
 def _trainer(**kwargs: Any) -> pl.Trainer:
-    strategy_kwargs = kwargs.pop("strategy_kwargs", {})
-    defaults = dict(
-        accelerator="cpu",
-        devices=2,
-        strategy=MyDDPStrategy(start_method="popen", timeout=60, **strategy_kwargs),
-        max_epochs=1,
-        limit_train_batches=STEPS,
-        limit_val_batches=0,
-        num_sanity_val_steps=0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
-    return pl.Trainer(**{**defaults, **kwargs})
+    strategy = MyDDPStrategy(start_method="popen", timeout=60, **kwargs.pop("strategy_kwargs", {}))
+    defaults = dict(max_epochs=1, limit_train_batches=STEPS, limit_val_batches=0, num_sanity_val_steps=0)
+    return quiet_trainer(2, strategy, **{**defaults, **kwargs})
 
 
 def _save(out: Path, name: str, rank: int, record: dict[str, Any]) -> None:
@@ -401,17 +389,6 @@ def scenario_batchnorm(out: Path) -> None:
         ("bn_lightning", "ddp"),
     ):
         model = BatchNormNet()
-        pl.Trainer(
-            accelerator="cpu",
-            devices=2,
-            strategy=strategy,
-            max_epochs=2,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            num_sanity_val_steps=0,
-            default_root_dir=str(out),
-        ).fit(model)
+        quiet_trainer(2, strategy, max_epochs=2, num_sanity_val_steps=0, default_root_dir=str(out)).fit(model)
         save(out, name, model.rec)
     dist.destroy_process_group()
