@@ -21,7 +21,7 @@ import lightning_utilities.core.rank_zero as rank_zero
 import torch
 import torch.distributed as dist
 import torchmetrics
-from ddp_testing import save
+from ddp_testing import quiet_trainer, save
 from lightning.pytorch.callbacks import BasePredictionWriter, EMAWeightAveraging, ModelCheckpoint
 from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
@@ -329,20 +329,9 @@ class Zero(Probed):
 
 def trainer(out: Path, strategy: Any = None, **kwargs: Any) -> pl.Trainer:
     """A quiet 2-process CPU trainer (externally launched) for ``EPOCHS`` epochs."""
-    defaults: dict[str, Any] = dict(
-        accelerator="cpu",
-        devices=2,
-        strategy=strategy or MyDDPStrategy(start_method="popen", timeout=60),
-        max_epochs=EPOCHS,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        default_root_dir=str(out),
-    )
-    defaults.update(kwargs)
-    return pl.Trainer(**defaults)
+    defaults: dict[str, Any] = dict(max_epochs=EPOCHS, num_sanity_val_steps=0, default_root_dir=str(out))
+    strategy = strategy or MyDDPStrategy(start_method="popen", timeout=60)
+    return quiet_trainer(2, strategy, **{**defaults, **kwargs})
 
 
 def weights(model: nn.Module) -> dict[str, torch.Tensor]:
