@@ -88,18 +88,18 @@ class RecordingClassifier(DigitsClassifier):
         torch.save(self.record, Path(self.out_dir) / f"rank{self.global_rank}.pt")
 
 
+def start_session(cmd: list[str], **kwargs: Any) -> subprocess.Popen:
+    """Start ``cmd`` in a session of its own (so :func:`finish` can kill all it starts), its stdout and stderr
+    merged into one text pipe; ``kwargs`` (``cwd``, ``env``) go to ``subprocess.Popen``."""
+    return subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True, **kwargs
+    )
+
+
 def run_cli(args: list[str], cwd: Path, timeout: float = 240.0) -> subprocess.CompletedProcess:
     """Run ``python -m ddp_strategy ARGS`` in its own session; kill the whole group if it overruns."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "ddp_strategy", *args],
-        cwd=cwd,
-        env=env,
-        text=True,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
+    proc = start_session([sys.executable, "-m", "ddp_strategy", *args], cwd=cwd, env=env)
     code, out = finish(proc, timeout)
     return subprocess.CompletedProcess(proc.args, code, out, None)
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import socket
-import subprocess
 import sys
 import warnings
 from pathlib import Path
@@ -17,7 +16,7 @@ from pathlib import Path
 import lightning.pytorch as pl
 import pytest
 import torch
-from ddp_testing import Regressor, finish, fit_steps, free_port, quiet_trainer
+from ddp_testing import Regressor, finish, fit_steps, free_port, quiet_trainer, start_session
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from lightning.fabric.plugins.environments import LightningEnvironment, TorchElasticEnvironment
@@ -158,14 +157,10 @@ def test_cpu_oversubscription_warning_suggestions_silence_it(monkeypatch):
 def test_more_cpu_processes_than_cores_run_with_one_warning(tmp_path):
     """devices=3 pinned to 2 cores (popen launcher): the fit runs on 3 ranks with identical final weights, and
     rank 0 alone warns once about the oversubscription."""
-    proc = subprocess.Popen(
+    proc = start_session(
         [sys.executable, str(SCRIPTS / "fit_once.py"), str(tmp_path), "cpu3"],
         cwd=tmp_path,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        text=True,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
     )
     code, out = finish(proc, 240)
     assert code == 0, out[-3000:]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 import time
 from datetime import timedelta
@@ -14,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from ddp_testing import finish, free_port, quiet_trainer, session_members
+from ddp_testing import finish, free_port, quiet_trainer, session_members, start_session
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from ddp_strategy import DigitsClassifier, DigitsDataModule, MyDDPStrategy
@@ -144,19 +143,13 @@ def test_spawn_with_an_unpicklable_model_says_so_plainly():
         trainer.fit(LocalModel(), DigitsDataModule())
 
 
-def _run(cmd: list[str], timeout: float = 120.0, **kwargs) -> subprocess.Popen:
-    return subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True, **kwargs
-    )
-
-
 @pytest.mark.multiprocess
 @pytest.mark.timeout(240)
 def test_two_torchrun_nodes_rendezvous_over_loopback_and_train_together(tmp_path):
     """Two `torchrun --nnodes=2` invocations fit together: ranks, node ranks, node groups, identical weights."""
     port = free_port()
     procs = [
-        _run(
+        start_session(
             [
                 sys.executable,
                 "-m",
@@ -195,7 +188,7 @@ def test_repeated_popen_fits_never_abort_at_exit(tmp_path):
     for i in range(TEARDOWN_LOOPS):
         out_dir = tmp_path / str(i)
         out_dir.mkdir()
-        proc = _run([sys.executable, str(SCRIPTS / "fit_once.py"), str(out_dir)], cwd=tmp_path)
+        proc = start_session([sys.executable, str(SCRIPTS / "fit_once.py"), str(out_dir)], cwd=tmp_path)
         code, out = finish(proc, 120)
         assert code == 0, f"run {i} exited with {code}:\n{out[-3000:]}"
         assert session_members(proc.pid) == [], "rank 1 outlived the launching process"

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import collections
 import os
-import subprocess
 import sys
 import threading
 from pathlib import Path
@@ -17,7 +16,7 @@ import psutil
 import pytest
 import torch
 import torch.distributed as dist
-from ddp_testing import finish, free_port, is_loopback, listening_sockets, quiet_trainer
+from ddp_testing import finish, free_port, is_loopback, listening_sockets, quiet_trainer, start_session
 
 from ddp_strategy import DigitsClassifier, DigitsDataModule, MyDDPStrategy
 from ddp_strategy.checkpoint.io import load_file
@@ -33,16 +32,7 @@ BIND_ERROR = "failed to bind"
 
 def _launch(cmd: list[str], out: Path, env: dict | None = None, timeout: float = 300.0) -> str:
     out.mkdir(parents=True, exist_ok=True)
-    proc = subprocess.Popen(
-        cmd,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        cwd=out,
-        start_new_session=True,
-        env={**os.environ, **(env or {})},
-    )
-    code, output = finish(proc, timeout)
+    code, output = finish(start_session(cmd, cwd=out, env={**os.environ, **(env or {})}), timeout)
     assert code == 0, f"{cmd} exited with {code}:\n{output[-4000:]}"
     return output
 
@@ -166,13 +156,9 @@ def _slurm_job(out: Path, *args: str) -> None:
         "MASTER_PORT": str(free_port()),
     }
     procs = [
-        subprocess.Popen(
+        start_session(
             [sys.executable, str(SCRIPT), str(out), *args],
             cwd=out,
-            text=True,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
             env={**env, "SLURM_PROCID": str(rank), "SLURM_LOCALID": str(rank)},
         )
         for rank in range(2)
