@@ -88,6 +88,11 @@ class RecordingClassifier(DigitsClassifier):
         torch.save(self.record, Path(self.out_dir) / f"rank{self.global_rank}.pt")
 
 
+def load_ranks(folder: Path, world_size: int) -> list[dict[str, Any]]:
+    """Every rank's record saved as ``folder/rank{R}.pt`` (by :class:`RecordingClassifier`, or a script's ranks)."""
+    return [torch.load(folder / f"rank{r}.pt", weights_only=True) for r in range(world_size)]
+
+
 def start_session(cmd: list[str], **kwargs: Any) -> subprocess.Popen:
     """Start ``cmd`` in a session of its own (so :func:`finish` can kill all it starts), its stdout and stderr
     merged into one text pipe; ``kwargs`` (``cwd``, ``env``) go to ``subprocess.Popen``."""

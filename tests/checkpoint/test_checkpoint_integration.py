@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import lightning.pytorch as pl
 import pytest
 import torch
-from ddp_testing import LIGHTNING_KEYS, probe_input, quiet_trainer
+from ddp_testing import LIGHTNING_KEYS, load_ranks, probe_input, quiet_trainer
 from lightning.fabric.plugins.environments import LightningEnvironment
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import DDPStrategy
@@ -90,7 +90,7 @@ def _resume_compiled_on_kit_rank(rank: int, world_size: int, out_dir: str, ckpt_
 
 
 def _records(out_dir: Path) -> dict:
-    return {"dir": out_dir / "ckpts", **{r: torch.load(out_dir / f"rank{r}.pt", weights_only=True) for r in range(2)}}
+    return {"dir": out_dir / "ckpts", **dict(enumerate(load_ranks(out_dir, 2)))}
 
 
 @pytest.fixture(scope="module")

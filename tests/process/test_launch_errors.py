@@ -16,7 +16,7 @@ from pathlib import Path
 import lightning.pytorch as pl
 import pytest
 import torch
-from ddp_testing import Regressor, finish, fit_steps, free_port, quiet_trainer, start_session
+from ddp_testing import Regressor, finish, fit_steps, free_port, load_ranks, quiet_trainer, start_session
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from lightning.fabric.plugins.environments import LightningEnvironment, TorchElasticEnvironment
@@ -165,7 +165,7 @@ def test_more_cpu_processes_than_cores_run_with_one_warning(tmp_path):
     code, out = finish(proc, 240)
     assert code == 0, out[-3000:]
     assert out.count("Trainer(devices=3) on CPU starts 3 processes, but only 2 CPU cores") == 1, out[-3000:]
-    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(3)]
+    ranks = load_ranks(tmp_path, 3)
     assert [r["world_size"] for r in ranks] == [3, 3, 3]
     for rec in ranks[1:]:
         assert all(torch.equal(v, rec["final"][k]) for k, v in ranks[0]["final"].items())

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from ddp_testing import finish, free_port, quiet_trainer, session_members, start_session
+from ddp_testing import finish, free_port, load_ranks, quiet_trainer, session_members, start_session
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from ddp_strategy import DigitsClassifier, DigitsDataModule, MyDDPStrategy
@@ -170,8 +170,8 @@ def test_two_torchrun_nodes_rendezvous_over_loopback_and_train_together(tmp_path
         code, out = finish(proc, timeout=200)
         assert code == 0, out[-3000:]
         assert "failed to bind" not in out  # the workers use the agents' store instead of starting their own
-    ranks = {r: torch.load(tmp_path / f"rank{r}.pt") for r in range(2)}
-    for r, seen in ranks.items():
+    ranks = load_ranks(tmp_path, 2)
+    for r, seen in enumerate(ranks):
         assert seen["env"] == "TorchElasticEnvironment"
         assert (seen["world_size"], seen["global_rank"], seen["node_rank"], seen["local_rank"]) == (2, r, r, 0)
         assert seen["node_ranks"] == [r] and seen["node_group_size"] == 1
@@ -193,7 +193,7 @@ def test_repeated_popen_fits_never_abort_at_exit(tmp_path):
         assert code == 0, f"run {i} exited with {code}:\n{out[-3000:]}"
         assert session_members(proc.pid) == [], "rank 1 outlived the launching process"
         assert "Abort" not in out and "core dumped" not in out
-        r0, r1 = (torch.load(out_dir / f"rank{r}.pt") for r in range(2))
+        r0, r1 = load_ranks(out_dir, 2)
         assert (r0["world_size"], r0["node_ranks"], r1["node_ranks"]) == (2, [0, 1], [0, 1])
         assert all(torch.equal(v, r1["final"][k]) for k, v in r0["final"].items())
 
