@@ -248,9 +248,14 @@ def launch(scenario: str | Callable[[Path], None], world_size: int, out: Path, t
         raise AssertionError(f"scenario {name!r} failed:\n{error}") from error
 
 
+def rank() -> int:
+    """This rank's index in a scenario's ranks (``LOCAL_RANK``: one node)."""
+    return int(os.environ["LOCAL_RANK"])
+
+
 def save(out: Path, name: str, record: dict[str, Any]) -> None:
     """Write one rank's record of run ``name``."""
-    torch.save(record, out / f"{name}.rank{int(os.environ['LOCAL_RANK'])}.pt")
+    torch.save(record, out / f"{name}.rank{rank()}.pt")
 
 
 def load(out: Path, name: str, world_size: int) -> list[dict[str, Any]]:

@@ -15,7 +15,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
-from ddp_testing import save
+from ddp_testing import rank, save
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.tuner import Tuner
 from sampling_workers import SEED, Indexed, Recorder, trainer
@@ -30,10 +30,6 @@ from ddp_strategy.sampling.loaders import ORDER_KEPT_WARNING
 N = 24  # samples the user splits by rank: 12 each
 BATCH = 4
 N_ORDER, N_ORDER_VAL, ORDER_BATCH = 21, 22, 3  # the order fits: 11 training samples per rank (one padded)
-
-
-def rank() -> int:
-    return int(os.environ["LOCAL_RANK"])
 
 
 def indices(batch: Any) -> list[int]:

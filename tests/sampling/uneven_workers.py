@@ -21,7 +21,7 @@ import lightning_utilities.core.rank_zero as rank_zero
 import torch
 import torch.distributed as dist
 import torchmetrics
-from ddp_testing import quiet_trainer, save
+from ddp_testing import quiet_trainer, rank, save
 from lightning.pytorch.callbacks import BasePredictionWriter, EMAWeightAveraging, ModelCheckpoint
 from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
@@ -48,10 +48,6 @@ CLIP, GAMMA = 0.5, 0.9
 EMA_DECAY = 0.5
 #: The collectives a training step makes (``Probed(probes=...)``): shadowed ones, then each refused one.
 SHADOWED = ("log", "reduce", "decision", "barrier", "broadcast")
-
-
-def rank() -> int:
-    return int(os.environ["LOCAL_RANK"])
 
 
 def samples(r: int, n: int, salt: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
