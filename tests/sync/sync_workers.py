@@ -1,10 +1,10 @@
 """Two ranks that run many short Lightning fits in sequence (one process start for all scenarios).
 
-Each rank sets the torchrun-style environment (``LOCAL_RANK``, ``MASTER_PORT``...) so Lightning treats the
-processes as launched externally; every scenario is then a plain ``Trainer.fit`` in the same two processes,
-on its own port. Each rank writes ``<scenario>_rank<r>.pt``; the tests compare them with single-process
-references. Used by tests/sync/test_ddp_equivalence.py. ``scenario_batchnorm`` instead runs under the shared
-scenario launcher (``ddp_testing.launch``), for tests/sync/test_broadcast_buffers.py.
+The testing kit starts the ranks with the torchrun-style environment (``LOCAL_RANK``, ``MASTER_ADDR``...) so
+Lightning treats the processes as launched externally; every scenario is then a plain ``Trainer.fit`` in the same
+two processes, on its own port (``MASTER_PORT``, set here). Each rank writes ``<scenario>_rank<r>.pt``; the tests
+compare them with single-process references. Used by tests/sync/test_ddp_equivalence.py. ``scenario_batchnorm``
+instead runs under the shared scenario launcher (``ddp_testing.launch``), for tests/sync/test_broadcast_buffers.py.
 """
 
 from __future__ import annotations
@@ -323,9 +323,6 @@ def run_rank(rank: int, ports: list[int], out_dir: str, only: list[str] | None =
     """Entry point of each rank: run every scenario (or ``only`` these), each on its own port."""
     out = Path(out_dir)
     torch.set_num_threads(1)
-    os.environ.update(
-        {"MASTER_ADDR": "127.0.0.1", "WORLD_SIZE": "2", "NODE_RANK": "0", "LOCAL_RANK": str(rank), "RANK": str(rank)}
-    )
     os.chdir(out)  # Lightning may create lightning_logs/ etc.: keep them out of the test's cwd
     scenarios = _scenarios(rank, out)
     for port, (name, run) in zip(ports, scenarios, strict=False):
