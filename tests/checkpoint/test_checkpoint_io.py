@@ -15,7 +15,6 @@ import time
 import lightning.pytorch as pl
 import pytest
 import torch
-import torch.distributed as dist
 from ddp_testing import quiet_trainer
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
@@ -43,14 +42,6 @@ LIGHTNING_KEYS = {f"model.{k}" for k in PLAIN_KEYS}
 
 def _prefixed(state_dict, prefix="module."):
     return {f"{prefix}{k}": v for k, v in state_dict.items()}
-
-
-@pytest.fixture
-def world_of_one():
-    """A gloo process group of one process, so real DistributedDataParallel wrappers can be built."""
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 class HasChildCalledModule(nn.Module):
