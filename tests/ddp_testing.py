@@ -68,7 +68,7 @@ class RecordingClassifier(DigitsClassifier):
         self.record: dict[str, Any] = {}
 
     def on_train_start(self) -> None:
-        self.record["initial"] = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        self.record["initial"] = state_copy(self.model)
 
     def training_step(self, batch, batch_idx):
         x, y, idx = batch
@@ -83,9 +83,14 @@ class RecordingClassifier(DigitsClassifier):
 
     def on_train_end(self) -> None:
         self.record["seen"] = self.seen
-        self.record["final"] = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        self.record["final"] = state_copy(self.model)
         self.record["world_size"] = self.trainer.world_size
         torch.save(self.record, Path(self.out_dir) / f"rank{self.global_rank}.pt")
+
+
+def state_copy(module: nn.Module) -> dict[str, torch.Tensor]:
+    """A copy of ``module``'s state dict that later training does not change (detached, cloned tensors)."""
+    return {k: v.detach().clone() for k, v in module.state_dict().items()}
 
 
 def load_ranks(folder: Path, world_size: int) -> list[dict[str, Any]]:

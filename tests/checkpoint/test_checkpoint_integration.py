@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import lightning.pytorch as pl
 import pytest
 import torch
-from ddp_testing import LIGHTNING_KEYS, load_ranks, probe_input, quiet_trainer
+from ddp_testing import LIGHTNING_KEYS, load_ranks, probe_input, quiet_trainer, state_copy
 from lightning.fabric.plugins.environments import LightningEnvironment
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import DDPStrategy
@@ -48,7 +48,7 @@ class Probe(pl.Callback):
         rank = trainer.global_rank
         with torch.no_grad():
             predictions = pl_module(probe_input())
-        weights = {k: v.detach().clone() for k, v in pl_module.state_dict().items()}
+        weights = state_copy(pl_module)
         explicit = Path(self.out_dir) / "explicit.ckpt"
         trainer.save_checkpoint(explicit)  # every rank calls it; only rank 0 writes
         read_back = load_file(explicit)["state_dict"]  # every rank reads it at once

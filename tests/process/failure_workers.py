@@ -7,7 +7,7 @@ from pathlib import Path
 
 import lightning.pytorch as pl
 import torch
-from ddp_testing import quiet_trainer, save
+from ddp_testing import quiet_trainer, save, state_copy
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from ddp_strategy import DigitsClassifier, DigitsDataModule, MyDDPStrategy
@@ -39,7 +39,7 @@ def _fit(root: Path, ckpt_path: str | None = None, fail: bool = False) -> dict[s
         callbacks=[ModelCheckpoint(dirpath=root / "ckpt", save_last=True), CrashOnce(fail)],
     )
     trainer.fit(model, DigitsDataModule(), ckpt_path=ckpt_path)
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return state_copy(model)
 
 
 def crash_and_resume(out: Path) -> None:

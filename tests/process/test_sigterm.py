@@ -18,7 +18,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.distributed as dist
-from ddp_testing import free_port, quiet_trainer
+from ddp_testing import free_port, quiet_trainer, state_copy
 
 from ddp_strategy import DigitsClassifier, DigitsDataModule, MyDDPStrategy, count_collective_bytes
 from ddp_strategy.testing import run_on_ranks
@@ -75,7 +75,7 @@ def _fit(root: Path, model: Signalled, strategy: Any, ckpt_path: str | None = No
         "global_step": trainer.global_step,
         "world_seq": model.world_seq,
         "buckets": model.buckets,
-        "weights": {k: v.detach().clone() for k, v in model.state_dict().items()},
+        "weights": state_copy(model),
     }
 
 

@@ -17,7 +17,7 @@ import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
 import torchmetrics
-from ddp_testing import quiet_trainer, save
+from ddp_testing import quiet_trainer, save, state_copy
 from lightning.pytorch.callbacks import BasePredictionWriter, ModelCheckpoint
 from torch.utils.data import DataLoader, Dataset, WeightedRandomSampler
 
@@ -151,7 +151,7 @@ def fit(
         name,
         {
             **model.rec,
-            "weights": {k: v.detach().clone() for k, v in model.state_dict().items()},
+            "weights": state_copy(model),
             "global_step": t.global_step,
         },
     )

@@ -21,7 +21,7 @@ import lightning_utilities.core.rank_zero as rank_zero
 import torch
 import torch.distributed as dist
 import torchmetrics
-from ddp_testing import quiet_trainer, rank, save
+from ddp_testing import quiet_trainer, rank, save, state_copy
 from lightning.pytorch.callbacks import BasePredictionWriter, EMAWeightAveraging, ModelCheckpoint
 from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
@@ -330,10 +330,6 @@ def trainer(out: Path, strategy: Any = None, **kwargs: Any) -> pl.Trainer:
     return quiet_trainer(2, strategy, **{**defaults, **kwargs})
 
 
-def weights(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
-
-
 def fit(out: Path, name: str, train: Any, val: Any = None, model: Probed | None = None, **kwargs: Any) -> None:
     """Fit and record ``name``: batches seen, step results, validation values, weights, global step, the counts
     per uneven epoch, what :class:`Observed` saw, and the error (type, message, seconds from the fit's start) if the
@@ -356,8 +352,8 @@ def fit(out: Path, name: str, train: Any, val: Any = None, model: Probed | None 
             "seen": model.seen,
             "results": model.results,
             "val": model.val,
-            "weights": weights(model),
-            "initial": weights(make_layer()),
+            "weights": state_copy(model),
+            "initial": state_copy(make_layer()),
             "steps": t.global_step,
             "epochs": dict(t.strategy._uneven.epochs) if isinstance(t.strategy, MyDDPStrategy) else None,
             "messages": observed.messages,

@@ -24,7 +24,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from ddp_testing import IndexedDigits, listening_sockets, quiet_trainer  # noqa: E402
+from ddp_testing import IndexedDigits, listening_sockets, quiet_trainer, state_copy  # noqa: E402
 
 from ddp_strategy import DigitsClassifier, MyDDPStrategy  # noqa: E402
 
@@ -98,7 +98,7 @@ if __name__ == "__main__":
                 global_step=t.global_step,
                 batches=model.batches,
                 listening=model.listening,
-                final={k: v.detach().clone() for k, v in model.state_dict().items()},
+                final=state_copy(model),
                 world_size=t.world_size,
                 gloo_ifname=model.gloo_ifname,
                 master_port=int(os.environ["MASTER_PORT"]),

@@ -19,7 +19,7 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from ddp_testing import IndexedDigits, quiet_trainer, save
+from ddp_testing import IndexedDigits, quiet_trainer, save, state_copy
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState
@@ -53,10 +53,6 @@ def _grads(module: nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.grad.detach().clone() for n, p in module.named_parameters() if p.grad is not None}
 
 
-def _state(module: nn.Module) -> dict[str, torch.Tensor]:
-    return {k: v.detach().clone() for k, v in module.state_dict().items()}
-
-
 class EquivClassifier(DigitsClassifier):
     """Digits classifier that records batches, per-micro-batch gradients, hook calls and weights."""
 
@@ -85,7 +81,7 @@ class EquivClassifier(DigitsClassifier):
         }
 
     def on_train_start(self) -> None:
-        self.record["initial"] = _state(self.model)
+        self.record["initial"] = state_copy(self.model)
         self.record["bn_classes"] = sorted(
             {type(m).__name__ for m in self.model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)}
         )
@@ -117,7 +113,7 @@ class EquivClassifier(DigitsClassifier):
                 self.model.layers[0].bias.add_(1.0)
 
     def on_train_end(self) -> None:
-        self.record["final"] = _state(self.model)
+        self.record["final"] = state_copy(self.model)
 
     def configure_optimizers(self):
         if self.optimizer_name == "adam":
@@ -200,7 +196,7 @@ def _equivalence(
     torch.manual_seed(1000 + rank)  # different RNG per rank: DDP's broadcast must make the ranks agree
     counting = CountingState()
     model = EquivClassifier(optimizer, manual, net=net, counting=counting)
-    pre_wrap = _state(model.model)
+    pre_wrap = state_copy(model.model)
     strategy_kwargs = trainer_kwargs.pop("strategy_kwargs", {})
     strategy_kwargs.setdefault("ddp_comm_hook", counting_allreduce_hook)
     strategy_kwargs.setdefault("ddp_comm_state", counting)
@@ -264,7 +260,7 @@ def _scenarios(rank: int, out: Path) -> list[tuple[str, Any]]:
                     "val_acc": float(trainer.callback_metrics["val_acc"]),
                     "step_bytes": model.step_bytes,
                     "by_dtype": model.step_dtypes,
-                    "final": _state(model.model),
+                    "final": state_copy(model.model),
                 },
             )
 

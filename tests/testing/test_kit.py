@@ -15,7 +15,7 @@ import psutil
 import pytest
 import torch
 import torch.distributed as dist
-from ddp_testing import quiet_trainer
+from ddp_testing import quiet_trainer, state_copy
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, TensorDataset
 
@@ -123,7 +123,7 @@ def fit_tiny(rank: int, world_size: int) -> dict:
     trainer = quiet_trainer(world_size, MyDDPStrategy(), max_epochs=2)
     trainer.fit(model, DataLoader(data, batch_size=4))
     return {
-        "weights": {k: v.detach().clone() for k, v in model.state_dict().items()},
+        "weights": state_copy(model),
         "group_size": dist.get_world_size(),
         "steps": trainer.global_step,
     }
