@@ -92,3 +92,12 @@ def clean_process_state():
     assert not left, f"test left child processes alive: {left}"
     stray = set(os.listdir(cwd)) - files_before - {".hypothesis"}  # Hypothesis's cache (st.text's charmap)
     assert not stray, f"test left files in {cwd}: {sorted(stray)}"
+
+
+@pytest.fixture
+def world_of_one():
+    """A gloo process group of one process (rank 0 of 1, an in-memory store) in this process, so real
+    DistributedDataParallel wrappers can be built; destroyed after the test."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()

@@ -68,7 +68,7 @@ class RecordingClassifier(DigitsClassifier):
         self.record: dict[str, Any] = {}
 
     def on_train_start(self) -> None:
-        self.record["initial"] = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        self.record["initial"] = state_copy(self.model)
 
     def training_step(self, batch, batch_idx):
         x, y, idx = batch
@@ -83,23 +83,33 @@ class RecordingClassifier(DigitsClassifier):
 
     def on_train_end(self) -> None:
         self.record["seen"] = self.seen
-        self.record["final"] = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        self.record["final"] = state_copy(self.model)
         self.record["world_size"] = self.trainer.world_size
         torch.save(self.record, Path(self.out_dir) / f"rank{self.global_rank}.pt")
+
+
+def state_copy(module: nn.Module) -> dict[str, torch.Tensor]:
+    """A copy of ``module``'s state dict that later training does not change (detached, cloned tensors)."""
+    return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+
+def load_ranks(folder: Path, world_size: int) -> list[dict[str, Any]]:
+    """Every rank's record saved as ``folder/rank{R}.pt`` (by :class:`RecordingClassifier`, or a script's ranks)."""
+    return [torch.load(folder / f"rank{r}.pt", weights_only=True) for r in range(world_size)]
+
+
+def start_session(cmd: list[str], **kwargs: Any) -> subprocess.Popen:
+    """Start ``cmd`` in a session of its own (so :func:`finish` can kill all it starts), its stdout and stderr
+    merged into one text pipe; ``kwargs`` (``cwd``, ``env``) go to ``subprocess.Popen``."""
+    return subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True, **kwargs
+    )
 
 
 def run_cli(args: list[str], cwd: Path, timeout: float = 240.0) -> subprocess.CompletedProcess:
     """Run ``python -m ddp_strategy ARGS`` in its own session; kill the whole group if it overruns."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "ddp_strategy", *args],
-        cwd=cwd,
-        env=env,
-        text=True,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
+    proc = start_session([sys.executable, "-m", "ddp_strategy", *args], cwd=cwd, env=env)
     code, out = finish(proc, timeout)
     return subprocess.CompletedProcess(proc.args, code, out, None)
 
@@ -169,19 +179,11 @@ def loader(n: int = 8, batch_size: int = 2, drop_last: bool = False) -> DataLoad
 
 
 def quiet_trainer(devices: int, strategy: Any, **kwargs: Any) -> pl.Trainer:
-    """A ``Trainer`` on ``devices`` CPU processes under ``strategy`` (ours, or Lightning's, e.g. ``"ddp"``) with no
-    logger, progress bar or model summary, and no checkpointing unless ``enable_checkpointing=True``; ``kwargs`` go
-    to the Trainer as they are."""
-    kwargs.setdefault("enable_checkpointing", False)
-    return pl.Trainer(
-        accelerator="cpu",
-        devices=devices,
-        strategy=strategy,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        **kwargs,
-    )
+    """A ``Trainer`` on ``devices`` CPU processes under ``strategy`` (ours, or Lightning's, e.g. ``"ddp"`` or
+    ``"auto"``) with no logger, checkpointing, progress bar or model summary; ``kwargs`` go to the Trainer as they
+    are and override those (``enable_checkpointing=True``, ``enable_progress_bar=True``)."""
+    quiet = dict(logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    return pl.Trainer(accelerator="cpu", devices=devices, strategy=strategy, **{**quiet, **kwargs})
 
 
 def one_rank_trainer(root: Path, strategy: MyDDPStrategy | None = None, **kwargs: Any) -> pl.Trainer:
@@ -251,9 +253,14 @@ def launch(scenario: str | Callable[[Path], None], world_size: int, out: Path, t
         raise AssertionError(f"scenario {name!r} failed:\n{error}") from error
 
 
+def rank() -> int:
+    """This rank's index in a scenario's ranks (``LOCAL_RANK``: one node)."""
+    return int(os.environ["LOCAL_RANK"])
+
+
 def save(out: Path, name: str, record: dict[str, Any]) -> None:
     """Write one rank's record of run ``name``."""
-    torch.save(record, out / f"{name}.rank{int(os.environ['LOCAL_RANK'])}.pt")
+    torch.save(record, out / f"{name}.rank{rank()}.pt")
 
 
 def load(out: Path, name: str, world_size: int) -> list[dict[str, Any]]:

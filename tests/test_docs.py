@@ -31,7 +31,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from ddp_testing import session_members
+from ddp_testing import session_members, start_session
 
 ROOT = Path(__file__).resolve().parents[1]
 MARKER = "<!-- runnable -->"
@@ -106,15 +106,7 @@ def run_example(
     script.write_text(code, encoding="utf-8")
     env = {k: v for k, v in os.environ.items() if k != "DDP_STRATEGY_LIGHTNING"}
     env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-    proc = subprocess.Popen(
-        [sys.executable, script.name],
-        cwd=folder,
-        env=env,
-        text=True,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
+    proc = start_session([sys.executable, script.name], cwd=folder, env=env)
     try:
         out, _ = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from ddp_testing import IndexedDigits, RecordingClassifier, launch, load, quiet_trainer, save
+from ddp_testing import IndexedDigits, RecordingClassifier, launch, load, load_ranks, quiet_trainer, save
 from lightning.pytorch import Trainer
 from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
@@ -214,19 +214,15 @@ def _kit_rank(rank: int, world_size: int, out_dir: str) -> None:
     _recorded_fit(out_dir, MyDDPStrategy(timeout=60))
 
 
-def _records(out_dir: Path) -> dict[int, dict]:
-    return {r: torch.load(out_dir / f"rank{r}.pt", weights_only=True) for r in range(2)}
-
-
 @pytest.fixture(scope="module")
-def fits(tmp_path_factory) -> tuple[dict[int, dict], dict[int, dict]]:
+def fits(tmp_path_factory) -> tuple[list[dict], list[dict]]:
     """Two 2-rank fits with the same seed: one started by the strategy's spawn launcher from this process, one
     by the testing kit (ranks forked from a warm parent, ``Trainer`` joining their environment). Determinism is
     checked across the two ways of starting the ranks; shards, gradients and weights on the spawned one."""
     spawned, kit = tmp_path_factory.mktemp("spawned"), tmp_path_factory.mktemp("kit")
     _recorded_fit(str(spawned), MyDDPStrategy(start_method="spawn", timeout=60))
     run_on_ranks(_kit_rank, 2, args=(str(kit),), init_process_group=False, timeout_s=240)
-    return _records(spawned), _records(kit)
+    return load_ranks(spawned, 2), load_ranks(kit, 2)
 
 
 @pytest.mark.multiprocess

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import inspect
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
+from ddp_testing import free_port
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -17,10 +17,7 @@ from ddp_strategy._compat import torch_private as _torch_private
 @pytest.fixture
 def one_rank_group():
     """A world-size-1 gloo process group in this process."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     yield
     dist.destroy_process_group()
 

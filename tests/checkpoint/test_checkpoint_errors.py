@@ -57,18 +57,14 @@ def test_an_unwritable_checkpoint_folder_warns_and_a_fit_that_never_saves_there_
     blocker = tmp_path / "file"
     blocker.write_text("not a folder")
     never_saves = ModelCheckpoint(dirpath=str(blocker / "ckpts"), every_n_epochs=5)
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=1,
+    trainer = one_rank_trainer(
+        tmp_path,
+        MyDDPStrategy(timeout=30),
+        enable_checkpointing=True,
         max_epochs=1,
         limit_train_batches=2,
         limit_val_batches=0,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         callbacks=[never_saves],
-        strategy=MyDDPStrategy(timeout=30),
-        default_root_dir=str(tmp_path),
     )
     with pytest.warns(UserWarning, match=f"Checkpoint folder {blocker / 'ckpts'} is not writable"):
         trainer.fit(DigitsClassifier(), DigitsDataModule())

@@ -8,7 +8,7 @@ from pathlib import Path
 import lightning.pytorch as pl
 import pytest
 import torch
-from ddp_testing import LIGHTNING_KEYS, probe_input, quiet_trainer
+from ddp_testing import LIGHTNING_KEYS, load_ranks, probe_input, quiet_trainer, state_copy
 from lightning.fabric.plugins.environments import LightningEnvironment
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import DDPStrategy
@@ -47,7 +47,7 @@ class Probe(pl.Callback):
         rank = trainer.global_rank
         with torch.no_grad():
             predictions = pl_module(probe_input())
-        weights = {k: v.detach().clone() for k, v in pl_module.state_dict().items()}
+        weights = state_copy(pl_module)
         explicit = Path(self.out_dir) / "explicit.ckpt"
         trainer.save_checkpoint(explicit)  # every rank calls it; only rank 0 writes
         read_back = load_file(explicit)["state_dict"]  # every rank reads it at once
@@ -89,7 +89,7 @@ def _resume_compiled_on_kit_rank(rank: int, world_size: int, out_dir: str, ckpt_
 
 
 def _records(out_dir: Path) -> dict:
-    return {"dir": out_dir / "ckpts", **{r: torch.load(out_dir / f"rank{r}.pt", weights_only=True) for r in range(2)}}
+    return {"dir": out_dir / "ckpts", **dict(enumerate(load_ranks(out_dir, 2)))}
 
 
 @pytest.fixture(scope="module")

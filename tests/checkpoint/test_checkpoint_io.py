@@ -15,7 +15,6 @@ import time
 import lightning.pytorch as pl
 import pytest
 import torch
-import torch.distributed as dist
 from ddp_testing import quiet_trainer
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
@@ -44,14 +43,6 @@ LIGHTNING_KEYS = {f"model.{k}" for k in PLAIN_KEYS}
 
 def _prefixed(state_dict, prefix="module."):
     return {f"{prefix}{k}": v for k, v in state_dict.items()}
-
-
-@pytest.fixture
-def world_of_one():
-    """A gloo process group of one process, so real DistributedDataParallel wrappers can be built."""
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 class HasChildCalledModule(nn.Module):
@@ -351,16 +342,12 @@ def test_hand_made_ddp_checkpoint_loads_and_resumes_in_lightning(hand_made_ddp_c
     torch.testing.assert_close(model(x), net(x), rtol=0, atol=0)
 
     recorder = _RecordStart()
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=1,
+    trainer = quiet_trainer(
+        1,
+        "auto",
         max_epochs=3,
         limit_train_batches=2,
         limit_val_batches=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         callbacks=[recorder],
         default_root_dir=tmp_path,
     )
@@ -426,16 +413,13 @@ def test_a_wrapping_checkpoint_plugin_without_its_own_io_wraps_ours(tmp_path):
 
     from ddp_strategy import DDPCheckpointIO, MyDDPStrategy
 
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=1,
-        strategy=MyDDPStrategy(),
+    trainer = quiet_trainer(
+        1,
+        MyDDPStrategy(),
+        enable_checkpointing=True,
         plugins=[AsyncCheckpointIO()],
         max_steps=2,
         default_root_dir=tmp_path,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
     )
     trainer.fit(BoringModel())
     assert isinstance(trainer.strategy.checkpoint_io.checkpoint_io, DDPCheckpointIO)

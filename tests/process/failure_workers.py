@@ -7,7 +7,7 @@ from pathlib import Path
 
 import lightning.pytorch as pl
 import torch
-from ddp_testing import save
+from ddp_testing import quiet_trainer, save, state_copy
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from ddp_strategy import DigitsClassifier, DigitsDataModule, MyDDPStrategy
@@ -28,21 +28,18 @@ def _fit(root: Path, ckpt_path: str | None = None, fail: bool = False) -> dict[s
     """2 epochs of 8 steps, saving last.ckpt after each; the final weights."""
     pl.seed_everything(11)
     model = DigitsClassifier()
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=2,
-        strategy=MyDDPStrategy(timeout=60),
+    trainer = quiet_trainer(
+        2,
+        MyDDPStrategy(timeout=60),
+        enable_checkpointing=True,
         max_epochs=2,
         limit_train_batches=8,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         default_root_dir=str(root),
         deterministic=True,
         callbacks=[ModelCheckpoint(dirpath=root / "ckpt", save_last=True), CrashOnce(fail)],
     )
     trainer.fit(model, DigitsDataModule(), ckpt_path=ckpt_path)
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return state_copy(model)
 
 
 def crash_and_resume(out: Path) -> None:
@@ -60,17 +57,12 @@ def crash_and_resume(out: Path) -> None:
 def resume_after_sigterm(out: Path) -> None:
     """failing_fit.py's fit (3 epochs of 6 steps) resumed from the checkpoint its SIGTERM saved (out/sigterm.ckpt)."""
     pl.seed_everything(3)
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=2,
-        strategy=MyDDPStrategy(timeout=60),
+    trainer = quiet_trainer(
+        2,
+        MyDDPStrategy(timeout=60),
         max_epochs=3,
         limit_train_batches=6,
         limit_val_batches=3,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         default_root_dir=str(out),
     )
     trainer.fit(DigitsClassifier(), DigitsDataModule(), ckpt_path=str(out / "sigterm.ckpt"))
@@ -100,16 +92,7 @@ def rank_0_fails_between_epochs(out: Path) -> None:
     """Rank 0 fails at epoch 0's end while rank 1 goes on to epoch 1's barrier; each rank records its error."""
     from torch.utils.data import DataLoader, TensorDataset
 
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=2,
-        strategy=MyDDPStrategy(timeout=60),
-        max_epochs=2,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = quiet_trainer(2, MyDDPStrategy(timeout=60), max_epochs=2)
     try:
         trainer.fit(FailsOnRank0AtEpochEnd(), DataLoader(TensorDataset(torch.randn(8, 4)), batch_size=2))
         error = "no error"

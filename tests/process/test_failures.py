@@ -22,7 +22,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.distributed as dist
-from ddp_testing import launch, load, session_members
+from ddp_testing import launch, load, quiet_trainer, session_members
 from failure_workers import crash_and_resume, rank_0_fails_between_epochs, resume_after_sigterm
 
 from ddp_strategy import MyDDPStrategy
@@ -369,17 +369,7 @@ def _fit_failing_on_rank_1(rank: int, world_size: int, num_workers: int, error: 
     spy, model = GroupSpy(), RaisesOnRank1(error)
     data = DataLoader(TensorDataset(torch.randn(32, 4)), batch_size=4, num_workers=num_workers)
     try:
-        pl.Trainer(
-            accelerator="cpu",
-            devices=world_size,
-            strategy=MyDDPStrategy(timeout=60),
-            max_epochs=1,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            callbacks=[spy],
-        ).fit(model, data)
+        quiet_trainer(world_size, MyDDPStrategy(timeout=60), max_epochs=1, callbacks=[spy]).fit(model, data)
     except type(error) as e:
         if rank == 0:
             raise

@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
-import subprocess
 import sys
 import warnings
 from collections.abc import Iterator
@@ -19,7 +18,7 @@ from pathlib import Path
 import lightning.pytorch as pl
 import pytest
 import torch
-from ddp_testing import Regressor, finish, fit_steps, free_port
+from ddp_testing import Regressor, finish, fit_steps, free_port, load_ranks, quiet_trainer, start_session
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from lightning.fabric.plugins.environments import LightningEnvironment, TorchElasticEnvironment
@@ -112,14 +111,7 @@ def test_a_bad_launch_variable_fails_in_trainer_construction(monkeypatch, variab
     """Trainer(strategy=MyDDPStrategy()) raises the named ValueError before launching; unsetting it (the fix) works."""
 
     def build() -> pl.Trainer:
-        return pl.Trainer(
-            accelerator="cpu",
-            devices=2,
-            strategy=MyDDPStrategy(allow_cpu_oversubscription=True),
-            logger=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-        )
+        return quiet_trainer(2, MyDDPStrategy(allow_cpu_oversubscription=True), enable_checkpointing=True)
 
     monkeypatch.setenv(variable, value)
     with pytest.raises(ValueError, match=words):
@@ -133,14 +125,7 @@ def test_variables_lightning_ignores_are_not_checked(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "")
     monkeypatch.setenv("RANK", "junk")
     monkeypatch.setenv("MASTER_PORT", " 29500 ")  # int() accepts the spaces, as Lightning does
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=2,
-        strategy=MyDDPStrategy(allow_cpu_oversubscription=True),
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = quiet_trainer(2, MyDDPStrategy(allow_cpu_oversubscription=True), enable_checkpointing=True)
     assert trainer.strategy.cluster_environment.main_port == 29500
 
 
@@ -183,19 +168,15 @@ def test_cpu_oversubscription_warning_suggestions_silence_it(monkeypatch):
 def test_more_cpu_processes_than_cores_run_with_one_warning(tmp_path):
     """devices=3 pinned to 2 cores (popen launcher): the fit runs on 3 ranks with identical final weights, and
     rank 0 alone warns once about the oversubscription."""
-    proc = subprocess.Popen(
+    proc = start_session(
         [sys.executable, str(SCRIPTS / "fit_once.py"), str(tmp_path), "cpu3"],
         cwd=tmp_path,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        text=True,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
     )
     code, out = finish(proc, 240)
     assert code == 0, out[-3000:]
     assert out.count("Trainer(devices=3) on CPU starts 3 processes, but only 2 CPU cores") == 1, out[-3000:]
-    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(3)]
+    ranks = load_ranks(tmp_path, 3)
     assert [r["world_size"] for r in ranks] == [3, 3, 3]
     for rec in ranks[1:]:
         assert all(torch.equal(v, rec["final"][k]) for k, v in ranks[0]["final"].items())

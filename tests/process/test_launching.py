@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 import time
 from datetime import timedelta
@@ -14,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from ddp_testing import finish, free_port, session_members
+from ddp_testing import finish, free_port, load_ranks, quiet_trainer, session_members, start_session
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from ddp_strategy import DigitsClassifier, DigitsDataModule, MyDDPStrategy
@@ -139,23 +138,9 @@ def test_spawn_with_an_unpicklable_model_says_so_plainly():
     class LocalModel(DigitsClassifier):
         pass
 
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=2,
-        strategy=MyDDPStrategy(start_method="spawn"),
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        max_steps=1,
-    )
+    trainer = quiet_trainer(2, MyDDPStrategy(start_method="spawn"), enable_checkpointing=True, max_steps=1)
     with pytest.raises(RuntimeError, match="start_method='spawn' must pickle LocalModel .* module level"):
         trainer.fit(LocalModel(), DigitsDataModule())
-
-
-def _run(cmd: list[str], timeout: float = 120.0, **kwargs) -> subprocess.Popen:
-    return subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True, **kwargs
-    )
 
 
 @pytest.mark.multiprocess
@@ -164,7 +149,7 @@ def test_two_torchrun_nodes_rendezvous_over_loopback_and_train_together(tmp_path
     """Two `torchrun --nnodes=2` invocations fit together: ranks, node ranks, node groups, identical weights."""
     port = free_port()
     procs = [
-        _run(
+        start_session(
             [
                 sys.executable,
                 "-m",
@@ -185,8 +170,8 @@ def test_two_torchrun_nodes_rendezvous_over_loopback_and_train_together(tmp_path
         code, out = finish(proc, timeout=200)
         assert code == 0, out[-3000:]
         assert "failed to bind" not in out  # the workers use the agents' store instead of starting their own
-    ranks = {r: torch.load(tmp_path / f"rank{r}.pt") for r in range(2)}
-    for r, seen in ranks.items():
+    ranks = load_ranks(tmp_path, 2)
+    for r, seen in enumerate(ranks):
         assert seen["env"] == "TorchElasticEnvironment"
         assert (seen["world_size"], seen["global_rank"], seen["node_rank"], seen["local_rank"]) == (2, r, r, 0)
         assert seen["node_ranks"] == [r] and seen["node_group_size"] == 1
@@ -203,12 +188,12 @@ def test_repeated_popen_fits_never_abort_at_exit(tmp_path):
     for i in range(TEARDOWN_LOOPS):
         out_dir = tmp_path / str(i)
         out_dir.mkdir()
-        proc = _run([sys.executable, str(SCRIPTS / "fit_once.py"), str(out_dir)], cwd=tmp_path)
+        proc = start_session([sys.executable, str(SCRIPTS / "fit_once.py"), str(out_dir)], cwd=tmp_path)
         code, out = finish(proc, 120)
         assert code == 0, f"run {i} exited with {code}:\n{out[-3000:]}"
         assert session_members(proc.pid) == [], "rank 1 outlived the launching process"
         assert "Abort" not in out and "core dumped" not in out
-        r0, r1 = (torch.load(out_dir / f"rank{r}.pt") for r in range(2))
+        r0, r1 = load_ranks(out_dir, 2)
         assert (r0["world_size"], r0["node_ranks"], r1["node_ranks"]) == (2, [0, 1], [0, 1])
         assert all(torch.equal(v, r1["final"][k]) for k, v in r0["final"].items())
 
@@ -220,15 +205,10 @@ def test_second_fit_in_the_same_process_works_with_fork(tmp_path):
     model = DigitsClassifier()
     weights = [model.model.layers[0].weight.detach().clone()]
     for _ in range(2):
-        trainer = pl.Trainer(
-            accelerator="cpu",
-            devices=2,
-            strategy=MyDDPStrategy(start_method="fork", timeout=60),
+        trainer = quiet_trainer(
+            2,
+            MyDDPStrategy(start_method="fork", timeout=60),
             max_steps=3,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
             limit_val_batches=1,
             default_root_dir=str(tmp_path),
         )

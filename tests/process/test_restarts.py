@@ -8,17 +8,15 @@ from __future__ import annotations
 
 import collections
 import os
-import subprocess
 import sys
 import threading
 from pathlib import Path
 
-import lightning.pytorch as pl
 import psutil
 import pytest
 import torch
 import torch.distributed as dist
-from ddp_testing import finish, free_port, is_loopback, listening_sockets
+from ddp_testing import finish, free_port, is_loopback, listening_sockets, load_ranks, quiet_trainer, start_session
 
 from ddp_strategy import DigitsClassifier, DigitsDataModule, MyDDPStrategy
 from ddp_strategy.checkpoint.io import load_file
@@ -34,16 +32,7 @@ BIND_ERROR = "failed to bind"
 
 def _launch(cmd: list[str], out: Path, env: dict | None = None, timeout: float = 300.0) -> str:
     out.mkdir(parents=True, exist_ok=True)
-    proc = subprocess.Popen(
-        cmd,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        cwd=out,
-        start_new_session=True,
-        env={**os.environ, **(env or {})},
-    )
-    code, output = finish(proc, timeout)
+    code, output = finish(start_session(cmd, cwd=out, env={**os.environ, **(env or {})}), timeout)
     assert code == 0, f"{cmd} exited with {code}:\n{output[-4000:]}"
     return output
 
@@ -65,10 +54,6 @@ def _torchrun(out: Path, nproc: int, *args: str) -> str:
         ],
         out,
     )
-
-
-def _records(out: Path, world_size: int) -> list[dict]:
-    return [torch.load(out / f"rank{r}.pt") for r in range(world_size)]
 
 
 @pytest.fixture(scope="module")
@@ -97,8 +82,8 @@ def _weights_close(a: dict, b: dict) -> None:
 def test_torchrun_restart_after_sigkill_ends_with_the_uninterrupted_weights(restarted, uninterrupted):
     """A worker killed mid-epoch: torchrun restarts both; they rejoin, resume at step 6, equal the reference."""
     (out, log), (ref_out, ref_log) = restarted, uninterrupted
-    ref = _records(ref_out, 2)
-    for rank, record in enumerate(_records(out, 2)):
+    ref = load_ranks(ref_out, 2)
+    for rank, record in enumerate(load_ranks(out, 2)):
         assert record["attempt"] == 1 and ref[rank]["attempt"] == 0  # the second attempt finished the job
         assert record["global_step"] == ref[rank]["global_step"] == MAX_STEPS
         # Resumed from the last periodic checkpoint (step 6) in the middle of epoch 0, at its exact position.
@@ -113,7 +98,7 @@ def test_torchrun_restart_after_sigkill_ends_with_the_uninterrupted_weights(rest
 @pytest.mark.timeout(600)
 def test_torchrun_workers_listen_on_loopback_only(restarted):
     """One node under torchrun: every listening socket of every worker is on 127.0.0.0/8, gloo on lo."""
-    for record in _records(restarted[0], 2):
+    for record in load_ranks(restarted[0], 2):
         assert record["listening"] and all(is_loopback(address) for address, _ in record["listening"])
         assert record["gloo_ifname"] == "lo"
 
@@ -124,11 +109,11 @@ def test_relaunch_with_fewer_workers_trains_on_exactly_the_rest_of_the_epoch(tmp
     ref_out, _ = uninterrupted
     steps_left = -(-(N_TRAIN - 2 * 6 * BATCH) // BATCH)  # 1054 unseen samples, 33 batches on one worker
     _torchrun(tmp_path, 1, f"--ckpt={ref_out / 'ckpts' / 'epoch=0-step=6.ckpt'}", f"--max-steps={6 + steps_left}")
-    (record,) = _records(tmp_path, 1)
+    (record,) = load_ranks(tmp_path, 1)
     assert record["world_size"] == 1 and record["global_step"] == 6 + steps_left
     assert {epoch for epoch, _, _ in record["batches"]} == {0}
     seen_before = collections.Counter(
-        i for r in _records(ref_out, 2) for e, s, idx in r["batches"] if e == 0 and s < 6 for i in idx
+        i for r in load_ranks(ref_out, 2) for e, s, idx in r["batches"] if e == 0 and s < 6 for i in idx
     )
     seen_after = collections.Counter(i for _, _, idx in record["batches"] for i in idx)
     assert seen_before + seen_after == collections.Counter(range(N_TRAIN))
@@ -141,7 +126,7 @@ def test_stages_and_new_trainers_in_one_script_rejoin_while_rank0_is_slow_to_tea
         [sys.executable, str(SCRIPT), str(tmp_path), "--max-steps=4", "--stages=fit,test,refit", "--slow-teardown=3"],
         tmp_path,
     )
-    records = _records(tmp_path, 2)
+    records = load_ranks(tmp_path, 2)
     assert [r["refit_step"] for r in records] == [6, 6]
     assert records[0]["test_acc"] == records[1]["test_acc"]
     _weights_close(records[0]["final"], records[1]["final"])
@@ -167,13 +152,9 @@ def _slurm_job(out: Path, *args: str) -> None:
         "MASTER_PORT": str(free_port()),
     }
     procs = [
-        subprocess.Popen(
+        start_session(
             [sys.executable, str(SCRIPT), str(out), *args],
             cwd=out,
-            text=True,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
             env={**env, "SLURM_PROCID": str(rank), "SLURM_LOCALID": str(rank)},
         )
         for rank in range(2)
@@ -195,7 +176,7 @@ def test_slurm_requeue_checkpoint_holds_the_sampler_position_and_resumes_exactly
     requeued.mkdir()
     (requeued / "hpc_ckpt_1.ckpt").write_bytes((first / "hpc_ckpt_1.ckpt").read_bytes())
     _slurm_job(requeued, "--max-steps=12")
-    for full, resumed in zip(_records(first, 2), _records(requeued, 2), strict=True):
+    for full, resumed in zip(load_ranks(first, 2), load_ranks(requeued, 2), strict=True):
         assert resumed["batches"][0][:2] == (0, 6) and resumed["batches"] == full["batches"][6:]
         _weights_close(resumed["final"], full["final"])
 
@@ -205,16 +186,11 @@ def test_ten_fits_in_one_process_keep_descriptors_threads_and_children_flat(tmp_
     """As in a notebook (fork): 10 fits in one process leave descriptors, threads and child processes unchanged."""
     model, counts = DigitsClassifier(), []
     for _ in range(10):
-        trainer = pl.Trainer(
-            accelerator="cpu",
-            devices=2,
-            strategy=MyDDPStrategy(start_method="fork", timeout=60),
+        trainer = quiet_trainer(
+            2,
+            MyDDPStrategy(start_method="fork", timeout=60),
             max_steps=1,
             limit_val_batches=1,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
             default_root_dir=str(tmp_path),
         )
         trainer.fit(model, DigitsDataModule())

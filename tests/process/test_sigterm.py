@@ -18,7 +18,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.distributed as dist
-from ddp_testing import free_port
+from ddp_testing import free_port, quiet_trainer, state_copy
 
 from ddp_strategy import DigitsClassifier, DigitsDataModule, MyDDPStrategy, count_collective_bytes
 from ddp_strategy.testing import run_on_ranks
@@ -55,18 +55,13 @@ class Signalled(DigitsClassifier):
 
 def _fit(root: Path, model: Signalled, strategy: Any, ckpt_path: str | None = None, accumulate: int = 1) -> dict:
     pl.seed_everything(5)
-    trainer = pl.Trainer(
+    trainer = quiet_trainer(
+        2,
+        strategy,
         accumulate_grad_batches=accumulate,
-        accelerator="cpu",
-        devices=2,
-        strategy=strategy,
         max_epochs=EPOCHS,
         limit_train_batches=STEPS,
         limit_val_batches=2,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         default_root_dir=str(root),
     )
     stopped = None
@@ -80,7 +75,7 @@ def _fit(root: Path, model: Signalled, strategy: Any, ckpt_path: str | None = No
         "global_step": trainer.global_step,
         "world_seq": model.world_seq,
         "buckets": model.buckets,
-        "weights": {k: v.detach().clone() for k, v in model.state_dict().items()},
+        "weights": state_copy(model),
     }
 
 

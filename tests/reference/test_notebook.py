@@ -7,14 +7,13 @@ import base64
 import importlib.util
 import os
 import re
-import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import nbformat
 import pytest
+from ddp_testing import finish, start_session
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(600)]
 
@@ -51,21 +50,10 @@ def executed(tmp_path_factory) -> tuple[nbformat.NotebookNode, float]:
     """The notebook executed as the committed one was (``notebooks/regenerate.py``), into tmp; its wall time in s."""
     result = tmp_path_factory.mktemp("notebook") / "executed.ipynb"
     start = time.monotonic()
-    proc = subprocess.Popen(
-        [sys.executable, str(ROOT / "notebooks" / "regenerate.py"), "--output", str(result)],
-        text=True,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-    try:
-        out, _ = proc.communicate(timeout=540)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        raise AssertionError(f"the notebook did not finish in 540 s:\n{out[-4000:]}") from None
+    proc = start_session([sys.executable, str(ROOT / "notebooks" / "regenerate.py"), "--output", str(result)])
+    code, out = finish(proc, 540)
     seconds = time.monotonic() - start
-    assert proc.returncode == 0, out[-6000:]  # also fails if the notebook leaves files in its working directory
+    assert code == 0, out[-6000:]  # also fails if the notebook leaves files in its working directory
     return nbformat.read(result, as_version=4), seconds
 
 

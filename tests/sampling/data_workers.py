@@ -15,7 +15,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
-from ddp_testing import save
+from ddp_testing import rank, save, state_copy
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.tuner import Tuner
 from sampling_workers import SEED, Indexed, Recorder, trainer
@@ -30,10 +30,6 @@ from ddp_strategy.sampling.loaders import ORDER_KEPT_WARNING
 N = 24  # samples the user splits by rank: 12 each
 BATCH = 4
 N_ORDER, N_ORDER_VAL, ORDER_BATCH = 21, 22, 3  # the order fits: 11 training samples per rank (one padded)
-
-
-def rank() -> int:
-    return int(os.environ["LOCAL_RANK"])
 
 
 def indices(batch: Any) -> list[int]:
@@ -104,7 +100,7 @@ def order_fit(out: Path, name: str, strategy: Any, shuffle: bool) -> None:
             "val": lambda: DataLoader(Indexed(N_ORDER_VAL, 1), batch_size=4),
         }
     )
-    initial = weights(model)
+    initial = state_copy(model)
     t = trainer(2, out, strategy=strategy, max_epochs=2, num_sanity_val_steps=2)
     caught = record_warnings(lambda: t.fit(model))
     save(
@@ -114,7 +110,7 @@ def order_fit(out: Path, name: str, strategy: Any, shuffle: bool) -> None:
             **model.seen,
             "steps": t.global_step,
             "initial": initial,
-            "weights": weights(model),
+            "weights": state_copy(model),
             "warnings": [w for w in caught if ORDER_KEPT_WARNING in w],
         },
     )
@@ -277,7 +273,7 @@ def scenario_data(out: Path) -> None:
         {
             "test": iterable_model.seen["test"],
             "train": iterable_model.seen["train"],
-            "weights": weights(iterable_model),
+            "weights": state_copy(iterable_model),
             "warnings": [w for w in caught if "MyDDPStrategy got a" in w],
         },
     )
@@ -351,10 +347,6 @@ class Lossy(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=self.lr)
 
 
-def weights(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
-
-
 def scenario_models(out: Path) -> None:
     """A torch.compile'd model; Tuner.lr_find and ckpt_path="best" on our own checkpoints holding an nn.MSELoss;
     each suggestion of the UnsafeCheckpointError for a foreign checkpoint, tried where it is raised."""
@@ -374,9 +366,9 @@ def scenario_models(out: Path) -> None:
         {
             "kept": kept,
             "port_free": port_free,
-            "plain": weights(plain),
-            "compiled": weights(compiled),
-            "initial": weights(Recorder(val=False)),
+            "plain": state_copy(plain),
+            "compiled": state_copy(compiled),
+            "initial": state_copy(Recorder(val=False)),
             "train": compiled.rec["train"],
             "frames": sum(torch._dynamo.utils.counters["frames"].values()),
             "compiler_ctx": compiled._compiler_ctx is not None,
@@ -385,7 +377,7 @@ def scenario_models(out: Path) -> None:
 
     # 7a. The LR finder's internal restore of its own temporary checkpoint (it holds the nn.MSELoss).
     model = Lossy()
-    before = weights(model)
+    before = state_copy(model)
     t = trainer(2, out, max_epochs=1)
     finder = Tuner(t).lr_find(model, min_lr=1e-4, max_lr=1e-1, num_training=20, early_stop_threshold=None)
     save(
@@ -393,7 +385,7 @@ def scenario_models(out: Path) -> None:
         "lr_find",
         {
             "before": before,
-            "after": weights(model),
+            "after": state_copy(model),
             "lrs": len(finder.results["lr"]),
             "suggestion": finder.suggestion(),
             "lr": model.lr,

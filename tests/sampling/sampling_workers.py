@@ -17,7 +17,7 @@ import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
 import torchmetrics
-from ddp_testing import save
+from ddp_testing import quiet_trainer, save, state_copy
 from lightning.pytorch.callbacks import BasePredictionWriter, ModelCheckpoint
 from torch.utils.data import DataLoader, Dataset, WeightedRandomSampler
 
@@ -119,22 +119,11 @@ class IndexWriter(BasePredictionWriter):
         self.pairs.append((list(batch_indices), prediction.tolist()))
 
 
-def trainer(world_size: int, root: Path, **kwargs: Any) -> pl.Trainer:
+def trainer(world_size: int, root: Path, strategy: Any = None, **kwargs: Any) -> pl.Trainer:
     """A quiet CPU trainer on ``world_size`` externally launched processes."""
-    defaults: dict[str, Any] = dict(
-        accelerator="cpu",
-        devices=world_size,
-        strategy=MyDDPStrategy(start_method="popen", timeout=60),
-        max_epochs=EPOCHS,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        default_root_dir=str(root),
-    )
-    defaults.update(kwargs)
-    return pl.Trainer(**defaults)
+    defaults: dict[str, Any] = dict(max_epochs=EPOCHS, num_sanity_val_steps=0, default_root_dir=str(root))
+    strategy = strategy or MyDDPStrategy(start_method="popen", timeout=60)
+    return quiet_trainer(world_size, strategy, **{**defaults, **kwargs})
 
 
 def fit(
@@ -162,7 +151,7 @@ def fit(
         name,
         {
             **model.rec,
-            "weights": {k: v.detach().clone() for k, v in model.state_dict().items()},
+            "weights": state_copy(model),
             "global_step": t.global_step,
         },
     )

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 import torch
-from ddp_testing import one_rank_trainer, pl
+from ddp_testing import one_rank_trainer, pl, state_copy
 from torch.utils.data import DataLoader, TensorDataset
 
 from ddp_strategy import MyDDPStrategy
@@ -89,7 +89,7 @@ def _fit(root: Path, strategy: str, model: dict, ckpt_path: str | None = None, *
             signal.signal(signal.SIGINT, handler)  # Lightning ignores SIGINT after a KeyboardInterrupt
     return {
         "global_step": trainer.global_step,
-        "weights": {k: v.detach().clone() for k, v in model.state_dict().items()},
+        "weights": state_copy(model),
         "warnings": [str(w.message) for w in caught],
     }
 

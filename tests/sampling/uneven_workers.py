@@ -21,7 +21,7 @@ import lightning_utilities.core.rank_zero as rank_zero
 import torch
 import torch.distributed as dist
 import torchmetrics
-from ddp_testing import save
+from ddp_testing import quiet_trainer, rank, save, state_copy
 from lightning.pytorch.callbacks import BasePredictionWriter, EMAWeightAveraging, ModelCheckpoint
 from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
@@ -48,10 +48,6 @@ CLIP, GAMMA = 0.5, 0.9
 EMA_DECAY = 0.5
 #: The collectives a training step makes (``Probed(probes=...)``): shadowed ones, then each refused one.
 SHADOWED = ("log", "reduce", "decision", "barrier", "broadcast")
-
-
-def rank() -> int:
-    return int(os.environ["LOCAL_RANK"])
 
 
 def samples(r: int, n: int, salt: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -329,24 +325,9 @@ class Zero(Probed):
 
 def trainer(out: Path, strategy: Any = None, **kwargs: Any) -> pl.Trainer:
     """A quiet 2-process CPU trainer (externally launched) for ``EPOCHS`` epochs."""
-    defaults: dict[str, Any] = dict(
-        accelerator="cpu",
-        devices=2,
-        strategy=strategy or MyDDPStrategy(start_method="popen", timeout=60),
-        max_epochs=EPOCHS,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        default_root_dir=str(out),
-    )
-    defaults.update(kwargs)
-    return pl.Trainer(**defaults)
-
-
-def weights(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+    defaults: dict[str, Any] = dict(max_epochs=EPOCHS, num_sanity_val_steps=0, default_root_dir=str(out))
+    strategy = strategy or MyDDPStrategy(start_method="popen", timeout=60)
+    return quiet_trainer(2, strategy, **{**defaults, **kwargs})
 
 
 def fit(out: Path, name: str, train: Any, val: Any = None, model: Probed | None = None, **kwargs: Any) -> None:
@@ -371,8 +352,8 @@ def fit(out: Path, name: str, train: Any, val: Any = None, model: Probed | None 
             "seen": model.seen,
             "results": model.results,
             "val": model.val,
-            "weights": weights(model),
-            "initial": weights(make_layer()),
+            "weights": state_copy(model),
+            "initial": state_copy(make_layer()),
             "steps": t.global_step,
             "epochs": dict(t.strategy._uneven.epochs) if isinstance(t.strategy, MyDDPStrategy) else None,
             "messages": observed.messages,

@@ -23,7 +23,10 @@ import sklearn  # noqa: F401 (imported by the data module; its import sets KMP_*
 import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
-from ddp_strategy import DDPCheckpointIO, DigitsClassifier, DigitsDataModule, MyDDPStrategy
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from ddp_testing import quiet_trainer  # noqa: E402
+
+from ddp_strategy import DDPCheckpointIO, DigitsClassifier, DigitsDataModule, MyDDPStrategy  # noqa: E402
 
 # Ctrl+C raises KeyboardInterrupt as in a terminal, even when the suite itself was started in the background
 # (a non-interactive shell's `cmd &` makes SIGINT ignored, and an ignored signal stays ignored across exec).
@@ -130,17 +133,12 @@ if __name__ == "__main__":
         checkpoint_on_sigterm=str(OUT / "sigterm.ckpt"),
         uneven_inputs="error" if SCENARIO == "uneven" else "join",
     )  # the default trains them
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=2,
-        strategy=strategy,
+    trainer = quiet_trainer(
+        2,
+        strategy,
         max_epochs=3,
         limit_train_batches=6,
         limit_val_batches=3,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         callbacks=[Events()],
         default_root_dir=str(OUT),
         plugins=[FullDisk()] if SCENARIO == "save_raise" else [],
@@ -152,17 +150,12 @@ if __name__ == "__main__":
         except RuntimeError:  # refit: the user's script catches the failure and fits again in the same processes
             if SCENARIO != "refit":
                 raise
-            again = L.Trainer(
-                accelerator="cpu",
-                devices=2,
-                strategy=MyDDPStrategy(start_method=START_METHOD),
+            again = quiet_trainer(
+                2,
+                MyDDPStrategy(start_method=START_METHOD),
                 max_epochs=1,
                 limit_train_batches=6,
                 limit_val_batches=0,
-                logger=False,
-                enable_checkpointing=False,
-                enable_progress_bar=False,
-                enable_model_summary=False,
             )
             again.fit(Model(), DigitsDataModule())
             (OUT / f"refit_rank{again.global_rank}").write_text(str(again.global_step))

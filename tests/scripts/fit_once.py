@@ -13,7 +13,10 @@ import lightning as L
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
-from ddp_strategy import DigitsClassifier, DigitsDataModule, MyDDPStrategy
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from ddp_testing import quiet_trainer  # noqa: E402
+
+from ddp_strategy import DigitsClassifier, DigitsDataModule, MyDDPStrategy  # noqa: E402
 
 
 class Record(L.Callback):
@@ -40,13 +43,8 @@ if __name__ == "__main__":
         os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:2])
         topology = {"devices": 3}
     record = Record()
-    trainer = L.Trainer(
-        accelerator="cpu",
+    trainer = quiet_trainer(
         strategy=MyDDPStrategy(timeout=60),
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         max_steps=5 if mode == "torchrun" else 2,
         limit_val_batches=2,
         callbacks=[record],

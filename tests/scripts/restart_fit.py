@@ -24,7 +24,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from ddp_testing import IndexedDigits, listening_sockets  # noqa: E402
+from ddp_testing import IndexedDigits, listening_sockets, quiet_trainer, state_copy  # noqa: E402
 
 from ddp_strategy import DigitsClassifier, MyDDPStrategy  # noqa: E402
 
@@ -65,16 +65,13 @@ class SlowTeardown(MyDDPStrategy):
 
 def trainer(args: argparse.Namespace, max_steps: int) -> L.Trainer:
     checkpoints = ModelCheckpoint(dirpath=args.out / "ckpts", every_n_train_steps=3, save_last=True, save_top_k=-1)
-    return L.Trainer(
-        accelerator="cpu",
-        devices=args.devices,
+    return quiet_trainer(
+        args.devices,
+        SlowTeardown(args.slow_teardown, timeout=60),
+        enable_checkpointing=True,
         max_steps=max_steps,
         limit_val_batches=2,
-        strategy=SlowTeardown(args.slow_teardown, timeout=60),
         callbacks=[checkpoints],
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         default_root_dir=str(args.out),
     )
 
@@ -101,7 +98,7 @@ if __name__ == "__main__":
                 global_step=t.global_step,
                 batches=model.batches,
                 listening=model.listening,
-                final={k: v.detach().clone() for k, v in model.state_dict().items()},
+                final=state_copy(model),
                 world_size=t.world_size,
                 gloo_ifname=model.gloo_ifname,
                 master_port=int(os.environ["MASTER_PORT"]),

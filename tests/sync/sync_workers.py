@@ -1,10 +1,10 @@
 """Two ranks that run many short Lightning fits in sequence (one process start for all scenarios).
 
-Each rank sets the torchrun-style environment (``LOCAL_RANK``, ``MASTER_PORT``...) so Lightning treats the
-processes as launched externally; every scenario is then a plain ``Trainer.fit`` in the same two processes,
-on its own port. Each rank writes ``<scenario>_rank<r>.pt``; the tests compare them with single-process
-references. Used by tests/sync/test_ddp_equivalence.py. ``scenario_batchnorm`` instead runs under the shared
-scenario launcher (``ddp_testing.launch``), for tests/sync/test_broadcast_buffers.py.
+The testing kit starts the ranks with the torchrun-style environment (``LOCAL_RANK``, ``MASTER_ADDR``...) so
+Lightning treats the processes as launched externally; every scenario is then a plain ``Trainer.fit`` in the same
+two processes, on its own port (``MASTER_PORT``, set here). Each rank writes ``<scenario>_rank<r>.pt``; the tests
+compare them with single-process references. Used by tests/sync/test_ddp_equivalence.py. ``scenario_batchnorm``
+instead runs under the shared scenario launcher (``ddp_testing.launch``), for tests/sync/test_broadcast_buffers.py.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from ddp_testing import IndexedDigits, save
+from ddp_testing import IndexedDigits, quiet_trainer, save, state_copy
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState
@@ -53,10 +53,6 @@ def _grads(module: nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.grad.detach().clone() for n, p in module.named_parameters() if p.grad is not None}
 
 
-def _state(module: nn.Module) -> dict[str, torch.Tensor]:
-    return {k: v.detach().clone() for k, v in module.state_dict().items()}
-
-
 class EquivClassifier(DigitsClassifier):
     """Digits classifier that records batches, per-micro-batch gradients, hook calls and weights."""
 
@@ -85,7 +81,7 @@ class EquivClassifier(DigitsClassifier):
         }
 
     def on_train_start(self) -> None:
-        self.record["initial"] = _state(self.model)
+        self.record["initial"] = state_copy(self.model)
         self.record["bn_classes"] = sorted(
             {type(m).__name__ for m in self.model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)}
         )
@@ -117,7 +113,7 @@ class EquivClassifier(DigitsClassifier):
                 self.model.layers[0].bias.add_(1.0)
 
     def on_train_end(self) -> None:
-        self.record["final"] = _state(self.model)
+        self.record["final"] = state_copy(self.model)
 
     def configure_optimizers(self):
         if self.optimizer_name == "adam":
@@ -177,21 +173,9 @@ class HookClassifier(DigitsClassifier):
 
 
 def _trainer(**kwargs: Any) -> pl.Trainer:
-    strategy_kwargs = kwargs.pop("strategy_kwargs", {})
-    defaults = dict(
-        accelerator="cpu",
-        devices=2,
-        strategy=MyDDPStrategy(start_method="popen", timeout=60, **strategy_kwargs),
-        max_epochs=1,
-        limit_train_batches=STEPS,
-        limit_val_batches=0,
-        num_sanity_val_steps=0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
-    return pl.Trainer(**{**defaults, **kwargs})
+    strategy = MyDDPStrategy(start_method="popen", timeout=60, **kwargs.pop("strategy_kwargs", {}))
+    defaults = dict(max_epochs=1, limit_train_batches=STEPS, limit_val_batches=0, num_sanity_val_steps=0)
+    return quiet_trainer(2, strategy, **{**defaults, **kwargs})
 
 
 def _save(out: Path, name: str, rank: int, record: dict[str, Any]) -> None:
@@ -212,7 +196,7 @@ def _equivalence(
     torch.manual_seed(1000 + rank)  # different RNG per rank: DDP's broadcast must make the ranks agree
     counting = CountingState()
     model = EquivClassifier(optimizer, manual, net=net, counting=counting)
-    pre_wrap = _state(model.model)
+    pre_wrap = state_copy(model.model)
     strategy_kwargs = trainer_kwargs.pop("strategy_kwargs", {})
     strategy_kwargs.setdefault("ddp_comm_hook", counting_allreduce_hook)
     strategy_kwargs.setdefault("ddp_comm_state", counting)
@@ -276,7 +260,7 @@ def _scenarios(rank: int, out: Path) -> list[tuple[str, Any]]:
                     "val_acc": float(trainer.callback_metrics["val_acc"]),
                     "step_bytes": model.step_bytes,
                     "by_dtype": model.step_dtypes,
-                    "final": _state(model.model),
+                    "final": state_copy(model.model),
                 },
             )
 
@@ -335,9 +319,6 @@ def run_rank(rank: int, ports: list[int], out_dir: str, only: list[str] | None =
     """Entry point of each rank: run every scenario (or ``only`` these), each on its own port."""
     out = Path(out_dir)
     torch.set_num_threads(1)
-    os.environ.update(
-        {"MASTER_ADDR": "127.0.0.1", "WORLD_SIZE": "2", "NODE_RANK": "0", "LOCAL_RANK": str(rank), "RANK": str(rank)}
-    )
     os.chdir(out)  # Lightning may create lightning_logs/ etc.: keep them out of the test's cwd
     scenarios = _scenarios(rank, out)
     for port, (name, run) in zip(ports, scenarios, strict=False):
@@ -401,17 +382,6 @@ def scenario_batchnorm(out: Path) -> None:
         ("bn_lightning", "ddp"),
     ):
         model = BatchNormNet()
-        pl.Trainer(
-            accelerator="cpu",
-            devices=2,
-            strategy=strategy,
-            max_epochs=2,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            num_sanity_val_steps=0,
-            default_root_dir=str(out),
-        ).fit(model)
+        quiet_trainer(2, strategy, max_epochs=2, num_sanity_val_steps=0, default_root_dir=str(out)).fit(model)
         save(out, name, model.rec)
     dist.destroy_process_group()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
@@ -30,19 +29,15 @@ def test_hook_names_resolve_and_bf16_is_replaced_off_nccl():
     assert wrapped.__name__ == "bf16_wrapped_hook"
 
 
-def test_hooks_register_on_gloo_and_count_bytes():
+def test_hooks_register_on_gloo_and_count_bytes(world_of_one):
     """In a 1-rank gloo group each hook registers on a CPU DDP model and the counter sees its dtype."""
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        for name, nbytes in [("allreduce", 4), ("fp16", 2), ("bf16", 2)]:
-            model = nn.parallel.DistributedDataParallel(nn.Linear(3, 2))
-            comm_hooks.register_comm_hook(model, comm_hooks.CommHookConfig(name), "gloo")
-            with comm_hooks.count_collective_bytes() as counts:
-                model(torch.ones(4, 3)).sum().backward()
-            assert counts.bytes_sent == 8 * nbytes
-            assert model.module.weight.grad[0].tolist() == [4.0, 4.0, 4.0]
-    finally:
-        dist.destroy_process_group()
+    for name, nbytes in [("allreduce", 4), ("fp16", 2), ("bf16", 2)]:
+        model = nn.parallel.DistributedDataParallel(nn.Linear(3, 2))
+        comm_hooks.register_comm_hook(model, comm_hooks.CommHookConfig(name), "gloo")
+        with comm_hooks.count_collective_bytes() as counts:
+            model(torch.ones(4, 3)).sum().backward()
+        assert counts.bytes_sent == 8 * nbytes
+        assert model.module.weight.grad[0].tolist() == [4.0, 4.0, 4.0]
 
 
 def test_convert_and_revert_keep_tensors_class_and_keys():

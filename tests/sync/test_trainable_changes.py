@@ -20,7 +20,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
-from ddp_testing import launch, load, save
+from ddp_testing import launch, load, quiet_trainer, save
 from lightning.pytorch.callbacks import BackboneFinetuning
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState
@@ -112,18 +112,13 @@ DRIFTS = {"finetuning": "backbone.0.weight", "toggle": "backbone.0.weight", "add
 def _fit(strategy: Any, devices: int, name: str, batches: list[list[int]] | None = None, callbacks=()) -> Finetuned:
     frozen, scenario_callbacks, accumulate, manual = {**SCENARIOS, **SLOW_SCENARIOS}[name]
     model = Finetuned(frozen, batches, manual)
-    pl.Trainer(
-        accelerator="cpu",
-        devices=devices,
-        strategy=strategy,
+    quiet_trainer(
+        devices,
+        strategy,
         max_epochs=2,
         limit_train_batches=BATCHES,
         accumulate_grad_batches=accumulate,
         callbacks=[*scenario_callbacks(), *callbacks],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         limit_val_batches=0,
     ).fit(model)
     return model

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -49,9 +48,8 @@ def test_device_ids_are_for_cuda_only():
     assert device_ids(torch.device("cpu")) is None
 
 
-def test_wrap_and_unwrap_in_a_one_rank_group():
+def test_wrap_and_unwrap_in_a_one_rank_group(world_of_one):
     """wrap returns a DDP around the same module with our options and hook; unwrap gives it back."""
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     module = nn.Linear(3, 2)
     options = wrapping.validate_ddp_kwargs({"bucket_cap_mb": 1, "gradient_as_bucket_view": True})
     wrapped = wrapping.wrap(module, torch.device("cpu"), options, CommHookConfig("fp16"))
@@ -61,13 +59,11 @@ def test_wrap_and_unwrap_in_a_one_rank_group():
     assert wrapping.unwrap(wrapped) is module and wrapping.unwrap(module) is module
     wrapping.broadcast_states(module)  # world size 1: a no-op that must not fail
     assert wrapping.unwrap(wrapped, failed=True) is module and wrapped.process_group is None
-    dist.destroy_process_group()
 
 
-def test_wrap_called_again_wraps_anew_only_where_the_trainable_parameters_changed():
+def test_wrap_called_again_wraps_anew_only_where_the_trainable_parameters_changed(world_of_one):
     """The same wrapper while the trainable set holds, inside no_sync, deferred, or with nothing left to train; a new
     one over the same module and process group where a parameter was unfrozen or added."""
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     module = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 2))
     module[0].requires_grad_(False)
     cpu, hook = torch.device("cpu"), CommHookConfig()
@@ -87,4 +83,3 @@ def test_wrap_called_again_wraps_anew_only_where_the_trainable_parameters_change
     own = DistributedDataParallel(module)  # a subclass's _setup_model may build its own: kept as it is
     module[0].requires_grad_(False)
     assert wrapping.wrap(own, cpu, {}, hook) is own
-    dist.destroy_process_group()

@@ -16,6 +16,7 @@ import psutil
 import pytest
 import torch
 import torch.distributed as dist
+from ddp_testing import quiet_trainer, state_copy
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, TensorDataset
 
@@ -120,19 +121,10 @@ def fit_tiny(rank: int, world_size: int) -> dict:
     generator = torch.Generator().manual_seed(0)
     data = TensorDataset(torch.randn(16, 4, generator=generator), torch.randn(16, 1, generator=generator))
     model = TinyRegressor()
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=world_size,
-        strategy=MyDDPStrategy(),
-        max_epochs=2,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = quiet_trainer(world_size, MyDDPStrategy(), max_epochs=2)
     trainer.fit(model, DataLoader(data, batch_size=4))
     return {
-        "weights": {k: v.detach().clone() for k, v in model.state_dict().items()},
+        "weights": state_copy(model),
         "group_size": dist.get_world_size(),
         "steps": trainer.global_step,
     }
