@@ -22,11 +22,12 @@ the active ranks announce each collective before making it, one message (an all-
 integers) of a kind in :data:`_KINDS`, the one table both sides read: DDP's forward and gradient buckets (the calls
 of DDP's own join hook, in two halves, since the step's own collectives come between), gathers (reductions and
 torchmetrics' syncs: a rank out of data gives an empty tensor, the active ranks keep their own rows), barriers,
-broadcasts from an active rank, a save's agreement, a ``ZeroRedundancyOptimizer``'s step and consolidation
-(:meth:`UnevenInputs.step_zero`); what a rank out of data cannot take part in (:data:`Refusal`, a collective the user's
+broadcasts from an active rank, a save's agreement; what a rank out of data cannot take part in (:data:`Refusal`, a
+collective the user's
 code makes with ``torch.distributed`` directly included: a dispatch mode sees it in a tail step,
-:meth:`UnevenInputs._watch`) raises :class:`UnevenInputsError` on every rank. At the end every rank takes the longest
-rank's module and training state. This rank's state in such an epoch is one :class:`_Epoch`.
+:meth:`UnevenInputs._watch`) raises :class:`UnevenInputsError` on every rank; a ``ZeroRedundancyOptimizer``, whose
+step broadcasts each rank's shard, is refused at the epoch's start. At the end every rank takes the longest rank's
+module and training state. This rank's state in such an epoch is one :class:`_Epoch`.
 
 An evaluation stage (validation, test, predict) whose loaders' counts differ or are unknown runs under the same
 join (:meth:`UnevenInputs.begin_evaluation`), under every policy, its metrics' syncs routed through the join's
@@ -148,13 +149,6 @@ _KINDS = {
         ),
         Refusal.SAVE,
     ),
-    "zero_step": (lambda u, index, src, c: u.step_zero(index, src), None),
-    "consolidate": (  # each ZeroRedundancyOptimizer's state to rank ``to``
-        lambda u, to, b, c: [
-            o.consolidate_state_dict(to=to) for o in u._trainer.optimizers if isinstance(o, ZeroRedundancyOptimizer)
-        ],
-        None,
-    ),
 }
 
 
@@ -224,7 +218,6 @@ class UnevenInputs(Joinable, JoinHook):
         self.epochs: dict[int, tuple[int, ...]] = {}  #: epoch whose counts differed -> batches each rank trained
         self._trainer: Any = None
         self._epoch: _Epoch | None = None
-        self._hooks: list[Any] = []  #: the post-hooks of each ZeroRedundancyOptimizer's local optimizer
         self._direct = _tp.DirectCollectives(functools.partial(self.refuse, Refusal.DIRECT))  #: in a tail step
 
     @property
@@ -254,7 +247,9 @@ class UnevenInputs(Joinable, JoinHook):
 
         Raises:
             ValueError: known, unequal counts under ``"error"``, or under ``"join"`` with ``accumulate_grad_batches``
-                not dividing a shorter rank's count (its last batch would sync gradients alone).
+                not dividing a shorter rank's count (its last batch would sync gradients alone), or a
+                ``ZeroRedundancyOptimizer`` (its step broadcasts each rank's shard, which a rank out of data cannot
+                take part in), named, with ``uneven_inputs="stop"``.
         """
         self._trainer, self._epoch = trainer, None
         unknown = trainer.num_training_batches == float("inf") or any(
@@ -275,6 +270,16 @@ class UnevenInputs(Joinable, JoinHook):
         if self.policy == "join" and known and any(c % k for c in counts if c < max(counts)):
             raise ValueError(
                 _accumulation_message(trainer, k, [r for r, c in enumerate(counts) if c % k and c < max(counts)])
+            )
+        zero = [i for i, o in enumerate(trainer.optimizers) if isinstance(o, ZeroRedundancyOptimizer)]
+        if self.policy == "join" and zero:
+            raise ValueError(
+                f"[rank {trainer.global_rank}] the ranks' numbers of training batches in epoch {epoch} differ or are"
+                f" unknown ({dict(enumerate(counts))}; -1: a loader without a length, or an IterableDataset), and under"
+                " MyDDPStrategy(uneven_inputs='join') a rank out of data takes part in the others' steps only through"
+                f" the strategy's collectives, not in those that optimizer {zero[0]}, a ZeroRedundancyOptimizer make(s)"
+                " in each step. Pass MyDDPStrategy(uneven_inputs='stop') (every rank stops at the shortest rank's last"
+                " batch), or give every rank the same known number of batches (let MyDDPStrategy shard the data)."
             )
         self._epoch = _Epoch(
             known,
@@ -489,7 +494,7 @@ class UnevenInputs(Joinable, JoinHook):
         else:
             if epoch.tail:
                 self._exchange("end")
-            self._watch(False)  # out of data: its shadow of a ZeroRedundancyOptimizer's step announces nothing
+            self._watch(False)
             epoch.join.__exit__(None, None, None)
         self.abandon()
 
@@ -524,32 +529,6 @@ class UnevenInputs(Joinable, JoinHook):
         for metric in self._epoch.synced:
             metric.dist_sync_fn = self.gather
 
-    def step_zero(self, index: int, src: int | None = None) -> None:
-        """``ZeroRedundancyOptimizer`` number ``index`` (in ``trainer.optimizers``) in a step some ranks only shadow,
-        after the active ranks' update of their shards (its local optimizer's post-hook, ``src`` None) and before
-        its parameter broadcasts (one from each rank's shard): announced, then the highest active rank, ``src``,
-        broadcasts its gradients (as the update read them: clipped, accumulated) and hyperparameters (a scheduler's
-        ``lr``), which a rank out of data sets before its own step: the update of its shard and those broadcasts.
-        So every shard takes each step, as a single process's optimizer would."""
-        src = max(self._exchange("zero_step", index, self._trainer.global_rank)[1]) if src is None else src
-        zero = self._trainer.optimizers[index]
-        box = [
-            [
-                (
-                    {k: v for k, v in group.items() if k != "params"},
-                    [None if p.grad is None else p.grad.cpu() for p in group["params"]],
-                )
-                for group in zero.param_groups
-            ]
-        ]
-        dist.broadcast_object_list(box, src=src)
-        if not self.tail:  # out of data (an active rank's step goes on to the parameter broadcasts)
-            for group, (hyperparameters, grads) in zip(zero.param_groups, box[0], strict=True):
-                group.update(hyperparameters)
-                for p, grad in zip(group["params"], grads, strict=True):
-                    p.grad = None if grad is None else grad.to(p.device)
-            zero.step()
-
     def main_hook(self) -> None:
         """``Join``'s main hook, on a rank out of data: the others' step, each message read and taken part in, to its
         end."""
@@ -570,7 +549,6 @@ class UnevenInputs(Joinable, JoinHook):
             return
         self.epochs[trainer.current_epoch] = tuple(f // 2 for f in flags)
         source, module = max(r for r, f in enumerate(flags) if f % 2), trainer.lightning_module
-        _KINDS["consolidate"][0](self, source, 0, 0)  # a sharded optimizer's state_dict(): the source's, consolidated
         _tp.broadcast_coalesced([t.detach() for t in (*module.parameters(), *module.buffers())], src=source)
         box = [
             apply_to_collection(_pl.training_state(trainer), torch.Tensor, torch.Tensor.cpu)
@@ -636,23 +614,8 @@ class _EpochEnd(Callback):
     on_validation_epoch_end = on_test_epoch_end = on_predict_epoch_end = on_train_epoch_end
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
-        """Forget the last fit's counts; hook each ``ZeroRedundancyOptimizer``'s step (``UnevenInputs.step_zero``)."""
+        """Forget the last fit's counts."""
         self.uneven.epochs = {}
-        for hook in self.uneven._hooks:  # a last fit's, which a failure left
-            hook.remove()
-        self.uneven._hooks = [
-            zero.optim.register_step_post_hook(lambda *_, i=i: self.uneven.tail and self.uneven.step_zero(i))
-            for i, zero in enumerate(trainer.optimizers)
-            if isinstance(zero, ZeroRedundancyOptimizer)
-        ]
-
-    def state_dict(self) -> dict[str, Any]:
-        """Called first in each checkpoint's ``dump_checkpoint``, before the optimizer states, whose
-        ``consolidate_state_dict`` (a ``ZeroRedundancyOptimizer``'s, each rank's shard broadcast) a step some ranks
-        only shadow announces here. Returns ``{}`` (nothing is saved)."""
-        if self.uneven.tail and any(isinstance(o, ZeroRedundancyOptimizer) for o in self.uneven._trainer.optimizers):
-            self.uneven._exchange("consolidate")
-        return {}
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         """Rank 0 logs, for the fit summary, the policy and the batches each rank trained in each uneven epoch."""

@@ -399,8 +399,8 @@ def scenario_join(out: Path) -> None:
     step's own torch.distributed.all_reduce, and a callback's); then
     the cases a probe found hanging: accumulate_grad_batches (refused, and one that trains), validation inside
     the epoch (val_check_interval), and an IterableDataset with limit_train_batches or a __len__ (both hints); a
-    ZeroRedundancyOptimizer with gradient clipping, a per-step scheduler and a checkpoint each step; an
-    EMAWeightAveraging callback with gradient clipping (by norm) of a plain optimizer."""
+    ZeroRedundancyOptimizer with gradient clipping and a per-step scheduler (refused at the epoch's start, and under
+    uneven_inputs="stop"); an EMAWeightAveraging callback with gradient clipping (by norm) of a plain optimizer."""
     fit(
         out,
         "join_iterable",
@@ -427,15 +427,9 @@ def scenario_join(out: Path) -> None:
         callbacks=[every_step_checkpoint(out / "ckpt_fewer")],
         enable_checkpointing=True,
     )
-    fit(
-        out,
-        "zero",
-        stream(ITERABLE, ITERABLE_BATCH),
-        model=Zero(),
-        gradient_clip_val=CLIP,
-        callbacks=[every_step_checkpoint(out / "ckpt_zero")],
-        enable_checkpointing=True,
-    )
+    fit(out, "refuse_zero", stream(ITERABLE, ITERABLE_BATCH), model=Zero(), gradient_clip_val=CLIP)
+    stop = strategy(uneven_inputs="stop")  # what the refusal suggests, on the same data
+    fit(out, "stop_zero", stream(ITERABLE, ITERABLE_BATCH), model=Zero(), gradient_clip_val=CLIP, strategy=stop)
     fit(
         out,
         "ema",
@@ -472,7 +466,8 @@ def scenario_policies(out: Path) -> None:
     """uneven_inputs="stop" and "error" on both loader kinds, on a rank without any batch and on a data set whose
     ``__len__`` reads the rank; validation, test and predict on uneven streams; even inputs under MyDDPStrategy, a
     loader the strategy shards, then the even inputs under Lightning's ddp (last: its teardown keeps the process
-    group); each with a ZeroRedundancyOptimizer too."""
+    group); a ZeroRedundancyOptimizer on even inputs under both (ours: equal pre-sharded counts, and a stream under
+    "stop")."""
     fit(out, "stop_iterable", stream(ITERABLE, ITERABLE_BATCH), strategy=strategy(uneven_inputs="stop"))
     fit(
         out,
@@ -505,7 +500,10 @@ def scenario_policies(out: Path) -> None:
     fit(out, "stop_even", stream(even, ITERABLE_BATCH), strategy=strategy(uneven_inputs="stop"))
     whole = DataLoader(TensorDataset(*samples(0, 20, TRAIN_SALT)), batch_size=2, shuffle=True)
     fit(out, "sharded", whole, max_epochs=1)
-    fit(out, "zero_even_ours", stream(even, ITERABLE_BATCH), model=Zero(), gradient_clip_val=CLIP)
+    known = dict(use_distributed_sampler=False)  # pre-sharded, equal known counts: nothing uneven, nothing refused
+    fit(out, "zero_even_ours", own_shard(even, ITERABLE_BATCH), model=Zero(), gradient_clip_val=CLIP, **known)
+    stop = strategy(uneven_inputs="stop")  # an even stream: its counts unknown, "join" refuses, "stop" trains
+    fit(out, "zero_even_stop", stream(even, ITERABLE_BATCH), model=Zero(), gradient_clip_val=CLIP, strategy=stop)
     fit(out, "even_ddp", stream(even, ITERABLE_BATCH), val, Probed(("log",)), strategy="ddp")
     fit(out, "zero_even_ddp", stream(even, ITERABLE_BATCH), model=Zero(), gradient_clip_val=CLIP, strategy="ddp")
     for name, ddp in (("ema_even_ours", None), ("ema_even_ddp", "ddp")):
