@@ -448,6 +448,7 @@ class MyDDPStrategy(sync.wrapping.LightningDDPAttributes, ParallelStrategy):
     @override
     def on_exception(self, exception: BaseException) -> None:
         """Name the failed rank and why; save on SIGTERM if asked (no collective)."""
+        cause = self._uneven.failure_cause  # read before the epoch is forgotten
         self._uneven.abandon()
         if self._diagnostics is not None:  # remove the gradient hooks; no collective (other ranks may be gone)
             self._diagnostics.tracker.close()
@@ -460,6 +461,7 @@ class MyDDPStrategy(sync.wrapping.LightningDDPAttributes, ParallelStrategy):
             self.global_rank,
             self.world_size,
             save,
+            cause,
         )
 
     @override

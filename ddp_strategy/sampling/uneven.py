@@ -22,12 +22,13 @@ the active ranks announce each collective before making it, one message (an all-
 integers) of a kind in :data:`_KINDS`, the one table both sides read: DDP's forward and gradient buckets (the calls
 of DDP's own join hook, in two halves, since the step's own collectives come between), gathers (reductions and
 torchmetrics' syncs: a rank out of data gives an empty tensor, the active ranks keep their own rows), barriers,
-broadcasts from an active rank, a save's agreement; what a rank out of data cannot take part in (:data:`Refusal`, a
-collective the user's
-code makes with ``torch.distributed`` directly included: a dispatch mode sees it in a tail step,
-:meth:`UnevenInputs._watch`) raises :class:`UnevenInputsError` on every rank; a ``ZeroRedundancyOptimizer``, whose
-step broadcasts each rank's shard, is refused at the epoch's start. At the end every rank takes the longest rank's
-module and training state. This rank's state in such an epoch is one :class:`_Epoch`.
+broadcasts from an active rank, a save's agreement; what a rank out of data cannot take part in (:data:`Refusal`)
+raises :class:`UnevenInputsError` on every rank. What makes collectives of its own in a step (a
+``ZeroRedundancyOptimizer``, SyncBatchNorm, a metric with ``dist_sync_on_step=True``) is refused at the epoch's start;
+a collective that the user's code makes with ``torch.distributed`` directly in a tail step meets the join's message
+instead: gloo aborts one rank, and the error of the rank left names that as the likely cause
+(:attr:`UnevenInputs.failure_cause`). At the end every rank takes the longest rank's module and training state.
+This rank's state in such an epoch is one :class:`_Epoch`.
 
 An evaluation stage (validation, test, predict) whose loaders' counts differ or are unknown runs under the same
 join (:meth:`UnevenInputs.begin_evaluation`), under every policy, its metrics' syncs routed through the join's
@@ -37,7 +38,6 @@ gather; it ends at the stage's epoch end, before its epoch-level values are redu
 from __future__ import annotations
 
 import enum
-import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -109,12 +109,6 @@ Refusal = enum.Enum(
             " product, or of a dtype other than float, int or bool",
             "move it to the epoch's end",
         ),
-        "DIRECT": (
-            "a collective the strategy does not make (torch.distributed called directly; a torchmetrics Metric's"
-            " compute, or its per-step sync with dist_sync_on_step=True; a SyncBatchNorm layer)",
-            "make it through self.log(..., sync_dist=True) or trainer.strategy.reduce, barrier or broadcast, or at"
-            " the epoch's end (dist_sync_on_step=False; drop sync_batchnorm)",
-        ),
         "VALIDATION": (
             "a validation run (val_check_interval) in a step that not every rank reaches",
             "validate at the epoch's end (val_check_interval=1.0)",
@@ -156,6 +150,29 @@ class UnevenInputsError(RuntimeError):
     """Raised on every rank where ranks with different amounts of training data cannot go on together: a
     collective a rank without data cannot take part in (``uneven_inputs="join"``), or any unevenness under
     ``uneven_inputs="error"``. The message names the step, the ranks without data and what to do."""
+
+
+def _unshadowed(trainer: Any) -> list[str]:
+    """What makes collectives of its own in a training step, not through the strategy, so that a rank out of data
+    cannot take part in them under the join, named: a ``ZeroRedundancyOptimizer`` (its step broadcasts each rank's
+    shard), SyncBatchNorm layers (their forward all-reduces the batch statistics), torchmetrics metrics with
+    ``dist_sync_on_step=True`` (their forward gathers every rank's state)."""
+    found = [
+        f"optimizer {i}, a ZeroRedundancyOptimizer"
+        for i, optimizer in enumerate(trainer.optimizers)
+        if isinstance(optimizer, ZeroRedundancyOptimizer)
+    ]
+    found += [
+        f"the SyncBatchNorm layer {name!r}"
+        for name, module in trainer.lightning_module.named_modules()
+        if "SyncBatchNorm" in type(module).__name__
+    ]
+    found += [
+        f"the metric {name!r}"
+        for name, module in trainer.lightning_module.named_modules()
+        if getattr(module, "dist_sync_on_step", False) is True
+    ]
+    return found
 
 
 def _accumulation_message(trainer: Any, k: int, ranks: list[int]) -> str:
@@ -218,7 +235,6 @@ class UnevenInputs(Joinable, JoinHook):
         self.epochs: dict[int, tuple[int, ...]] = {}  #: epoch whose counts differed -> batches each rank trained
         self._trainer: Any = None
         self._epoch: _Epoch | None = None
-        self._direct = _tp.DirectCollectives(functools.partial(self.refuse, Refusal.DIRECT))  #: in a tail step
 
     @property
     def tail(self) -> bool:
@@ -236,6 +252,22 @@ class UnevenInputs(Joinable, JoinHook):
 
     join_process_group = None  #: the world (torch's ``Joinable`` property, as a constant)
 
+    @property
+    def failure_cause(self) -> str | None:
+        """For the failure report of a collective that breaks in an epoch or evaluation run under the join: the
+        collective a user makes with ``torch.distributed`` directly, which the strategy does not see (in a tail step
+        it meets the join's message; gloo aborts one rank, the others' collectives break). None outside such a run."""
+        return (
+            None
+            if self._epoch is None or self._epoch.join is None
+            else "A likely cause: the ranks hold different or unknown numbers of batches here (uneven inputs), and a"
+            " rank out of data takes part in the others' steps only through the strategy's collectives, so a"
+            " collective that a step or callback makes with torch.distributed directly meets the join's own message"
+            ' instead (gloo aborts one rank: "Received data size doesn\'t match expected size"). Make it through'
+            " self.log(..., sync_dist=True) or trainer.strategy.reduce, barrier or broadcast, or at the epoch's end,"
+            " or pass MyDDPStrategy(uneven_inputs='stop'), or give every rank the same number of batches."
+        )
+
     def join_hook(self, **kwargs: Any) -> JoinHook:
         return self
 
@@ -247,9 +279,8 @@ class UnevenInputs(Joinable, JoinHook):
 
         Raises:
             ValueError: known, unequal counts under ``"error"``, or under ``"join"`` with ``accumulate_grad_batches``
-                not dividing a shorter rank's count (its last batch would sync gradients alone), or a
-                ``ZeroRedundancyOptimizer`` (its step broadcasts each rank's shard, which a rank out of data cannot
-                take part in), named, with ``uneven_inputs="stop"``.
+                not dividing a shorter rank's count (its last batch would sync gradients alone), or what a rank out of
+                data cannot take part in (:func:`_unshadowed`), each named, with ``uneven_inputs="stop"``.
         """
         self._trainer, self._epoch = trainer, None
         unknown = trainer.num_training_batches == float("inf") or any(
@@ -271,15 +302,15 @@ class UnevenInputs(Joinable, JoinHook):
             raise ValueError(
                 _accumulation_message(trainer, k, [r for r, c in enumerate(counts) if c % k and c < max(counts)])
             )
-        zero = [i for i, o in enumerate(trainer.optimizers) if isinstance(o, ZeroRedundancyOptimizer)]
-        if self.policy == "join" and zero:
+        if self.policy == "join" and (unshadowed := _unshadowed(trainer)):
             raise ValueError(
                 f"[rank {trainer.global_rank}] the ranks' numbers of training batches in epoch {epoch} differ or are"
                 f" unknown ({dict(enumerate(counts))}; -1: a loader without a length, or an IterableDataset), and under"
                 " MyDDPStrategy(uneven_inputs='join') a rank out of data takes part in the others' steps only through"
-                f" the strategy's collectives, not in those that optimizer {zero[0]}, a ZeroRedundancyOptimizer make(s)"
-                " in each step. Pass MyDDPStrategy(uneven_inputs='stop') (every rank stops at the shortest rank's last"
-                " batch), or give every rank the same known number of batches (let MyDDPStrategy shard the data)."
+                f" the strategy's collectives, not in those that {', '.join(unshadowed)} make(s) in each step. Pass"
+                " MyDDPStrategy(uneven_inputs='stop') (every rank stops at the shortest rank's last batch), or give"
+                " every rank the same known number of batches (let MyDDPStrategy shard the data); a metric also works"
+                " with dist_sync_on_step=False (compute it at the epoch's end), a BatchNorm without sync_batchnorm."
             )
         self._epoch = _Epoch(
             known,
@@ -348,7 +379,7 @@ class UnevenInputs(Joinable, JoinHook):
             self._exchange("end")
         if epoch.signals is None or not epoch.signals.all_have_next():  # an evaluation step notifies
             stepping, work = self._notify(1)  # a rank that lacks this step is in Join.__exit__: it answers
-            self._watch(stepping < trainer.world_size)
+            epoch.tail = stepping < trainer.world_size
             if epoch.tail and not self.divide_by_initial_world_size and trainer.training:
                 _tp.set_gradient_divisor(self.ddp, work, False)
         if k > 1 and not epoch.tail and not epoch.known and trainer.training:
@@ -361,15 +392,6 @@ class UnevenInputs(Joinable, JoinHook):
         :meth:`step_start`): 0 where this rank has a next batch and the round may stand for the next step's notify,
         else 1 (any rank's 1 makes every rank notify)."""
         return int(self._epoch is None or not self._epoch.ahead or self._epoch.progress.is_last_batch)
-
-    def _watch(self, tail: bool) -> None:
-        """Set whether this rank is in a tail step; while it is, a collective that user code makes with
-        ``torch.distributed`` directly (:class:`~ddp_strategy._compat.torch_private.DirectCollectives`, entered for
-        the tail only: each op costs some 10-20 us in it) raises :class:`UnevenInputsError` on every rank
-        (``Refusal.DIRECT``). No collective."""
-        if tail != self._epoch.tail:
-            self._direct.__enter__() if tail else self._direct.__exit__(None, None, None)
-        self._epoch.tail = tail
 
     def _notify(self, value: int) -> tuple[int, Any]:
         """One all-reduce of one number, the one ``Join.notify_join_context`` makes and ``Join.__exit__`` shadows
@@ -494,15 +516,12 @@ class UnevenInputs(Joinable, JoinHook):
         else:
             if epoch.tail:
                 self._exchange("end")
-            self._watch(False)
             epoch.join.__exit__(None, None, None)
         self.abandon()
 
     def abandon(self) -> None:
         """After a failure, at teardown or its end: forget the epoch (an evaluation's gives its metrics their own sync
         back, and its place to the training epoch it interrupted). No collective."""
-        if self.tail:
-            self._watch(False)
         for metric in getattr(self._epoch, "synced", None) or ():
             metric.dist_sync_fn = None
         self._epoch = self._epoch and self._epoch.outer
