@@ -107,7 +107,8 @@ class MyDDPStrategy(sync.wrapping.LightningDDPAttributes, ParallelStrategy):
         self._forward_redirection = sync.DDPForwardRedirection()
         self._run = process.ProcessGroupRun(self._options.timeout, self._options.barrier_timeout, init_method, store)
         self._sharding = sampling.LoaderSharding(exact_evaluation)
-        self._uneven = sampling.UnevenInputs(uneven_inputs, divide_by_initial_world_size)
+        self._round = process.boundaries.StepRound()  # the per-step flags the signals and the uneven inputs share
+        self._uneven = sampling.UnevenInputs(uneven_inputs, divide_by_initial_world_size, self._round)
         self._warned_padded_gather = self._buffers_due = False  # rank 0's buffers: due at a validation step
         self._gradients_steps = 0  # optimizer steps (for the unused-parameter check and verify_sync_every_n_steps)
         self._verify_sync_every_n_steps = verify_sync_every_n_steps
@@ -200,20 +201,14 @@ class MyDDPStrategy(sync.wrapping.LightningDDPAttributes, ParallelStrategy):
         self.accelerator.setup(trainer)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
+        trainer.callbacks.insert(0, self._uneven.callback)  # first: it ends an uneven epoch or evaluation run
         if trainer.state.fn == TrainerFn.FITTING:
             if self._layer_sync:  # Trainer(sync_batchnorm=True): Lightning's plugin, made CPU-capable
                 self._layer_sync = sync.cpu_capable(self._layer_sync)
                 self.model = self._layer_sync.apply(self.model)
-            process.boundaries.add_fit_callbacks(  # the uneven-inputs callback first: it ends an uneven epoch
-                trainer,
-                self._run,
-                self.global_rank,
-                self.world_size,
-                self._uneven.callback,
-                self._uneven.begin_epoch,  # its next-batch flags ride in the step boundaries' rounds
-                lambda: self._uneven.tail,
-                self._uneven.lacks_next,
-            )
+            process.boundaries.add_fit_callbacks(trainer, self._run, self.global_rank, self.world_size, self._round)
+            if self.world_size > 1:  # after the epoch barrier: the batch counts
+                trainer.callbacks.append(self._uneven.epoch_start)
             if self.is_global_zero:
                 checkpoint.prepare_folders(trainer.checkpoint_callbacks)
             self.configure_ddp()  # Lightning's overridable hooks: _setup_model, then _register_ddp_hooks
@@ -223,8 +218,7 @@ class MyDDPStrategy(sync.wrapping.LightningDDPAttributes, ParallelStrategy):
             self._model_averager = sync.model_averager(
                 self._options.comm_hook, self._options.model_averaging_period, self.optimizers
             )
-        else:  # the uneven-inputs callback ends an evaluation run on uneven loaders
-            trainer.callbacks.insert(0, self._uneven.callback)
+        else:
             sync.broadcast_states(self.model, buffers=self._options.ddp_kwargs.get("broadcast_buffers", True))
         self.setup_precision_plugin()
 
@@ -474,7 +468,10 @@ class MyDDPStrategy(sync.wrapping.LightningDDPAttributes, ParallelStrategy):
         self._sharding.hand_back(trainer)
         self._uneven.abandon()
         if trainer is not None:  # the loops' data fetchers read the loaders' lengths (user code) while the group lives
-            process.boundaries.remove_fit_callbacks(trainer, self._uneven.callback)
+            process.boundaries.remove_fit_callbacks(trainer)
+            trainer.callbacks[:] = [
+                c for c in trainer.callbacks if c not in (self._uneven.callback, self._uneven.epoch_start)
+            ]
             for loop in (trainer.fit_loop, trainer.validate_loop, trainer.test_loop, trainer.predict_loop):
                 loop.teardown()
         super().teardown()

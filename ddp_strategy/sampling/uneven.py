@@ -9,7 +9,8 @@ after the epoch barrier). ``uneven_inputs="stop"`` ends every rank's epoch with 
 (``torch.distributed.algorithms.Join``), :class:`UnevenInputs` its ``Joinable`` and its own join hook. Whether
 every rank has a next batch is known a step early (``is_last_batch``: Lightning's loop fetches one batch ahead of a
 loader without a length; known counts are exact), so it rides in each batch's asynchronous round of the SIGTERM flags
-on the gloo side group (``process.boundaries``), read at the next step's start: while every
+on the gloo side group (``process.boundaries.StepRound``, which the strategy makes and both read), read at the next
+step's start: while every
 rank has one, steps make no blocking collective of their own (where a length is only a hint, or validation may
 start at other batches on other ranks, each step notifies: :meth:`UnevenInputs.step_start`). At the step a rank
 lacks, and in each step after, the ranks notify the join (the all-reduce of one number
@@ -53,7 +54,7 @@ from torchmetrics.utilities.distributed import gather_all_tensors
 from ddp_strategy._compat import lightning_private as _pl
 from ddp_strategy._compat import namespace as _namespace
 from ddp_strategy._compat import torch_private as _tp
-from ddp_strategy.process import agree_on_rank_zero_failure
+from ddp_strategy.process import agree_on_rank_zero_failure, boundaries
 from ddp_strategy.sampling.loaders import flat_loaders
 
 if TYPE_CHECKING:
@@ -200,7 +201,6 @@ class _Epoch:
     tail: bool = False  #: in a step some ranks, out of data, only shadow
     synced: list[Any] | None = None  #: an evaluation's (None: a training epoch): the metrics it syncs (``gather``)
     outer: _Epoch | None = None  #: an evaluation's: the training epoch it interrupts (a validation run mid-epoch)
-    signals: Any = None  #: a training epoch's: the step boundaries' callback, whose rounds carry the next-batch flags
 
 
 class UnevenInputs(Joinable, JoinHook):
@@ -212,12 +212,15 @@ class UnevenInputs(Joinable, JoinHook):
         policy: ``"join"``, ``"stop"`` or ``"error"``.
         divide_by_initial_world_size: ``"join"``'s tail step divides its gradient sum by W (True, DDP's default for
             ``DistributedDataParallel.join``: a sample weighs ``1 / (W * B)`` in every step) or by its ranks.
+        step_round: the fit's per-step round (``process.boundaries.StepRound``), shared with the signal checks: a
+            training step reads whether every rank has it, and sets whether this rank has a next one and whether the
+            step is a tail step.
 
     Raises:
         ValueError: an unknown policy. TypeError: ``divide_by_initial_world_size`` not a bool.
     """
 
-    def __init__(self, policy: str = "join", divide_by_initial_world_size: bool = True) -> None:
+    def __init__(self, policy: str, divide_by_initial_world_size: bool, step_round: boundaries.StepRound) -> None:
         super().__init__()
         if policy not in POLICIES:
             raise ValueError(
@@ -231,7 +234,9 @@ class UnevenInputs(Joinable, JoinHook):
                 f" {divide_by_initial_world_size!r}."
             )
         self.policy, self.divide_by_initial_world_size = policy, divide_by_initial_world_size
-        self.callback = _EpochEnd(self)  #: ends the join at the epoch's end, first among the callbacks
+        self.callback = _EpochEnd(self)  #: first among the callbacks: ends an uneven epoch or evaluation run
+        self.epoch_start = _EpochStart(self)  #: after the epoch barrier's callback (2+ ranks): gathers the counts
+        self._round = step_round
         self.epochs: dict[int, tuple[int, ...]] = {}  #: epoch whose counts differed -> batches each rank trained
         self._trainer: Any = None
         self._epoch: _Epoch | None = None
@@ -271,11 +276,10 @@ class UnevenInputs(Joinable, JoinHook):
     def join_hook(self, **kwargs: Any) -> JoinHook:
         return self
 
-    def begin_epoch(self, trainer: Any, signals: Any) -> None:
+    def begin_epoch(self, trainer: Any) -> None:
         """At a training epoch's start, on every rank, after the epoch barrier: gather every rank's batch count
         (-1: unknown, as any ``IterableDataset``'s, whose length is only a hint; one all-reduce of W integers), and
-        where they differ or are unknown, set the epoch up for the policy. ``signals``: the step boundaries' callback
-        (``process.boundaries.SignalsAtStepBoundary``), whose per-batch rounds carry ``"join"``'s next-batch flags.
+        where they differ or are unknown, set the epoch up for the policy (not called with one rank).
 
         Raises:
             ValueError: known, unequal counts under ``"error"``, or under ``"join"`` with ``accumulate_grad_batches``
@@ -324,7 +328,6 @@ class UnevenInputs(Joinable, JoinHook):
                 or isinstance(interval, int)
                 and trainer.check_val_every_n_epoch is not None
             ),
-            signals=signals,
         )
         if self._epoch.uncut is not None:  # "stop" on known counts: cut here, the next epoch is cut anew
             _pl.cut_epoch(trainer, min(counts))
@@ -334,10 +337,10 @@ class UnevenInputs(Joinable, JoinHook):
 
     def step_start(self) -> None:
         """At a training step's start (``batch_to_device``, else ``training_step``), every rank with a batch, once.
-        ``"join"``: read the next-batch flags of the last batch's round (``process.boundaries``; this batch's follows
-        at its start, :meth:`lacks_next`). The join's notify (one blocking all-reduce) instead where a rank lacks
-        this step, in the epoch's first step, and in every step where the flags say nothing (each rank's says 1): a
-        loader whose length is a hint (an
+        ``"join"``: read the next-batch flags of the last training batch's round (``process.boundaries.StepRound``),
+        then tell this batch's round whether this rank has a next batch and whether the step is a tail step (no round
+        then). The join's notify (one blocking all-reduce) instead where a rank lacks this step, in the epoch's first
+        step, and in every step where the flags say nothing (each rank's says 1): a loader whose length is a hint (an
         ``IterableDataset``'s ``__len__``, or ``limit_train_batches`` on one: Lightning then fetches no batch ahead,
         and ``is_last_batch`` is the length's guess; known counts and a stream without a length are exact), or a
         validation run that may start at other batches on other ranks
@@ -377,21 +380,18 @@ class UnevenInputs(Joinable, JoinHook):
             return
         if epoch.tail:
             self._exchange("end")
-        if epoch.signals is None or not epoch.signals.all_have_next():  # an evaluation step notifies
+        if not epoch.ahead or self._round.received()[2]:  # some rank may lack this batch (an evaluation's: unknown)
             stepping, work = self._notify(1)  # a rank that lacks this step is in Join.__exit__: it answers
             epoch.tail = stepping < trainer.world_size
             if epoch.tail and not self.divide_by_initial_world_size and trainer.training:
                 _tp.set_gradient_divisor(self.ddp, work, False)
+        if trainer.training:  # this batch's round
+            self._round.has_next = epoch.ahead and not progress.is_last_batch
+            self._round.tail = epoch.tail
         if k > 1 and not epoch.tail and not epoch.known and trainer.training:
             syncs = self._flags(1 + (progress.is_last_batch or (progress.current.ready + 1) % k == 0))
             if len(set(syncs)) > 1:
                 raise UnevenInputsError(_accumulation_message(trainer, k, [r for r, f in enumerate(syncs) if f == 2]))
-
-    def lacks_next(self) -> int:
-        """The next-batch flag of this training batch's round (``process.boundaries``, at its start, after
-        :meth:`step_start`): 0 where this rank has a next batch and the round may stand for the next step's notify,
-        else 1 (any rank's 1 makes every rank notify)."""
-        return int(self._epoch is None or not self._epoch.ahead or self._epoch.progress.is_last_batch)
 
     def _notify(self, value: int) -> tuple[int, Any]:
         """One all-reduce of one number, the one ``Join.notify_join_context`` makes and ``Join.__exit__`` shadows
@@ -647,3 +647,14 @@ class _EpochEnd(Callback):
                 f"Uneven inputs (uneven_inputs={u.policy!r}{rule}): batches trained per rank, "
                 + ", ".join(f"epoch {epoch}: {list(counts)}" for epoch, counts in u.epochs.items())
             )
+
+
+class _EpochStart(Callback):
+    """At each training epoch's start, after the epoch barrier (put after ``process.boundaries``' callbacks): the
+    policy's part, :meth:`UnevenInputs.begin_epoch`."""
+
+    def __init__(self, uneven: UnevenInputs) -> None:
+        self.uneven = uneven
+
+    def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
+        self.uneven.begin_epoch(trainer)

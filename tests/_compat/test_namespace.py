@@ -87,7 +87,7 @@ def test_each_namespace_gets_classes_deriving_from_its_own_bases(namespace):
         (
             EpochBoundaryCheck,
             get("pytorch:Callback"),
-            {"group": None, "timeout": timedelta(seconds=1), "rank": 0, "world_size": 1, "then": None},
+            {"group": None, "timeout": timedelta(seconds=1), "rank": 0, "world_size": 1},
         ),
     ):
         obj = public.for_namespace(namespace.name)(**args)
