@@ -229,7 +229,7 @@ class MyDDPStrategy(sync.wrapping.LightningDDPAttributes, ParallelStrategy):
 
     @override
     def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
-        """Lightning's; at a training step's start on uneven inputs, one all-reduce first (``sampling.uneven``)."""
+        """Lightning's; at a step's start on uneven inputs, the policy's and the join's part first (``sampling``)."""
         self._uneven.step_start()
         return super().batch_to_device(batch, device, dataloader_idx)
 
@@ -442,7 +442,7 @@ class MyDDPStrategy(sync.wrapping.LightningDDPAttributes, ParallelStrategy):
     @override
     def on_exception(self, exception: BaseException) -> None:
         """Name the failed rank and why; save on SIGTERM if asked (no collective)."""
-        cause = self._uneven.failure_cause  # read before the epoch is forgotten
+        cause = self._uneven.failure_cause  # read before the run is forgotten
         self._uneven.abandon()
         if self._diagnostics is not None:  # remove the gradient hooks; no collective (other ranks may be gone)
             self._diagnostics.tracker.close()
