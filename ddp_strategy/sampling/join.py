@@ -16,7 +16,7 @@ before making it: one message (an all-reduce, MAX, of ``4 + W`` integers) of a k
 one table both sides read, with its shadow, the method a rank out of data runs for it: DDP's forward and gradient
 buckets (the calls of DDP's own join hook, in two halves, since the step's own collectives come between), gathers
 (reductions and torchmetrics' syncs: a rank out of data gives an empty tensor, the active ranks keep their own rows),
-barriers, a checkpoint save's agreement, broadcasts from an active rank. What a rank out of data cannot take part in
+barriers (a checkpoint save's too), broadcasts from an active rank. What a rank out of data cannot take part in
 (:data:`Refusal`) raises :class:`UnevenInputsError` on every rank. A collective that the user's code makes with
 ``torch.distributed`` directly in a tail step meets the join's message instead: gloo aborts one rank, and the error
 of the rank left names that as the likely cause (:attr:`StepJoin.failure_cause`).
@@ -36,7 +36,7 @@ from torchmetrics.utilities.distributed import gather_all_tensors
 
 from ddp_strategy._compat import lightning_private as _pl
 from ddp_strategy._compat import torch_private as _tp
-from ddp_strategy.process import agree_on_rank_zero_failure, boundaries
+from ddp_strategy.process import boundaries
 
 _DTYPES = (
     torch.float32,
@@ -378,12 +378,8 @@ class StepJoin(Joinable, JoinHook):
         gather_all_tensors(torch.zeros((0,) * message.a, dtype=_DTYPES[message.b], device=self.join_device))
 
     def _shadow_barrier(self, message: _Message) -> None:
-        """``strategy.barrier()``."""
+        """``strategy.barrier()``, or a checkpoint save's (rank 0 writes; a failure there fails as under Lightning)."""
         dist.barrier()
-
-    def _shadow_save(self, message: _Message) -> None:
-        """A checkpoint save's barrier, which carries rank 0's outcome (``process.agree_on_rank_zero_failure``)."""
-        agree_on_rank_zero_failure(None, "saving a checkpoint", self._trainer.global_rank, self.join_device)
 
     def _shadow_broadcast(self, message: _Message) -> None:
         """A broadcast of a picklable object from active rank ``a``."""
@@ -401,7 +397,7 @@ class StepJoin(Joinable, JoinHook):
         "gather": (_shadow_gather, None),
         "barrier": (_shadow_barrier, None),
         "broadcast": (_shadow_broadcast, Refusal.BROADCAST),
-        "save": (_shadow_save, Refusal.SAVE),
+        "save": (_shadow_barrier, Refusal.SAVE),
         "all_gather": (None, Refusal.ALL_GATHER),
         "validation": (None, Refusal.VALIDATION),
     }
