@@ -107,7 +107,8 @@ class MyDDPStrategy(sync.wrapping.LightningDDPAttributes, ParallelStrategy):
         self._forward_redirection = sync.DDPForwardRedirection()
         self._run = process.ProcessGroupRun(self._options.timeout, self._options.barrier_timeout, init_method, store)
         self._sharding = sampling.LoaderSharding(exact_evaluation)
-        self._uneven = sampling.UnevenInputs(uneven_inputs, divide_by_initial_world_size)
+        self._round = process.boundaries.StepRound()  # the per-step flags the signals and the uneven inputs share
+        self._uneven = sampling.UnevenInputs(uneven_inputs, divide_by_initial_world_size, self._round)
         self._warned_padded_gather = self._buffers_due = False  # rank 0's buffers: due at a validation step
         self._gradients_steps = 0  # optimizer steps (for the unused-parameter check and verify_sync_every_n_steps)
         self._verify_sync_every_n_steps = verify_sync_every_n_steps
@@ -205,20 +206,14 @@ class MyDDPStrategy(sync.wrapping.LightningDDPAttributes, ParallelStrategy):
         self.accelerator.setup(trainer)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
+        trainer.callbacks.insert(0, self._uneven.callback)  # first: it ends an uneven epoch or evaluation run
         if trainer.state.fn == TrainerFn.FITTING:
             if self._layer_sync:  # Trainer(sync_batchnorm=True): Lightning's plugin, made CPU-capable
                 self._layer_sync = sync.cpu_capable(self._layer_sync)
                 self.model = self._layer_sync.apply(self.model)
-            process.boundaries.add_fit_callbacks(  # the uneven-inputs callback first: it ends an uneven epoch
-                trainer,
-                self._run,
-                self.global_rank,
-                self.world_size,
-                self._uneven.callback,
-                self._uneven.begin_epoch,  # its next-batch flags ride in the step boundaries' rounds
-                lambda: self._uneven.tail,
-                self._uneven.lacks_next,
-            )
+            process.boundaries.add_fit_callbacks(trainer, self._run, self.global_rank, self.world_size, self._round)
+            if self.world_size > 1:  # after the epoch barrier: the batch counts
+                trainer.callbacks.append(self._uneven.epoch_start)
             if self.is_global_zero:
                 checkpoint.prepare_folders(trainer.checkpoint_callbacks)
             self.configure_ddp()  # Lightning's overridable hooks: _setup_model, then _register_ddp_hooks
@@ -228,8 +223,7 @@ class MyDDPStrategy(sync.wrapping.LightningDDPAttributes, ParallelStrategy):
             self._model_averager = sync.model_averager(
                 self._options.comm_hook, self._options.model_averaging_period, self.optimizers
             )
-        else:  # the uneven-inputs callback ends an evaluation run on uneven loaders
-            trainer.callbacks.insert(0, self._uneven.callback)
+        else:
             sync.broadcast_states(self.model, buffers=self._options.ddp_kwargs.get("broadcast_buffers", True))
         self.setup_precision_plugin()
 
@@ -240,7 +234,7 @@ class MyDDPStrategy(sync.wrapping.LightningDDPAttributes, ParallelStrategy):
 
     @override
     def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
-        """Lightning's; at a training step's start on uneven inputs, one all-reduce first (``sampling.uneven``)."""
+        """Lightning's; at a step's start on uneven inputs, the policy's and the join's part first (``sampling``)."""
         self._uneven.step_start()
         return super().batch_to_device(batch, device, dataloader_idx)
 
@@ -445,6 +439,7 @@ class MyDDPStrategy(sync.wrapping.LightningDDPAttributes, ParallelStrategy):
     @override
     def on_exception(self, exception: BaseException) -> None:
         """Name the failed rank and why; save on SIGTERM if asked (no collective)."""
+        cause = self._uneven.failure_cause  # read before the run is forgotten
         self._uneven.abandon()
         if self._diagnostics is not None:  # remove the gradient hooks; no collective (other ranks may be gone)
             self._diagnostics.tracker.close()
@@ -457,6 +452,7 @@ class MyDDPStrategy(sync.wrapping.LightningDDPAttributes, ParallelStrategy):
             self.global_rank,
             self.world_size,
             save,
+            cause,
         )
 
     @override
@@ -469,7 +465,10 @@ class MyDDPStrategy(sync.wrapping.LightningDDPAttributes, ParallelStrategy):
         self._sharding.hand_back(trainer)
         self._uneven.abandon()
         if trainer is not None:  # the loops' data fetchers read the loaders' lengths (user code) while the group lives
-            process.boundaries.remove_fit_callbacks(trainer, self._uneven.callback)
+            process.boundaries.remove_fit_callbacks(trainer)
+            trainer.callbacks[:] = [
+                c for c in trainer.callbacks if c not in (self._uneven.callback, self._uneven.epoch_start)
+            ]
             for loop in (trainer.fit_loop, trainer.validate_loop, trainer.test_loop, trainer.predict_loop):
                 loop.teardown()
         super().teardown()

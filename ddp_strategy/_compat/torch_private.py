@@ -8,13 +8,10 @@ at run time each wrapper degrades to "no data" instead of failing a training run
 from __future__ import annotations
 
 import logging
-import sys
-from collections.abc import Callable
 from typing import Any
 
 import torch.distributed as dist
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 log = logging.getLogger(__name__)
 
@@ -22,7 +19,6 @@ __all__ = [
     "COMPILE_SEGMENT",
     "DDP_TIMING_KEYS",
     "CountingProcessGroup",
-    "DirectCollectives",
     "all_reduce_first_static_graph_step",
     "broadcast_coalesced",
     "compiled_original",
@@ -108,60 +104,6 @@ class CountingProcessGroup:
     def allreduce(self, tensors: list[Any], *args: Any) -> Any:
         self.count(tensors)
         return self._target().allreduce(tensors, *args)
-
-
-class DirectCollectives(TorchDispatchMode):
-    """While entered on this thread, call ``refuse()`` before each collective (a ``c10d`` op, functional ones too)
-    that user code makes with ``torch.distributed`` directly, and let every other op through unchanged.
-
-    A collective's caller is the first Python frame outward whose ``module:function`` starts with one of
-    :data:`OWNERS` (the strategy's, DDP, the backward engine with DDP's reducer and any comm hook, torch's join and
-    comm hooks, a ``ZeroRedundancyOptimizer``: collectives a rank out of data shadows) or of :data:`CALLERS`
-    (Lightning and the strategy's step methods, which call the user's hooks: so the collective is the user's, or
-    torchmetrics' called by the user); the frames between (``torch.distributed``'s functions, the user's modules,
-    torchmetrics, ``torch.nn.modules``, ``torch.optim``, a profiler's wrappers) are skipped. ``refuse`` runs with the
-    mode popped (torch's rule for a mode's handler), so its own collectives pass; it is expected to raise, and its
-    exception comes out of the user's call.
-
-    Built on torch's Python dispatch mode (``torch.utils._python_dispatch``), as
-    ``torch.distributed.tensor.debug.CommDebugMode`` counts ``c10d`` ops. Costs some 10-20 us per op (every op on the
-    thread goes through ``__torch_dispatch__`` while entered): enter it only for the steps that need it.
-    """
-
-    #: Whose collectives a rank out of data shadows: the strategy's modules (not ``ddp_strategy.sync``: the
-    #: SyncBatchNorm layer of ``sync_batchnorm=True`` is called by the user's forward, its comm hooks by the backward
-    #: engine), DDP, the backward engine, torch's join and comm hooks, ``ZeroRedundancyOptimizer``.
-    OWNERS = (
-        "ddp_strategy.strategy",
-        "ddp_strategy.sampling.",
-        "ddp_strategy.process.",
-        "ddp_strategy._compat.",
-        "torch.nn.parallel.",
-        "torch.autograd.graph",
-        "torch.distributed.algorithms.",
-        "torch.distributed.optim.",
-    )
-    #: Who calls the user's code: Lightning, and the strategy's step methods (they call the LightningModule's hook).
-    CALLERS = (
-        "lightning.",
-        "pytorch_lightning.",
-        "lightning_fabric.",
-        *(f"ddp_strategy.strategy:{stage}_step" for stage in ("training", "validation", "test", "predict")),
-    )
-
-    def __init__(self, refuse: Callable[[], None]) -> None:
-        super().__init__()
-        self.refuse = refuse
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        frame = sys._getframe().f_back if "c10d" in func.namespace else None
-        while frame is not None and not (
-            name := f"{frame.f_globals.get('__name__', '')}:{frame.f_code.co_name}"
-        ).startswith(self.OWNERS + self.CALLERS):
-            frame = frame.f_back
-        if frame is not None and name.startswith(self.CALLERS):
-            self.refuse()
-        return func(*args, **(kwargs or {}))
 
 
 def default_store() -> Any:

@@ -1,14 +1,13 @@
 """Step 1, the process group. Owns: launching and its checks (:mod:`~ddp_strategy.process.launching`), the world group,
 reused by every run in a process as under Lightning's ``ddp`` (:mod:`~ddp_strategy.process.group`), the failure
 protocol (:mod:`~ddp_strategy.process.failures`), the epoch- and step-boundary checks
-(:mod:`~ddp_strategy.process.boundaries`) and ``all_gather`` of uneven tensors and rank 0's failed save raised on
-every rank (:mod:`~ddp_strategy.process.collectives`). Must not touch: loaders, the model or checkpoints.
+(:mod:`~ddp_strategy.process.boundaries`) and ``all_gather`` of uneven tensors
+(:mod:`~ddp_strategy.process.collectives`). Must not touch: loaders, the model or checkpoints.
 """
 
 from ddp_strategy._compat import namespace as _namespace
 from ddp_strategy.process import boundaries, failures, launching
 from ddp_strategy.process.collectives import (
-    agree_on_rank_zero_failure,
     all_gather_padded,
     all_gather_rows,
     gather_shapes,
@@ -31,7 +30,6 @@ __all__ = [
     "ProcessGroupRun",
     "START_METHODS",
     "StartMethod",
-    "agree_on_rank_zero_failure",
     "all_gather_padded",
     "all_gather_rows",
     "as_timedelta",

@@ -1,6 +1,7 @@
 """Checks at epoch and step boundaries while fitting: every rank arrives; SIGTERM, SLURM requeue stop all at one step.
 
-:func:`add_fit_callbacks` and :func:`remove_fit_callbacks` put the two callbacks in and out of ``trainer.callbacks``.
+:func:`add_fit_callbacks` and :func:`remove_fit_callbacks` put the two callbacks in and out of ``trainer.callbacks``;
+:class:`StepRound` is the one per-step agreement that the signals and the uneven inputs' join share.
 """
 
 from __future__ import annotations
@@ -9,7 +10,6 @@ import logging
 import signal
 import threading
 import time
-from collections.abc import Callable
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -28,20 +28,62 @@ else:  # this process's Lightning namespace (see ddp_strategy._compat.namespace)
 log = logging.getLogger(__name__)
 
 
+class StepRound:
+    """One fit's per-step agreement: at each training batch's start every rank that takes the batch starts one
+    asynchronous all-reduce (MAX) of three flags, a CPU tensor on the gloo side group (no world-group collective, no
+    host-device sync), and the result is read a step later, long done by then.
+
+    The strategy makes one and gives it to both parties that read it: :class:`SignalsAtStepBoundary` starts each
+    round and acts on ``signalled`` (this rank's SIGTERM and requeue flags, set until acted on), and the uneven
+    inputs' join (``sampling.join``) reads whether every rank has the next batch (each rank's ``has_next``), so that
+    it need not notify then. ``has_next`` and ``tail`` are the current batch's: set at its start, before its round
+    (``batch_to_device``), and cleared by it; in a ``tail`` step, which some ranks (out of data) only shadow, no round
+    starts, and a flag raised there rides in the next round every rank takes.
+    """
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        """A fit starts or ends: no flag set, no round in flight (after a failure a peer may be gone: destroying the
+        group ends an all-reduce left unread). No collective."""
+        self.signalled = [0, 0]  #: this rank's SIGTERM and requeue flags
+        self.has_next = False  #: this rank has a batch after the current one (set by sampling.join)
+        self.tail = False  #: the current batch is one that some ranks only shadow (set by sampling.join)
+        self._sent: tuple[torch.Tensor, Any] | None = None
+
+    def start(self, group: Any, world_size: int) -> None:
+        """At a training batch's start, on every rank that takes it: start the all-reduce of ``[*signalled, not
+        has_next]`` on ``group`` (none with one rank), unless in a ``tail`` step; then clear the batch's flags."""
+        if not self.tail:
+            flags = torch.tensor([*self.signalled, int(not self.has_next)], dtype=torch.uint8)
+            work = dist.all_reduce(flags, dist.ReduceOp.MAX, group, async_op=True) if world_size > 1 else None
+            self._sent = (flags, work)
+        self.has_next = self.tail = False
+
+    def received(self) -> torch.Tensor:
+        """The last round's flags, every rank's maximum: ``[SIGTERM, requeue, some rank lacks a next batch]``, waited
+        for (sent a step ago: done); ``[0, 0, 1]`` before the first. A round may be read again (the next epoch's first
+        step reads the one before a tail): the signal flags are cleared in it once acted on, and a round whose
+        ``has_next`` was read already carried a 1 (the epoch's last batch, or the batch before a tail)."""
+        flags, work = self._sent or (torch.tensor([0, 0, 1], dtype=torch.uint8), None)
+        if work is not None:
+            work.wait()
+        return flags
+
+
 class EpochBoundaryCheck(Callback):
-    """At each training epoch's start, on every rank: a gloo ``monitored_barrier`` on ``group`` (``None``: the world),
-    then ``then(trainer)`` (the strategy's: the uneven-inputs policy gathers the batch counts), once every rank is
-    there. Before the data iterator exists and after the other callbacks' epoch start, so a rank that stalled
-    between epochs is named; with one rank nothing is done.
+    """At each training epoch's start, on every rank: a gloo ``monitored_barrier`` on ``group`` (``None``: the world).
+    Before the first batch and after the other callbacks' epoch start, so a rank that stalled between epochs is
+    named; with one rank nothing is done.
 
     Raises:
         StalledRankError: a rank did not reach the barrier in ``timeout`` (a barrier broken sooner, by a peer that
             failed and left the group, raises gloo's error for :mod:`ddp_strategy.process.failures` to explain).
-        ValueError: from ``then``.
     """
 
-    def __init__(self, group: Any, timeout: timedelta, rank: int, world_size: int, then: Callable[[Any], None]) -> None:
-        self.group, self.timeout, self.rank, self.world_size, self.then = group, timeout, rank, world_size, then
+    def __init__(self, group: Any, timeout: timedelta, rank: int, world_size: int) -> None:
+        self.group, self.timeout, self.rank, self.world_size = group, timeout, rank, world_size
 
     def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
         if self.world_size == 1:
@@ -57,41 +99,31 @@ class EpochBoundaryCheck(Callback):
                 f" {self.timeout.total_seconds():.0f} s: {e}. That rank is stalled (an endless loop, a deadlocked"
                 " DataLoader worker, slow storage) or has died."
             ) from e
-        self.then(trainer)
 
 
 class SignalsAtStepBoundary(Callback):
     """SIGTERM and Lightning's SLURM requeue signal, acted on at one step boundary on every rank, whichever got it.
 
-    A signal sets a flag. At each batch's start every rank starts an asynchronous all-reduce (MAX) of its flags and
-    of the uneven-inputs flag ``ahead()`` (CPU, on the gloo side ``group``: no world-group collective, no
-    host-device sync; the one per-step round of both, :meth:`all_have_next`), and at each step's end waits for the
-    one it started at that batch's start (long done by then). Steps that only some ranks take (``in_tail()`` on
-    those) send nothing: a flag raised in them goes in the next epoch's first round (flags stay set until acted on).
-    No round starts at an epoch's end: a rank-0-only collective in an earlier callback (a progress bar reading
-    ``trainer.progress_bar_metrics``, which syncs metrics) would wait there for the other ranks while they wait in
-    the round. So a signal during step ``s`` acts on every rank at the end of step ``s + 1`` (the next epoch's
-    first, after an epoch's last step or its tail; a validation run in between ends first), where a step is an
-    optimizer step (``accumulate_grad_batches`` batches: a resume from its checkpoint is exact): SIGTERM sets
-    ``trainer.received_sigterm``, Lightning raises ``SIGTERMException`` there (``checkpoint_on_sigterm`` saves); the
-    requeue signal runs Lightning's handler (save, requeue)."""
+    A signal sets a flag of ``step_round``. At each batch's start every rank starts that batch's round
+    (:class:`StepRound`, on the gloo side ``group``), and at each step's end waits for the one it started at that
+    batch's start (long done by then). Steps that only some ranks take send nothing: a flag raised in them goes in
+    the next epoch's first round. No round starts at an epoch's end: a rank-0-only collective in an earlier callback
+    (a progress bar reading ``trainer.progress_bar_metrics``, which syncs metrics) would wait there for the other
+    ranks while they wait in the round. So a signal during step ``s`` acts on every rank at the end of step ``s + 1``
+    (the next epoch's first, after an epoch's last step or its tail; a validation run in between ends first), where a
+    step is an optimizer step (``accumulate_grad_batches`` batches: a resume from its checkpoint is exact): SIGTERM
+    sets ``trainer.received_sigterm``, Lightning raises ``SIGTERMException`` there (``checkpoint_on_sigterm`` saves);
+    the requeue signal runs Lightning's handler (save, requeue)."""
 
-    def __init__(
-        self,
-        group: Any,
-        world_size: int,
-        in_tail: Callable[[], bool],
-        ahead: Callable[[], int],
-    ) -> None:
-        self.group, self.world_size, self.in_tail, self._stopping = group, world_size, in_tail, False
-        self.ahead = ahead
+    def __init__(self, group: Any, world_size: int, step_round: StepRound) -> None:
+        self.group, self.world_size, self.round, self._stopping = group, world_size, step_round, False
         self._signal: int | None = None
-        self._lightning_handler = self._launcher = self._sent = None  # _sent: (the flags in flight, their work)
+        self._lightning_handler = self._launcher = None
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
-        """Take over SIGTERM and (under SLURM auto-requeue) the requeue signal from Lightning (every rank)."""
-        self._flags, self._sent, self._stopping, self._rank = [0, 0], None, False, trainer.global_rank  # TERM, requeue
-        self._launcher = trainer.strategy.launcher
+        """Take over SIGTERM and (under SLURM auto-requeue) the requeue signal from Lightning (every rank). The round
+        starts clean: the last fit's end reset it (:meth:`on_train_end`)."""
+        self._stopping, self._rank, self._launcher = False, trainer.global_rank, trainer.strategy.launcher
         env = trainer.strategy.cluster_environment
         requeue_signal = getattr(env, "requeue_signal", None) if getattr(env, "auto_requeue", False) else None
         main = threading.current_thread() is threading.main_thread()
@@ -103,28 +135,26 @@ class SignalsAtStepBoundary(Callback):
 
     def _note(self, signum: int, frame: Any) -> None:
         log.info("[rank %d] received signal %d: acted on after the next training step", self._rank, signum)
-        if signum == signal.SIGTERM and not self._flags[0] and self._launcher is not None:
+        if signum == signal.SIGTERM and not self.round.signalled[0] and self._launcher is not None:
             self._launcher.kill(signum)  # as Lightning does: popen's rank 0 passes it on to the other ranks
-        self._flags[signum != signal.SIGTERM] = 1
+        self.round.signalled[signum != signal.SIGTERM] = 1
 
     def _agree(self, trainer: Any) -> None:
-        """Wait for the flags sent last (every rank has sent the same number), act on them once. Collective."""
-        flags, work = self._sent or (torch.zeros(3), None)
-        if work is not None:
-            work.wait()
+        """Wait for the round sent last (every rank has sent the same number), act on its flags once. Collective."""
+        flags = self.round.received()
         stop, requeue = flags[:2].tolist()
         flags[:2] = 0  # acted on (an epoch's end reads the last step's round again)
         if requeue:
-            self._flags[1] = 0
+            self.round.signalled[1] = 0
             self._lightning_handler(self._signal, None)
         if stop:
             self._stopping = True
             _pl.set_received_sigterm(trainer, True)
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
-        """Send this batch's flags, unless in a step only some ranks take (a collective, every rank that takes it)."""
-        if not self.in_tail():
-            self._send()
+        """Start this batch's round, unless stopping (a collective on the side group, every rank taking the batch)."""
+        if not self._stopping:
+            self.round.start(self.group, self.world_size)
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         """At the end of an accumulation window (every ``accumulate_grad_batches`` batches: an optimizer step; the
@@ -133,24 +163,6 @@ class SignalsAtStepBoundary(Callback):
         same on every rank (a rank's own last batch, in an uneven epoch, is not)."""
         if not (batch_idx + 1) % trainer.accumulate_grad_batches:
             self._agree(trainer)
-
-    def all_have_next(self) -> bool:
-        """At a training step's start, for the uneven inputs' join: whether the round sent at the last batch's start
-        says that no rank's ``ahead()`` was 1 (every rank has this batch; False without a round). Waits for it (sent
-        a step ago: done). No round is read twice: one is sent at each batch that every rank takes (and a stop on a
-        signal ends the fit at that step); the last of an epoch, or of the steps before a tail, carries a 1."""
-        flags, work = self._sent or (torch.ones(3), None)
-        if work is not None:
-            work.wait()
-        return not flags[2]
-
-    def _send(self) -> None:
-        """Start the all-reduce of this rank's flags and ``ahead()`` (unless stopping); :meth:`_agree` and
-        :meth:`all_have_next` wait for it. A requeue flag stays set until acted on."""
-        if not self._stopping:
-            flags = torch.tensor([*self._flags, self.ahead()], dtype=torch.uint8)
-            work = dist.all_reduce(flags, dist.ReduceOp.MAX, self.group, async_op=True) if self.world_size > 1 else None
-            self._sent = (flags, work)
 
     def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
         """Act on the last step's flags (Lightning stops at the epoch's end on SIGTERM): a last window shorter than
@@ -167,45 +179,30 @@ class SignalsAtStepBoundary(Callback):
 
     def on_train_end(self, trainer: Any = None, pl_module: Any = None) -> None:
         """Give the requeue signal back to Lightning's handler if ours is still installed (Lightning restores the
-        original at teardown); let go of flags in flight unread (after a failure a peer may be gone; destroying the
-        group ends the all-reduce). No collective."""
+        original at teardown); let go of the round in flight unread. No collective."""
         if self._signal is not None and signal.getsignal(self._signal) == self._note:
             signal.signal(self._signal, self._lightning_handler)
-        self._signal = self._lightning_handler = self._launcher = self._sent = None
+        self._signal = self._lightning_handler = self._launcher = None
+        self.round.reset()
 
 
-def add_fit_callbacks(
-    trainer: Any,
-    run: Any,
-    rank: int,
-    world_size: int,
-    first: Any,
-    then: Callable[[Any], None],
-    in_tail: Callable[[], bool],
-    ahead: Callable[[], int],
-) -> None:
+def add_fit_callbacks(trainer: Any, run: Any, rank: int, world_size: int, step_round: StepRound) -> None:
     """Put both callbacks last in ``trainer.callbacks`` (replacing earlier ones), on ``run``'s barrier group (a
-    ``ProcessGroupRun``), and ``first`` first; ``then(trainer)`` runs after each epoch's barrier, ``in_tail()`` says
-    whether this rank is in a step only some ranks take, ``ahead()`` the uneven-inputs flag of each batch's round
-    (``first``, ``then``, ``in_tail``, ``ahead``: the strategy's uneven-inputs policy's callback, epoch start, tail and
-    flag; ``then`` is also given the signals callback, whose round it reads)."""
-    remove_fit_callbacks(trainer, first)
-    signals = SignalsAtStepBoundary(run.barrier_group, world_size, in_tail, ahead)
-    trainer.callbacks[:] = [
-        first,
-        *trainer.callbacks,
-        EpochBoundaryCheck(run.barrier_group, run.barrier_timeout, rank, world_size, lambda t: then(t, signals)),
-        signals,
-    ]
+    ``ProcessGroupRun``); the signals start and read ``step_round``, the fit's per-step round."""
+    remove_fit_callbacks(trainer)
+    trainer.callbacks.extend(
+        [
+            EpochBoundaryCheck(run.barrier_group, run.barrier_timeout, rank, world_size),
+            SignalsAtStepBoundary(run.barrier_group, world_size, step_round),
+        ]
+    )
 
 
-def remove_fit_callbacks(trainer: Any, first: Any) -> None:
+def remove_fit_callbacks(trainer: Any) -> None:
     """Remove what :func:`add_fit_callbacks` added, giving the requeue signal back to Lightning's handler."""
     for cb in trainer.callbacks:
         if isinstance(cb, SignalsAtStepBoundary):
             cb.on_train_end()
     trainer.callbacks[:] = [
-        cb
-        for cb in trainer.callbacks
-        if cb is not first and not isinstance(cb, (EpochBoundaryCheck, SignalsAtStepBoundary))
+        cb for cb in trainer.callbacks if not isinstance(cb, (EpochBoundaryCheck, SignalsAtStepBoundary))
     ]

@@ -1,7 +1,7 @@
 """``all_gather`` for tensors whose first dimension differs between the ranks, on Lightning's own gathers.
 
 Lightning's ``all_gather`` needs the same shape on every rank, but exact evaluation shards
-(:mod:`ddp_strategy.sampling.evaluation`) make per-sample outputs uneven when N is not a multiple of W. Rows are
+(:func:`ddp_strategy.sampling.loaders.shard_for_evaluation`) make per-sample outputs uneven when N is not a multiple of W. Rows are
 taken in the order a ``DistributedSampler`` deals them (row 0 of ranks 0..W-1, then row 1, ...):
 :func:`all_gather_padded` gives ``(W, M, ...)`` with the missing rows filled as the sampler pads a data set (3
 samples on 2 ranks: ``[[0, 2], [1, 0]]``, exactly Lightning's); :func:`all_gather_rows` every real row once.
@@ -104,20 +104,3 @@ def all_gather_rows(tensor: Tensor, group: Any | None = None, sync_grads: bool =
     padded = all_gather_padded(tensor, shapes, group, sync_grads)  # (W, M, *rest); its real rows are in place
     rows = [r * padded.shape[1] + i for r, i in _dealing_order([shape[0] for shape in shapes])]
     return padded.flatten(0, 1).index_select(0, torch.tensor(rows, dtype=torch.long, device=padded.device))
-
-
-def agree_on_rank_zero_failure(error: Exception | None, what: str, rank: int, device: torch.device) -> None:
-    """Every rank learns whether global rank 0 failed ``what`` (e.g. ``"saving checkpoint x.ckpt"``): ``error`` is
-    rank 0's exception, else None. An all-reduced flag (also a barrier: it stands in for ``Trainer.save_checkpoint``'s),
-    then rank 0's message only after a failure. A collective; without a process group it raises rank 0's own error.
-    Raises ``error`` on rank 0, a ``RuntimeError`` naming it on the others."""
-    if dist.is_initialized():
-        failed = torch.tensor([float(error is not None)], device=device)
-        dist.all_reduce(failed, op=dist.ReduceOp.MAX)
-        box = [f"{type(error).__name__}: {error}" if error is not None else None]
-        if failed.item():
-            dist.broadcast_object_list(box, 0)
-        if failed.item() and error is None:
-            raise RuntimeError(f"[rank {rank}] global rank 0 failed {what}: {box[0]}")
-    if error is not None:
-        raise error

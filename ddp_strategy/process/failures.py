@@ -100,9 +100,10 @@ def on_exception(
     rank: int,
     world_size: int,
     sigterm_save: Callable[[], None] | None,
+    cause: str | None = None,
 ) -> None:
     """Steps 2 and 3 where ``exception`` was raised (no collective); ``sigterm_save``: the SIGTERM checkpoint (a
-    collective: every rank got it)."""
+    collective: every rank got it); ``cause``: a likely cause the strategy knows of, for a broken collective."""
     run.failed, store = True, run.reports
     if isinstance(exception, SIGTERMException) and sigterm_save is not None:
         rank_zero_info(
@@ -115,7 +116,7 @@ def on_exception(
     elif isinstance(exception, (KeyboardInterrupt, SIGTERMException)) or store is None:
         return  # an interruption, or not a rank (the parent of spawned ranks), or one that never joined
     elif (peers := describe_peers(exception, store, rank, world_size)) is not None:
-        extra = explain(rank, peers, run.timeout)
+        extra = explain(rank, peers, run.timeout, cause)
         exception.args = (
             (f"{exception.args[0]}\n{extra}", *exception.args[1:])
             if exception.args and isinstance(exception.args[0], str)
@@ -243,9 +244,10 @@ def describe_peers(exception: BaseException, store: dist.Store, rank: int, world
     return "; ".join(found) if found or certain else None
 
 
-def explain(rank: int, peers: str, timeout: timedelta) -> str:
-    """The sentence added to a collective error: which peers failed, or the likely causes."""
-    head = f"[rank {rank}] a collective failed because another rank did not take part."
+def explain(rank: int, peers: str, timeout: timedelta, cause: str | None = None) -> str:
+    """The sentence added to a collective error: ``cause`` (a likely one the strategy knows of), then which peers
+    failed, or the likely causes."""
+    head = " ".join(filter(None, [f"[rank {rank}] a collective failed because another rank did not take part.", cause]))
     if peers:
         failing = " The failing rank's own traceback is printed above this one." if " failed: " in peers else ""
         return f"{head} Cause: {peers}.{failing}"

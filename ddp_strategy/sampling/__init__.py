@@ -3,7 +3,8 @@
 Owns: the distributed samplers (:mod:`~ddp_strategy.sampling.sampler`), which loader gets which sampler and exact
 evaluation shards (:mod:`~ddp_strategy.sampling.loaders`, entry point :class:`LoaderSharding`), sampler positions
 in checkpoints and the mid-epoch resume (:mod:`~ddp_strategy.sampling.state`), training on ranks with different
-numbers of batches (:mod:`~ddp_strategy.sampling.uneven`, :class:`UnevenInputs`). Must not touch: the process group's
+numbers of batches (the policies, :mod:`~ddp_strategy.sampling.uneven`, :class:`UnevenInputs`, on the join of
+:mod:`~ddp_strategy.sampling.join`). Must not touch: the process group's
 lifetime, the model, checkpoint files (positions go into the checkpoint dict the strategy hands over).
 """
 

@@ -1,58 +1,33 @@
-"""Uneven inputs: training and evaluating when the ranks' loaders yield different numbers of batches (docs/sampling.md).
+"""Uneven inputs: the policies for training epochs whose ranks' loaders yield different numbers of batches.
 
 Where the strategy does not shard the training loader (the user's shards, sampler or ``IterableDataset``), an
 epoch's batch counts can differ or be unknown; each epoch's start gathers them (:meth:`UnevenInputs.begin_epoch`,
-after the epoch barrier). ``uneven_inputs="stop"`` ends every rank's epoch with the first rank's last batch;
-``"error"`` refuses; equal known counts (the strategy's own shards) cost nothing.
-
-``"join"`` (default) runs the epoch in torch's generic join context manager
-(``torch.distributed.algorithms.Join``), :class:`UnevenInputs` its ``Joinable`` and its own join hook. Whether
-every rank has a next batch is known a step early (``is_last_batch``: Lightning's loop fetches one batch ahead of a
-loader without a length; known counts are exact), so it rides in each batch's asynchronous round of the SIGTERM flags
-on the gloo side group (``process.boundaries``), read at the next step's start: while every
-rank has one, steps make no blocking collective of their own (where a length is only a hint, or validation may
-start at other batches on other ranks, each step notifies: :meth:`UnevenInputs.step_start`). At the step a rank
-lacks, and in each step after, the ranks notify the join (the all-reduce of one number
-``Join.notify_join_context`` makes), and a rank past its last batch enters ``Join.__exit__``, whose hook takes part
-in the others' steps. ``Join([ddp])``, DDP's own join, cannot
-serve: its hook shadows one DDP forward and backward per step, but a Lightning step makes collectives of its own
-between them (``self.log(sync_dist=True)``, ``reduce_boolean_decision``, a checkpoint's barrier and broadcast)
-that would meet the wrong collective on a rank out of data. So in a *tail* step (one that some ranks only shadow)
-the active ranks announce each collective before making it, one message (an all-reduce, MAX, of ``5 + W``
-integers) of a kind in :data:`_KINDS`, the one table both sides read: DDP's forward and gradient buckets (the calls
-of DDP's own join hook, in two halves, since the step's own collectives come between), gathers (reductions and
-torchmetrics' syncs: a rank out of data gives an empty tensor, the active ranks keep their own rows), barriers,
-broadcasts from an active rank, a save's agreement, a ``ZeroRedundancyOptimizer``'s step and consolidation
-(:meth:`UnevenInputs.step_zero`); what a rank out of data cannot take part in (:data:`Refusal`, a collective the user's
-code makes with ``torch.distributed`` directly included: a dispatch mode sees it in a tail step,
-:meth:`UnevenInputs._watch`) raises :class:`UnevenInputsError` on every rank. At the end every rank takes the longest
-rank's module and training state. This rank's state in such an epoch is one :class:`_Epoch`.
-
-An evaluation stage (validation, test, predict) whose loaders' counts differ or are unknown runs under the same
-join (:meth:`UnevenInputs.begin_evaluation`), under every policy, its metrics' syncs routed through the join's
-gather; it ends at the stage's epoch end, before its epoch-level values are reduced, and copies nothing.
+after the epoch barrier). Equal known counts (the strategy's own shards) cost nothing. ``uneven_inputs="stop"`` ends
+every rank's epoch with the first rank's last batch (known counts: cut at the start; unknown: one small all-reduce
+per step); ``"error"`` refuses; ``"join"`` (default) runs the epoch under the join (:mod:`ddp_strategy.sampling.join`,
+whose :class:`~ddp_strategy.sampling.join.StepJoin` :class:`UnevenInputs` extends), after refusing what a rank out of
+data cannot take part in (an accumulation a shorter rank's last batch would end alone, a ``ZeroRedundancyOptimizer``,
+SyncBatchNorm layers, torchmetrics metrics that sync every step). At such an epoch's end the batches each rank
+trained are recorded (:attr:`UnevenInputs.epochs`, logged at the fit's end), and every rank takes the module and
+training state of the rank that trained longest (:meth:`UnevenInputs.post_hook`).
 """
 
 from __future__ import annotations
 
-import enum
-import functools
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from lightning_utilities.core.apply_func import apply_to_collection
-from torch.distributed.algorithms import Join, Joinable, JoinHook
+from torch.distributed.algorithms import Join
 from torch.distributed.optim import ZeroRedundancyOptimizer
-from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import IterableDataset
-from torchmetrics.utilities.distributed import gather_all_tensors
 
 from ddp_strategy._compat import lightning_private as _pl
 from ddp_strategy._compat import namespace as _namespace
 from ddp_strategy._compat import torch_private as _tp
-from ddp_strategy.process import agree_on_rank_zero_failure
+from ddp_strategy.process import boundaries
+from ddp_strategy.sampling.join import StepJoin, UnevenInputsError, _Run
 from ddp_strategy.sampling.loaders import flat_loaders
 
 if TYPE_CHECKING:
@@ -62,106 +37,6 @@ else:  # this process's Lightning namespace (see ddp_strategy._compat.namespace)
 
 #: ``MyDDPStrategy(uneven_inputs=...)``'s values, the default first.
 POLICIES = ("join", "stop", "error")
-_DTYPES = (
-    torch.float32,
-    torch.float64,
-    torch.float16,
-    torch.bfloat16,
-    torch.int64,
-    torch.int32,
-    torch.int16,
-    torch.int8,
-    torch.uint8,
-    torch.bool,
-)
-#: A reduction's name (``strategy.reduce``'s string or ``torch.distributed.ReduceOp`` name) -> the reduction over
-#: the gathered rows of the ranks in a tail step.
-_OPS = {
-    "sum": torch.sum,
-    "mean": torch.mean,
-    "avg": torch.mean,
-    "max": torch.amax,
-    "min": torch.amin,
-    "product": torch.prod,
-}
-
-
-#: What a rank out of data cannot take part in, as ``(what, what to do)`` for :class:`UnevenInputsError`.
-Refusal = enum.Enum(
-    "Refusal",
-    {
-        "ALL_GATHER": (
-            "an all_gather (self.all_gather, strategy.all_gather): a rank without data has no row to give",
-            "gather at the epoch's end (on_train_epoch_end)",
-        ),
-        "BROADCAST": (
-            "a broadcast from a rank that has no data left (ModelCheckpoint asks rank 0 whether the file exists"
-            " before each save)",
-            "broadcast from a rank that still trains, or give rank 0 the longest shard",
-        ),
-        "SAVE": (
-            "a checkpoint save, which rank 0 writes (out of data, it holds an older state)",
-            "save at the epoch's end (ModelCheckpoint without every_n_train_steps), or give rank 0 the longest shard",
-        ),
-        "OTHER": (
-            "a collective on a process group other than the world, or a reduction other than sum, mean, max, min or"
-            " product, or of a dtype other than float, int or bool",
-            "move it to the epoch's end",
-        ),
-        "DIRECT": (
-            "a collective the strategy does not make (torch.distributed called directly; a torchmetrics Metric's"
-            " compute, or its per-step sync with dist_sync_on_step=True; a SyncBatchNorm layer)",
-            "make it through self.log(..., sync_dist=True) or trainer.strategy.reduce, barrier or broadcast, or at"
-            " the epoch's end (dist_sync_on_step=False; drop sync_batchnorm)",
-        ),
-        "VALIDATION": (
-            "a validation run (val_check_interval) in a step that not every rank reaches",
-            "validate at the epoch's end (val_check_interval=1.0)",
-        ),
-    },
-    module=__name__,
-)
-
-
-#: The messages of a tail step, by kind (sent as its position, from 1; a rank out of data sends 0): what the active
-#: ranks are about to do, with what a rank out of data does for it given the message's integers ``a, b, c``, and the
-#: refusal when rank ``a``, the collective's source, is out of data (always, where it has nothing to do). ``"end"`` ends
-#: the step, ``"refuse"`` raises ``Refusal`` number ``a``. Read by both sides, in :meth:`UnevenInputs._exchange`.
-_KINDS = {
-    "end": (None, None),
-    "refuse": (None, None),
-    "forward": (lambda u, a, b, c: _tp.shadow_ddp_forward(u.ddp), None),
-    "backward": (lambda u, sync, b, c: sync and _tp.shadow_ddp_backward(u.ddp), None),
-    "gather": (
-        lambda u, ndim, dtype, c: gather_all_tensors(
-            torch.zeros((0,) * ndim, dtype=_DTYPES[dtype], device=u.join_device)
-        ),
-        None,
-    ),
-    "barrier": (lambda u, a, b, c: dist.barrier(), None),
-    "broadcast": (lambda u, src, b, c: dist.broadcast_object_list([None], src=src), Refusal.BROADCAST),
-    "all_gather": (None, Refusal.ALL_GATHER),
-    "validation": (None, Refusal.VALIDATION),
-    "save": (
-        lambda u, a, b, c: agree_on_rank_zero_failure(
-            None, "saving a checkpoint", u._trainer.global_rank, u.join_device
-        ),
-        Refusal.SAVE,
-    ),
-    "zero_step": (lambda u, index, src, c: u.step_zero(index, src), None),
-    "consolidate": (  # each ZeroRedundancyOptimizer's state to rank ``to``
-        lambda u, to, b, c: [
-            o.consolidate_state_dict(to=to) for o in u._trainer.optimizers if isinstance(o, ZeroRedundancyOptimizer)
-        ],
-        None,
-    ),
-}
-
-
-class UnevenInputsError(RuntimeError):
-    """Raised on every rank where ranks with different amounts of training data cannot go on together: a
-    collective a rank without data cannot take part in (``uneven_inputs="join"``), or any unevenness under
-    ``uneven_inputs="error"``. The message names the step, the ranks without data and what to do."""
 
 
 def _accumulation_message(trainer: Any, k: int, ranks: list[int]) -> str:
@@ -175,39 +50,44 @@ def _accumulation_message(trainer: Any, k: int, ranks: list[int]) -> str:
     )
 
 
-@dataclass
-class _Epoch:
-    """This rank's state in an epoch whose counts differ or are unknown (none in an even one)."""
+def _unshadowed(trainer: Any) -> list[str]:
+    """What makes collectives of its own in a training step, not through the strategy, so that a rank out of data
+    cannot take part in them under the join, named: a ``ZeroRedundancyOptimizer`` (its step broadcasts each rank's
+    shard), SyncBatchNorm layers (their forward all-reduces the batch statistics), torchmetrics metrics with
+    ``dist_sync_on_step=True`` (their forward gathers every rank's state)."""
+    found = [
+        f"optimizer {i}, a ZeroRedundancyOptimizer"
+        for i, optimizer in enumerate(trainer.optimizers)
+        if isinstance(optimizer, ZeroRedundancyOptimizer)
+    ]
+    found += [
+        f"the SyncBatchNorm layer {name!r}"
+        for name, module in trainer.lightning_module.named_modules()
+        if "SyncBatchNorm" in type(module).__name__
+    ]
+    found += [
+        f"the metric {name!r}"
+        for name, module in trainer.lightning_module.named_modules()
+        if getattr(module, "dist_sync_on_step", False) is True
+    ]
+    return found
 
-    known: bool  #: every rank's count known at the start
-    progress: Any  #: the loop's ``batch_progress`` (Lightning's: the steps counted, whether this is the last batch)
-    join: Join | None = None  #: ``"join"``: torch's join context, entered at the start
-    uncut: int | None = None  #: ``"stop"`` with known counts (cut at the start, no per-step work): the epoch's length
-    seen: int = -1  #: the batch counter at the last step's start (each step starts once)
-    ahead: bool = False  #: ``"join"``: a step's flag round may stand for the next step's notify (:meth:`step_start`)
-    trained: int = 0  #: steps started
-    tail: bool = False  #: in a step some ranks, out of data, only shadow
-    synced: list[Any] | None = None  #: an evaluation's (None: a training epoch): the metrics it syncs (``gather``)
-    outer: _Epoch | None = None  #: an evaluation's: the training epoch it interrupts (a validation run mid-epoch)
-    signals: Any = None  #: a training epoch's: the step boundaries' callback, whose rounds carry the next-batch flags
 
-
-class UnevenInputs(Joinable, JoinHook):
-    """One strategy's policy for training epochs whose ranks hold different numbers of batches (module docstring);
-    under ``"join"`` the ``Joinable`` and its own join hook (on a rank out of data, one step of the others per
-    ``main_hook``).
+class UnevenInputs(StepJoin):
+    """One strategy's policy for training epochs whose ranks hold different numbers of batches (module docstring),
+    on the join of :class:`~ddp_strategy.sampling.join.StepJoin`, which it extends with the epochs' start and end.
 
     Args:
         policy: ``"join"``, ``"stop"`` or ``"error"``.
         divide_by_initial_world_size: ``"join"``'s tail step divides its gradient sum by W (True, DDP's default for
             ``DistributedDataParallel.join``: a sample weighs ``1 / (W * B)`` in every step) or by its ranks.
+        step_round: the fit's per-step round (``process.boundaries.StepRound``), shared with the signal checks.
 
     Raises:
         ValueError: an unknown policy. TypeError: ``divide_by_initial_world_size`` not a bool.
     """
 
-    def __init__(self, policy: str = "join", divide_by_initial_world_size: bool = True) -> None:
-        super().__init__()
+    def __init__(self, policy: str, divide_by_initial_world_size: bool, step_round: boundaries.StepRound) -> None:
         if policy not in POLICIES:
             raise ValueError(
                 f"MyDDPStrategy(uneven_inputs={policy!r}) is not one of {list(POLICIES)}: 'join' trains"
@@ -219,44 +99,24 @@ class UnevenInputs(Joinable, JoinHook):
                 f"MyDDPStrategy(divide_by_initial_world_size=...) must be True or False, got"
                 f" {divide_by_initial_world_size!r}."
             )
-        self.policy, self.divide_by_initial_world_size = policy, divide_by_initial_world_size
-        self.callback = _EpochEnd(self)  #: ends the join at the epoch's end, first among the callbacks
+        super().__init__(divide_by_initial_world_size, step_round)
+        self.policy = policy
+        self.callback = _EpochEnd(self)  #: first among the callbacks: ends an uneven epoch or evaluation run
+        self.epoch_start = _EpochStart(self)  #: after the epoch barrier's callback (2+ ranks): gathers the counts
         self.epochs: dict[int, tuple[int, ...]] = {}  #: epoch whose counts differed -> batches each rank trained
-        self._trainer: Any = None
-        self._epoch: _Epoch | None = None
-        self._hooks: list[Any] = []  #: the post-hooks of each ZeroRedundancyOptimizer's local optimizer
-        self._direct = _tp.DirectCollectives(functools.partial(self.refuse, Refusal.DIRECT))  #: in a tail step
+        self._uncut: int | None = None  #: ``"stop"`` with known counts (the epoch cut at its start): its length
 
-    @property
-    def tail(self) -> bool:
-        """Whether this rank is in a step that some ranks, out of data, only shadow."""
-        return self._epoch is not None and self._epoch.tail
-
-    @property
-    def ddp(self) -> DistributedDataParallel:
-        """The strategy's DDP wrapper (``sync.wrap`` wraps every module that fits)."""
-        return self._trainer.strategy.model
-
-    @property
-    def join_device(self) -> torch.device:
-        return self._trainer.strategy.root_device
-
-    join_process_group = None  #: the world (torch's ``Joinable`` property, as a constant)
-
-    def join_hook(self, **kwargs: Any) -> JoinHook:
-        return self
-
-    def begin_epoch(self, trainer: Any, signals: Any) -> None:
-        """At a training epoch's start, on every rank, after the epoch barrier: gather every rank's batch count
-        (-1: unknown, as any ``IterableDataset``'s, whose length is only a hint; one all-reduce of W integers), and
-        where they differ or are unknown, set the epoch up for the policy. ``signals``: the step boundaries' callback
-        (``process.boundaries.SignalsAtStepBoundary``), whose per-batch rounds carry ``"join"``'s next-batch flags.
+    def begin_epoch(self, trainer: Any) -> None:
+        """At a training epoch's start, on every rank, after the epoch barrier: gather every rank's batch count (-1:
+        unknown, as any ``IterableDataset``'s, whose length is only a hint; one all-reduce of W integers), and where
+        they differ or are unknown, set the epoch up for the policy (not called with one rank).
 
         Raises:
-            ValueError: known, unequal counts under ``"error"``, or under ``"join"`` with ``accumulate_grad_batches``
-                not dividing a shorter rank's count (its last batch would sync gradients alone).
+            ValueError: known, unequal counts under ``"error"``; under ``"join"``, ``accumulate_grad_batches`` not
+                dividing a shorter rank's known count (its last batch would sync gradients alone), or what a rank
+                out of data cannot take part in (:func:`_unshadowed`), each named, with ``uneven_inputs="stop"``.
         """
-        self._trainer, self._epoch = trainer, None
+        self._trainer, self._run, self._uncut = trainer, None, None
         unknown = trainer.num_training_batches == float("inf") or any(
             isinstance(getattr(dl, "dataset", None), IterableDataset) for dl in flat_loaders(trainer.train_dataloader)
         )
@@ -276,301 +136,117 @@ class UnevenInputs(Joinable, JoinHook):
             raise ValueError(
                 _accumulation_message(trainer, k, [r for r, c in enumerate(counts) if c % k and c < max(counts)])
             )
-        self._epoch = _Epoch(
-            known,
+        if self.policy == "join" and (unshadowed := _unshadowed(trainer)):
+            raise ValueError(
+                f"[rank {trainer.global_rank}] the ranks' numbers of training batches in epoch {epoch} differ or are"
+                f" unknown ({dict(enumerate(counts))}; -1: a loader without a length, or an IterableDataset), and under"
+                " MyDDPStrategy(uneven_inputs='join') a rank out of data takes part in the others' steps only through"
+                f" the strategy's collectives, not in those that {', '.join(unshadowed)} make(s) in each step. Pass"
+                " MyDDPStrategy(uneven_inputs='stop') (every rank stops at the shortest rank's last batch), or give"
+                " every rank the same known number of batches (let MyDDPStrategy shard the data); a metric also works"
+                " with dist_sync_on_step=False (compute it at the epoch's end), a BatchNorm without sync_batchnorm."
+            )
+        if self.policy == "stop" and known:  # cut here, no per-step work; the next epoch is cut anew
+            self._uncut = trainer.num_training_batches
+            _pl.cut_epoch(trainer, min(counts))
+            self.epochs[epoch] = (min(counts),) * len(counts)
+            return
+        self._run = _Run(
             trainer.fit_loop.epoch_loop.batch_progress,
             Join([self]) if self.policy == "join" else None,
-            uncut=trainer.num_training_batches if self.policy == "stop" and known else None,  # given back at the end
-            ahead=(known or trainer.num_training_batches == float("inf"))  # else is_last_batch is a length's guess
+            known=known,
+            ahead=(known or trainer.num_training_batches == float("inf"))  # else is_last_batch is a guess
             and (
                 not trainer.enable_validation  # or the ranks validate at the same batches while all of them step:
                 or (interval := getattr(trainer, "val_check_interval", None)) == 1.0  # (unset for a time interval)
                 or isinstance(interval, int)
                 and trainer.check_val_every_n_epoch is not None
             ),
-            signals=signals,
         )
-        if self._epoch.uncut is not None:  # "stop" on known counts: cut here, the next epoch is cut anew
-            _pl.cut_epoch(trainer, min(counts))
-            self.epochs[epoch] = (min(counts),) * len(counts)
-        elif self._epoch.join is not None:
-            self._epoch.join.__enter__()
+        if self._run.join is not None:
+            self._run.join.__enter__()
 
     def step_start(self) -> None:
-        """At a training step's start (``batch_to_device``, else ``training_step``), every rank with a batch, once.
-        ``"join"``: read the next-batch flags of the last batch's round (``process.boundaries``; this batch's follows
-        at its start, :meth:`lacks_next`). The join's notify (one blocking all-reduce) instead where a rank lacks
-        this step, in the epoch's first step, and in every step where the flags say nothing (each rank's says 1): a
-        loader whose length is a hint (an
-        ``IterableDataset``'s ``__len__``, or ``limit_train_batches`` on one: Lightning then fetches no batch ahead,
-        and ``is_last_batch`` is the length's guess; known counts and a stream without a length are exact), or a
-        validation run that may start at other batches on other ranks
-        (``val_check_interval`` a fraction or a time, or an int counted across epochs,
-        ``check_val_every_n_epoch=None``). With unknown counts and ``accumulate_grad_batches > 1``, one more.
-        ``"stop"``/``"error"`` on unknown counts: one blocking all-reduce.
+        """At a step's start (``batch_to_device``), training or evaluation, every rank with a batch: in a run under the
+        join, the join's part (:meth:`StepJoin.join_step`), then, on unknown counts with ``accumulate_grad_batches >
+        1``, one more blocking all-reduce, of whether each rank's backward syncs gradients; under ``"stop"`` and
+        ``"error"`` on unknown counts, one blocking all-reduce of each rank's flag (a batch, its last batch, none).
+        Nothing in an epoch whose counts agree. A ``training_step(dataloader_iter)`` (no ``batch_to_device``) does
+        not start a step.
 
         Raises:
             UnevenInputsError: as the policy says; ranks validating at other batches; an accumulation a shorter
                 rank's last batch ends alone. StopIteration: ``"stop"``, a rank has no batch: the epoch ends here.
         """
-        epoch, trainer = self._epoch, self._trainer
-        if (
-            epoch is None
-            or epoch.uncut is not None
-            or trainer.training != (epoch.synced is None)
-            or epoch.progress.total.completed == epoch.seen  # each step starts once
-        ):
+        run, trainer = self._run, self._trainer
+        if run is None or trainer.training != (run.synced is None):  # (a validation run inside a training epoch)
             return
-        progress, k = epoch.progress, trainer.accumulate_grad_batches
-        epoch.seen, epoch.trained = progress.total.completed, epoch.trained + 1
-        if epoch.join is None:  # "stop" or "error" on unknown counts: 1 a batch, 2 the last one, 3 none (finish)
-            flags = self._flags(1 + progress.is_last_batch)
-            if len(set(flags)) > 1 and self.policy == "error":
-                raise UnevenInputsError(
-                    f"[rank {trainer.global_rank}] ranks {[r for r, f in enumerate(flags) if f >= 2]} reach the end"
-                    f" of their training data at batch {progress.current.ready + 1} of epoch {trainer.current_epoch}"
-                    " while the others have more (MyDDPStrategy(uneven_inputs='error')). Pass uneven_inputs='join'"
-                    " (the default: every rank trains all its batches) or 'stop' (all stop there), or give every rank"
-                    " the same number."
-                )
-            if len(set(flags)) > 1:  # "stop" ends the epoch with this batch (before it, where a rank had none)
-                self.epochs[trainer.current_epoch] = (epoch.trained - (3 in flags),) * trainer.world_size
-            if 3 in flags:
-                raise StopIteration
-            progress.is_last_batch = max(flags) >= 2
-            return
-        if epoch.tail:
-            self._exchange("end")
-        if epoch.signals is None or not epoch.signals.all_have_next():  # an evaluation step notifies
-            stepping, work = self._notify(1)  # a rank that lacks this step is in Join.__exit__: it answers
-            self._watch(stepping < trainer.world_size)
-            if epoch.tail and not self.divide_by_initial_world_size and trainer.training:
-                _tp.set_gradient_divisor(self.ddp, work, False)
-        if k > 1 and not epoch.tail and not epoch.known and trainer.training:
-            syncs = self._flags(1 + (progress.is_last_batch or (progress.current.ready + 1) % k == 0))
-            if len(set(syncs)) > 1:
-                raise UnevenInputsError(_accumulation_message(trainer, k, [r for r, f in enumerate(syncs) if f == 2]))
-
-    def lacks_next(self) -> int:
-        """The next-batch flag of this training batch's round (``process.boundaries``, at its start, after
-        :meth:`step_start`): 0 where this rank has a next batch and the round may stand for the next step's notify,
-        else 1 (any rank's 1 makes every rank notify)."""
-        return int(self._epoch is None or not self._epoch.ahead or self._epoch.progress.is_last_batch)
-
-    def _watch(self, tail: bool) -> None:
-        """Set whether this rank is in a tail step; while it is, a collective that user code makes with
-        ``torch.distributed`` directly (:class:`~ddp_strategy._compat.torch_private.DirectCollectives`, entered for
-        the tail only: each op costs some 10-20 us in it) raises :class:`UnevenInputsError` on every rank
-        (``Refusal.DIRECT``). No collective."""
-        if tail != self._epoch.tail:
-            self._direct.__enter__() if tail else self._direct.__exit__(None, None, None)
-        self._epoch.tail = tail
-
-    def _notify(self, value: int) -> tuple[int, Any]:
-        """One all-reduce of one number, the one ``Join.notify_join_context`` makes and ``Join.__exit__`` shadows
-        with 0 on the ranks out of data: a step's (each rank 1) or a validation run's (each rank W + 1, so they are
-        told apart). Returns the ranks stepping and the all-reduce's work (its sum: the divisor DDP may read).
-
-        Raises:
-            UnevenInputsError: on every rank, where some ranks validate while others train or are out of data
-                (``val_check_interval`` on uneven counts; the refusal, where ranks are out of data).
-        """
-        trainer = self._trainer
-        work = dist.all_reduce(torch.full((1,), float(value), device=self.join_device), async_op=True)
-        validating, stepping = divmod(int(work.get_future().wait()[0].item()), trainer.world_size + 1)
-        if 0 < validating < trainer.world_size:  # some ranks validate while the others train or are out of data
-            if stepping + validating < trainer.world_size:
-                self.refuse(Refusal.VALIDATION)
-            raise UnevenInputsError(
-                f"[rank {trainer.global_rank}] in training epoch {trainer.current_epoch}, {validating} rank(s) start a"
-                f" validation run while {stepping} train a batch: Trainer(val_check_interval="
-                f"{trainer.val_check_interval!r}) counts each rank's own batches, and the ranks hold different numbers"
-                " (uneven inputs). Validate at the epoch's end (val_check_interval=1.0), or pass"
-                " MyDDPStrategy(uneven_inputs='stop'), or give every rank the same number of batches."
-            )
-        return stepping, work
-
-    def _flags(self, flag: int) -> list[int]:
-        """One all-reduce (MAX) of every rank's small flag (this rank's ``flag``, at least 0); returns them by rank."""
-        flags = torch.tensor(
-            [flag if r == self._trainer.global_rank else 0 for r in range(self._trainer.world_size)],
-            device=self.join_device,
-        )
-        dist.all_reduce(flags, dist.ReduceOp.MAX)
-        return flags.tolist()
-
-    def before_forward(self) -> None:
-        """Before DDP's forward (``training_step``): notify if not yet; in a step with fewer ranks announce it."""
-        self.step_start()
-        if self.tail:
-            _tp.set_ddp_join_mode(self.ddp, True)  # buffers from an active rank; whether the backward syncs: told
-            self._exchange("forward")
-
-    def before_backward(self) -> None:
-        """Before a backward through DDP in a step with fewer ranks: announce its gradient all-reduce."""
-        if self.tail:
-            self._exchange("backward", self.ddp.require_backward_grad_sync)
-
-    def announce(self, collective: str, src: int = 0) -> bool:
-        """Before each strategy collective (and validation run): whether it is in a step with fewer ranks, where
-        ``"barrier"``, ``"broadcast"`` (from ``src``) and ``"save"`` (a save's agreement) are announced, and
-        ``"all_gather"`` and ``"validation"`` refused (they need every rank); a broadcast from a rank out of data or a
-        save while rank 0 is raise :class:`UnevenInputsError` on every rank (a reduce announces itself, :meth:`reduce`).
-        If this rank has finished its last batch (an evaluation's: its loop is out of batches, as at its epoch-level
-        reductions, which Lightning makes before the epoch-end hooks), it first waits for the others (:meth:`finish`).
-        """
-        if (
-            self._epoch is not None
-            and self._epoch.join is not None
-            and (
-                self._epoch.progress.is_last_batch if self._epoch.synced is None else _pl.out_of_batches(self._trainer)
-            )
-            and self._epoch.progress.current.completed == self._epoch.progress.current.ready
-        ):
-            self.finish()
-        if self.tail and collective in _KINDS:
-            self._exchange(collective, src)
-        return self.tail
-
-    def reduce(self, tensor: torch.Tensor, group: Any, reduce_op: Any) -> torch.Tensor:
-        """``strategy.reduce`` in a step with fewer ranks: in place, over the active ranks' tensors (:meth:`gather`:
-        the ranks out of data give none), so a mean divides by their number."""
-        name = (
-            reduce_op.lower()
-            if isinstance(reduce_op, str)
-            else next((n for n in _OPS if reduce_op == getattr(dist.ReduceOp, n.upper(), None)), None)
-        )
-        return tensor.copy_(_OPS[name](torch.stack(self.gather(tensor, group, name)), 0))
-
-    def gather(self, tensor: torch.Tensor, group: Any = None, op: str | None = "sum") -> list[torch.Tensor]:
-        """Every rank's ``tensor`` (torchmetrics' ``gather_all_tensors``: shapes may differ), in a step with fewer
-        ranks only the active ranks' (the ranks out of data give an empty one): :meth:`reduce`'s, and an evaluation's
-        metric syncs (their ``dist_sync_fn``). A collective, on every rank.
-
-        Raises:
-            UnevenInputsError: in such a step, on every rank, for a process group other than the world, a dtype
-                other than float, int or bool, or a reduction ``op`` other than sum, mean, max, min or product.
-        """
-        if self.tail and (group not in (None, dist.group.WORLD) or tensor.dtype not in _DTYPES or op not in _OPS):
-            self.refuse(Refusal.OTHER)
-        active = (
-            self._exchange("gather", tensor.ndim, _DTYPES.index(tensor.dtype))[1]
-            if self.tail
-            else range(self._trainer.world_size)
-        )
-        return [row for r, row in enumerate(gather_all_tensors(tensor, group)) if r in active]
-
-    def refuse(self, refusal: Refusal) -> None:
-        """Raise :class:`UnevenInputsError` for ``refusal`` here and on the ranks out of data (one message).
-
-        Raises:
-            UnevenInputsError: always.
-        """
-        self._exchange("refuse", list(Refusal).index(refusal))
-
-    def finish(self, evaluation: bool | None = None) -> None:
-        """This rank's epoch (or evaluation run) is done: take part in the others' steps until all are
-        (``Join.__exit__``); a training epoch's state copy follows. A collective unless the epoch was even. (A cut
-        epoch gets its length back.) ``evaluation``: only an evaluation run's (True) or a training epoch's (False)."""
-        epoch, trainer = self._epoch, self._trainer
-        if epoch is None or evaluation is not None and evaluation != (epoch.synced is not None):
-            return
-        if epoch.uncut is not None:
-            _pl.cut_epoch(trainer, epoch.uncut)
-        elif epoch.join is None:  # "stop"/"error" on unknown counts; without a batch: answer the others' first step
-            if epoch.seen == -1 and len(set(self._flags(3))) > 1:
-                if self.policy == "error":
+        run.trained += 1
+        k = trainer.accumulate_grad_batches
+        if run.join is not None:
+            self.join_step()
+            if k > 1 and not run.tail and not run.known and trainer.training:
+                syncs = self._flags(1 + (run.progress.is_last_batch or (run.progress.current.ready + 1) % k == 0))
+                if len(set(syncs)) > 1:
                     raise UnevenInputsError(
-                        f"[rank {trainer.global_rank}] this rank has no training batch in epoch"
-                        f" {trainer.current_epoch} while others have some (MyDDPStrategy(uneven_inputs='error'))."
-                        " Pass uneven_inputs='join' or 'stop', or give every rank batches."
+                        _accumulation_message(trainer, k, [r for r, f in enumerate(syncs) if f == 2])
                     )
-                self.epochs[trainer.current_epoch] = (0,) * trainer.world_size  # "stop": no rank trains one
-        else:
-            if epoch.tail:
-                self._exchange("end")
-            self._watch(False)  # out of data: its shadow of a ZeroRedundancyOptimizer's step announces nothing
-            epoch.join.__exit__(None, None, None)
-        self.abandon()
+            return
+        flags = self._flags(1 + run.progress.is_last_batch)  # "stop" or "error": 1 a batch, 2 its last, 3 none
+        if len(set(flags)) > 1 and self.policy == "error":
+            raise UnevenInputsError(
+                f"[rank {trainer.global_rank}] ranks {[r for r, f in enumerate(flags) if f >= 2]} reach the end"
+                f" of their training data at batch {run.progress.current.ready + 1} of epoch"
+                f" {trainer.current_epoch} while the others have more (MyDDPStrategy(uneven_inputs='error'))."
+                " Pass uneven_inputs='join' (the default: every rank trains all its batches) or 'stop' (all stop"
+                " there), or give every rank the same number."
+            )
+        if len(set(flags)) > 1:  # "stop" ends the epoch with this batch (before it, where a rank had none)
+            self.epochs[trainer.current_epoch] = (run.trained - (3 in flags),) * trainer.world_size
+        if 3 in flags:
+            raise StopIteration
+        run.progress.is_last_batch = max(flags) >= 2
 
-    def abandon(self) -> None:
-        """After a failure, at teardown or its end: forget the epoch (an evaluation's gives its metrics their own sync
-        back, and its place to the training epoch it interrupted). No collective."""
-        if self.tail:
-            self._watch(False)
-        for metric in getattr(self._epoch, "synced", None) or ():
-            metric.dist_sync_fn = None
-        self._epoch = self._epoch and self._epoch.outer
+    def end_epoch(self) -> None:
+        """At a training epoch's or evaluation stage's end (the first callback's hooks; an evaluation's before its
+        epoch-level values are reduced): a cut training epoch gets its length back; a run under the join ends, this
+        rank taking part in the others' steps until all are done (:meth:`finish`; a training epoch's record and
+        state copy follow, :meth:`post_hook`); under ``"stop"``/``"error"`` on unknown counts a rank without any
+        batch answers the others' first step. A collective unless the counts agreed (or the join ended already:
+        :meth:`announce`).
 
-    def begin_evaluation(self, trainer: Any) -> None:
-        """At an evaluation stage's start (validation, test, predict), on every rank, where its loaders' batch counts
-        differ between ranks or are unknown (``LoaderSharding.agree_counts``): run it in torch's join as a training
-        epoch under ``"join"`` runs (under every policy: an evaluation drops nothing), each step notified at its
-        ``batch_to_device``, ended at the stage's epoch end (:class:`_EpochEnd`); meanwhile this module's torchmetrics
-        metrics sync through :meth:`gather`. No collective."""
-        self._trainer = trainer
-        self._epoch = _Epoch(
-            False,
-            (
-                trainer.fit_loop.epoch_loop.val_loop
-                if trainer.state.fn == "fit"
-                else getattr(trainer, f"{trainer.state.fn.value}_loop")
-            ).batch_progress,
-            Join([self]),
-            synced=[m for m in trainer.lightning_module.modules() if getattr(m, "dist_sync_fn", False) is None],
-            outer=self._epoch,
-        )
-        self._epoch.join.__enter__()
-        for metric in self._epoch.synced:
-            metric.dist_sync_fn = self.gather
-
-    def step_zero(self, index: int, src: int | None = None) -> None:
-        """``ZeroRedundancyOptimizer`` number ``index`` (in ``trainer.optimizers``) in a step some ranks only shadow,
-        after the active ranks' update of their shards (its local optimizer's post-hook, ``src`` None) and before
-        its parameter broadcasts (one from each rank's shard): announced, then the highest active rank, ``src``,
-        broadcasts its gradients (as the update read them: clipped, accumulated) and hyperparameters (a scheduler's
-        ``lr``), which a rank out of data sets before its own step: the update of its shard and those broadcasts.
-        So every shard takes each step, as a single process's optimizer would."""
-        src = max(self._exchange("zero_step", index, self._trainer.global_rank)[1]) if src is None else src
-        zero = self._trainer.optimizers[index]
-        box = [
-            [
-                (
-                    {k: v for k, v in group.items() if k != "params"},
-                    [None if p.grad is None else p.grad.cpu() for p in group["params"]],
+        Raises:
+            UnevenInputsError: ``"error"``, this rank has no batch while others have some.
+        """
+        run, trainer = self._run, self._trainer
+        if self._uncut is not None and trainer.training:
+            _pl.cut_epoch(trainer, self._uncut)
+        if run is None or trainer.training != (run.synced is None):
+            return
+        if run.join is None and run.trained == 0 and len(set(self._flags(3))) > 1:
+            if self.policy == "error":
+                raise UnevenInputsError(
+                    f"[rank {trainer.global_rank}] this rank has no training batch in epoch"
+                    f" {trainer.current_epoch} while others have some (MyDDPStrategy(uneven_inputs='error'))."
+                    " Pass uneven_inputs='join' or 'stop', or give every rank batches."
                 )
-                for group in zero.param_groups
-            ]
-        ]
-        dist.broadcast_object_list(box, src=src)
-        if not self.tail:  # out of data (an active rank's step goes on to the parameter broadcasts)
-            for group, (hyperparameters, grads) in zip(zero.param_groups, box[0], strict=True):
-                group.update(hyperparameters)
-                for p, grad in zip(group["params"], grads, strict=True):
-                    p.grad = None if grad is None else grad.to(p.device)
-            zero.step()
-
-    def main_hook(self) -> None:
-        """``Join``'s main hook, on a rank out of data: the others' step, each message read and taken part in, to its
-        end."""
-        while self._exchange()[0] != "end":
-            pass
+            self.epochs[trainer.current_epoch] = (0,) * trainer.world_size  # "stop": no rank trains one
+        if run.join is not None:
+            self.finish()
+        else:
+            self.abandon()
 
     def post_hook(self, is_last_joiner: bool) -> None:
-        """``Join``'s post-hook, on every rank: where the batch counts differ (some rank joined before the last),
-        record them, and every rank takes the module (parameters, buffers) and training state of the highest rank
-        that trained longest."""
-        if self._epoch.synced is not None:  # an evaluation's: nothing to record or copy
+        """``Join``'s post-hook, on every rank once all joined. After a training epoch whose ranks took different
+        numbers of steps: record them, and every rank takes the module (parameters, buffers) and training state of
+        the highest rank that trained longest. A collective after a training epoch."""
+        if self._run.synced is not None:  # an evaluation's: nothing to record or copy
             return
-        trainer = self._trainer
-        flags = self._flags(2 * self._epoch.trained + is_last_joiner)  # every rank's steps, and whether it was last
-        _tp.set_gradient_divisor(self.ddp, None, True)  # the next epochs: DDP's own divisor and forward again
-        _tp.set_ddp_join_mode(self.ddp, False)
-        if all(f % 2 for f in flags):  # every rank was the last to join: equal counts
+        trainer, steps = self._trainer, self._flags(self._run.trained)
+        if len(set(steps)) == 1:
             return
-        self.epochs[trainer.current_epoch] = tuple(f // 2 for f in flags)
-        source, module = max(r for r, f in enumerate(flags) if f % 2), trainer.lightning_module
-        _KINDS["consolidate"][0](self, source, 0, 0)  # a sharded optimizer's state_dict(): the source's, consolidated
+        self.epochs[trainer.current_epoch] = tuple(steps)
+        source, module = max(r for r, s in enumerate(steps) if s == max(steps)), trainer.lightning_module
         _tp.broadcast_coalesced([t.detach() for t in (*module.parameters(), *module.buffers())], src=source)
         box = [
             apply_to_collection(_pl.training_state(trainer), torch.Tensor, torch.Tensor.cpu)
@@ -581,78 +257,36 @@ class UnevenInputs(Joinable, JoinHook):
         if trainer.global_rank != source:
             _pl.load_training_state(trainer, box[0])
 
-    def _exchange(self, kind: str = "", a: int = 0, b: int = 0, c: int = 0) -> tuple[str, list[int]]:
-        """One message of :data:`_KINDS` (an all-reduce, MAX, of ``[kind, a, b, c, batch, *active]``): the active
-        ranks send it, the ranks out of data zeros, then every rank reads it alike: a refusal raises
-        :class:`UnevenInputsError`, a rank out of data does its part. Returns the kind and the active ranks."""
-        trainer = self._trainer
-        message = torch.zeros(5 + trainer.world_size, dtype=torch.int64, device=self.join_device)
-        if kind:
-            message[:5] = torch.tensor([list(_KINDS).index(kind) + 1, a, b, c, self._epoch.progress.current.ready])
-            message[5 + trainer.global_rank] = 1
-        dist.all_reduce(message, dist.ReduceOp.MAX)
-        code, a, b, c, batch, *mask = message.tolist()
-        kind, active = list(_KINDS)[code - 1], [r for r, m in enumerate(mask) if m]
-        shadow, refusal = _KINDS[kind]
-        if kind == "refuse" or refusal is not None and (shadow is None or a not in active):
-            stage = {"train": "training", "test": "test", "predict": "predict"}.get(trainer.state.stage, "validation")
-            what, fix = (list(Refusal)[a] if kind == "refuse" else refusal).value
-            raise UnevenInputsError(
-                f"[rank {trainer.global_rank}] {stage} batch {batch} (batch_idx {batch - 1}) of epoch"
-                f" {trainer.current_epoch} on ranks {active} makes {what}, in which ranks"
-                f" {[r for r in range(trainer.world_size) if r not in active]}, out of {stage} data, cannot take"
-                f" part (uneven inputs, MyDDPStrategy(uneven_inputs={self.policy!r})). Do: {fix};"
-                + (
-                    " or pass MyDDPStrategy(uneven_inputs='stop') (every rank stops at the shortest rank's last batch;"
-                    " the others' later batches are not trained),"
-                    if stage == "training"
-                    else ""
-                )
-                + " or give every rank the same number of batches."
-            )
-        if shadow is not None and not mask[trainer.global_rank]:
-            shadow(self, a, b, c)
-        return kind, active
+    def _flags(self, flag: int) -> list[int]:
+        """One all-reduce (MAX) of every rank's small flag (this rank's ``flag``, at least 0); returns them by rank."""
+        flags = torch.tensor(
+            [flag if r == self._trainer.global_rank else 0 for r in range(self._trainer.world_size)],
+            device=self.join_device,
+        )
+        dist.all_reduce(flags, dist.ReduceOp.MAX)
+        return flags.tolist()
 
 
 class _EpochEnd(Callback):
-    """Ends this rank's part of an uneven epoch before anything after its last batch: validation or the epoch's
-    end (put first among the callbacks; the strategy's collectives check too, :meth:`UnevenInputs.announce`)."""
+    """Ends this rank's part of an uneven epoch or evaluation run before anything after its last batch: validation or
+    the epoch's end (put first among the callbacks; the strategy's collectives check too, :meth:`StepJoin.announce`);
+    logs the fit's counts at its end."""
 
     def __init__(self, uneven: UnevenInputs) -> None:
         self.uneven = uneven
 
     def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
-        """At a validation run's start: refused in a step with fewer ranks; mid-epoch, every rank must validate.
-        After this rank's last batch the epoch ends first (:meth:`UnevenInputs.announce`)."""
         self.uneven.announce("validation")
-        if self.uneven._epoch is not None and self.uneven._epoch.join is not None:
-            self.uneven._notify(trainer.world_size + 1)
 
     def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
         """At a training epoch's end, or an evaluation stage's (before its metrics are computed)."""
-        self.uneven.finish(evaluation=not trainer.training)
+        self.uneven.end_epoch()
 
     on_validation_epoch_end = on_test_epoch_end = on_predict_epoch_end = on_train_epoch_end
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
-        """Forget the last fit's counts; hook each ``ZeroRedundancyOptimizer``'s step (``UnevenInputs.step_zero``)."""
+        """Forget the last fit's counts."""
         self.uneven.epochs = {}
-        for hook in self.uneven._hooks:  # a last fit's, which a failure left
-            hook.remove()
-        self.uneven._hooks = [
-            zero.optim.register_step_post_hook(lambda *_, i=i: self.uneven.tail and self.uneven.step_zero(i))
-            for i, zero in enumerate(trainer.optimizers)
-            if isinstance(zero, ZeroRedundancyOptimizer)
-        ]
-
-    def state_dict(self) -> dict[str, Any]:
-        """Called first in each checkpoint's ``dump_checkpoint``, before the optimizer states, whose
-        ``consolidate_state_dict`` (a ``ZeroRedundancyOptimizer``'s, each rank's shard broadcast) a step some ranks
-        only shadow announces here. Returns ``{}`` (nothing is saved)."""
-        if self.uneven.tail and any(isinstance(o, ZeroRedundancyOptimizer) for o in self.uneven._trainer.optimizers):
-            self.uneven._exchange("consolidate")
-        return {}
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         """Rank 0 logs, for the fit summary, the policy and the batches each rank trained in each uneven epoch."""
@@ -665,3 +299,14 @@ class _EpochEnd(Callback):
                 f"Uneven inputs (uneven_inputs={u.policy!r}{rule}): batches trained per rank, "
                 + ", ".join(f"epoch {epoch}: {list(counts)}" for epoch, counts in u.epochs.items())
             )
+
+
+class _EpochStart(Callback):
+    """At each training epoch's start, after the epoch barrier (put after ``process.boundaries``' callbacks): the
+    policy's part, :meth:`UnevenInputs.begin_epoch`."""
+
+    def __init__(self, uneven: UnevenInputs) -> None:
+        self.uneven = uneven
+
+    def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
+        self.uneven.begin_epoch(trainer)

@@ -180,31 +180,3 @@ def test_all_reduce_first_static_graph_step_flushes_a_backward_outside_ddps_outp
     ddp(x).sum().backward()  # a later step: DDP's own hooks all-reduce
     assert calls == [0, 0]
     _torch_private.all_reduce_first_static_graph_step(nn.Linear(2, 2))
-
-
-def test_direct_collectives_refuses_a_c10d_op_that_lightning_called_user_code_to_make(one_rank_group):
-    """Inside the mode, a gloo all_reduce from code that a Lightning frame called calls ``refuse`` (once, with the mode
-    popped: its own all_reduce passes), and the op still runs, also through the strategy's SyncBatchNorm layer; a plain
-    ``torch.add``, and an all_reduce whose first owner frame is the strategy's, do not."""
-    calls: list[float] = []
-
-    def refuse() -> None:
-        dist.all_reduce(probe := torch.ones(1))
-        calls.append(probe.item())
-
-    called_by_lightning = {"__name__": "lightning.pytorch.trainer.call", "dist": dist, "torch": torch}
-    exec("def step(t):\n    dist.all_reduce(t)\n    return torch.add(t, 1)", called_by_lightning)
-    tensor = torch.full((2,), 3.0)
-    layer = {"__name__": "ddp_strategy.sync.sync_batchnorm", "dist": dist}  # the user's forward calls it
-    exec("def forward(t):\n    dist.all_reduce(t)", layer)
-    called_by_lightning["forward"] = layer["forward"]
-    exec("def step_through_layer(t):\n    forward(t)", called_by_lightning)
-    tensor = torch.full((2,), 3.0)
-    with _torch_private.DirectCollectives(refuse):
-        assert called_by_lightning["step"](tensor).tolist() == [4.0, 4.0]
-        assert calls == [1.0]
-        torch.add(tensor, 1)
-        _torch_private.broadcast_coalesced([tensor])  # the strategy's own
-        assert calls == [1.0]
-        called_by_lightning["step_through_layer"](tensor)
-    assert calls == [1.0, 1.0] and tensor.tolist() == [3.0, 3.0]

@@ -39,6 +39,7 @@ from uneven_workers import (
     loss_of,
     make_layer,
     samples,
+    scenario_direct_collective,
     scenario_evaluation_ddp,
     scenario_join,
     scenario_policies,
@@ -48,6 +49,7 @@ from ddp_strategy import MyDDPStrategy, UnevenInputsError
 from ddp_strategy.testing import assert_same_on_every_rank
 
 TIGHT = dict(atol=1e-6, rtol=1e-6)  # float32 sums in another order
+UNEVEN_MODULES = ("uneven.py", "join.py")  # ddp_strategy/sampling/: the policies and the join
 
 
 # ------------------------------------------------------------------------------------------ one process
@@ -221,26 +223,46 @@ def test_collectives_of_a_tail_step_are_shadowed_with_the_active_ranks_values(ru
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(600)
-def test_a_zero_redundancy_optimizer_takes_every_step_on_every_shard_with_the_reference_weights_and_state(runs):
-    """ZeroRedundancyOptimizer (SGD with momentum, each rank one parameter's state) with gradient_clip_val and a
-    per-step StepLR, 5 and 4 batches, a checkpoint each step: where it hung (its step's broadcast met the rank out of
-    data), both ranks take 10 steps with identical weights equal to the reference (clipped, decayed); every step's
-    file, the tail steps 5 and 10 included, holds that step's reference weights, and the last one the reference's
-    consolidated optimizer state (both shards' momentum, the decayed learning rate)."""
-    records = load(runs, "zero", 2)
-    for rec in records:
-        assert rec["error"] is None and rec["steps"] == 10 and rec["epochs"] == {0: (5, 4), 1: (5, 4)}
-    expected = reference(ITERABLE, ITERABLE_BATCH, clip=CLIP, gamma=GAMMA)
-    assert_weights(records, expected.layer)
-    assert not torch.allclose(expected.layer.weight, reference(ITERABLE, ITERABLE_BATCH).layer.weight)  # clipped
-    for step in range(1, 11):
-        checkpoint = torch.load(runs / "ckpt_zero" / f"step={step}.ckpt", weights_only=True)
-        for k, v in checkpoint["state_dict"].items():
-            assert torch.allclose(v, expected.after_step[step - 1][k], **TIGHT), (step, k)
-    state, reference_state = checkpoint["optimizer_states"][0], expected.optimizer.state_dict()
-    assert state["param_groups"][0]["lr"] == pytest.approx(reference_state["param_groups"][0]["lr"])
-    for i, param_state in reference_state["state"].items():
-        assert torch.allclose(state["state"][i]["momentum_buffer"], param_state["momentum_buffer"], **TIGHT), i
+def test_what_makes_its_own_collectives_in_a_step_is_refused_at_the_epoch_start_and_trains_under_stop(runs):
+    """On 5 and 4 batches of a stream under uneven_inputs="join": a ZeroRedundancyOptimizer (its step broadcasts each
+    rank's shard), Trainer(sync_batchnorm=True)'s SyncBatchNorm layer and a torchmetrics metric with
+    dist_sync_on_step=True (their forward syncs), which a rank out of data cannot take part in, each raise ValueError
+    on both ranks at the first epoch's start, before any step (the collective timeout is 60 s), naming it and
+    uneven_inputs='stop'. What the error suggests, uneven_inputs="stop" on the same data, trains: 4 steps an epoch on
+    both ranks, the ZeroRedundancyOptimizer with gradient clipping and a per-step StepLR to identical weights equal to
+    the reference over those steps (clipped, decayed), and the SyncBatchNorm to the same running statistics on both
+    ranks (synced: a BatchNorm's differ, each rank's own batches)."""
+    for name, what in (
+        ("refuse_zero", "optimizer 0, a ZeroRedundancyOptimizer"),
+        ("refuse_sync_batchnorm", "the SyncBatchNorm layer 'norm'"),
+        ("refuse_metric", "the metric 'metric'"),
+    ):
+        records = load(runs, name, 2)
+        assert_refused(
+            records,
+            "ValueError",
+            "the ranks' numbers of training batches in epoch 0 differ or are unknown ({0: -1, 1: -1};",
+            f"not in those that {what} make(s) in each step",
+            "Pass MyDDPStrategy(uneven_inputs='stop')",
+        )
+        assert [(rec["steps"], rec["seen"]) for rec in records] == [(0, {})] * 2, name
+    for name in ("stop_zero", "stop_syncs"):
+        records = load(runs, name, 2)
+        assert [(rec["error"], rec["steps"], rec["epochs"]) for rec in records] == [
+            (None, 8, {0: (4, 4), 1: (4, 4)})
+        ] * 2
+    assert_weights(
+        load(runs, "stop_zero", 2), reference(ITERABLE, ITERABLE_BATCH, steps=4, clip=CLIP, gamma=GAMMA).layer
+    )
+    normed, x = load(runs, "stop_syncs", 2), [samples(r, n, TRAIN_SALT)[0] for r, n in enumerate(ITERABLE)]
+    running = torch.zeros(3)
+    for _ in range(EPOCHS):  # over the global batch of each of the first 4 steps: both ranks' samples
+        for s in range(0, 4 * ITERABLE_BATCH, ITERABLE_BATCH):
+            batch = torch.cat([rows[s : s + ITERABLE_BATCH] for rows in x])
+            running = (1 - BN_MOMENTUM) * running + BN_MOMENTUM * batch.mean(0)
+    assert_same_on_every_rank([rec["weights"] for rec in normed], "parameters and buffers")
+    assert torch.allclose(normed[0]["weights"]["norm.running_mean"], running, **TIGHT)
+    assert normed[0]["weights"]["norm.num_batches_tracked"] == 8
 
 
 @pytest.mark.multiprocess
@@ -270,22 +292,12 @@ def test_an_ema_callback_and_clipping_by_norm_hold_the_reference_average_of_ever
 @pytest.mark.multiprocess
 @pytest.mark.timeout(600)
 def test_refused_collectives_raise_uneven_inputs_error_on_every_rank_without_waiting(runs):
-    """In rank 0's 5th step while rank 1 is out of data, self.all_gather, a broadcast from rank 1, a torchmetrics
-    metric with dist_sync_on_step=True, Trainer(sync_batchnorm=True) with a BatchNorm, the step's own
-    torch.distributed.all_reduce (not through the strategy: where gloo aborted rank 0) and one in a callback's
-    on_train_batch_end each raise UnevenInputsError on both ranks within seconds (the collective timeout is 60 s),
-    naming the collective, the batch and the rank without data, with what to do; in the 4 steps both ranks take, the
-    direct all_reduce sums both ranks' values, as under ddp. (The fix it names, strategy.reduce, gives the single
-    process's values in a tail step: the test of the shadowed collectives.)"""
-    direct = "a collective the strategy does not make (torch.distributed called directly; a torchmetrics Metric"
-    through = "make it through self.log(..., sync_dist=True) or trainer.strategy.reduce"
+    """In rank 0's 5th step while rank 1 is out of data, self.all_gather and a broadcast from rank 1 each raise
+    UnevenInputsError on both ranks within seconds (the collective timeout is 60 s), naming the collective, the batch
+    and the rank without data, with what to do."""
     kinds = {  # name: what, the fix, rank 0's batches seen and optimizer steps
         "refuse_all_gather": ("an all_gather", "gather at the epoch's end", 5, 4),
         "refuse_broadcast": ("a broadcast from a rank that has no data left", "broadcast from a rank that still", 5, 4),
-        "refuse_metric": (direct, "dist_sync_on_step=False", 5, 4),
-        "refuse_sync_batchnorm": (direct, "drop sync_batchnorm", 4, 4),  # its forward comes before the step's record
-        "refuse_direct": (direct, through, 5, 4),
-        "refuse_direct_callback": (direct, through, 5, 5),  # on_train_batch_end: after rank 0's 5th step
     }
     for name, (kind, fix, batches_of_rank_0, steps_of_rank_0) in kinds.items():
         for r, rec in enumerate(load(runs, name, 2)):
@@ -298,9 +310,6 @@ def test_refused_collectives_raise_uneven_inputs_error_on_every_rank_without_wai
             assert "in which ranks [1], out of training data, cannot take part" in message
             assert fix in message and "uneven_inputs='stop'" in message
             assert (rec["steps"], len(rec["seen"][0])) == ((steps_of_rank_0, batches_of_rank_0) if r == 0 else (4, 4))
-    assert [[got["torch_distributed"] for got in rec["results"]] for rec in load(runs, "refuse_direct", 2)] == [
-        [30.0 + 2 * i for i in range(4)]
-    ] * 2
 
 
 @pytest.mark.multiprocess
@@ -436,11 +445,11 @@ def test_steps_every_rank_takes_agree_asynchronously_and_a_step_a_rank_lacks_not
     for rec in load(runs, "even_ours", 2):
         side = [(step, module) for step, module, _, world in rec["all_reduces"] if not world]
         assert sorted(side) == [(step, "boundaries.py") for step in range(10)]  # one round each step, shared
-        calls = [(step, world) for step, module, _, world in rec["all_reduces"] if module == "uneven.py"]
+        calls = [(step, world) for step, module, _, world in rec["all_reduces"] if module in UNEVEN_MODULES]
         assert {step for step, world in calls if world} == {0, 5, 10}
     records = load(runs, "join_iterable", 2)
     for rec, expected in zip(records, ({0, 4, 5, 9, 10}, {0, 4, 8}), strict=True):
-        calls = [(step, world) for step, module, _, world in rec["all_reduces"] if module == "uneven.py"]
+        calls = [(step, world) for step, module, _, world in rec["all_reduces"] if module in UNEVEN_MODULES]
         assert {step for step, world in calls if world} == expected
 
 
@@ -469,13 +478,15 @@ def test_only_epochs_whose_counts_differ_are_recorded_and_logged(runs):
 @pytest.mark.multiprocess
 @pytest.mark.timeout(600)
 def test_a_zero_redundancy_optimizer_on_even_inputs_trains_bitwise_as_under_lightning_ddp(runs):
-    """The same ZeroRedundancyOptimizer module, clipping and scheduler on 5 batches per rank: MyDDPStrategy() and
-    strategy="ddp" give bitwise the same weights after 10 steps, equal to the reference."""
-    ours, lightning = load(runs, "zero_even_ours", 2), load(runs, "zero_even_ddp", 2)
+    """The same ZeroRedundancyOptimizer module, clipping and scheduler on 5 batches per rank: MyDDPStrategy() on
+    pre-sharded shards (equal known counts: nothing uneven, nothing refused), MyDDPStrategy(uneven_inputs="stop") on
+    the stream (its counts unknown: what the refusal under "join" suggests) and strategy="ddp" on the stream give
+    bitwise the same weights after 10 steps, equal to the reference."""
+    ours, stop, lightning = (load(runs, f"zero_even_{name}", 2) for name in ("ours", "stop", "ddp"))
     for r in range(2):
-        assert ours[r]["error"] is None and lightning[r]["error"] is None
-        assert ours[r]["steps"] == lightning[r]["steps"] == 10
-        assert_same_on_every_rank([ours[r]["weights"], lightning[r]["weights"]], "parameters")
+        assert [rec[r]["error"] for rec in (ours, stop, lightning)] == [None] * 3
+        assert ours[r]["steps"] == stop[r]["steps"] == lightning[r]["steps"] == 10
+        assert_same_on_every_rank([ours[r]["weights"], stop[r]["weights"], lightning[r]["weights"]], "parameters")
     assert_weights(ours, reference((ITERABLE[0],) * 2, ITERABLE_BATCH, clip=CLIP, gamma=GAMMA).layer)
 
 
@@ -618,22 +629,14 @@ def test_uneven_evaluation_streams_run_under_the_join_with_the_single_process_va
 @pytest.mark.multiprocess
 @pytest.mark.timeout(600)
 def test_an_all_gather_in_an_evaluation_tail_step_is_refused_on_every_rank(runs):
-    """self.all_gather in validation_step on streams of 5 and 4 batches, and a torch.distributed.all_reduce of the
-    step's own: rank 0's 5th step, which rank 1 (out of data) only shadows, raises UnevenInputsError on both ranks
-    within seconds, naming the validation batch and what to do."""
+    """self.all_gather in validation_step on streams of 5 and 4 batches: rank 0's 5th step, which rank 1 (out of data)
+    only shadows, raises UnevenInputsError on both ranks within seconds, naming the validation batch and what to do."""
     assert_refused(
         load(runs, "eval_refuse", 2),
         UnevenInputsError.__name__,
         "validation batch 5 (batch_idx 4) of epoch 0 on ranks [0] makes an all_gather",
         "in which ranks [1], out of validation data, cannot take part",
         "gather at the epoch's end",
-    )
-    assert_refused(
-        load(runs, "eval_refuse_direct", 2),
-        UnevenInputsError.__name__,
-        "validation batch 5 (batch_idx 4) of epoch 0 on ranks [0] makes a collective the strategy does not make",
-        "in which ranks [1], out of validation data, cannot take part",
-        "make it through self.log(..., sync_dist=True) or trainer.strategy.reduce",
     )
 
 
@@ -662,3 +665,26 @@ def test_lightnings_ddp_goes_wrong_on_the_same_uneven_evaluation_streams(tmp_pat
         or rec["computed"] != pytest.approx(expected.total, abs=1e-5)
         for rec in records
     ), records
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_a_direct_torch_distributed_call_in_a_tail_step_is_named_on_the_rank_left(tmp_path):
+    """A training_step's own torch.distributed.all_reduce (not through the strategy, so not shadowed): in the 4 steps
+    both ranks take it sums both ranks' values, as under ddp; in rank 0's 5th, while rank 1 is out of data, it meets
+    the join's message and gloo aborts rank 0 (its C++ check, "Received data size doesn't match expected size": no
+    Python error there), and rank 1's error comes within seconds naming the direct call as the likely cause and what
+    to do (the fix it names, strategy.reduce, gives the single process's values in a tail step: the test of the
+    shadowed collectives)."""
+    with pytest.raises(AssertionError, match="rank 0 exited with code -6"):
+        launch(scenario_direct_collective, 2, tmp_path, timeout_s=180)
+    record = torch.load(tmp_path / "direct.rank1.pt", weights_only=True)
+    assert [got["torch_distributed"] for got in record["results"]] == [30.0 + 2 * i for i in range(4)]
+    error_type, message, seconds = record["error"]
+    assert error_type == "RuntimeError" and seconds < 20, record["error"]
+    assert (
+        "[rank 1] a collective failed because another rank did not take part. A likely cause: the ranks hold" in message
+    )
+    assert "a collective that a step or callback makes with torch.distributed directly meets the join's" in message
+    assert "Make it through self.log(..., sync_dist=True) or trainer.strategy.reduce, barrier or broadcast" in message
+    assert "or pass MyDDPStrategy(uneven_inputs='stop')" in message and "Cause: rank 0" in message

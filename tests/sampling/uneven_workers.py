@@ -171,18 +171,11 @@ class Probed(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=LR, momentum=MOMENTUM)
 
 
-class DirectCallback(pl.Callback):
-    """A callback whose ``on_train_batch_end`` makes its own ``torch.distributed.all_reduce`` (an EMA's sync)."""
-
-    def on_train_batch_end(self, *args: Any) -> None:
-        dist.all_reduce(torch.ones(1))
-
-
 class Normed(Probed):
     """:class:`Probed` with a BatchNorm on the inputs, whose running mean DDP broadcasts before each forward."""
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, metric: bool = False) -> None:
+        super().__init__(metric=metric)
         self.norm = nn.BatchNorm1d(3, momentum=BN_MOMENTUM, affine=False)
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
@@ -196,11 +189,11 @@ class Evaluated(pl.LightningModule):
     ``dist_sync_on_step=True`` its batch's target sum (its forward: the step's sum over the ranks), and logs the loss
     per epoch (``sync_dist=True``); each predict step feeds the metric and returns the batch's indices. Records, per
     step, the logged ``x`` and the metric's value, and, per stage, the metric's ``compute()``. ``gather``: also
-    ``self.all_gather`` in each step; ``direct``: also a ``torch.distributed.all_reduce`` of its own."""
+    ``self.all_gather`` in each step."""
 
-    def __init__(self, gather: bool = False, direct: bool = False) -> None:
+    def __init__(self, gather: bool = False) -> None:
         super().__init__()
-        self.layer, self.gather, self.direct = make_layer(), gather, direct
+        self.layer, self.gather = make_layer(), gather
         self.metric = torchmetrics.SumMetric(dist_sync_on_step=True)
         self.steps: list[dict[str, Any]] = []
         self.computed: float | None = None
@@ -212,8 +205,6 @@ class Evaluated(pl.LightningModule):
         self.steps.append({"batch": batch_idx, "metric": float(self.metric(y.sum()))})
         if self.gather:
             self.all_gather(y)
-        if self.direct:
-            dist.all_reduce(torch.ones(1))
 
     test_step = validation_step
 
@@ -247,15 +238,11 @@ class Written(BasePredictionWriter):
 def evaluate(out: Path, name: str, strategy: Any, stages: tuple[str, ...]) -> None:
     """Run ``stages``, each under a new ``strategy()``, of an :class:`Evaluated` on ``EVAL``'s streams (test: one
     whose ``__len__`` is a wrong hint, 5 batches on both ranks; ``"refuse"``: validate with ``self.all_gather`` in
-    each step, ``"refuse_direct"``: with a ``torch.distributed.all_reduce``) and record
+    each step) and record
     ``<name>_<stage>``: the steps, the epoch's loss and metric, the written indices, and the error (type, message,
     seconds) if the stage raised."""
     for stage in stages:
-        model, writer, start = (
-            Evaluated(gather=stage == "refuse", direct=stage == "refuse_direct"),
-            Written(),
-            time.monotonic(),
-        )
+        model, writer, start = Evaluated(gather=stage == "refuse"), Written(), time.monotonic()
         loader = DataLoader((Hinted if stage == "test" else Stream)(EVAL, EVAL_SALT), batch_size=EVAL_BATCH)
         record: dict[str, Any] = {"error": None}
         try:
@@ -376,11 +363,11 @@ def scenario_join(out: Path) -> None:
     """The default policy: an IterableDataset (5 and 4 batches) with uneven validation, the shadowed collectives
     and a checkpoint each step (rank 0 has more); pre-sharded map-style data (4 and 3 batches) with uneven
     validation, and with the other gradient divisor; a checkpoint each step while rank 0 has fewer; each refused
-    collective (an all_gather, a broadcast from the joined rank, torchmetrics' per-step sync, SyncBatchNorm, the
-    step's own torch.distributed.all_reduce, and a callback's); then
+    collective (an all_gather, a broadcast from the joined rank); what is refused at the epoch's start (torchmetrics'
+    per-step sync, SyncBatchNorm, a ZeroRedundancyOptimizer with gradient clipping and a per-step scheduler) and
+    the same under uneven_inputs="stop"; then
     the cases a probe found hanging: accumulate_grad_batches (refused, and one that trains), validation inside
-    the epoch (val_check_interval), and an IterableDataset with limit_train_batches or a __len__ (both hints); a
-    ZeroRedundancyOptimizer with gradient clipping, a per-step scheduler and a checkpoint each step; an
+    the epoch (val_check_interval), and an IterableDataset with limit_train_batches or a __len__ (both hints); an
     EMAWeightAveraging callback with gradient clipping (by norm) of a plain optimizer."""
     fit(
         out,
@@ -410,15 +397,6 @@ def scenario_join(out: Path) -> None:
     )
     fit(
         out,
-        "zero",
-        stream(ITERABLE, ITERABLE_BATCH),
-        model=Zero(),
-        gradient_clip_val=CLIP,
-        callbacks=[every_step_checkpoint(out / "ckpt_zero")],
-        enable_checkpointing=True,
-    )
-    fit(
-        out,
         "ema",
         stream(ITERABLE, ITERABLE_BATCH),
         gradient_clip_val=CLIP,
@@ -427,10 +405,16 @@ def scenario_join(out: Path) -> None:
     fit(out, "refuse_all_gather", stream(ITERABLE, ITERABLE_BATCH), model=Probed(("all_gather",)))
     fit(out, "refuse_broadcast", stream(ITERABLE, ITERABLE_BATCH), model=Probed(("broadcast_from_1",)))
     fit(out, "refuse_metric", stream(ITERABLE, ITERABLE_BATCH), model=Probed(metric=True))
-    fit(out, "refuse_direct", stream(ITERABLE, ITERABLE_BATCH), model=Probed(("torch_distributed",)))
-    fit(out, "refuse_direct_callback", stream(ITERABLE, ITERABLE_BATCH), callbacks=[DirectCallback()])
     fit(out, "buffers", stream(BN_COUNTS, ITERABLE_BATCH), model=Normed(), max_epochs=1)
     fit(out, "refuse_sync_batchnorm", stream(ITERABLE, ITERABLE_BATCH), model=Normed(), sync_batchnorm=True)
+    fit(out, "refuse_zero", stream(ITERABLE, ITERABLE_BATCH), model=Zero(), gradient_clip_val=CLIP)
+    for name, model, options in (  # what the refusals suggest, on the same data
+        ("stop_syncs", Normed(metric=True), {"sync_batchnorm": True}),
+        ("stop_zero", Zero(), {"gradient_clip_val": CLIP}),
+    ):
+        fit(
+            out, name, stream(ITERABLE, ITERABLE_BATCH), model=model, strategy=strategy(uneven_inputs="stop"), **options
+        )
     fit(out, "accumulate_3", stream(ITERABLE, ITERABLE_BATCH), accumulate_grad_batches=3)
     fit(out, "accumulate_map", own_shard(MAP, MAP_BATCH), use_distributed_sampler=False, accumulate_grad_batches=2)
     fit(out, "accumulate_2", stream(ITERABLE, ITERABLE_BATCH), accumulate_grad_batches=2)
@@ -453,7 +437,8 @@ def scenario_policies(out: Path) -> None:
     """uneven_inputs="stop" and "error" on both loader kinds, on a rank without any batch and on a data set whose
     ``__len__`` reads the rank; validation, test and predict on uneven streams; even inputs under MyDDPStrategy, a
     loader the strategy shards, then the even inputs under Lightning's ddp (last: its teardown keeps the process
-    group); each with a ZeroRedundancyOptimizer too."""
+    group); a ZeroRedundancyOptimizer on even inputs under both (ours: equal pre-sharded counts, and a stream under
+    "stop")."""
     fit(out, "stop_iterable", stream(ITERABLE, ITERABLE_BATCH), strategy=strategy(uneven_inputs="stop"))
     fit(
         out,
@@ -480,18 +465,26 @@ def scenario_policies(out: Path) -> None:
         use_distributed_sampler=False,
         strategy=strategy(uneven_inputs="error"),
     )
-    evaluate(out, "eval", strategy, ("validate", "test", "predict", "refuse", "refuse_direct"))
+    evaluate(out, "eval", strategy, ("validate", "test", "predict", "refuse"))
     even, val = (ITERABLE[0], ITERABLE[0]), stream((VAL[0], VAL[0]), VAL_BATCH, VAL_SALT)
     fit(out, "even_ours", stream(even, ITERABLE_BATCH), val, Probed(("log",)))
     fit(out, "stop_even", stream(even, ITERABLE_BATCH), strategy=strategy(uneven_inputs="stop"))
     whole = DataLoader(TensorDataset(*samples(0, 20, TRAIN_SALT)), batch_size=2, shuffle=True)
     fit(out, "sharded", whole, max_epochs=1)
-    fit(out, "zero_even_ours", stream(even, ITERABLE_BATCH), model=Zero(), gradient_clip_val=CLIP)
+    known = dict(use_distributed_sampler=False)  # pre-sharded, equal known counts: nothing uneven, nothing refused
+    fit(out, "zero_even_ours", own_shard(even, ITERABLE_BATCH), model=Zero(), gradient_clip_val=CLIP, **known)
+    stop = strategy(uneven_inputs="stop")  # an even stream: its counts unknown, "join" refuses, "stop" trains
+    fit(out, "zero_even_stop", stream(even, ITERABLE_BATCH), model=Zero(), gradient_clip_val=CLIP, strategy=stop)
     fit(out, "even_ddp", stream(even, ITERABLE_BATCH), val, Probed(("log",)), strategy="ddp")
     fit(out, "zero_even_ddp", stream(even, ITERABLE_BATCH), model=Zero(), gradient_clip_val=CLIP, strategy="ddp")
     for name, ddp in (("ema_even_ours", None), ("ema_even_ddp", "ddp")):
         averaged = EMAWeightAveraging(decay=EMA_DECAY)
         fit(out, name, stream(even, ITERABLE_BATCH), gradient_clip_val=CLIP, callbacks=[averaged], strategy=ddp)
+
+
+def scenario_direct_collective(out: Path) -> None:
+    """A training step's own torch.distributed.all_reduce on 5 and 4 batches (rank 0 does not come back)."""
+    fit(out, "direct", stream(ITERABLE, ITERABLE_BATCH), model=Probed(("torch_distributed",)))
 
 
 def scenario_evaluation_ddp(out: Path) -> None:
