@@ -3,7 +3,7 @@
 At fit start the :class:`FitSummary` and the :func:`batch_size_warnings`; at fit end the
 :func:`communication_messages` from DDP's own timers (:class:`CommStats`) and the parameters no rank gave a
 gradient (docs/diagnostics.md shows each). The message functions take plain numbers (the notebook calls them);
-:func:`on_fit_start` and :func:`on_fit_end` read them off a running fit for the strategy. Only reads.
+:class:`FitDiagnostics`, a callback the strategy adds while fitting, reads them off the running fit. Only reads.
 """
 
 from __future__ import annotations
@@ -15,8 +15,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler
 
+from ddp_strategy._compat import namespace as _namespace
 from ddp_strategy._compat import torch_private as _torch_private
 from ddp_strategy._compat.namespace import (
     lightning_getattr,
@@ -25,9 +27,13 @@ from ddp_strategy._compat.namespace import (
     rank_zero_warn,
     sized_len,
 )
+from ddp_strategy.sampling import flat_loaders
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
+    from lightning.pytorch import Callback
+else:  # this process's Lightning namespace (see ddp_strategy._compat.namespace)
+    Callback = _namespace.get("pytorch.callbacks:Callback")
 
 #: The hint is given when un-overlapped all-reduce time exceeds this share of a step (0.5: communication
 #: takes longer than forward and backward compute together).
@@ -268,89 +274,101 @@ class GradientTracker:
             self._handles.popitem()[1].remove()
 
 
-@dataclass
-class FitRecord:
-    """What :func:`on_fit_start` hands to :func:`on_fit_end`: the summary and the running gradient tracker."""
+class FitDiagnostics(Callback):
+    """What rank 0 tells the user about a fit, as a callback the strategy adds while fitting: at the training start
+    the fit summary and the batch-size warnings (no collective), gradients tracked on every rank; at its end the
+    communication summary and the parameters no rank updated (:meth:`on_train_end`, a collective).
 
-    summary: FitSummary
-    tracker: GradientTracker
-
-
-def on_fit_start(
-    trainer: pl.Trainer,
-    loaders: list[Any],
-    backend: str,
-    start_method: str,
-    ddp_options: dict[str, Any],
-    ddp_model: nn.Module,
-) -> FitRecord:
-    """Log the fit summary and batch-size warnings on rank 0; start tracking gradients on every rank.
-
-    Called on every rank after the DDP wrapper (and its comm hook) and the training loaders exist; no collective.
-    Reads the first of the training ``loaders`` (flattened, ``sampling.flat_loaders``) if it is a DataLoader
-    (every rank computes the same numbers).
+    Args:
+        ddp_options: the DDP options the strategy passes (shown in the summary); start_method: how ranks started.
     """
-    loader = next(iter(loaders), None)
-    batch_size, n, per_rank, padding = None, None, None, 0
-    if isinstance(loader, DataLoader):
-        size = loader.batch_size if loader.batch_size is not None else getattr(loader.batch_sampler, "batch_size", None)
-        batch_size = int(size) if isinstance(size, int) else None
-        n = sized_len(loader.dataset)  # None for an iterable data set
-        for sampler in (loader.sampler, getattr(loader.batch_sampler, "sampler", None)):  # at most one is distributed
-            if isinstance(sampler, DistributedSampler):
-                per_rank, padding = int(sampler.num_samples), int(sampler.total_size) - len(sampler.dataset)
-    summary = FitSummary(
-        world_size=trainer.world_size,
-        num_nodes=trainer.num_nodes,
-        backend=backend,
-        start_method=start_method,
-        per_device_batch_size=batch_size,
-        accumulate_grad_batches=trainer.accumulate_grad_batches,
-        dataset_size=n,
-        samples_per_rank=per_rank,
-        padding=padding,
-        batches_per_epoch=float(trainer.num_training_batches),
-        ddp_options=dict(ddp_options),
-        comm_hook=str(_torch_private.ddp_logging_data(ddp_model).get("comm_hook") or "none"),
-    )
-    module = trainer.lightning_module
-    assert module is not None
-    configured = lightning_getattr(module, "batch_size") if lightning_hasattr(module, "batch_size") else None
-    configured = configured if isinstance(configured, int) and not isinstance(configured, bool) else None
-    rank_zero_info(summary.format())
-    for message in batch_size_warnings(batch_size, summary.world_size, n, configured):
-        rank_zero_warn(message)
-    return FitRecord(summary, GradientTracker(module))
 
+    def __init__(self, ddp_options: dict[str, Any], start_method: str) -> None:
+        self.ddp_options, self.start_method = ddp_options, start_method
+        self.summary: FitSummary | None = None
+        self.tracker: GradientTracker | None = None
 
-def on_fit_end(record: FitRecord, ddp_model: nn.Module, device: torch.device) -> tuple[CommStats | None, list[str]]:
-    """Average DDP's timings and the gradient flags over ranks, then log the fit-end messages on rank 0.
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Log the fit summary and batch-size warnings on rank 0; start tracking gradients on every rank.
 
-    A collective (one all-reduce of ``4 + 1 + P`` float64 values, P = tracked parameters): every rank must call
-    it, after the last training step and before the DDP wrapper is released. The gradient hooks are removed.
+        After the DDP wrapper (and its comm hook) and the training loaders exist; no collective. Reads the first
+        training loader if it is a DataLoader (every rank computes the same numbers).
+        """
+        ddp = trainer.strategy.model
+        if not isinstance(ddp, DistributedDataParallel):
+            return
+        loader = next(iter(flat_loaders(trainer.train_dataloader)), None)
+        batch_size, n, per_rank, padding = None, None, None, 0
+        if isinstance(loader, DataLoader):
+            size = (
+                loader.batch_size
+                if loader.batch_size is not None
+                else getattr(loader.batch_sampler, "batch_size", None)
+            )
+            batch_size = int(size) if isinstance(size, int) else None
+            n = sized_len(loader.dataset)  # None for an iterable data set
+            for sampler in (loader.sampler, getattr(loader.batch_sampler, "sampler", None)):  # one is distributed
+                if isinstance(sampler, DistributedSampler):
+                    per_rank, padding = int(sampler.num_samples), int(sampler.total_size) - len(sampler.dataset)
+        self.summary = FitSummary(
+            world_size=trainer.world_size,
+            num_nodes=trainer.num_nodes,
+            backend=str(dist.get_backend()),
+            start_method=self.start_method,
+            per_device_batch_size=batch_size,
+            accumulate_grad_batches=trainer.accumulate_grad_batches,
+            dataset_size=n,
+            samples_per_rank=per_rank,
+            padding=padding,
+            batches_per_epoch=float(trainer.num_training_batches),
+            ddp_options=dict(self.ddp_options),
+            comm_hook=str(_torch_private.ddp_logging_data(ddp).get("comm_hook") or "none"),
+        )
+        configured = lightning_getattr(pl_module, "batch_size") if lightning_hasattr(pl_module, "batch_size") else None
+        configured = configured if isinstance(configured, int) and not isinstance(configured, bool) else None
+        rank_zero_info(self.summary.format())
+        for message in batch_size_warnings(batch_size, self.summary.world_size, n, configured):
+            rank_zero_warn(message)
+        self.tracker = GradientTracker(pl_module)
 
-    Returns ``(stats, unused)``: the rank-averaged timings (None if no rank has any) and the names of the
-    parameters without a gradient. ``ddp_model`` is the wrapper (DDP's timings); ``device`` this rank's (NCCL: CUDA).
-    """
-    record.tracker.close()
-    data = _torch_private.ddp_logging_data(ddp_model)
-    local = CommStats.from_ddp_logging_data(data)
-    total = torch.cat(
-        [
-            local.as_tensor() if local is not None else torch.zeros(4, dtype=torch.float64),
-            torch.tensor([local is not None, *record.tracker.seen], dtype=torch.float64),  # timed?, gradients seen
-        ]
-    ).to(device)
-    dist.all_reduce(total)  # the group the DDP wrapper was built in (world size 1 too)
-    world_size, total = dist.get_world_size(), total.cpu()
-    ranks_timed = int(total[4].item())
-    stats = CommStats(*(total[:4] / ranks_timed).tolist()) if ranks_timed else None
-    unused = [name for name, count in zip(record.tracker.names, total[5:].tolist(), strict=True) if count == 0]
-    bucket_bytes = data.get("bucket_cap_bytes")
-    bucket_mb = bucket_bytes / 2**20 if isinstance(bucket_bytes, (int, float)) and bucket_bytes > 0 else None
-    infos, warnings = communication_messages(stats, unused, world_size, record.summary.per_device_batch_size, bucket_mb)
-    for message in infos:
-        rank_zero_info(message)
-    for message in warnings:
-        rank_zero_warn(message)
-    return stats, unused
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        """After each batch's step: stop tracking the parameters that got a gradient (no collective)."""
+        if self.tracker is not None:
+            self.tracker.prune()
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Average DDP's timings and the gradient flags over ranks, then log the fit-end messages on rank 0.
+
+        A collective (one all-reduce of ``4 + 1 + P`` float64 values, P = tracked parameters) in the group the DDP
+        wrapper was built in (world size 1 too), on every rank, before the wrapper is released; the gradient
+        hooks are removed."""
+        tracker, self.tracker = self.tracker, None
+        if tracker is None or self.summary is None:
+            return
+        tracker.close()
+        data = _torch_private.ddp_logging_data(trainer.strategy.model)
+        local = CommStats.from_ddp_logging_data(data)
+        total = torch.cat(
+            [
+                local.as_tensor() if local is not None else torch.zeros(4, dtype=torch.float64),
+                torch.tensor([local is not None, *tracker.seen], dtype=torch.float64),  # timed?, gradients seen
+            ]
+        ).to(trainer.strategy.root_device)
+        dist.all_reduce(total)
+        total = total.cpu()
+        ranks_timed = int(total[4].item())
+        stats = CommStats(*(total[:4] / ranks_timed).tolist()) if ranks_timed else None
+        unused = [name for name, count in zip(tracker.names, total[5:].tolist(), strict=True) if count == 0]
+        bucket_bytes = data.get("bucket_cap_bytes")
+        bucket_mb = bucket_bytes / 2**20 if isinstance(bucket_bytes, (int, float)) and bucket_bytes > 0 else None
+        world_size, batch_size = dist.get_world_size(), self.summary.per_device_batch_size
+        infos, warnings = communication_messages(stats, unused, world_size, batch_size, bucket_mb)
+        for message in infos:
+            rank_zero_info(message)
+        for message in warnings:
+            rank_zero_warn(message)
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        """Remove the gradient hooks; no collective (other ranks may be gone)."""
+        if self.tracker is not None:
+            self.tracker.close()

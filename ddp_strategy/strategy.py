@@ -19,7 +19,6 @@ from typing_extensions import override
 from ddp_strategy import checkpoint, diagnostics, options, process, sampling, sync
 from ddp_strategy._compat import lightning_private as _pl
 from ddp_strategy._compat import namespace as _namespace
-from ddp_strategy._compat.namespace import TrainerFn
 from ddp_strategy.checkpoint import FIT_MISMATCH_HINT, StateDictMismatchError, match_state_dict
 
 if TYPE_CHECKING:
@@ -114,7 +113,6 @@ class MyDDPStrategy(sync.wrapping.LightningDDPAttributes, ParallelStrategy):
         self._verify_sync_every_n_steps = verify_sync_every_n_steps
         self._written = checkpoint.WrittenFiles()  # checkpoints saved by this run, trusted when loaded back unchanged
         self._saved: Any = None  # the path of the last save_checkpoint, for the other ranks' _written at its barrier
-        self._diagnostics: diagnostics.FitRecord | None = None
 
     def __repr__(self) -> str:
         """``<MyDDPStrategy for lightning (DDP_STRATEGY_LIGHTNING chooses)>``: the Lightning namespace it derives
@@ -207,13 +205,14 @@ class MyDDPStrategy(sync.wrapping.LightningDDPAttributes, ParallelStrategy):
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         trainer.callbacks.insert(0, self._uneven.callback)  # first: it ends an uneven epoch or evaluation run
-        if trainer.state.fn == TrainerFn.FITTING:
+        if trainer.state.fn == _namespace.TrainerFn.FITTING:
             if self._layer_sync:  # Trainer(sync_batchnorm=True): Lightning's plugin, made CPU-capable
                 self._layer_sync = sync.cpu_capable(self._layer_sync)
                 self.model = self._layer_sync.apply(self.model)
             process.boundaries.add_fit_callbacks(trainer, self._run, self.global_rank, self.world_size, self._round)
             if self.world_size > 1:  # after the epoch barrier: the batch counts
                 trainer.callbacks.append(self._uneven.epoch_start)
+            trainer.callbacks.append(diagnostics.FitDiagnostics(self._options.ddp_kwargs, self.start_method))
             if self.is_global_zero:
                 checkpoint.prepare_folders(trainer.checkpoint_callbacks)
             self.configure_ddp()  # Lightning's overridable hooks: _setup_model, then _register_ddp_hooks
@@ -278,8 +277,6 @@ class MyDDPStrategy(sync.wrapping.LightningDDPAttributes, ParallelStrategy):
             self._model_averager.average_parameters(
                 p for g in optimizer.param_groups for p in g["params"] if p.grad is not None
             )
-        if self._diagnostics is not None:
-            self._diagnostics.tracker.prune()
         self._gradients_steps += not self._uneven.tail  # steps some ranks only shadow are not checked
         if (n := self._verify_sync_every_n_steps) and not self._uneven.tail and self._gradients_steps % n == 0:
             sync.verify_parameters_in_sync(self.lightning_module, self._gradients_steps, self.root_device)
@@ -309,18 +306,13 @@ class MyDDPStrategy(sync.wrapping.LightningDDPAttributes, ParallelStrategy):
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        """Call the LightningModule directly (not DDP's forward); uneven loaders run under the join (``uneven``)."""
+        """Call the LightningModule directly (not DDP's forward); uneven loaders run under the join (``uneven``).
+        (``test_step`` and ``predict_step`` are Lightning's: the module is wrapped only while fitting.)"""
         if self._buffers_due:  # once per run; Lightning's ddp copies rank 0's buffers in every step's DDP forward
             self._buffers_due = False
             sync.broadcast_states(self.model.module, parameters=False)
         with self.precision_plugin.val_step_context():
             return self.lightning_module.validation_step(*args, **kwargs)
-
-    @override
-    def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        """As :meth:`validation_step`."""
-        with self.precision_plugin.test_step_context():
-            return self.lightning_module.test_step(*args, **kwargs)
 
     @override
     def barrier(self, name: str | None = None) -> None:
@@ -410,40 +402,21 @@ class MyDDPStrategy(sync.wrapping.LightningDDPAttributes, ParallelStrategy):
             )
         except StateDictMismatchError as e:
             with contextlib.suppress(RuntimeError):  # not attached to a trainer (self._trainer is set later)
-                if module.trainer is not None and module.trainer.state.fn == TrainerFn.FITTING:
+                if module.trainer is not None and module.trainer.state.fn == _namespace.TrainerFn.FITTING:
                     e.args = (f"{e}\n{FIT_MISMATCH_HINT}",)  # fit(ckpt_path=...) restores the optimizer too
             raise
         module.load_state_dict(state_dict, strict=strict)
 
     @override
     def on_train_start(self) -> None:
-        """Restore a mid-epoch batch counter; rank 0: log the fit summary. No collective."""
+        """Restore a mid-epoch batch counter. No collective."""
         sampling.restore_batch_counter(self._trainer, self.world_size, self._sharding.until_teardown)
-        if self._trainer is not None and isinstance(self.model, DistributedDataParallel):
-            self._diagnostics = diagnostics.on_fit_start(
-                self._trainer,
-                sampling.flat_loaders(self._trainer.train_dataloader),
-                str(self._process_group_backend),
-                self.start_method,
-                self._options.ddp_kwargs,
-                self.model,
-            )
-
-    @override
-    def on_train_end(self) -> None:
-        """Log the communication summary and never-updated parameters (rank 0). A collective, on every rank."""
-        record, self._diagnostics = self._diagnostics, None
-        if record is not None and isinstance(self.model, DistributedDataParallel):
-            diagnostics.on_fit_end(record, self.model, self.root_device)
 
     @override
     def on_exception(self, exception: BaseException) -> None:
         """Name the failed rank and why; save on SIGTERM if asked (no collective)."""
         cause = self._uneven.failure_cause  # read before the run is forgotten
         self._uneven.abandon()
-        if self._diagnostics is not None:  # remove the gradient hooks; no collective (other ranks may be gone)
-            self._diagnostics.tracker.close()
-            self._diagnostics = None
         path = self._options.sigterm_checkpoint_path(self._trainer)
         save = None if path is None or self._trainer is None else functools.partial(self._trainer.save_checkpoint, path)
         process.failures.on_exception(
@@ -460,14 +433,15 @@ class MyDDPStrategy(sync.wrapping.LightningDDPAttributes, ParallelStrategy):
         """Unwrap, revert layer syncing, give Lightning its sampler back; after a failure, leave the process group."""
         trainer = self._trainer
         self.model = sync.unwrap(self.model, failed=self._run.failed)
-        if self._layer_sync and trainer is not None and trainer.state.fn == TrainerFn.FITTING:
+        if self._layer_sync and trainer is not None and trainer.state.fn == _namespace.TrainerFn.FITTING:
             self.model = self._layer_sync.revert(self.model)
         self._sharding.hand_back(trainer)
         self._uneven.abandon()
         if trainer is not None:  # the loops' data fetchers read the loaders' lengths (user code) while the group lives
             process.boundaries.remove_fit_callbacks(trainer)
+            ours = (self._uneven.callback, self._uneven.epoch_start)
             trainer.callbacks[:] = [
-                c for c in trainer.callbacks if c not in (self._uneven.callback, self._uneven.epoch_start)
+                c for c in trainer.callbacks if c not in ours and not isinstance(c, diagnostics.FitDiagnostics)
             ]
             for loop in (trainer.fit_loop, trainer.validate_loop, trainer.test_loop, trainer.predict_loop):
                 loop.teardown()

@@ -27,7 +27,7 @@ ALLOWED = {
     "sampling": {"_compat", "process"},
     "sync": {"_compat", "process"},
     "checkpoint": {"_compat"},
-    "diagnostics": {"_compat", "process"},
+    "diagnostics": {"_compat", "process", "sampling"},
     "reference": {"_compat", "process", "sampling", "diagnostics", "testing"},
     "options": {"_compat", "process", "sync"},
     "strategy": {"_compat", "process", "sampling", "sync", "checkpoint", "diagnostics", "options"},

@@ -1,8 +1,8 @@
 """``all_gather`` for tensors whose first dimension differs between the ranks, on Lightning's own gathers.
 
 Lightning's ``all_gather`` needs the same shape on every rank, but exact evaluation shards
-(:func:`ddp_strategy.sampling.loaders.shard_for_evaluation`) make per-sample outputs uneven when N is not a multiple of W. Rows are
-taken in the order a ``DistributedSampler`` deals them (row 0 of ranks 0..W-1, then row 1, ...):
+(:func:`ddp_strategy.sampling.loaders.shard_for_evaluation`) make per-sample outputs uneven when N is not a
+multiple of W. Rows are taken in the order a ``DistributedSampler`` deals them (row 0 of ranks 0..W-1, then row 1, ...):
 :func:`all_gather_padded` gives ``(W, M, ...)`` with the missing rows filled as the sampler pads a data set (3
 samples on 2 ranks: ``[[0, 2], [1, 0]]``, exactly Lightning's); :func:`all_gather_rows` every real row once.
 Both are collectives; gradients flow back with ``sync_grads``, as in Lightning.
