@@ -154,7 +154,7 @@ def strategy_options(
         allow_cpu_oversubscription,
         process.as_timedelta(timeout if monitored_barrier_timeout is None else monitored_barrier_timeout),
         checkpoint_on_sigterm,
-        sync.validate_ddp_kwargs({**sync.non_default_options({**flags, "bucket_cap_mb": bucket_cap_mb}), **ddp_kwargs}),
+        sync.ddp_options({**flags, "bucket_cap_mb": bucket_cap_mb}, ddp_kwargs),
         sync.CommHookConfig(ddp_comm_hook, ddp_comm_state, ddp_comm_wrapper),
         model_averaging_period,
     )

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from ddp_strategy import process
 from ddp_strategy._compat import lightning_private as _pl
 from ddp_strategy._compat import torch_private as _torch_private
 from ddp_strategy.sync import comm_hooks
@@ -26,36 +27,30 @@ from ddp_strategy.sync import comm_hooks
 log = logging.getLogger(__name__)
 
 #: DDP's keyword options and their defaults, from the installed PyTorch's signature, less those the strategy sets.
-_DDP_DEFAULTS: dict[str, Any] = {
+DDP_DEFAULTS: dict[str, Any] = {
     name: p.default
     for name, p in inspect.signature(DistributedDataParallel).parameters.items()
     if name not in ("module", "device_ids", "output_device")
 }
-#: Keyword options accepted by ``MyDDPStrategy(**ddp_kwargs)``.
-DDP_OPTIONS: tuple[str, ...] = tuple(_DDP_DEFAULTS)
 
 
-def non_default_options(named: dict[str, Any]) -> dict[str, Any]:
-    """The named DDP options that differ from DDP's defaults, so ``MyDDPStrategy()`` passes DDP no option.
-
-    ``broadcast_buffers=None`` in DDP's signature means True (torch 2.13 warns when it is passed at all).
-    """
-    return {k: v for k, v in named.items() if v != _DDP_DEFAULTS[k] and not (v is True and _DDP_DEFAULTS[k] is None)}
-
-
-def validate_ddp_kwargs(ddp_kwargs: dict[str, Any]) -> dict[str, Any]:
-    """A copy of ``ddp_kwargs``, checked by name (``find_unused_parameters=True``, ``bucket_cap_mb=25`` in MiB).
+def ddp_options(named: dict[str, Any], ddp_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The options DDP is built with: the ``named`` ones (``MyDDPStrategy(find_unused_parameters=...)``) that differ
+    from DDP's defaults, so ``MyDDPStrategy()`` passes DDP none, then ``ddp_kwargs`` as given, checked by name
+    (``bucket_cap_mb=25`` is in MiB). ``broadcast_buffers=None`` in DDP's signature means True (torch 2.13 warns
+    when it is passed at all).
 
     Raises:
-        TypeError: an option is not a ``DistributedDataParallel`` argument, or is one the strategy sets
-            itself (``device_ids``, ``output_device``).
+        TypeError: an option in ``ddp_kwargs`` is not a ``DistributedDataParallel`` argument, or is one the strategy
+            sets itself (``device_ids``, ``output_device``).
     """
-    if unknown := sorted(set(ddp_kwargs) - set(DDP_OPTIONS)):
+    if unknown := sorted(set(ddp_kwargs) - set(DDP_DEFAULTS)):
         raise TypeError(
             f"MyDDPStrategy got unknown DistributedDataParallel option(s) {unknown}. The strategy sets"
-            f" device_ids and output_device itself; valid options are {sorted(DDP_OPTIONS)}."
+            f" device_ids and output_device itself; valid options are {sorted(DDP_DEFAULTS)}."
         )
-    return dict(ddp_kwargs)
+    changed = {k: v for k, v in named.items() if v != DDP_DEFAULTS[k] and not (v is True and DDP_DEFAULTS[k] is None)}
+    return {**changed, **ddp_kwargs}
 
 
 def keeps_passed_ddp_options(init: Callable[..., None]) -> Callable[..., None]:
@@ -66,7 +61,7 @@ def keeps_passed_ddp_options(init: Callable[..., None]) -> Callable[..., None]:
         init(self, *args, **kwargs)
         named = inspect.signature(init).bind(self, *args, **kwargs).arguments
         self._passed_ddp_options = {  # the named ones and those in **ddp_kwargs
-            k: v for k, v in {**named, **named.get("ddp_kwargs", {})}.items() if k in DDP_OPTIONS
+            k: v for k, v in {**named, **named.get("ddp_kwargs", {})}.items() if k in DDP_DEFAULTS
         }
 
     return wrapper
@@ -161,7 +156,7 @@ def wrap(
     group = ddp_kwargs.get("process_group")
     if callable(group) and not isinstance(group, dist.ProcessGroup):
         ddp_kwargs = {**ddp_kwargs, "process_group": group()}
-    ids = [device.index or 0] if device.type == "cuda" else None
+    ids = process.device_ids(device)
     log.debug("wrapping %s in DDP: device_ids=%s options=%s", type(module).__name__, ids, ddp_kwargs)
     with torch.cuda.stream(torch.cuda.Stream()) if ids is not None else nullcontext():
         wrapper = DistributedDataParallel(module, device_ids=ids, **ddp_kwargs)
