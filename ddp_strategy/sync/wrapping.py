@@ -12,6 +12,7 @@ import inspect
 import logging
 from collections.abc import Callable
 from contextlib import nullcontext
+from operator import attrgetter
 from typing import Any
 
 import torch
@@ -77,13 +78,14 @@ class LightningDDPAttributes:
         """The backend, else torch's default for ``root_device`` (``"nccl"`` on CUDA, ``"gloo"`` on CPU)."""
         return self._process_group_backend or dist.Backend.default_device_backend_map.get(self.root_device.type, "gloo")
 
-    process_group_backend = property(lambda self: self._process_group_backend, doc="In use after setup, else passed.")
+    # Lightning's attributes, read from where the strategy keeps each (``attrgetter`` follows the dotted path).
+    process_group_backend = property(attrgetter("_process_group_backend"), doc="In use after setup, else passed.")
     _ddp_kwargs = property(lambda self: dict(self._passed_ddp_options), doc="The DDP options passed (a copy).")
-    _timeout = property(lambda self: self._options.timeout, doc="``timeout`` as a ``timedelta``.")
-    _start_method = property(lambda self: self._options.start_method, doc="``start_method`` as resolved.")
-    _ddp_comm_hook = property(lambda self: self._options.comm_hook.hook, doc="``ddp_comm_hook`` as passed.")
-    _ddp_comm_state = property(lambda self: self._options.comm_hook.state, doc="``ddp_comm_state`` as passed.")
-    _ddp_comm_wrapper = property(lambda self: self._options.comm_hook.wrapper, doc="``ddp_comm_wrapper`` as passed.")
+    _timeout = property(attrgetter("_options.timeout"), doc="``timeout`` as a ``timedelta``.")
+    _start_method = property(attrgetter("_options.start_method"), doc="``start_method`` as resolved.")
+    _ddp_comm_hook = property(attrgetter("_options.comm_hook.hook"), doc="``ddp_comm_hook`` as passed.")
+    _ddp_comm_state = property(attrgetter("_options.comm_hook.state"), doc="``ddp_comm_state`` as passed.")
+    _ddp_comm_wrapper = property(attrgetter("_options.comm_hook.wrapper"), doc="``ddp_comm_wrapper`` as passed.")
 
     def determine_ddp_device_ids(self: Any) -> list[int] | None:
         """DDP's ``device_ids``: ``None`` on CPU, else ``[root_device.index]``."""
