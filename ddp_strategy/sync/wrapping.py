@@ -104,7 +104,7 @@ class LightningDDPAttributes:
     def _register_ddp_hooks(self: Any) -> None:
         """Register the comm hook on ``self.model`` (every backend; Lightning's only on CUDA): see
         :func:`~ddp_strategy.sync.comm_hooks.register_comm_hook`; post-localSGD's default subgroup is the node's."""
-        comm_hooks.register_comm_hook(self.model, self._options.comm_hook, dist.get_backend(), self.node_group)
+        comm_hooks.register_comm_hook(self.model, self._options.comm_hook, self.node_group)
 
 
 def wrap(
@@ -163,7 +163,7 @@ def wrap(
     with torch.cuda.stream(torch.cuda.Stream()) if ids is not None else nullcontext():
         wrapper = DistributedDataParallel(module, device_ids=ids, **ddp_kwargs)
     wrapper._trainable = trainable
-    comm_hooks.register_comm_hook(wrapper, comm_hook, dist.get_backend())
+    comm_hooks.register_comm_hook(wrapper, comm_hook)
     return wrapper
 
 
