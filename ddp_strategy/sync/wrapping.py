@@ -7,10 +7,8 @@ the same update (https://pytorch.org/docs/stable/notes/ddp.html).
 
 from __future__ import annotations
 
-import functools
 import inspect
 import logging
-from collections.abc import Callable
 from contextlib import nullcontext
 from operator import attrgetter
 from typing import Any
@@ -54,23 +52,10 @@ def ddp_options(named: dict[str, Any], ddp_kwargs: dict[str, Any]) -> dict[str, 
     return {**changed, **ddp_kwargs}
 
 
-def keeps_passed_ddp_options(init: Callable[..., None]) -> Callable[..., None]:
-    """Decorate ``__init__`` to keep the DDP options passed (named ones too), as ``DDPStrategy._ddp_kwargs`` does."""
-
-    @functools.wraps(init)
-    def wrapper(self: Any, *args: Any, **kwargs: Any) -> None:
-        init(self, *args, **kwargs)
-        named = inspect.signature(init).bind(self, *args, **kwargs).arguments
-        self._passed_ddp_options = {  # the named ones and those in **ddp_kwargs
-            k: v for k, v in {**named, **named.get("ddp_kwargs", {})}.items() if k in DDP_DEFAULTS
-        }
-
-    return wrapper
-
-
 class LightningDDPAttributes:
-    """``DDPStrategy``'s attributes that Lightning's tests and callbacks read (read-only, its values for our args), and
-    its methods that subclasses override, called where Lightning's calls them."""
+    """``DDPStrategy``'s attributes that Lightning's tests and callbacks read (read-only, its values for our args, but
+    ``_ddp_kwargs`` leaves out an option passed with DDP's default value), and its methods that subclasses override,
+    called where Lightning's calls them."""
 
     _model_averager: Any = None  #: post-localSGD's ``PeriodicModelAverager`` (Lightning's), set at setup
 
@@ -80,7 +65,7 @@ class LightningDDPAttributes:
 
     # Lightning's attributes, read from where the strategy keeps each (``attrgetter`` follows the dotted path).
     process_group_backend = property(attrgetter("_process_group_backend"), doc="In use after setup, else passed.")
-    _ddp_kwargs = property(lambda self: dict(self._passed_ddp_options), doc="The DDP options passed (a copy).")
+    _ddp_kwargs = property(lambda self: dict(self._options.ddp_kwargs), doc="The options DDP is built with (a copy).")
     _timeout = property(attrgetter("_options.timeout"), doc="``timeout`` as a ``timedelta``.")
     _start_method = property(attrgetter("_options.start_method"), doc="``start_method`` as resolved.")
     _ddp_comm_hook = property(attrgetter("_options.comm_hook.hook"), doc="``ddp_comm_hook`` as passed.")
