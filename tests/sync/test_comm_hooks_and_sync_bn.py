@@ -41,6 +41,14 @@ def test_hook_names_resolve_and_bf16_is_replaced_off_nccl(world_of_one, monkeypa
     config = comm_hooks.CommHookConfig("allreduce", wrapper=default_hooks.bf16_compress_wrapper)
     comm_hooks.register_comm_hook(model, config)
     assert model.registered[1].__name__ == "bf16_wrapped_hook"
+    model = RecordingDDP(nn.Linear(3, 2))  # wrapped by the user: renamed too, and it all-reduces in bfloat16
+    comm_hooks.register_comm_hook(
+        model, comm_hooks.CommHookConfig(default_hooks.bf16_compress_wrapper(default_hooks.allreduce_hook))
+    )
+    assert model.registered[1].__name__ == "bf16_wrapped_hook"
+    with comm_hooks.count_collective_bytes() as counts:
+        model(torch.ones(4, 3)).sum().backward()
+    assert set(counts.by_dtype) == {"torch.bfloat16"} and model.module.bias.grad.tolist() == [4.0, 4.0]
     monkeypatch.setattr(comm_hooks.dist, "get_backend", lambda group=None: "nccl")
     with pytest.raises(TypeError, match="BF16 all reduce communication hook required CUDA"):
         comm_hooks.register_comm_hook(
