@@ -93,19 +93,9 @@ def strategy_options(
         ("store", store, "a torch.distributed.Store (e.g. FileStore) or None", (dist.Store, none)),
         ("allow_cpu_oversubscription", allow_cpu_oversubscription, "True or False", (bool,)),
         ("checkpoint_on_sigterm", checkpoint_on_sigterm, "True, False or a file path", (bool, str, os.PathLike)),
-        (
-            "verify_sync_every_n_steps",
-            verify_sync_every_n_steps,
-            "a whole number of optimizer steps or None",
-            (numbers.Integral, none),
-        ),
+        ("verify_sync_every_n_steps", verify_sync_every_n_steps, "an int or None", (numbers.Integral, none)),
         ("bucket_cap_mb", bucket_cap_mb, "a number of MiB or None", (numbers.Real, none)),
-        (
-            "model_averaging_period",
-            model_averaging_period,
-            "a number of optimizer steps or None",
-            (numbers.Integral, none),
-        ),
+        ("model_averaging_period", model_averaging_period, "an int or None", (numbers.Integral, none)),
     ):
         if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):  # bool: an Integral
             raise TypeError(f"MyDDPStrategy({name}=...) must be {expected}, got {value!r} ({type(value).__name__}).")
@@ -154,7 +144,7 @@ def strategy_options(
         allow_cpu_oversubscription,
         process.as_timedelta(timeout if monitored_barrier_timeout is None else monitored_barrier_timeout),
         checkpoint_on_sigterm,
-        sync.validate_ddp_kwargs({**sync.non_default_options({**flags, "bucket_cap_mb": bucket_cap_mb}), **ddp_kwargs}),
+        sync.ddp_options({**flags, "bucket_cap_mb": bucket_cap_mb}, ddp_kwargs),
         sync.CommHookConfig(ddp_comm_hook, ddp_comm_state, ddp_comm_wrapper),
         model_averaging_period,
     )

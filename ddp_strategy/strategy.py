@@ -66,7 +66,6 @@ class MyDDPStrategy(sync.wrapping.LightningDDPAttributes, ParallelStrategy):
     num_nodes: int = 1  #: machines, from ``Trainer(num_nodes=...)``
     is_distributed = True  #: tells Lightning to synchronise ``self.log(..., sync_dist=True)`` values
 
-    @sync.wrapping.keeps_passed_ddp_options
     def __init__(
         self,
         accelerator: pl.accelerators.Accelerator | None = None,

@@ -85,13 +85,13 @@ def test_trainer_wires_devices_and_sampler_arguments():
     ids=["defaults", "explicit-default", "buffers-buckets", "named"],
 )
 def test_attributes_read_on_trainer_strategy_are_lightnings(kwargs):
-    """_ddp_kwargs (the DDP options passed, defaults named included), process_group_backend,
-    _get_process_group_backend(), _timeout, _start_method, the _ddp_comm_* trio and determine_ddp_device_ids()
-    equal DDPStrategy's for the same arguments, and cannot be assigned."""
+    """process_group_backend, _get_process_group_backend(), _timeout, _start_method, the _ddp_comm_* trio and
+    determine_ddp_device_ids() equal DDPStrategy's for the same arguments; _ddp_kwargs is DDPStrategy's less the options
+    passed with DDP's default value (retired in issue 48: docs/differences.md), and _ddp_kwargs.get(name, default) is
+    DDPStrategy's for every option; none can be assigned."""
     from lightning.pytorch.strategies import DDPStrategy
 
     names = (
-        "_ddp_kwargs",
         "process_group_backend",
         "_timeout",
         "_start_method",
@@ -99,12 +99,23 @@ def test_attributes_read_on_trainer_strategy_are_lightnings(kwargs):
         "_ddp_comm_state",
         "_ddp_comm_wrapper",
     )
-    seen = []
+    defaults = {  # as DDP applies them: its signature's broadcast_buffers=None means True
+        "find_unused_parameters": False,
+        "static_graph": False,
+        "gradient_as_bucket_view": False,
+        "bucket_cap_mb": None,
+        "broadcast_buffers": True,
+    }
+    seen, ddp_kwargs = [], []
     for cls in (DDPStrategy, MyDDPStrategy):
         s = Trainer(accelerator="cpu", devices=2, num_nodes=1, strategy=cls(**kwargs), logger=False).strategy
         seen.append(({n: getattr(s, n) for n in names}, s._get_process_group_backend(), s.determine_ddp_device_ids()))
+        ddp_kwargs.append(s._ddp_kwargs)
         assert type(s._ddp_kwargs) is dict and type(s._timeout) is timedelta
     assert seen[0] == seen[1] and seen[1][1] == "gloo"
+    lightnings, ours = ddp_kwargs
+    assert ours == {k: v for k, v in lightnings.items() if v != defaults[k]}
+    assert {k: ours.get(k, v) for k, v in defaults.items()} == {k: lightnings.get(k, v) for k, v in defaults.items()}
     with pytest.raises(AttributeError):
         s._ddp_kwargs = {}
     s._ddp_kwargs["static_graph"] = "changed"  # a copy, as read-only as a dict can be

@@ -117,18 +117,13 @@ BatchNormXd: type = _namespace.get(PRIVATE_NAMES["BatchNormXd"])
 update_dataloader = _namespace.get(PRIVATE_NAMES["update_dataloader"])
 
 
-def takes_weights_only(method: Any) -> bool:
-    """Whether a Lightning checkpoint-loading method takes ``weights_only`` (Lightning 2.6; 2.4 and 2.5 do not)."""
-    return "weights_only" in inspect.signature(method).parameters
-
-
 def call_with_weights_only(method: Any, *args: Any, weights_only: bool | None, **kwargs: Any) -> Any:
     """Call ``method`` (e.g. ``Strategy.load_checkpoint``), passing ``weights_only`` only where it takes it.
 
     Lightning 2.4 and 2.5 have no ``Trainer.fit(weights_only=...)`` and their ``Strategy.load_checkpoint``
     takes only the path: the checkpoint IO's own default decides (True for :class:`DDPCheckpointIO`).
     """
-    if takes_weights_only(method):
+    if "weights_only" in inspect.signature(method).parameters:
         return method(*args, weights_only=weights_only, **kwargs)
     return method(*args, **kwargs)
 

@@ -15,22 +15,6 @@ from torch import nn
 
 log = logging.getLogger(__name__)
 
-__all__ = [
-    "COMPILE_SEGMENT",
-    "DDP_TIMING_KEYS",
-    "CountingProcessGroup",
-    "all_reduce_first_static_graph_step",
-    "broadcast_coalesced",
-    "compiled_original",
-    "ddp_logging_data",
-    "default_store",
-    "release_ddp_process_group",
-    "set_ddp_join_mode",
-    "set_gradient_divisor",
-    "shadow_ddp_backward",
-    "shadow_ddp_forward",
-]
-
 #: Keys of ``DistributedDataParallel._get_ddp_logging_data()`` this package reads. Times are in nanoseconds,
 #: averaged by DDP's reducer over the iterations it samples (each of the first 10, then every 100th; the
 #: first iteration is not timed). Populated on gloo/CPU and NCCL/CUDA alike in torch 2.13.

@@ -20,9 +20,8 @@ from ddp_strategy.sync.wrapping import (
     DDPForwardRedirection,
     after_backward,
     broadcast_states,
-    non_default_options,
+    ddp_options,
     unwrap,
-    validate_ddp_kwargs,
     wrap,
 )
 
@@ -36,10 +35,9 @@ __all__ = [
     "broadcast_states",
     "count_collective_bytes",
     "cpu_capable",
+    "ddp_options",
     "model_averager",
-    "non_default_options",
     "unwrap",
-    "validate_ddp_kwargs",
     "verify_parameters_in_sync",
     "wrap",
 ]

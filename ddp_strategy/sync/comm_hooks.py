@@ -8,8 +8,8 @@ backend, CPU/gloo included (Lightning's own DDP strategy registers hooks on CUDA
 
 PyTorch refuses its ``bf16_compress_hook`` and ``bf16_compress_wrapper`` unless CUDA+NCCL>=2.10 is present, by
 the hook's ``__name__`` (``DistributedDataParallel._check_comm_hook``). Gloo in torch 2.13 all-reduces
-``torch.bfloat16``, so off NCCL they become :func:`bf16_all_reduce_hook` and :func:`bf16_compress_wrapper`, which
-do the same under other names.
+``torch.bfloat16``, so off NCCL the hook becomes :func:`bf16_all_reduce_hook` and the wrapper's hook is renamed
+``bf16_wrapped_hook``: the same code under names DDP accepts.
 """
 
 import threading
@@ -50,15 +50,6 @@ def bf16_all_reduce_hook(
         rounded to bfloat16 (8 mantissa bits) on the way. 2 bytes per element go over the wire.
     """
     return default_hooks.bf16_compress_hook(process_group, bucket)
-
-
-def bf16_compress_wrapper(hook: CommHook) -> CommHook:
-    """Run ``hook`` on a bfloat16 copy of the bucket, its result copied back into the gradients (any backend):
-    PyTorch's ``default_hooks.bf16_compress_wrapper`` (e.g. around PowerSGD), renamed ``bf16_wrapped_hook``, since
-    DDP refuses the name ``bf16_compress_wrapper_hook`` off CUDA+NCCL."""
-    wrapped = default_hooks.bf16_compress_wrapper(hook)
-    wrapped.__name__ = wrapped.__qualname__ = "bf16_wrapped_hook"
-    return wrapped
 
 
 #: Hook names accepted by ``MyDDPStrategy(ddp_comm_hook=...)``.
@@ -104,47 +95,45 @@ class CommHookConfig:
         if self.hook is None and (self.state is not None or self.wrapper is not None):
             raise TypeError("ddp_comm_state / ddp_comm_wrapper were given without ddp_comm_hook; pass the hook too.")
 
-    def resolve(self, backend: str, process_group: dist.ProcessGroup | None = None) -> tuple[Any, CommHook] | None:
-        """The ``(state, hook)`` to register on the group's ``backend`` (``"gloo"``, ...), bf16 replaced where
-        PyTorch refuses it; the state defaults to ``process_group``, the group DDP reduces over. None: no hook."""
-        if self.hook is None:
-            return None
-        hook = HOOKS_BY_NAME[self.hook] if isinstance(self.hook, str) else self.hook
-        if backend != "nccl" and hook is default_hooks.bf16_compress_hook:
-            hook = bf16_all_reduce_hook
-        wrapper = (
-            bf16_compress_wrapper
-            if backend != "nccl" and self.wrapper is default_hooks.bf16_compress_wrapper
-            else self.wrapper
-        )
-        state = (
-            self.state
-            if self.state is not None
-            else powersgd.PowerSGDState(process_group, matrix_approximation_rank=1, start_powerSGD_iter=10)
-            if hook is powersgd.powerSGD_hook
-            else process_group
-        )
-        return state, wrapper(hook) if wrapper is not None else hook
-
 
 def register_comm_hook(
-    model: DistributedDataParallel, config: CommHookConfig, backend: str, node_group: dist.ProcessGroup | None = None
+    model: DistributedDataParallel, config: CommHookConfig, node_group: dist.ProcessGroup | None = None
 ) -> None:
     """Register ``config``'s hook on a new DDP wrapper (every backend), before training and where the strategy wraps
-    anew (``wrapping.wrap``); its process group counts for :func:`count_collective_bytes`. Errors are DDP's (a wrong
-    signature, a second hook). A ``PostLocalSGDState`` without ``subgroup`` gets ``node_group``, the intra-node group
-    torch's default means (torch builds it from the CUDA device count, which fails on CPU)."""
-    if (resolved := config.resolve(backend, model.process_group)) is None:
+    anew (``wrapping.wrap``). Errors are DDP's (a wrong signature, a second hook).
+
+    Off NCCL (the backend of the wrapper's group), PyTorch's bf16 hook, which DDP refuses there, becomes
+    :func:`bf16_all_reduce_hook`, and a hook made by PyTorch's bf16 wrapper (``ddp_comm_wrapper`` or the user's own
+    call) is renamed ``bf16_wrapped_hook``. Without a state the hook gets the wrapper's process group (PowerSGD: a
+    ``PowerSGDState`` of it, as :class:`CommHookConfig` says); that group, or a ``PowerSGDState``'s, counts for
+    :func:`count_collective_bytes`. A ``PostLocalSGDState`` without ``subgroup`` gets ``node_group``, the intra-node
+    group torch's default means (torch builds it from the CUDA device count, which fails on CPU).
+    """
+    if config.hook is None:
         return
-    state, hook = resolved
+    hook = HOOKS_BY_NAME[config.hook] if isinstance(config.hook, str) else config.hook
+    off_nccl = dist.get_backend(model.process_group) != "nccl"
+    if off_nccl and hook is default_hooks.bf16_compress_hook:
+        hook = bf16_all_reduce_hook
+    state = (
+        config.state
+        if config.state is not None
+        else powersgd.PowerSGDState(model.process_group, matrix_approximation_rank=1, start_powerSGD_iter=10)
+        if hook is powersgd.powerSGD_hook
+        else model.process_group
+    )
     if isinstance(state, post_localsgd.PostLocalSGDState) and state.subgroup is None:
         state.subgroup = node_group
-    if state is None or isinstance(state, dist.ProcessGroup):
+    if isinstance(state, dist.ProcessGroup):
         state = _torch_private.CountingProcessGroup(state, _count)
     elif isinstance(state, powersgd.PowerSGDState):  # per-bucket memories: of an earlier wrapper's buckets, if any
         state.error_dict, state.p_memory_dict, state.q_memory_dict = {}, {}, {}
         if not isinstance(state.process_group, _torch_private.CountingProcessGroup):  # e.g. a state registered before
             state.process_group = _torch_private.CountingProcessGroup(state.process_group, _count)
+    if config.wrapper is not None:
+        hook = config.wrapper(hook)
+    if off_nccl and getattr(hook, "__name__", None) == "bf16_compress_wrapper_hook":  # made by PyTorch's wrapper
+        hook.__name__ = hook.__qualname__ = "bf16_wrapped_hook"
     model.register_comm_hook(state, hook)
 
 

@@ -7,11 +7,10 @@ the same update (https://pytorch.org/docs/stable/notes/ddp.html).
 
 from __future__ import annotations
 
-import functools
 import inspect
 import logging
-from collections.abc import Callable
 from contextlib import nullcontext
+from operator import attrgetter
 from typing import Any
 
 import torch
@@ -19,6 +18,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from ddp_strategy import process
 from ddp_strategy._compat import lightning_private as _pl
 from ddp_strategy._compat import torch_private as _torch_private
 from ddp_strategy.sync import comm_hooks
@@ -26,55 +26,36 @@ from ddp_strategy.sync import comm_hooks
 log = logging.getLogger(__name__)
 
 #: DDP's keyword options and their defaults, from the installed PyTorch's signature, less those the strategy sets.
-_DDP_DEFAULTS: dict[str, Any] = {
+DDP_DEFAULTS: dict[str, Any] = {
     name: p.default
     for name, p in inspect.signature(DistributedDataParallel).parameters.items()
     if name not in ("module", "device_ids", "output_device")
 }
-#: Keyword options accepted by ``MyDDPStrategy(**ddp_kwargs)``.
-DDP_OPTIONS: tuple[str, ...] = tuple(_DDP_DEFAULTS)
 
 
-def non_default_options(named: dict[str, Any]) -> dict[str, Any]:
-    """The named DDP options that differ from DDP's defaults, so ``MyDDPStrategy()`` passes DDP no option.
-
-    ``broadcast_buffers=None`` in DDP's signature means True (torch 2.13 warns when it is passed at all).
-    """
-    return {k: v for k, v in named.items() if v != _DDP_DEFAULTS[k] and not (v is True and _DDP_DEFAULTS[k] is None)}
-
-
-def validate_ddp_kwargs(ddp_kwargs: dict[str, Any]) -> dict[str, Any]:
-    """A copy of ``ddp_kwargs``, checked by name (``find_unused_parameters=True``, ``bucket_cap_mb=25`` in MiB).
+def ddp_options(named: dict[str, Any], ddp_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The options DDP is built with: the ``named`` ones (``MyDDPStrategy(find_unused_parameters=...)``) that differ
+    from DDP's defaults, so ``MyDDPStrategy()`` passes DDP none, then ``ddp_kwargs`` as given, checked by name
+    (``bucket_cap_mb=25`` is in MiB). ``broadcast_buffers=None`` in DDP's signature means True (torch 2.13 warns
+    when it is passed at all).
 
     Raises:
-        TypeError: an option is not a ``DistributedDataParallel`` argument, or is one the strategy sets
-            itself (``device_ids``, ``output_device``).
+        TypeError: an option in ``ddp_kwargs`` is not a ``DistributedDataParallel`` argument, or is one the strategy
+            sets itself (``device_ids``, ``output_device``).
     """
-    if unknown := sorted(set(ddp_kwargs) - set(DDP_OPTIONS)):
+    if unknown := sorted(set(ddp_kwargs) - set(DDP_DEFAULTS)):
         raise TypeError(
             f"MyDDPStrategy got unknown DistributedDataParallel option(s) {unknown}. The strategy sets"
-            f" device_ids and output_device itself; valid options are {sorted(DDP_OPTIONS)}."
+            f" device_ids and output_device itself; valid options are {sorted(DDP_DEFAULTS)}."
         )
-    return dict(ddp_kwargs)
-
-
-def keeps_passed_ddp_options(init: Callable[..., None]) -> Callable[..., None]:
-    """Decorate ``__init__`` to keep the DDP options passed (named ones too), as ``DDPStrategy._ddp_kwargs`` does."""
-
-    @functools.wraps(init)
-    def wrapper(self: Any, *args: Any, **kwargs: Any) -> None:
-        init(self, *args, **kwargs)
-        named = inspect.signature(init).bind(self, *args, **kwargs).arguments
-        self._passed_ddp_options = {  # the named ones and those in **ddp_kwargs
-            k: v for k, v in {**named, **named.get("ddp_kwargs", {})}.items() if k in DDP_OPTIONS
-        }
-
-    return wrapper
+    changed = {k: v for k, v in named.items() if v != DDP_DEFAULTS[k] and not (v is True and DDP_DEFAULTS[k] is None)}
+    return {**changed, **ddp_kwargs}
 
 
 class LightningDDPAttributes:
-    """``DDPStrategy``'s attributes that Lightning's tests and callbacks read (read-only, its values for our args), and
-    its methods that subclasses override, called where Lightning's calls them."""
+    """``DDPStrategy``'s attributes that Lightning's tests and callbacks read (read-only, its values for our args, but
+    ``_ddp_kwargs`` leaves out an option passed with DDP's default value), and its methods that subclasses override,
+    called where Lightning's calls them."""
 
     _model_averager: Any = None  #: post-localSGD's ``PeriodicModelAverager`` (Lightning's), set at setup
 
@@ -82,13 +63,14 @@ class LightningDDPAttributes:
         """The backend, else torch's default for ``root_device`` (``"nccl"`` on CUDA, ``"gloo"`` on CPU)."""
         return self._process_group_backend or dist.Backend.default_device_backend_map.get(self.root_device.type, "gloo")
 
-    process_group_backend = property(lambda self: self._process_group_backend, doc="In use after setup, else passed.")
-    _ddp_kwargs = property(lambda self: dict(self._passed_ddp_options), doc="The DDP options passed (a copy).")
-    _timeout = property(lambda self: self._options.timeout, doc="``timeout`` as a ``timedelta``.")
-    _start_method = property(lambda self: self._options.start_method, doc="``start_method`` as resolved.")
-    _ddp_comm_hook = property(lambda self: self._options.comm_hook.hook, doc="``ddp_comm_hook`` as passed.")
-    _ddp_comm_state = property(lambda self: self._options.comm_hook.state, doc="``ddp_comm_state`` as passed.")
-    _ddp_comm_wrapper = property(lambda self: self._options.comm_hook.wrapper, doc="``ddp_comm_wrapper`` as passed.")
+    # Lightning's attributes, read from where the strategy keeps each (``attrgetter`` follows the dotted path).
+    process_group_backend = property(attrgetter("_process_group_backend"), doc="In use after setup, else passed.")
+    _ddp_kwargs = property(lambda self: dict(self._options.ddp_kwargs), doc="The options DDP is built with (a copy).")
+    _timeout = property(attrgetter("_options.timeout"), doc="``timeout`` as a ``timedelta``.")
+    _start_method = property(attrgetter("_options.start_method"), doc="``start_method`` as resolved.")
+    _ddp_comm_hook = property(attrgetter("_options.comm_hook.hook"), doc="``ddp_comm_hook`` as passed.")
+    _ddp_comm_state = property(attrgetter("_options.comm_hook.state"), doc="``ddp_comm_state`` as passed.")
+    _ddp_comm_wrapper = property(attrgetter("_options.comm_hook.wrapper"), doc="``ddp_comm_wrapper`` as passed.")
 
     def determine_ddp_device_ids(self: Any) -> list[int] | None:
         """DDP's ``device_ids``: ``None`` on CPU, else ``[root_device.index]``."""
@@ -107,7 +89,7 @@ class LightningDDPAttributes:
     def _register_ddp_hooks(self: Any) -> None:
         """Register the comm hook on ``self.model`` (every backend; Lightning's only on CUDA): see
         :func:`~ddp_strategy.sync.comm_hooks.register_comm_hook`; post-localSGD's default subgroup is the node's."""
-        comm_hooks.register_comm_hook(self.model, self._options.comm_hook, dist.get_backend(), self.node_group)
+        comm_hooks.register_comm_hook(self.model, self._options.comm_hook, self.node_group)
 
 
 def wrap(
@@ -161,12 +143,12 @@ def wrap(
     group = ddp_kwargs.get("process_group")
     if callable(group) and not isinstance(group, dist.ProcessGroup):
         ddp_kwargs = {**ddp_kwargs, "process_group": group()}
-    ids = [device.index or 0] if device.type == "cuda" else None
+    ids = process.device_ids(device)
     log.debug("wrapping %s in DDP: device_ids=%s options=%s", type(module).__name__, ids, ddp_kwargs)
     with torch.cuda.stream(torch.cuda.Stream()) if ids is not None else nullcontext():
         wrapper = DistributedDataParallel(module, device_ids=ids, **ddp_kwargs)
     wrapper._trainable = trainable
-    comm_hooks.register_comm_hook(wrapper, comm_hook, dist.get_backend())
+    comm_hooks.register_comm_hook(wrapper, comm_hook)
     return wrapper
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
@@ -10,30 +11,56 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersg
 from ddp_strategy.sync import comm_hooks, rank_check, sync_batchnorm
 
 
-def test_hook_names_resolve_and_bf16_is_replaced_off_nccl():
-    """Names map to hooks; PyTorch's bf16 hook/wrapper become ours on gloo but stay on NCCL."""
-    assert comm_hooks.CommHookConfig().resolve("gloo") is None
-    state, hook = comm_hooks.CommHookConfig("fp16").resolve("gloo")
-    assert hook is default_hooks.fp16_compress_hook and state is None
-    assert (
-        comm_hooks.CommHookConfig(default_hooks.bf16_compress_hook).resolve("gloo")[1]
-        is comm_hooks.bf16_all_reduce_hook
+class RecordingDDP(nn.parallel.DistributedDataParallel):
+    """DDP that keeps the ``(state, hook)`` registered on it."""
+
+    def register_comm_hook(self, state, hook):
+        self.registered = (state, hook)
+        super().register_comm_hook(state, hook)
+
+
+def test_hook_names_resolve_and_bf16_is_replaced_off_nccl(world_of_one, monkeypatch):
+    """Names map to hooks, with the wrapper's group as the (counted) state; PowerSGD's default state is rank 1 from
+    iteration 10; PyTorch's bf16 hook/wrapper become ours on gloo but stay on NCCL (where DDP checks for CUDA)."""
+    model = RecordingDDP(nn.Linear(3, 2))
+    comm_hooks.register_comm_hook(model, comm_hooks.CommHookConfig())
+    assert not hasattr(model, "registered")
+    comm_hooks.register_comm_hook(model, comm_hooks.CommHookConfig("fp16"))
+    state, hook = model.registered
+    assert hook is default_hooks.fp16_compress_hook and state.group is model.process_group
+    model = RecordingDDP(nn.Linear(3, 2))
+    comm_hooks.register_comm_hook(model, comm_hooks.CommHookConfig(default_hooks.bf16_compress_hook))
+    assert model.registered[1] is comm_hooks.bf16_all_reduce_hook
+    model = RecordingDDP(nn.Linear(3, 2))
+    comm_hooks.register_comm_hook(model, comm_hooks.CommHookConfig("powersgd"))
+    state, hook = model.registered
+    assert isinstance(state, powersgd.PowerSGDState) and hook is powersgd.powerSGD_hook
+    assert state.matrix_approximation_rank == 1 and state.start_powerSGD_iter == 10
+    assert state.process_group.group is model.process_group
+    model = RecordingDDP(nn.Linear(3, 2))
+    config = comm_hooks.CommHookConfig("allreduce", wrapper=default_hooks.bf16_compress_wrapper)
+    comm_hooks.register_comm_hook(model, config)
+    assert model.registered[1].__name__ == "bf16_wrapped_hook"
+    model = RecordingDDP(nn.Linear(3, 2))  # wrapped by the user: renamed too, and it all-reduces in bfloat16
+    comm_hooks.register_comm_hook(
+        model, comm_hooks.CommHookConfig(default_hooks.bf16_compress_wrapper(default_hooks.allreduce_hook))
     )
-    assert (
-        comm_hooks.CommHookConfig(default_hooks.bf16_compress_hook).resolve("nccl")[1]
-        is default_hooks.bf16_compress_hook
-    )
-    state, hook = comm_hooks.CommHookConfig("powersgd").resolve("gloo")
-    assert isinstance(state, powersgd.PowerSGDState) and state.matrix_approximation_rank == 1
-    _, wrapped = comm_hooks.CommHookConfig("allreduce", wrapper=default_hooks.bf16_compress_wrapper).resolve("gloo")
-    assert wrapped.__name__ == "bf16_wrapped_hook"
+    assert model.registered[1].__name__ == "bf16_wrapped_hook"
+    with comm_hooks.count_collective_bytes() as counts:
+        model(torch.ones(4, 3)).sum().backward()
+    assert set(counts.by_dtype) == {"torch.bfloat16"} and model.module.bias.grad.tolist() == [4.0, 4.0]
+    monkeypatch.setattr(comm_hooks.dist, "get_backend", lambda group=None: "nccl")
+    with pytest.raises(TypeError, match="BF16 all reduce communication hook required CUDA"):
+        comm_hooks.register_comm_hook(
+            RecordingDDP(nn.Linear(3, 2)), comm_hooks.CommHookConfig(default_hooks.bf16_compress_hook)
+        )
 
 
 def test_hooks_register_on_gloo_and_count_bytes(world_of_one):
     """In a 1-rank gloo group each hook registers on a CPU DDP model and the counter sees its dtype."""
     for name, nbytes in [("allreduce", 4), ("fp16", 2), ("bf16", 2)]:
         model = nn.parallel.DistributedDataParallel(nn.Linear(3, 2))
-        comm_hooks.register_comm_hook(model, comm_hooks.CommHookConfig(name), "gloo")
+        comm_hooks.register_comm_hook(model, comm_hooks.CommHookConfig(name))
         with comm_hooks.count_collective_bytes() as counts:
             model(torch.ones(4, 3)).sum().backward()
         assert counts.bytes_sent == 8 * nbytes

@@ -14,7 +14,7 @@ from ddp_strategy.sync.comm_hooks import CommHookConfig
 
 def test_known_options_pass_through_with_ddps_defaults():
     """DDP options pass through; no default is changed from DDP's (Lightning's ddp passes none either)."""
-    assert wrapping.validate_ddp_kwargs({}) == {}
+    assert wrapping.ddp_options({}, {}) == {}
     named = {
         "find_unused_parameters": False,
         "static_graph": False,
@@ -22,23 +22,27 @@ def test_known_options_pass_through_with_ddps_defaults():
         "bucket_cap_mb": None,
         "broadcast_buffers": True,
     }
-    assert wrapping.non_default_options(named) == {}  # DDP's defaults, from its signature: nothing is passed
-    assert wrapping.non_default_options({**named, "broadcast_buffers": False, "bucket_cap_mb": 5}) == {
+    assert wrapping.ddp_options(named, {}) == {}  # DDP's defaults, from its signature: nothing is passed
+    assert wrapping.ddp_options({**named, "broadcast_buffers": False, "bucket_cap_mb": 5}, {}) == {
         "broadcast_buffers": False,
         "bucket_cap_mb": 5,
     }
-    opts = wrapping.validate_ddp_kwargs(
-        {"find_unused_parameters": True, "bucket_cap_mb": 5, "gradient_as_bucket_view": True}
+    opts = wrapping.ddp_options(
+        {}, {"find_unused_parameters": True, "bucket_cap_mb": 5, "gradient_as_bucket_view": True}
     )
     assert opts == {"find_unused_parameters": True, "bucket_cap_mb": 5, "gradient_as_bucket_view": True}
-    assert {"static_graph", "broadcast_buffers", "process_group"} <= set(wrapping.DDP_OPTIONS)
+    assert wrapping.ddp_options({"static_graph": True}, {"bucket_cap_mb": 5}) == {
+        "static_graph": True,
+        "bucket_cap_mb": 5,
+    }
+    assert {"static_graph", "broadcast_buffers", "process_group"} <= set(wrapping.DDP_DEFAULTS)
 
 
 @pytest.mark.parametrize("name", ["find_unused_parameter", "device_ids", "output_device"])
 def test_unknown_or_reserved_options_are_refused(name):
     """A misspelt option, or one the strategy sets itself, raises TypeError naming it and the valid ones."""
     with pytest.raises(TypeError, match=rf"unknown DistributedDataParallel option\(s\) \['{name}'\].*find_unused"):
-        wrapping.validate_ddp_kwargs({name: 1})
+        wrapping.ddp_options({}, {name: 1})
 
 
 def test_device_ids_are_for_cuda_only():
@@ -51,7 +55,7 @@ def test_device_ids_are_for_cuda_only():
 def test_wrap_and_unwrap_in_a_one_rank_group(world_of_one):
     """wrap returns a DDP around the same module with our options and hook; unwrap gives it back."""
     module = nn.Linear(3, 2)
-    options = wrapping.validate_ddp_kwargs({"bucket_cap_mb": 1, "gradient_as_bucket_view": True})
+    options = wrapping.ddp_options({}, {"bucket_cap_mb": 1, "gradient_as_bucket_view": True})
     wrapped = wrapping.wrap(module, torch.device("cpu"), options, CommHookConfig("fp16"))
     assert isinstance(wrapped, DistributedDataParallel) and wrapped.module is module
     assert wrapped.gradient_as_bucket_view and wrapped.device_ids is None
