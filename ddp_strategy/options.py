@@ -8,6 +8,7 @@ itself would crash on later, in every rank, is refused now (``bucket_cap_mb="25"
 
 from __future__ import annotations
 
+import functools
 import inspect
 import numbers
 import os
@@ -37,13 +38,15 @@ class StrategyOptions:
     ddp_kwargs: dict[str, Any]
     comm_hook: sync.CommHookConfig
     model_averaging_period: int | None
+    verify_sync_every_n_steps: int | None
 
-    def sigterm_checkpoint_path(self, trainer: Any) -> str | None:
-        """Where to save on SIGTERM: the given path, ``<default_root_dir>/sigterm.ckpt`` for True, else None."""
-        if isinstance(self.checkpoint_on_sigterm, (str, os.PathLike)):
-            return os.fspath(self.checkpoint_on_sigterm)
+    def sigterm_save(self, trainer: Any) -> functools.partial | None:
+        """The save on SIGTERM, ``trainer.save_checkpoint`` with its path (the given one, ``<default_root_dir>/
+        sigterm.ckpt`` for True) bound (``.args[0]``); None without ``checkpoint_on_sigterm`` or a trainer."""
+        if isinstance(self.checkpoint_on_sigterm, (str, os.PathLike)) and trainer is not None:
+            return functools.partial(trainer.save_checkpoint, os.fspath(self.checkpoint_on_sigterm))
         if self.checkpoint_on_sigterm and trainer is not None:
-            return os.path.join(trainer.default_root_dir, "sigterm.ckpt")
+            return functools.partial(trainer.save_checkpoint, os.path.join(trainer.default_root_dir, "sigterm.ckpt"))
         return None
 
 
@@ -147,6 +150,7 @@ def strategy_options(
         sync.ddp_options({**flags, "bucket_cap_mb": bucket_cap_mb}, ddp_kwargs),
         sync.CommHookConfig(ddp_comm_hook, ddp_comm_state, ddp_comm_wrapper),
         model_averaging_period,
+        verify_sync_every_n_steps,
     )
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 from collections.abc import Mapping
 from datetime import timedelta
@@ -11,7 +10,6 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.distributed as dist
-from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
@@ -109,7 +107,6 @@ class MyDDPStrategy(sync.wrapping.LightningDDPAttributes, ParallelStrategy):
         self._uneven = sampling.UnevenInputs(uneven_inputs, divide_by_initial_world_size, self._round)
         self._warned_padded_gather = self._buffers_due = False  # rank 0's buffers: due at a validation step
         self._gradients_steps = 0  # optimizer steps (for the unused-parameter check and verify_sync_every_n_steps)
-        self._verify_sync_every_n_steps = verify_sync_every_n_steps
         self._written = checkpoint.WrittenFiles()  # checkpoints saved by this run, trusted when loaded back unchanged
         self._saved: Any = None  # the path of the last save_checkpoint, for the other ranks' _written at its barrier
 
@@ -175,7 +172,7 @@ class MyDDPStrategy(sync.wrapping.LightningDDPAttributes, ParallelStrategy):
             process.check_launch_env(self.cluster_environment, self.num_nodes, self.num_processes)
             self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
             self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        _namespace.rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+        _namespace.rank_zero_only.rank = self.global_rank  # lightning_utilities' (Lightning's rank_zero_* read it)
 
     @override
     def setup_environment(self) -> None:
@@ -277,7 +274,7 @@ class MyDDPStrategy(sync.wrapping.LightningDDPAttributes, ParallelStrategy):
                 p for g in optimizer.param_groups for p in g["params"] if p.grad is not None
             )
         self._gradients_steps += not self._uneven.tail  # steps some ranks only shadow are not checked
-        if (n := self._verify_sync_every_n_steps) and not self._uneven.tail and self._gradients_steps % n == 0:
+        if (n := self._options.verify_sync_every_n_steps) and not self._uneven.tail and self._gradients_steps % n == 0:
             sync.verify_parameters_in_sync(self.lightning_module, self._gradients_steps, self.root_device)
         return output
 
@@ -416,14 +413,12 @@ class MyDDPStrategy(sync.wrapping.LightningDDPAttributes, ParallelStrategy):
         """Name the failed rank and why; save on SIGTERM if asked (no collective)."""
         cause = self._uneven.failure_cause  # read before the run is forgotten
         self._uneven.abandon()
-        path = self._options.sigterm_checkpoint_path(self._trainer)
-        save = None if path is None or self._trainer is None else functools.partial(self._trainer.save_checkpoint, path)
         process.failures.on_exception(
             self._run,
             exception,
             self.global_rank,
             self.world_size,
-            save,
+            self._options.sigterm_save(self._trainer),
             cause,
         )
 
@@ -452,10 +447,13 @@ class MyDDPStrategy(sync.wrapping.LightningDDPAttributes, ParallelStrategy):
     def register_strategies(cls, strategy_registry: Any) -> None:
         """Register ``"my_ddp"`` (automatic start method) and ``"my_ddp_spawn"`` with Lightning."""
         for name, start_method in (("my_ddp", None), ("my_ddp_spawn", "spawn")):
-            if name not in strategy_registry:
-                strategy_registry.register(
-                    name, cls, description=f"MyDDPStrategy, start_method={start_method}", start_method=start_method
-                )
+            strategy_registry.register(
+                name,
+                cls,
+                description=f"MyDDPStrategy, start_method={start_method}",
+                override=True,
+                start_method=start_method,
+            )
 
 
 # "my_ddp" in this namespace's registry; its Trainer accepts compiled models for the strategy.

@@ -557,3 +557,11 @@ def test_out_of_batches_reads_the_running_loops_fetcher_also_past_a_wrong_length
         assert [s[:2] for s in seen] == expected, seen
     assert seen[-1][2] is False  # the wrong hint: Lightning's is_last_batch never set
     assert not _pl.out_of_batches(trainer)
+
+
+def test_rank_zero_only_is_lightning_utilities_own(namespace):
+    """The strategy sets the rank once, on Lightning's rank_zero_only, which must be lightning_utilities' object (what
+    Lightning's rank_zero_info/warn read in either namespace; Lightning's DDPStrategy sets both names)."""
+    from lightning_utilities.core.rank_zero import rank_zero_only
+
+    assert namespace.get("pytorch.utilities.rank_zero:rank_zero_only") is rank_zero_only
