@@ -39,20 +39,16 @@ def shared_seed(seed: int | None = None) -> int:
 
 @dataclass(frozen=True)
 class Shard:
-    """This rank's share of every epoch: rank ``rank`` (``0 <= rank < W``, else ``ValueError``) of ``num_replicas``
-    = W, with the shuffle ``seed`` of every rank; ``epoch_fn`` returns the epoch (0-based) whenever an iterator is
-    created (``None``: the caller calls ``set_epoch``); ``pad`` repeats items so every rank reads as many (training:
-    equal optimizer steps), else each item is read once (exact evaluation)."""
+    """This rank's share of every epoch: rank ``rank`` (``0 <= rank < W``) of ``num_replicas`` = W, with the shuffle
+    ``seed`` of every rank; ``epoch_fn`` returns the epoch (0-based) whenever an iterator is created (``None``: the
+    caller calls ``set_epoch``); ``pad`` repeats items so every rank reads as many (training: equal optimizer steps),
+    else each item is read once (exact evaluation)."""
 
     num_replicas: int
     rank: int
     seed: int = DEFAULT_SEED
     epoch_fn: Callable[[], int] | None = None
     pad: bool = True
-
-    def __post_init__(self) -> None:
-        if not 0 <= self.rank < self.num_replicas:
-            raise ValueError(f"rank={self.rank} is outside [0, {self.num_replicas}); pass 0 <= rank < num_replicas.")
 
 
 def draw_epoch(source: Iterable[Any], seed: int, epoch: int) -> list[Any]:
@@ -122,7 +118,7 @@ class _EpochShards:
         n = self.stream_length()
         return math.ceil(n / self.num_replicas) if self.pad else len(range(self.rank, n, self.num_replicas))
 
-    def _shard_items(self) -> list[Any]:
+    def __iter__(self) -> Iterator[Any]:
         if self.epoch_fn is not None:
             self.set_epoch(int(self.epoch_fn()))
         stream = self._stream(self.epoch)
@@ -157,10 +153,7 @@ class _EpochShards:
         if self.pad and (missing := -len(positions) % self.num_replicas):
             positions += (list(range(n)) * math.ceil(missing / n))[:missing]  # DistributedSampler's padding
         self._iter_epoch, self._start_layers, self._iter_total = self.epoch, layers, len(positions)
-        return [stream[p] for p in positions[self.rank :: self.num_replicas]]
-
-    def __iter__(self) -> Iterator[Any]:
-        return iter(self._shard_items())
+        return iter([stream[p] for p in positions[self.rank :: self.num_replicas]])
 
     def resume_from(self, position: dict[str, Any]) -> None:
         """Start the next iterator of ``position["epoch"]`` where ``position`` (a merged checkpoint entry) left off.
@@ -235,10 +228,9 @@ class EpochSeededDistributedSampler(_EpochShards, DistributedSampler):
         dataset: a map-style data set of length N.
         num_replicas, rank, seed, epoch_fn, pad: see :class:`Shard`.
         shuffle: reshuffle each epoch (True) or keep the data set's order (False).
-        drop_last: drop the tail of the stream to a multiple of W instead of padding (``N // W`` samples each).
 
     Raises:
-        ValueError: ``rank`` outside ``[0, W)``, or ``pad=False`` combined with ``drop_last=True``.
+        ValueError: ``rank`` outside ``[0, W)`` (PyTorch's check).
     """
 
     def __init__(
@@ -248,29 +240,22 @@ class EpochSeededDistributedSampler(_EpochShards, DistributedSampler):
         rank: int,
         shuffle: bool = True,
         seed: int = DEFAULT_SEED,
-        drop_last: bool = False,
         epoch_fn: Callable[[], int] | None = None,
         pad: bool = True,
     ) -> None:
-        if not pad and drop_last:
-            raise ValueError("pad=False keeps every sample exactly once; it cannot be combined with drop_last=True.")
-        self._init_shards(Shard(num_replicas, rank, seed, epoch_fn, pad))  # checks the rank first
-        DistributedSampler.__init__(
-            self, dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed, drop_last=drop_last
-        )
-        # PyTorch's num_samples and total_size hold padded (also for drop_last); unpadded, each sample once
+        DistributedSampler.__init__(self, dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed)
+        self._init_shards(Shard(num_replicas, rank, seed, epoch_fn, pad))
+        # PyTorch's num_samples and total_size hold padded; unpadded, each sample once
         if not pad:
             self.num_samples, self.total_size = len(self), self.stream_length()
 
     def stream_length(self) -> int:
-        n = len(self.dataset)  # type: ignore[arg-type]
-        return n - n % self.num_replicas if self.drop_last else n
+        return len(self.dataset)  # type: ignore[arg-type]
 
     def _stream(self, epoch: int) -> list[int]:
-        n = len(self.dataset)  # type: ignore[arg-type]
+        n = self.stream_length()
         generator = torch.Generator().manual_seed(self.seed + epoch)
-        order = torch.randperm(n, generator=generator).tolist() if self.shuffle else list(range(n))
-        return order[: self.stream_length()]
+        return torch.randperm(n, generator=generator).tolist() if self.shuffle else list(range(n))
 
 
 class ShardedSampler(_EpochShards, Sampler[Any]):
@@ -309,7 +294,7 @@ class ShardedBatchSampler(ShardedSampler):
         return math.ceil(self.stream_length() / self.num_replicas)
 
     def __iter__(self) -> Iterator[Any]:
-        mine = [list(b) for b in self._shard_items()]
+        mine = [list(b) for b in super().__iter__()]
         while len(mine) < len(self):  # unpadded, one batch short
             split = next((j for j, b in enumerate(mine) if len(b) >= 2), None)
             if split is None:

@@ -43,6 +43,27 @@ def test_docstring_example_padded_and_unpadded_indices():
     assert [len(EpochSeededDistributedSampler(DATA, 2, r, shuffle=False, pad=False)) for r in range(2)] == [3, 2]
 
 
+def test_a_rank_outside_the_world_is_refused_by_torchs_check():
+    """The sampler's docstring: rank outside [0, W) raises PyTorch's ValueError, before any sampling."""
+    with pytest.raises(ValueError, match=r"Invalid rank 2, rank should be in the interval \[0, 1\]"):
+        EpochSeededDistributedSampler(DATA, 2, 2)
+
+
+def test_the_retired_drop_last_is_torchs_distributed_sampler_which_the_strategy_leaves_alone():
+    """EpochSeededDistributedSampler(drop_last=True) is retired (docs/differences.md): torch's DistributedSampler with
+    drop_last=True reads what it read, each rank's first N // W samples of the same epoch's stream, and a loader with
+    it is left as it is (Lightning's loop calls its set_epoch)."""
+    data = TensorDataset(torch.arange(11))
+    for epoch in (0, 1):
+        for r in range(2):
+            torchs = DistributedSampler(data, num_replicas=2, rank=r, seed=3, drop_last=True)
+            torchs.set_epoch(epoch)
+            ours = EpochSeededDistributedSampler(data, 2, r, seed=3, epoch_fn=lambda e=epoch: e)
+            assert list(torchs) == list(ours)[: 11 // 2]
+    loader = DataLoader(data, sampler=DistributedSampler(data, num_replicas=2, rank=0, drop_last=True))
+    assert inject_distributed_sampler(loader, Shard(2, 0)) is loader
+
+
 def test_unpadded_shuffled_shards_cover_each_sample_once():
     """Without padding, 3 ranks over 10 shuffled samples see each sample exactly once, in the padded order."""
     data = TensorDataset(torch.arange(10))
