@@ -295,7 +295,7 @@ class ShardedBatchSampler(ShardedSampler):
 
     def __iter__(self) -> Iterator[Any]:
         mine = [list(b) for b in super().__iter__()]
-        while len(mine) < len(self):  # unpadded, one batch short
+        if not self.pad and len(mine) < len(self):  # exact evaluation: this rank is one batch short
             split = next((j for j, b in enumerate(mine) if len(b) >= 2), None)
             if split is None:
                 stream = self._stream(self.epoch)

@@ -25,6 +25,7 @@ from ddp_strategy.sampling.loaders import (
 from ddp_strategy.sampling.sampler import (
     EpochSeededDistributedSampler,
     Shard,
+    ShardedBatchSampler,
     ShardedSampler,
     draw_epoch,
     shard_iterable,
@@ -188,6 +189,19 @@ def test_custom_batch_sampler_is_sharded_by_whole_batches():
             [b[0].tolist() for b in inject_distributed_sampler(loader, Shard(2, r, 0, pad=False))] for r in range(2)
         ]
     assert unpadded == shards
+
+
+def test_a_resumed_custom_batch_sampler_reads_the_rest_of_its_batches_whole():
+    """Training (padded) whole-batch shards resumed after one batch per rank read the epoch's other batches as they
+    are: 6 batches of 2 on 2 ranks, rank 0 reads [4, 5], [8, 9] (not halved to a full epoch's 3 batches)."""
+    batches = [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9], [10, 11]]
+    first = ShardedBatchSampler(batches, Shard(2, 0))
+    assert list(first) == [[0, 1], [4, 5], [8, 9]]
+    resumed = [ShardedBatchSampler(batches, Shard(2, r)) for r in range(2)]
+    for s in resumed:
+        s.resume_from(first.position(1))
+    assert [list(s) for s in resumed] == [[[4, 5], [8, 9]], [[6, 7], [10, 11]]]
+    assert [s.pending_resume_batches(0) for s in resumed] == [2, 2]
 
 
 def test_plain_batch_sampler_keeps_batch_size_and_drop_last():
