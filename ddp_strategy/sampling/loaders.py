@@ -88,15 +88,12 @@ class LoaderSharding:
         facts = _read(dataloader)  # read once, for the warning and the injection
         warn_if_order_kept(facts or dataloader, world_size, trainer.overfit_batches)
         loader = inject_distributed_sampler(facts or dataloader, shard)
-        if self.positions and (injected := injected_sampler(loader)) is not None:
-            injected.resume_from(self.positions.pop(0))
-        elif self.positions:
-            self.positions.pop(0)
-            rank_zero_warn(
-                "The checkpoint holds a sampler position, but the training loader's sampler is not"
-                " injected by MyDDPStrategy (it is your own DistributedSampler): the rest of the"
-                " interrupted epoch is not restored exactly."
-            )
+        # one position per training loader, in order; one not ours (your DistributedSampler) restarts its epoch,
+        # as under Lightning's ddp, whose "not resumable" warning says so
+        position = self.positions.pop(0) if self.positions else None
+        injected = injected_sampler(loader)
+        if position is not None and injected is not None:
+            injected.resume_from(position)
         return loader
 
     def agree_counts(self) -> bool:
@@ -138,8 +135,9 @@ class _Loader:
 
 
 def _read(dataloader: object) -> _Loader | None:
-    """``dataloader``'s facts (itself if already read), or ``None`` where it is left alone
-    (:func:`needs_distributed_sampler`)."""
+    """``dataloader``'s facts (itself if already read), or ``None`` where it is left alone: not a ``DataLoader``, an
+    ``IterableDataset``'s, or one whose (batch) sampler is already distributed (ours: injection happens once; the
+    user's is respected)."""
     if isinstance(dataloader, _Loader):
         return dataloader
     batch_sampler = getattr(dataloader, "batch_sampler", None)
@@ -171,12 +169,6 @@ def injected_sampler(dataloader: object) -> samplers._EpochShards | None:
     batch_sampler = getattr(dataloader, "batch_sampler", None)
     candidates = (batch_sampler, getattr(dataloader, "sampler", None), getattr(batch_sampler, "sampler", None))
     return next((c for c in candidates if isinstance(c, samplers._EpochShards)), None)
-
-
-def needs_distributed_sampler(dataloader: object) -> bool:
-    """False for non-``DataLoader`` objects, ``IterableDataset`` loaders, loaders that carry one of our samplers
-    (injection happens once) and loaders whose (batch) sampler is already distributed (the user's is respected)."""
-    return _read(dataloader) is not None
 
 
 def _check_shard_sizes(loader: _Loader, shard: samplers.Shard, training: bool) -> None:
@@ -222,7 +214,8 @@ def inject_distributed_sampler(dataloader: object, shard: samplers.Shard, traini
     B: the global batch is ``B * W``.
 
     Args:
-        dataloader: the user's loader (see :func:`needs_distributed_sampler` for what is left alone).
+        dataloader: the user's loader; returned as it is if not a ``DataLoader``, an ``IterableDataset``'s, or
+            one whose (batch) sampler is already distributed (ours: injection happens once; the user's is respected).
         shard: this rank's share; ``pad=False`` for exact evaluation.
         training: warn about batches larger than a shard; default ``shard.pad``.
 
@@ -235,40 +228,39 @@ def inject_distributed_sampler(dataloader: object, shard: samplers.Shard, traini
         return dataloader
     _check_shard_sizes(loader, shard, shard.pad if training is None else training)
     source, dataloader, batch_sampler = loader.source, loader.dataloader, loader.dataloader.batch_sampler
-    if source is None:
-        return _pl.update_dataloader_batch_sampler(dataloader, samplers.ShardedBatchSampler(batch_sampler, shard))
-    built: samplers._EpochShards = (
-        samplers.EpochSeededDistributedSampler(
-            dataloader.dataset,
-            shard.num_replicas,
-            shard.rank,
-            shuffle=isinstance(source, RandomSampler),
-            seed=shard.seed,
-            epoch_fn=shard.epoch_fn,
-            pad=shard.pad,
+    if source is not None:  # a sampler of indices: ours takes its place
+        built: samplers._EpochShards = (
+            samplers.EpochSeededDistributedSampler(
+                dataloader.dataset,
+                shard.num_replicas,
+                shard.rank,
+                shuffle=isinstance(source, RandomSampler),
+                seed=shard.seed,
+                epoch_fn=shard.epoch_fn,
+                pad=shard.pad,
+            )
+            if _is_plain_permutation(source) or isinstance(source, SequentialSampler)
+            else samplers.ShardedSampler(source, shard)
         )
-        if _is_plain_permutation(source) or isinstance(source, SequentialSampler)
-        else samplers.ShardedSampler(source, shard)
-    )
-    built.items_per_batch, built.drop_last_batch = (  # no batch sampler (batch_size=None): 1 and False
-        int(getattr(batch_sampler, "batch_size", 1)),
-        bool(getattr(batch_sampler, "drop_last", False)),
-    )
-    if batch_sampler is None or (
-        type(batch_sampler) is BatchSampler and shard.pad and dataloader.batch_size is not None
-    ):
-        return _pl.update_dataloader(dataloader, built)  # Lightning re-creates DataLoader(batch_size=B, ...)
-    if type(batch_sampler) is not BatchSampler:  # the user's class, re-created around ``built`` (Lightning's code)
-        with suppress(TypeError):  # Lightning cannot (an argument it does not know): its batches, whole
+        built.items_per_batch, built.drop_last_batch = (  # no batch sampler (batch_size=None): 1 and False
+            int(getattr(batch_sampler, "batch_size", 1)),
+            bool(getattr(batch_sampler, "drop_last", False)),
+        )
+        if batch_sampler is None or (
+            type(batch_sampler) is BatchSampler and shard.pad and dataloader.batch_size is not None
+        ):
+            return _pl.update_dataloader(dataloader, built)  # Lightning re-creates DataLoader(batch_size=B, ...)
+        if type(batch_sampler) is BatchSampler:  # DataLoader(batch_sampler=BatchSampler(s, B, drop_last)), or unpadded
+            return _pl.update_dataloader_batch_sampler(
+                dataloader,
+                samplers.EqualCountBatchSampler(built, built.items_per_batch)
+                if not shard.pad
+                else BatchSampler(built, built.items_per_batch, built.drop_last_batch),
+            )
+        with suppress(TypeError):  # the user's class, re-created around ``built`` (Lightning's code)
             return _pl.update_dataloader(dataloader, built)
-        return _pl.update_dataloader_batch_sampler(dataloader, samplers.ShardedBatchSampler(batch_sampler, shard))
-    # Unpadded: equal batch counts; DataLoader(batch_sampler=BatchSampler(s, B, drop_last)): keep B and drop_last.
-    return _pl.update_dataloader_batch_sampler(
-        dataloader,
-        samplers.EqualCountBatchSampler(built, built.items_per_batch)
-        if not shard.pad
-        else BatchSampler(built, built.items_per_batch, built.drop_last_batch),
-    )
+    # a batch sampler of its own batches, or one Lightning cannot re-create (an argument it does not know): whole
+    return _pl.update_dataloader_batch_sampler(dataloader, samplers.ShardedBatchSampler(batch_sampler, shard))
 
 
 def needs_padding(dataloader: DataLoader | _Loader, num_replicas: int) -> str | None:

@@ -335,8 +335,7 @@ class EqualCountBatchSampler(BatchSampler):
         assert first >= 1 or not items, "a loader without an exact layout must be padded instead"
         if items:
             yield items[:first]
-        for start in range(first, len(items), self.batch_size):
-            yield items[start : start + self.batch_size]
+        yield from BatchSampler(items[first:], self.batch_size, drop_last=False)
 
 
 def shard_iterable(iterable: Iterable[Any], rank: int | None = None, world_size: int | None = None) -> Iterator[Any]:

@@ -19,7 +19,6 @@ from torch.utils.data.distributed import DistributedSampler
 from ddp_strategy.sampling.loaders import (
     inject_distributed_sampler,
     injected_sampler,
-    needs_distributed_sampler,
     warn_if_not_shardable,
 )
 from ddp_strategy.sampling.sampler import (
@@ -117,7 +116,6 @@ def test_user_distributed_sampler_and_iterable_datasets_are_left_alone():
 
     stream = DataLoader(Stream())
     for obj in (own, stream, [1, 2, 3]):
-        assert not needs_distributed_sampler(obj)
         assert inject_distributed_sampler(obj, Shard(2, 0, 0)) is obj
 
 
@@ -216,7 +214,7 @@ def test_injection_happens_once():
     """A loader that already carries an injected sampler is returned unchanged."""
     loader = DataLoader(TensorDataset(torch.arange(8)), batch_size=2, shuffle=True)
     once = inject_distributed_sampler(loader, Shard(2, 0, 0))
-    assert injected_sampler(once) is not None and not needs_distributed_sampler(once)
+    assert injected_sampler(once) is not None
     assert inject_distributed_sampler(once, Shard(2, 0, 0)) is once
 
 
