@@ -338,41 +338,26 @@ def warn_if_order_kept(dataloader: object, world_size: int, overfit_batches: int
     loader = _read(dataloader)
     if overfit_batches or loader is None or _is_plain_permutation(loader.source):
         return
+    source, batch_sampler = loader.source, loader.dataloader.batch_sampler
+    custom = type(batch_sampler) not in (BatchSampler, type(None))  # the user's batch sampler, read in its order
+    read = f"batch sampler is a {type(batch_sampler).__name__}" if custom else f"sampler is a {type(source).__name__}"
     shards = (
         f"rank r of {world_size} reads positions r, r + {world_size}, r + {2 * world_size}, ..."
         if world_size > 1
         else "the one process reads every position"
     )
-    no_setting = "MyDDPStrategy has no setting that gives Lightning's batches here"
-    source, batch_sampler = loader.source, loader.dataloader.batch_sampler
-    # what is read, what Lightning's ddp does instead, and what to do
-    if type(batch_sampler) not in (BatchSampler, type(None)):  # the user's batch sampler (whole batches, or indices)
-        what, lightning, advice = (
-            f"its batch sampler is a {type(batch_sampler).__name__}, read in its order ({shards} of each epoch's"
-            f" {'batches' if source is None else 'indices'})",
-            "re-creates the batch sampler around a shuffling DistributedSampler of the data set (or raises"
-            " TypeError where it cannot)",
-            "For Lightning's batches build it on a RandomSampler" if source is not None else no_setting,
-        )
+    if custom and source is not None:  # Lightning re-creates it around a shuffling DistributedSampler
+        advice = "For Lightning's batches build your batch sampler on a RandomSampler"
     elif isinstance(source, SequentialSampler):
-        what, lightning, advice = (
-            f"its sampler is a SequentialSampler (shuffle=False), so {shards} of the data set, every epoch",
-            "shuffles training data even with shuffle=False (its DistributedSampler for training always has"
-            " shuffle=True)",
-            "For Lightning's batches and weights pass shuffle=True to the training DataLoader",
-        )
+        advice = "For Lightning's batches and weights pass shuffle=True to the training DataLoader"
     else:
-        what, lightning, advice = (
-            f"its sampler is a {type(source).__name__}, drawn once per epoch (the same draw on every rank), and"
-            f" {shards} of that draw, in its order",
-            "has each rank draw with its own global random state and shuffles the positions (its"
-            " DistributedSamplerWrapper for training always has shuffle=True)",
-            no_setting,
-        )
+        advice = "MyDDPStrategy has no setting that gives Lightning's batches here"
     rank_zero_warn(
-        f"{ORDER_KEPT_WARNING}: {what}. Lightning's strategy='ddp' {lightning}, so the batches each rank reads, and"
-        f" the trained weights, differ from a run with strategy='ddp'. {advice}; if the order is intended, silence"
-        f" this with warnings.filterwarnings('ignore', message=\"{ORDER_KEPT_WARNING}\")."
+        f"{ORDER_KEPT_WARNING}: its {read}, drawn once per epoch (the same draw on every rank) and read in its order:"
+        f" {shards}. Lightning's strategy='ddp' shuffles every training loader (its DistributedSampler, or"
+        " DistributedSamplerWrapper around your sampler, has shuffle=True), so the batches each rank reads, and the"
+        f" trained weights, differ from a run with strategy='ddp'. {advice}; if the order is intended, silence this"
+        f" with warnings.filterwarnings('ignore', message=\"{ORDER_KEPT_WARNING}\")."
     )
 
 
@@ -382,17 +367,17 @@ def warn_if_not_shardable(dataloader: object, world_size: int) -> None:
     Lightning accepts any iterable (``trainer.test(model, [batch])``, an ``IterableDataset``); as under its ``ddp``,
     every rank iterates all of it. An empty list (Lightning's "no loader") is not warned about.
     """
-    if world_size == 1 or (isinstance(dataloader, (list, tuple)) and not dataloader):
+    iterable = isinstance(getattr(dataloader, "dataset", None), IterableDataset)
+    empty = isinstance(dataloader, (list, tuple)) and not dataloader
+    if world_size == 1 or empty or (isinstance(dataloader, DataLoader) and not iterable):
         return
-    if not isinstance(dataloader, DataLoader):
-        rank_zero_warn(
-            f"MyDDPStrategy got a {type(dataloader).__name__} as a loader, not a torch.utils.data.DataLoader: it"
-            f" cannot be sharded, so each of the {world_size} ranks iterates all of it (as under Lightning's ddp) and"
-            " sees the same batches. To give every rank its own part, wrap the data in a Dataset and a DataLoader."
-        )
-    elif isinstance(dataloader.dataset, IterableDataset):
-        rank_zero_warn(
-            f"{type(dataloader.dataset).__name__} is an IterableDataset: it has no indices, so MyDDPStrategy cannot"
-            " shard it and every rank reads whatever its __iter__ yields. Shard it yourself in __iter__ with"
-            " ddp_strategy.shard_iterable (by rank and DataLoader worker), or every rank sees the same data."
-        )
+    what = (
+        f"{type(dataloader.dataset).__name__} is an IterableDataset"  # type: ignore[attr-defined]
+        if iterable
+        else f"MyDDPStrategy got a {type(dataloader).__name__} as a loader, not a torch.utils.data.DataLoader"
+    )
+    rank_zero_warn(
+        f"{what}: it has no indices to shard, so each of the {world_size} ranks iterates all of it (as under"
+        " Lightning's ddp) and sees the same batches. Shard an IterableDataset in its __iter__ with"
+        " ddp_strategy.shard_iterable (by rank and DataLoader worker); wrap other data in a Dataset and a DataLoader."
+    )
