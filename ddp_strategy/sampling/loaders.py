@@ -175,12 +175,7 @@ def _check_shard_sizes(loader: _Loader, shard: samplers.Shard, training: bool) -
     """Raise (the same on every rank) where ``loader`` cannot be sharded; warn where Lightning's ddp runs it."""
     source, n, w = loader.source, loader.n, shard.num_replicas
     what = "samples" if source is not None else "batches"
-    if n < w and not shard.pad:
-        raise ValueError(
-            f"The loader has {n} {what} but there are {w} ranks: some rank would get nothing."
-            f" Use a data set with at least {w} {what}, or fewer devices."
-        )
-    if n < w:
+    if 0 < n < w:  # empty: no rank reads anything, as under Lightning's ddp
         rank_zero_warn(
             f"The loader has {n} {what} but there are {w} ranks: the shards are padded with repeats (as Lightning's"
             f" DistributedSampler pads them), so some ranks read the same {what}. Use a data set with at least {w}"
@@ -220,7 +215,7 @@ def inject_distributed_sampler(dataloader: object, shard: samplers.Shard, traini
         training: warn about batches larger than a shard; default ``shard.pad``.
 
     Raises:
-        ValueError: fewer items than ranks unpadded; ``drop_last=True`` with a shard smaller than one batch.
+        ValueError: ``drop_last=True`` with a shard smaller than one batch.
         MisconfigurationException: a ``DataLoader`` subclass whose ``__init__`` arguments Lightning cannot find.
     """
     loader = _read(dataloader)

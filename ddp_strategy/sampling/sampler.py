@@ -301,9 +301,9 @@ class ShardedBatchSampler(ShardedSampler):
                 stream = self._stream(self.epoch)
                 mine.append(list(stream[(len(mine) * self.num_replicas + self.rank) % len(stream)]))
                 warnings.warn(
-                    f"[rank {self.rank}] the custom batch sampler gives this rank fewer batches than rank"
-                    " 0, each of one sample, so one batch is evaluated twice (as under Lightning's ddp) and"
-                    " metrics count it twice.",
+                    f"[rank {self.rank}] the custom batch sampler gives this rank one batch fewer than rank 0"
+                    " and none of 2+ samples to halve, so one batch is evaluated twice (as under Lightning's ddp)"
+                    " and metrics count it twice.",
                     UserWarning,
                     stacklevel=2,
                 )
