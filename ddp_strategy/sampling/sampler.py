@@ -92,12 +92,13 @@ def remaining_positions(length: int, layers: list[dict[str, Any]]) -> list[int]:
 
 class _EpochShards:
     """Stream -> (resume) -> pad -> stride, and the position reached; subclasses give ``_stream(epoch)`` (the
-    epoch's stream, a list) and ``stream_length()`` (N, the number of items the original sampler yields per
-    epoch)."""
+    epoch's stream, a list) and :attr:`length` (N, the number of items the original sampler yields per epoch, read
+    once, when built, as ``DistributedSampler`` and Lightning's wrapper read it)."""
 
     kind = "index"
 
-    def _init_shards(self, shard: Shard) -> None:
+    def _init_shards(self, shard: Shard, length: int) -> None:
+        self.length = length
         self.num_replicas, self.rank, self.seed = shard.num_replicas, shard.rank, int(shard.seed)
         self.epoch_fn, self.pad, self.epoch = shard.epoch_fn, shard.pad, 0
         #: samples per batch (1 for a batch sampler) and the loader's drop_last; set by the injection.
@@ -115,26 +116,26 @@ class _EpochShards:
 
     def __len__(self) -> int:
         """Items this rank reads in a full epoch: ``ceil(N / W)`` padded, else its share of N."""
-        n = self.stream_length()
+        n = self.length
         return math.ceil(n / self.num_replicas) if self.pad else len(range(self.rank, n, self.num_replicas))
 
     def __iter__(self) -> Iterator[Any]:
         if self.epoch_fn is not None:
             self.set_epoch(int(self.epoch_fn()))
         stream = self._stream(self.epoch)
-        if len(stream) != self.stream_length():  # Lightning's ddp reads the first len() items (fewer: IndexError)
+        if len(stream) != self.length:  # Lightning's ddp reads the first len() items (fewer: IndexError)
             rank_zero_warn(
                 f"{type(self).__name__}: the original sampler yielded {len(stream)} items in an epoch but its len() is"
-                f" {self.stream_length()}. "
+                f" {self.length}. "
                 + (
                     "The items past len() are not read, as under Lightning's ddp."
-                    if len(stream) > self.stream_length()
+                    if len(stream) > self.length
                     else "The epoch reads only the items yielded (Lightning's ddp raises IndexError); the batch counts"
                     " and progress still come from len()."
                 )
                 + " Make __len__ return the number of items __iter__ yields."
             )
-        stream = stream[: self.stream_length()]
+        stream = stream[: self.length]
         n = len(stream)
         resume, self._resume = self._resume, None
         resuming = resume is not None and int(resume["epoch"]) == self.epoch
@@ -166,11 +167,11 @@ class _EpochShards:
         """
         if not remaining_positions(int(position["length"]), position["layers"]):
             return
-        if (int(position["length"]), position["kind"]) != (self.stream_length(), self.kind):
+        if (int(position["length"]), position["kind"]) != (self.length, self.kind):
             rank_zero_warn(
                 f"The checkpoint's sampler position was written in the middle of epoch {position['epoch']} for a"
                 f" training stream of {position['length']} items of kind {position['kind']!r}, but the training loader"
-                f" now yields {self.stream_length()} of kind {self.kind!r} ('index' = a sampler of indices, 'batch' = a"
+                f" now yields {self.length} of kind {self.kind!r} ('index' = a sampler of indices, 'batch' = a"
                 " custom batch_sampler): the data set (or sampler) changed, so the rest of that epoch cannot be found."
                 " The epoch's data restarts from its beginning, as under Lightning's ddp: with Lightning's batch"
                 " counter restored, the batches read before the checkpoint may be read again and the epoch's last"
@@ -190,7 +191,7 @@ class _EpochShards:
         """Batches this rank reads in ``epoch`` if a resume applies to it, else ``None``; equal on every rank."""
         if not (layers := self.resumed_layers(epoch)):
             return None
-        per_rank = math.ceil(len(remaining_positions(self.stream_length(), layers)) / self.num_replicas)
+        per_rank = math.ceil(len(remaining_positions(self.length, layers)) / self.num_replicas)
         return per_rank // self.items_per_batch if self.drop_last_batch else math.ceil(per_rank / self.items_per_batch)
 
     def position(self, batches_done: int) -> dict[str, Any]:
@@ -205,7 +206,7 @@ class _EpochShards:
         return {
             "epoch": self._iter_epoch if started else self.epoch,
             "seed": self.seed,
-            "length": self.stream_length(),
+            "length": self.length,
             "kind": self.kind,
             "layers": [
                 *(self._start_layers if started else []),
@@ -244,16 +245,13 @@ class EpochSeededDistributedSampler(_EpochShards, DistributedSampler):
         pad: bool = True,
     ) -> None:
         DistributedSampler.__init__(self, dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed)
-        self._init_shards(Shard(num_replicas, rank, seed, epoch_fn, pad))
+        self._init_shards(Shard(num_replicas, rank, seed, epoch_fn, pad), len(dataset))  # type: ignore[arg-type]
         # PyTorch's num_samples and total_size hold padded; unpadded, each sample once
         if not pad:
-            self.num_samples, self.total_size = len(self), self.stream_length()
-
-    def stream_length(self) -> int:
-        return len(self.dataset)  # type: ignore[arg-type]
+            self.num_samples, self.total_size = len(self), self.length
 
     def _stream(self, epoch: int) -> list[int]:
-        n = self.stream_length()
+        n = self.length
         generator = torch.Generator().manual_seed(self.seed + epoch)
         return torch.randperm(n, generator=generator).tolist() if self.shuffle else list(range(n))
 
@@ -269,10 +267,7 @@ class ShardedSampler(_EpochShards, Sampler[Any]):
 
     def __init__(self, sampler: Iterable[Any], shard: Shard) -> None:
         self.sampler = sampler
-        self._init_shards(shard)
-
-    def stream_length(self) -> int:
-        return len(self.sampler)  # type: ignore[arg-type]
+        self._init_shards(shard, len(sampler))  # type: ignore[arg-type]
 
     def _stream(self, epoch: int) -> list[Any]:
         return draw_epoch(self.sampler, self.seed, epoch)
@@ -291,7 +286,7 @@ class ShardedBatchSampler(ShardedSampler):
     kind = "batch"
 
     def __len__(self) -> int:
-        return math.ceil(self.stream_length() / self.num_replicas)
+        return math.ceil(self.length / self.num_replicas)
 
     def __iter__(self) -> Iterator[Any]:
         mine = [list(b) for b in super().__iter__()]
@@ -324,7 +319,7 @@ class EqualCountBatchSampler(BatchSampler):
 
     def __init__(self, sampler: _EpochShards, batch_size: int) -> None:  # this rank's unpadded sampler, B
         super().__init__(sampler, batch_size, drop_last=False)  # type: ignore[arg-type]
-        self.longest = math.ceil(sampler.stream_length() / sampler.num_replicas)
+        self.longest = math.ceil(sampler.length / sampler.num_replicas)
 
     def __len__(self) -> int:
         return math.ceil(self.longest / self.batch_size)
