@@ -141,11 +141,10 @@ class _EpochShards:
         resuming = resume is not None and int(resume["epoch"]) == self.epoch
         if resume is not None and not resuming:
             rank_zero_warn(
-                f"The checkpoint was saved in the middle of epoch {resume['epoch']}, which Lightning's fit loop counts"
-                f" as finished (it stopped early, by max_time or trainer.should_stop, and saved at the epoch's end):"
-                f" it resumes at epoch {self.epoch}, and the {len(remaining_positions(n, resume['layers']))} items of"
-                f" epoch {resume['epoch']} not read are skipped, as under Lightning's ddp. Resume with"
-                " Trainer(max_steps=...) to finish that epoch first, exactly as the uninterrupted run."
+                f"The checkpoint was saved in the middle of epoch {resume['epoch']} (stopped by max_time or"
+                f" should_stop), which Lightning's fit loop counts as finished: it resumes at epoch {self.epoch}, and"
+                f" the {len(remaining_positions(n, resume['layers']))} items of epoch {resume['epoch']} not read are"
+                " skipped, as under Lightning's ddp. Resume with Trainer(max_steps=...) to finish that epoch first."
             )
         layers = resume["layers"] if resuming else []  # type: ignore[index]
         if not resuming:
@@ -171,11 +170,9 @@ class _EpochShards:
             rank_zero_warn(
                 f"The checkpoint's sampler position was written in the middle of epoch {position['epoch']} for a"
                 f" training stream of {position['length']} items of kind {position['kind']!r}, but the training loader"
-                f" now yields {self.length} of kind {self.kind!r} ('index' = a sampler of indices, 'batch' = a"
-                " custom batch_sampler): the data set (or sampler) changed, so the rest of that epoch cannot be found."
-                " The epoch's data restarts from its beginning, as under Lightning's ddp: with Lightning's batch"
-                " counter restored, the batches read before the checkpoint may be read again and the epoch's last"
-                " ones are not. Resume with the same training data to continue exactly."
+                f" now yields {self.length} of kind {self.kind!r} ('batch': a custom batch_sampler), so the rest of"
+                " that epoch cannot be found. Its data restarts from its beginning, as under Lightning's ddp (from"
+                " the restored batch count). Resume with the same training data to continue exactly."
             )
             return
         self.seed = int(position["seed"])  # the epoch's stream is regenerated with the saved seed
