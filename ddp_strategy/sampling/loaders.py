@@ -341,12 +341,13 @@ def warn_if_order_kept(dataloader: object, world_size: int, overfit_batches: int
         if world_size > 1
         else "the one process reads every position"
     )
-    if custom and source is not None:  # Lightning re-creates it around a shuffling DistributedSampler
-        advice = "For Lightning's batches build your batch sampler on a RandomSampler"
-    elif isinstance(source, SequentialSampler):
-        advice = "For Lightning's batches and weights pass shuffle=True to the training DataLoader"
-    else:
-        advice = "MyDDPStrategy has no setting that gives Lightning's batches here"
+    # Lightning re-creates your batch sampler around a shuffling DistributedSampler of the data set
+    advice = (
+        "For Lightning's batches and weights pass shuffle=True to the training DataLoader, or build your batch"
+        " sampler on a RandomSampler"
+        if source is not None and (custom or isinstance(source, SequentialSampler))
+        else "MyDDPStrategy has no setting that gives Lightning's batches here"
+    )
     rank_zero_warn(
         f"{ORDER_KEPT_WARNING}: its {read}, drawn once per epoch (the same draw on every rank) and read in its order:"
         f" {shards}. Lightning's strategy='ddp' shuffles every training loader (its DistributedSampler, or"
