@@ -88,15 +88,12 @@ class LoaderSharding:
         facts = _read(dataloader)  # read once, for the warning and the injection
         warn_if_order_kept(facts or dataloader, world_size, trainer.overfit_batches)
         loader = inject_distributed_sampler(facts or dataloader, shard)
-        if self.positions and (injected := injected_sampler(loader)) is not None:
-            injected.resume_from(self.positions.pop(0))
-        elif self.positions:
-            self.positions.pop(0)
-            rank_zero_warn(
-                "The checkpoint holds a sampler position, but the training loader's sampler is not"
-                " injected by MyDDPStrategy (it is your own DistributedSampler): the rest of the"
-                " interrupted epoch is not restored exactly."
-            )
+        # one position per training loader, in order; one not ours (your DistributedSampler) restarts its epoch,
+        # as under Lightning's ddp, whose "not resumable" warning says so
+        position = self.positions.pop(0) if self.positions else None
+        injected = injected_sampler(loader)
+        if position is not None and injected is not None:
+            injected.resume_from(position)
         return loader
 
     def agree_counts(self) -> bool:
@@ -138,8 +135,9 @@ class _Loader:
 
 
 def _read(dataloader: object) -> _Loader | None:
-    """``dataloader``'s facts (itself if already read), or ``None`` where it is left alone
-    (:func:`needs_distributed_sampler`)."""
+    """``dataloader``'s facts (itself if already read), or ``None`` where it is left alone: not a ``DataLoader``, an
+    ``IterableDataset``'s, or one whose (batch) sampler is already distributed (ours: injection happens once; the
+    user's is respected)."""
     if isinstance(dataloader, _Loader):
         return dataloader
     batch_sampler = getattr(dataloader, "batch_sampler", None)
@@ -173,22 +171,11 @@ def injected_sampler(dataloader: object) -> samplers._EpochShards | None:
     return next((c for c in candidates if isinstance(c, samplers._EpochShards)), None)
 
 
-def needs_distributed_sampler(dataloader: object) -> bool:
-    """False for non-``DataLoader`` objects, ``IterableDataset`` loaders, loaders that carry one of our samplers
-    (injection happens once) and loaders whose (batch) sampler is already distributed (the user's is respected)."""
-    return _read(dataloader) is not None
-
-
 def _check_shard_sizes(loader: _Loader, shard: samplers.Shard, training: bool) -> None:
     """Raise (the same on every rank) where ``loader`` cannot be sharded; warn where Lightning's ddp runs it."""
     source, n, w = loader.source, loader.n, shard.num_replicas
     what = "samples" if source is not None else "batches"
-    if n < w and not shard.pad:
-        raise ValueError(
-            f"The loader has {n} {what} but there are {w} ranks: some rank would get nothing."
-            f" Use a data set with at least {w} {what}, or fewer devices."
-        )
-    if n < w:
+    if 0 < n < w:  # empty: no rank reads anything, as under Lightning's ddp
         rank_zero_warn(
             f"The loader has {n} {what} but there are {w} ranks: the shards are padded with repeats (as Lightning's"
             f" DistributedSampler pads them), so some ranks read the same {what}. Use a data set with at least {w}"
@@ -222,12 +209,13 @@ def inject_distributed_sampler(dataloader: object, shard: samplers.Shard, traini
     B: the global batch is ``B * W``.
 
     Args:
-        dataloader: the user's loader (see :func:`needs_distributed_sampler` for what is left alone).
+        dataloader: the user's loader; returned as it is if not a ``DataLoader``, an ``IterableDataset``'s, or
+            one whose (batch) sampler is already distributed (ours: injection happens once; the user's is respected).
         shard: this rank's share; ``pad=False`` for exact evaluation.
         training: warn about batches larger than a shard; default ``shard.pad``.
 
     Raises:
-        ValueError: fewer items than ranks unpadded; ``drop_last=True`` with a shard smaller than one batch.
+        ValueError: ``drop_last=True`` with a shard smaller than one batch.
         MisconfigurationException: a ``DataLoader`` subclass whose ``__init__`` arguments Lightning cannot find.
     """
     loader = _read(dataloader)
@@ -235,40 +223,39 @@ def inject_distributed_sampler(dataloader: object, shard: samplers.Shard, traini
         return dataloader
     _check_shard_sizes(loader, shard, shard.pad if training is None else training)
     source, dataloader, batch_sampler = loader.source, loader.dataloader, loader.dataloader.batch_sampler
-    if source is None:
-        return _pl.update_dataloader_batch_sampler(dataloader, samplers.ShardedBatchSampler(batch_sampler, shard))
-    built: samplers._EpochShards = (
-        samplers.EpochSeededDistributedSampler(
-            dataloader.dataset,
-            shard.num_replicas,
-            shard.rank,
-            shuffle=isinstance(source, RandomSampler),
-            seed=shard.seed,
-            epoch_fn=shard.epoch_fn,
-            pad=shard.pad,
+    if source is not None:  # a sampler of indices: ours takes its place
+        built: samplers._EpochShards = (
+            samplers.EpochSeededDistributedSampler(
+                dataloader.dataset,
+                shard.num_replicas,
+                shard.rank,
+                shuffle=isinstance(source, RandomSampler),
+                seed=shard.seed,
+                epoch_fn=shard.epoch_fn,
+                pad=shard.pad,
+            )
+            if _is_plain_permutation(source) or isinstance(source, SequentialSampler)
+            else samplers.ShardedSampler(source, shard)
         )
-        if _is_plain_permutation(source) or isinstance(source, SequentialSampler)
-        else samplers.ShardedSampler(source, shard)
-    )
-    built.items_per_batch, built.drop_last_batch = (  # no batch sampler (batch_size=None): 1 and False
-        int(getattr(batch_sampler, "batch_size", 1)),
-        bool(getattr(batch_sampler, "drop_last", False)),
-    )
-    if batch_sampler is None or (
-        type(batch_sampler) is BatchSampler and shard.pad and dataloader.batch_size is not None
-    ):
-        return _pl.update_dataloader(dataloader, built)  # Lightning re-creates DataLoader(batch_size=B, ...)
-    if type(batch_sampler) is not BatchSampler:  # the user's class, re-created around ``built`` (Lightning's code)
-        with suppress(TypeError):  # Lightning cannot (an argument it does not know): its batches, whole
+        built.items_per_batch, built.drop_last_batch = (  # no batch sampler (batch_size=None): 1 and False
+            int(getattr(batch_sampler, "batch_size", 1)),
+            bool(getattr(batch_sampler, "drop_last", False)),
+        )
+        if batch_sampler is None or (
+            type(batch_sampler) is BatchSampler and shard.pad and dataloader.batch_size is not None
+        ):
+            return _pl.update_dataloader(dataloader, built)  # Lightning re-creates DataLoader(batch_size=B, ...)
+        if type(batch_sampler) is BatchSampler:  # DataLoader(batch_sampler=BatchSampler(s, B, drop_last)), or unpadded
+            return _pl.update_dataloader_batch_sampler(
+                dataloader,
+                samplers.EqualCountBatchSampler(built, built.items_per_batch)
+                if not shard.pad
+                else BatchSampler(built, built.items_per_batch, built.drop_last_batch),
+            )
+        with suppress(TypeError):  # the user's class, re-created around ``built`` (Lightning's code)
             return _pl.update_dataloader(dataloader, built)
-        return _pl.update_dataloader_batch_sampler(dataloader, samplers.ShardedBatchSampler(batch_sampler, shard))
-    # Unpadded: equal batch counts; DataLoader(batch_sampler=BatchSampler(s, B, drop_last)): keep B and drop_last.
-    return _pl.update_dataloader_batch_sampler(
-        dataloader,
-        samplers.EqualCountBatchSampler(built, built.items_per_batch)
-        if not shard.pad
-        else BatchSampler(built, built.items_per_batch, built.drop_last_batch),
-    )
+    # a batch sampler of its own batches, or one Lightning cannot re-create (an argument it does not know): whole
+    return _pl.update_dataloader_batch_sampler(dataloader, samplers.ShardedBatchSampler(batch_sampler, shard))
 
 
 def needs_padding(dataloader: DataLoader | _Loader, num_replicas: int) -> str | None:
@@ -346,41 +333,27 @@ def warn_if_order_kept(dataloader: object, world_size: int, overfit_batches: int
     loader = _read(dataloader)
     if overfit_batches or loader is None or _is_plain_permutation(loader.source):
         return
+    source, batch_sampler = loader.source, loader.dataloader.batch_sampler
+    custom = type(batch_sampler) not in (BatchSampler, type(None))  # the user's batch sampler, read in its order
+    read = f"batch sampler is a {type(batch_sampler).__name__}" if custom else f"sampler is a {type(source).__name__}"
     shards = (
         f"rank r of {world_size} reads positions r, r + {world_size}, r + {2 * world_size}, ..."
         if world_size > 1
         else "the one process reads every position"
     )
-    no_setting = "MyDDPStrategy has no setting that gives Lightning's batches here"
-    source, batch_sampler = loader.source, loader.dataloader.batch_sampler
-    # what is read, what Lightning's ddp does instead, and what to do
-    if type(batch_sampler) not in (BatchSampler, type(None)):  # the user's batch sampler (whole batches, or indices)
-        what, lightning, advice = (
-            f"its batch sampler is a {type(batch_sampler).__name__}, read in its order ({shards} of each epoch's"
-            f" {'batches' if source is None else 'indices'})",
-            "re-creates the batch sampler around a shuffling DistributedSampler of the data set (or raises"
-            " TypeError where it cannot)",
-            "For Lightning's batches build it on a RandomSampler" if source is not None else no_setting,
-        )
-    elif isinstance(source, SequentialSampler):
-        what, lightning, advice = (
-            f"its sampler is a SequentialSampler (shuffle=False), so {shards} of the data set, every epoch",
-            "shuffles training data even with shuffle=False (its DistributedSampler for training always has"
-            " shuffle=True)",
-            "For Lightning's batches and weights pass shuffle=True to the training DataLoader",
-        )
-    else:
-        what, lightning, advice = (
-            f"its sampler is a {type(source).__name__}, drawn once per epoch (the same draw on every rank), and"
-            f" {shards} of that draw, in its order",
-            "has each rank draw with its own global random state and shuffles the positions (its"
-            " DistributedSamplerWrapper for training always has shuffle=True)",
-            no_setting,
-        )
+    # Lightning re-creates your batch sampler around a shuffling DistributedSampler of the data set
+    advice = (
+        "For Lightning's batches and weights pass shuffle=True to the training DataLoader, or build your batch"
+        " sampler on a RandomSampler"
+        if source is not None and (custom or isinstance(source, SequentialSampler))
+        else "MyDDPStrategy has no setting that gives Lightning's batches here"
+    )
     rank_zero_warn(
-        f"{ORDER_KEPT_WARNING}: {what}. Lightning's strategy='ddp' {lightning}, so the batches each rank reads, and"
-        f" the trained weights, differ from a run with strategy='ddp'. {advice}; if the order is intended, silence"
-        f" this with warnings.filterwarnings('ignore', message=\"{ORDER_KEPT_WARNING}\")."
+        f"{ORDER_KEPT_WARNING}: its {read}, drawn once per epoch (the same draw on every rank) and read in its order:"
+        f" {shards}. Lightning's strategy='ddp' shuffles every training loader (its DistributedSampler, or"
+        " DistributedSamplerWrapper around your sampler, has shuffle=True), so the batches each rank reads, and the"
+        f" trained weights, differ from a run with strategy='ddp'. {advice}; if the order is intended, silence this"
+        f" with warnings.filterwarnings('ignore', message=\"{ORDER_KEPT_WARNING}\")."
     )
 
 
@@ -390,17 +363,17 @@ def warn_if_not_shardable(dataloader: object, world_size: int) -> None:
     Lightning accepts any iterable (``trainer.test(model, [batch])``, an ``IterableDataset``); as under its ``ddp``,
     every rank iterates all of it. An empty list (Lightning's "no loader") is not warned about.
     """
-    if world_size == 1 or (isinstance(dataloader, (list, tuple)) and not dataloader):
+    iterable = isinstance(getattr(dataloader, "dataset", None), IterableDataset)
+    empty = isinstance(dataloader, (list, tuple)) and not dataloader
+    if world_size == 1 or empty or (isinstance(dataloader, DataLoader) and not iterable):
         return
-    if not isinstance(dataloader, DataLoader):
-        rank_zero_warn(
-            f"MyDDPStrategy got a {type(dataloader).__name__} as a loader, not a torch.utils.data.DataLoader: it"
-            f" cannot be sharded, so each of the {world_size} ranks iterates all of it (as under Lightning's ddp) and"
-            " sees the same batches. To give every rank its own part, wrap the data in a Dataset and a DataLoader."
-        )
-    elif isinstance(dataloader.dataset, IterableDataset):
-        rank_zero_warn(
-            f"{type(dataloader.dataset).__name__} is an IterableDataset: it has no indices, so MyDDPStrategy cannot"
-            " shard it and every rank reads whatever its __iter__ yields. Shard it yourself in __iter__ with"
-            " ddp_strategy.shard_iterable (by rank and DataLoader worker), or every rank sees the same data."
-        )
+    what = (
+        f"{type(dataloader.dataset).__name__} is an IterableDataset"  # type: ignore[attr-defined]
+        if iterable
+        else f"MyDDPStrategy got a {type(dataloader).__name__} as a loader, not a torch.utils.data.DataLoader"
+    )
+    rank_zero_warn(
+        f"{what}: it has no indices to shard, so each of the {world_size} ranks iterates all of it (as under"
+        " Lightning's ddp) and sees the same batches. Shard an IterableDataset in its __iter__ with"
+        " ddp_strategy.shard_iterable (by rank and DataLoader worker); wrap other data in a Dataset and a DataLoader."
+    )

@@ -39,20 +39,16 @@ def shared_seed(seed: int | None = None) -> int:
 
 @dataclass(frozen=True)
 class Shard:
-    """This rank's share of every epoch: rank ``rank`` (``0 <= rank < W``, else ``ValueError``) of ``num_replicas``
-    = W, with the shuffle ``seed`` of every rank; ``epoch_fn`` returns the epoch (0-based) whenever an iterator is
-    created (``None``: the caller calls ``set_epoch``); ``pad`` repeats items so every rank reads as many (training:
-    equal optimizer steps), else each item is read once (exact evaluation)."""
+    """This rank's share of every epoch: rank ``rank`` (``0 <= rank < W``) of ``num_replicas`` = W, with the shuffle
+    ``seed`` of every rank; ``epoch_fn`` returns the epoch (0-based) whenever an iterator is created (``None``: the
+    caller calls ``set_epoch``); ``pad`` repeats items so every rank reads as many (training: equal optimizer steps),
+    else each item is read once (exact evaluation)."""
 
     num_replicas: int
     rank: int
     seed: int = DEFAULT_SEED
     epoch_fn: Callable[[], int] | None = None
     pad: bool = True
-
-    def __post_init__(self) -> None:
-        if not 0 <= self.rank < self.num_replicas:
-            raise ValueError(f"rank={self.rank} is outside [0, {self.num_replicas}); pass 0 <= rank < num_replicas.")
 
 
 def draw_epoch(source: Iterable[Any], seed: int, epoch: int) -> list[Any]:
@@ -96,12 +92,13 @@ def remaining_positions(length: int, layers: list[dict[str, Any]]) -> list[int]:
 
 class _EpochShards:
     """Stream -> (resume) -> pad -> stride, and the position reached; subclasses give ``_stream(epoch)`` (the
-    epoch's stream, a list) and ``stream_length()`` (N, the number of items the original sampler yields per
-    epoch)."""
+    epoch's stream, a list) and :attr:`length` (N, the number of items the original sampler yields per epoch, read
+    once, when built, as ``DistributedSampler`` and Lightning's wrapper read it)."""
 
     kind = "index"
 
-    def _init_shards(self, shard: Shard) -> None:
+    def _init_shards(self, shard: Shard, length: int) -> None:
+        self.length = length
         self.num_replicas, self.rank, self.seed = shard.num_replicas, shard.rank, int(shard.seed)
         self.epoch_fn, self.pad, self.epoch = shard.epoch_fn, shard.pad, 0
         #: samples per batch (1 for a batch sampler) and the loader's drop_last; set by the injection.
@@ -119,36 +116,35 @@ class _EpochShards:
 
     def __len__(self) -> int:
         """Items this rank reads in a full epoch: ``ceil(N / W)`` padded, else its share of N."""
-        n = self.stream_length()
+        n = self.length
         return math.ceil(n / self.num_replicas) if self.pad else len(range(self.rank, n, self.num_replicas))
 
-    def _shard_items(self) -> list[Any]:
+    def __iter__(self) -> Iterator[Any]:
         if self.epoch_fn is not None:
             self.set_epoch(int(self.epoch_fn()))
         stream = self._stream(self.epoch)
-        if len(stream) != self.stream_length():  # Lightning's ddp reads the first len() items (fewer: IndexError)
+        if len(stream) != self.length:  # Lightning's ddp reads the first len() items (fewer: IndexError)
             rank_zero_warn(
                 f"{type(self).__name__}: the original sampler yielded {len(stream)} items in an epoch but its len() is"
-                f" {self.stream_length()}. "
+                f" {self.length}. "
                 + (
                     "The items past len() are not read, as under Lightning's ddp."
-                    if len(stream) > self.stream_length()
+                    if len(stream) > self.length
                     else "The epoch reads only the items yielded (Lightning's ddp raises IndexError); the batch counts"
                     " and progress still come from len()."
                 )
                 + " Make __len__ return the number of items __iter__ yields."
             )
-        stream = stream[: self.stream_length()]
+        stream = stream[: self.length]
         n = len(stream)
         resume, self._resume = self._resume, None
         resuming = resume is not None and int(resume["epoch"]) == self.epoch
         if resume is not None and not resuming:
             rank_zero_warn(
-                f"The checkpoint was saved in the middle of epoch {resume['epoch']}, which Lightning's fit loop counts"
-                f" as finished (it stopped early, by max_time or trainer.should_stop, and saved at the epoch's end):"
-                f" it resumes at epoch {self.epoch}, and the {len(remaining_positions(n, resume['layers']))} items of"
-                f" epoch {resume['epoch']} not read are skipped, as under Lightning's ddp. Resume with"
-                " Trainer(max_steps=...) to finish that epoch first, exactly as the uninterrupted run."
+                f"The checkpoint was saved in the middle of epoch {resume['epoch']} (stopped by max_time or"
+                f" should_stop), which Lightning's fit loop counts as finished: it resumes at epoch {self.epoch}, and"
+                f" the {len(remaining_positions(n, resume['layers']))} items of epoch {resume['epoch']} not read are"
+                " skipped, as under Lightning's ddp. Resume with Trainer(max_steps=...) to finish that epoch first."
             )
         layers = resume["layers"] if resuming else []  # type: ignore[index]
         if not resuming:
@@ -157,10 +153,7 @@ class _EpochShards:
         if self.pad and (missing := -len(positions) % self.num_replicas):
             positions += (list(range(n)) * math.ceil(missing / n))[:missing]  # DistributedSampler's padding
         self._iter_epoch, self._start_layers, self._iter_total = self.epoch, layers, len(positions)
-        return [stream[p] for p in positions[self.rank :: self.num_replicas]]
-
-    def __iter__(self) -> Iterator[Any]:
-        return iter(self._shard_items())
+        return iter([stream[p] for p in positions[self.rank :: self.num_replicas]])
 
     def resume_from(self, position: dict[str, Any]) -> None:
         """Start the next iterator of ``position["epoch"]`` where ``position`` (a merged checkpoint entry) left off.
@@ -173,15 +166,13 @@ class _EpochShards:
         """
         if not remaining_positions(int(position["length"]), position["layers"]):
             return
-        if (int(position["length"]), position["kind"]) != (self.stream_length(), self.kind):
+        if (int(position["length"]), position["kind"]) != (self.length, self.kind):
             rank_zero_warn(
                 f"The checkpoint's sampler position was written in the middle of epoch {position['epoch']} for a"
                 f" training stream of {position['length']} items of kind {position['kind']!r}, but the training loader"
-                f" now yields {self.stream_length()} of kind {self.kind!r} ('index' = a sampler of indices, 'batch' = a"
-                " custom batch_sampler): the data set (or sampler) changed, so the rest of that epoch cannot be found."
-                " The epoch's data restarts from its beginning, as under Lightning's ddp: with Lightning's batch"
-                " counter restored, the batches read before the checkpoint may be read again and the epoch's last"
-                " ones are not. Resume with the same training data to continue exactly."
+                f" now yields {self.length} of kind {self.kind!r} ('batch': a custom batch_sampler), so the rest of"
+                " that epoch cannot be found. Its data restarts from its beginning, as under Lightning's ddp (from"
+                " the restored batch count). Resume with the same training data to continue exactly."
             )
             return
         self.seed = int(position["seed"])  # the epoch's stream is regenerated with the saved seed
@@ -197,7 +188,7 @@ class _EpochShards:
         """Batches this rank reads in ``epoch`` if a resume applies to it, else ``None``; equal on every rank."""
         if not (layers := self.resumed_layers(epoch)):
             return None
-        per_rank = math.ceil(len(remaining_positions(self.stream_length(), layers)) / self.num_replicas)
+        per_rank = math.ceil(len(remaining_positions(self.length, layers)) / self.num_replicas)
         return per_rank // self.items_per_batch if self.drop_last_batch else math.ceil(per_rank / self.items_per_batch)
 
     def position(self, batches_done: int) -> dict[str, Any]:
@@ -212,7 +203,7 @@ class _EpochShards:
         return {
             "epoch": self._iter_epoch if started else self.epoch,
             "seed": self.seed,
-            "length": self.stream_length(),
+            "length": self.length,
             "kind": self.kind,
             "layers": [
                 *(self._start_layers if started else []),
@@ -235,10 +226,9 @@ class EpochSeededDistributedSampler(_EpochShards, DistributedSampler):
         dataset: a map-style data set of length N.
         num_replicas, rank, seed, epoch_fn, pad: see :class:`Shard`.
         shuffle: reshuffle each epoch (True) or keep the data set's order (False).
-        drop_last: drop the tail of the stream to a multiple of W instead of padding (``N // W`` samples each).
 
     Raises:
-        ValueError: ``rank`` outside ``[0, W)``, or ``pad=False`` combined with ``drop_last=True``.
+        ValueError: ``rank`` outside ``[0, W)`` (PyTorch's check).
     """
 
     def __init__(
@@ -248,29 +238,19 @@ class EpochSeededDistributedSampler(_EpochShards, DistributedSampler):
         rank: int,
         shuffle: bool = True,
         seed: int = DEFAULT_SEED,
-        drop_last: bool = False,
         epoch_fn: Callable[[], int] | None = None,
         pad: bool = True,
     ) -> None:
-        if not pad and drop_last:
-            raise ValueError("pad=False keeps every sample exactly once; it cannot be combined with drop_last=True.")
-        self._init_shards(Shard(num_replicas, rank, seed, epoch_fn, pad))  # checks the rank first
-        DistributedSampler.__init__(
-            self, dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed, drop_last=drop_last
-        )
-        # PyTorch's num_samples and total_size hold padded (also for drop_last); unpadded, each sample once
+        DistributedSampler.__init__(self, dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed)
+        self._init_shards(Shard(num_replicas, rank, seed, epoch_fn, pad), len(dataset))  # type: ignore[arg-type]
+        # PyTorch's num_samples and total_size hold padded; unpadded, each sample once
         if not pad:
-            self.num_samples, self.total_size = len(self), self.stream_length()
-
-    def stream_length(self) -> int:
-        n = len(self.dataset)  # type: ignore[arg-type]
-        return n - n % self.num_replicas if self.drop_last else n
+            self.num_samples, self.total_size = len(self), self.length
 
     def _stream(self, epoch: int) -> list[int]:
-        n = len(self.dataset)  # type: ignore[arg-type]
+        n = self.length
         generator = torch.Generator().manual_seed(self.seed + epoch)
-        order = torch.randperm(n, generator=generator).tolist() if self.shuffle else list(range(n))
-        return order[: self.stream_length()]
+        return torch.randperm(n, generator=generator).tolist() if self.shuffle else list(range(n))
 
 
 class ShardedSampler(_EpochShards, Sampler[Any]):
@@ -284,10 +264,7 @@ class ShardedSampler(_EpochShards, Sampler[Any]):
 
     def __init__(self, sampler: Iterable[Any], shard: Shard) -> None:
         self.sampler = sampler
-        self._init_shards(shard)
-
-    def stream_length(self) -> int:
-        return len(self.sampler)  # type: ignore[arg-type]
+        self._init_shards(shard, len(sampler))  # type: ignore[arg-type]
 
     def _stream(self, epoch: int) -> list[Any]:
         return draw_epoch(self.sampler, self.seed, epoch)
@@ -306,19 +283,19 @@ class ShardedBatchSampler(ShardedSampler):
     kind = "batch"
 
     def __len__(self) -> int:
-        return math.ceil(self.stream_length() / self.num_replicas)
+        return math.ceil(self.length / self.num_replicas)
 
     def __iter__(self) -> Iterator[Any]:
-        mine = [list(b) for b in self._shard_items()]
-        while len(mine) < len(self):  # unpadded, one batch short
+        mine = [list(b) for b in super().__iter__()]
+        if not self.pad and len(mine) < len(self):  # exact evaluation: this rank is one batch short
             split = next((j for j, b in enumerate(mine) if len(b) >= 2), None)
             if split is None:
                 stream = self._stream(self.epoch)
                 mine.append(list(stream[(len(mine) * self.num_replicas + self.rank) % len(stream)]))
                 warnings.warn(
-                    f"[rank {self.rank}] the custom batch sampler gives this rank fewer batches than rank"
-                    " 0, each of one sample, so one batch is evaluated twice (as under Lightning's ddp) and"
-                    " metrics count it twice.",
+                    f"[rank {self.rank}] the custom batch sampler gives this rank one batch fewer than rank 0"
+                    " and none of 2+ samples to halve, so one batch is evaluated twice (as under Lightning's ddp)"
+                    " and metrics count it twice.",
                     UserWarning,
                     stacklevel=2,
                 )
@@ -339,7 +316,7 @@ class EqualCountBatchSampler(BatchSampler):
 
     def __init__(self, sampler: _EpochShards, batch_size: int) -> None:  # this rank's unpadded sampler, B
         super().__init__(sampler, batch_size, drop_last=False)  # type: ignore[arg-type]
-        self.longest = math.ceil(sampler.stream_length() / sampler.num_replicas)
+        self.longest = math.ceil(sampler.length / sampler.num_replicas)
 
     def __len__(self) -> int:
         return math.ceil(self.longest / self.batch_size)
@@ -350,8 +327,7 @@ class EqualCountBatchSampler(BatchSampler):
         assert first >= 1 or not items, "a loader without an exact layout must be padded instead"
         if items:
             yield items[:first]
-        for start in range(first, len(items), self.batch_size):
-            yield items[start : start + self.batch_size]
+        yield from BatchSampler(items[first:], self.batch_size, drop_last=False)
 
 
 def shard_iterable(iterable: Iterable[Any], rank: int | None = None, world_size: int | None = None) -> Iterator[Any]:

@@ -99,11 +99,10 @@ def restore_batch_counter(trainer: Trainer | None, world_size: int, until_teardo
         len(pending) < len(samplers) or any(s.resumed_layers(epoch)[-1]["world_size"] != world_size for s, _ in pending)
     ):
         rank_zero_warn(
-            f"MyDDPStrategy: resuming epoch {epoch} mid-epoch with {len(samplers)} training loaders on"
-            f" {world_size} processes: {len(pending)} continue at their saved sampler position, the others had"
-            " read all their data and start it again (a CombinedLoader's shorter loaders cycle), and after a"
-            " change of world size their remaining batch counts differ. This epoch's data is not exactly the"
-            " uninterrupted run's; an end-of-epoch checkpoint resumes exactly."
+            f"MyDDPStrategy: resuming epoch {epoch} mid-epoch, {len(pending)} of {len(samplers)} training loaders"
+            f" continue at their saved sampler position on {world_size} processes; the others had read all their"
+            " data and start it again, or the world size changed their remaining batch counts. This epoch's data"
+            " is not exactly the uninterrupted run's; an end-of-epoch checkpoint resumes exactly."
         )
     else:
         until_teardown.enter_context(warnings.catch_warnings())

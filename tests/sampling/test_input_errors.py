@@ -48,6 +48,14 @@ def batches(dataloader: DataLoader, num_replicas: int, pad: bool = True) -> list
     ]
 
 
+def evaluated(dataloader: DataLoader, num_replicas: int) -> list[list[int]]:
+    """Batch sizes each of ``num_replicas`` ranks reads from the evaluation loader the strategy builds, rank by rank."""
+    return [
+        [len(b[0]) for b in shard_for_evaluation(dataloader, Shard(num_replicas, r), "validation")]
+        for r in range(num_replicas)
+    ]
+
+
 def test_drop_last_without_a_batch_error_suggestions_work():
     """5 samples, 2 ranks, batch_size=4, drop_last=True: no rank gets a batch. Lowering batch_size to 3,
     drop_last=False or one device each gives every rank a batch."""
@@ -64,14 +72,20 @@ def test_drop_last_without_a_batch_error_suggestions_work():
     assert batches(loader(5, 4, drop_last=True), 1) == [[4]]
 
 
-def test_fewer_samples_than_ranks_error_suggestions_work():
-    """An unpadded (evaluation) loader of 1 sample on 2 ranks is refused; 2 samples, or 1 device, reads each once."""
-    with pytest.raises(
-        ValueError, match="1 samples but there are 2 ranks.* Use a data set with at least 2 samples, or fewer devices"
-    ):
-        batches(loader(1, 1), 2, pad=False)
-    assert batches(loader(2, 1), 2, pad=False) == [[1], [1]]
-    assert batches(loader(1, 1), 1, pad=False) == [[1]]
+def test_fewer_samples_than_ranks_are_evaluated_padded_as_under_lightning_and_the_suggestions_work():
+    """An evaluation loader of 1 sample, or of 1 custom batch, on 2 ranks runs as under Lightning's ddp: padded, both
+    ranks read it, with a warning; its suggestions (2 samples, or 1 device) read each sample once; an empty loader
+    gives every rank no batch, with no error and no warning (Lightning's ddp skips it)."""
+    with pytest.warns(UserWarning, match="1 samples but there are 2 ranks.* at least 2 samples, or fewer devices"):
+        assert evaluated(loader(1, 1), 2) == [[1], [1]]
+    one_batch = DataLoader(TensorDataset(torch.arange(2)), batch_sampler=[[0, 1]])  # no batch_size: sharded whole
+    with pytest.warns(UserWarning, match="1 batches but there are 2 ranks"):
+        assert evaluated(one_batch, 2) == [[2], [2]]
+    assert evaluated(loader(2, 1), 2) == [[1], [1]]
+    assert evaluated(loader(1, 1), 1) == [[1]]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert evaluated(loader(0, 1), 2) == [[], []]
 
 
 def test_a_training_batch_larger_than_a_shard_runs_with_a_warning_whose_suggestion_removes_it():

@@ -19,12 +19,12 @@ from torch.utils.data.distributed import DistributedSampler
 from ddp_strategy.sampling.loaders import (
     inject_distributed_sampler,
     injected_sampler,
-    needs_distributed_sampler,
     warn_if_not_shardable,
 )
 from ddp_strategy.sampling.sampler import (
     EpochSeededDistributedSampler,
     Shard,
+    ShardedBatchSampler,
     ShardedSampler,
     draw_epoch,
     shard_iterable,
@@ -41,6 +41,27 @@ def test_docstring_example_padded_and_unpadded_indices():
     assert padded == [[0, 2, 4], [1, 3, 0]]
     assert exact == [[0, 2, 4], [1, 3]]
     assert [len(EpochSeededDistributedSampler(DATA, 2, r, shuffle=False, pad=False)) for r in range(2)] == [3, 2]
+
+
+def test_a_rank_outside_the_world_is_refused_by_torchs_check():
+    """The sampler's docstring: rank outside [0, W) raises PyTorch's ValueError, before any sampling."""
+    with pytest.raises(ValueError, match=r"Invalid rank 2, rank should be in the interval \[0, 1\]"):
+        EpochSeededDistributedSampler(DATA, 2, 2)
+
+
+def test_the_retired_drop_last_is_torchs_distributed_sampler_which_the_strategy_leaves_alone():
+    """EpochSeededDistributedSampler(drop_last=True) is retired (docs/differences.md): torch's DistributedSampler with
+    drop_last=True reads what it read, each rank's first N // W samples of the same epoch's stream, and a loader with
+    it is left as it is (Lightning's loop calls its set_epoch)."""
+    data = TensorDataset(torch.arange(11))
+    for epoch in (0, 1):
+        for r in range(2):
+            torchs = DistributedSampler(data, num_replicas=2, rank=r, seed=3, drop_last=True)
+            torchs.set_epoch(epoch)
+            ours = EpochSeededDistributedSampler(data, 2, r, seed=3, epoch_fn=lambda e=epoch: e)
+            assert list(torchs) == list(ours)[: 11 // 2]
+    loader = DataLoader(data, sampler=DistributedSampler(data, num_replicas=2, rank=0, drop_last=True))
+    assert inject_distributed_sampler(loader, Shard(2, 0)) is loader
 
 
 def test_unpadded_shuffled_shards_cover_each_sample_once():
@@ -95,7 +116,6 @@ def test_user_distributed_sampler_and_iterable_datasets_are_left_alone():
 
     stream = DataLoader(Stream())
     for obj in (own, stream, [1, 2, 3]):
-        assert not needs_distributed_sampler(obj)
         assert inject_distributed_sampler(obj, Shard(2, 0, 0)) is obj
 
 
@@ -169,6 +189,19 @@ def test_custom_batch_sampler_is_sharded_by_whole_batches():
     assert unpadded == shards
 
 
+def test_a_resumed_custom_batch_sampler_reads_the_rest_of_its_batches_whole():
+    """Training (padded) whole-batch shards resumed after one batch per rank read the epoch's other batches as they
+    are: 6 batches of 2 on 2 ranks, rank 0 reads [4, 5], [8, 9] (not halved to a full epoch's 3 batches)."""
+    batches = [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9], [10, 11]]
+    first = ShardedBatchSampler(batches, Shard(2, 0))
+    assert list(first) == [[0, 1], [4, 5], [8, 9]]
+    resumed = [ShardedBatchSampler(batches, Shard(2, r)) for r in range(2)]
+    for s in resumed:
+        s.resume_from(first.position(1))
+    assert [list(s) for s in resumed] == [[[4, 5], [8, 9]], [[6, 7], [10, 11]]]
+    assert [s.pending_resume_batches(0) for s in resumed] == [2, 2]
+
+
 def test_plain_batch_sampler_keeps_batch_size_and_drop_last():
     """DataLoader(batch_sampler=BatchSampler(...)) keeps B and drop_last after injection."""
     data = TensorDataset(torch.arange(11))
@@ -181,7 +214,7 @@ def test_injection_happens_once():
     """A loader that already carries an injected sampler is returned unchanged."""
     loader = DataLoader(TensorDataset(torch.arange(8)), batch_size=2, shuffle=True)
     once = inject_distributed_sampler(loader, Shard(2, 0, 0))
-    assert injected_sampler(once) is not None and not needs_distributed_sampler(once)
+    assert injected_sampler(once) is not None
     assert inject_distributed_sampler(once, Shard(2, 0, 0)) is once
 
 
