@@ -13,7 +13,7 @@ import os
 import signal
 import sys
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from torch.utils.data import BatchSampler, SequentialSampler
 
@@ -254,7 +254,7 @@ def take_over_sigterm(trainer: pl.Trainer, note: Any) -> bool:
         return False
     handlers[handlers.index(notifier)] = note
     if hasattr(trainer.fit_loop.epoch_loop, "_broadcast_sigterm_tensor"):  # Lightning 2.5+
-        trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = lambda: None
+        cast(Any, trainer.fit_loop.epoch_loop)._broadcast_sigterm_tensor = lambda: None  # this loop only
     return True
 
 

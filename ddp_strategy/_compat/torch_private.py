@@ -8,7 +8,7 @@ at run time each wrapper degrades to "no data" instead of failing a training run
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, cast
 
 import torch.distributed as dist
 from torch import nn
@@ -63,7 +63,7 @@ def broadcast_coalesced(tensors: list[Any], src: int = 0) -> None:
     """
     from torch.distributed.utils import _sync_params_and_buffers
 
-    _sync_params_and_buffers(dist.group.WORLD, tensors, 250 * 2**20, src)
+    _sync_params_and_buffers(cast(dist.ProcessGroup, dist.group.WORLD), tensors, 250 * 2**20, src)
 
 
 class CountingProcessGroup:

@@ -296,9 +296,9 @@ def export_weights(
         )
     odd = next((k for k, v in weights.items() if not isinstance(v, torch.Tensor)), None)
     if odd is not None:  # a module's extra state (TypeError), or a file that is no checkpoint
-        module = isinstance(source, nn.Module)
-        raise (TypeError if module else DamagedCheckpointError)(
-            f"The model state dict in {type(source).__name__ if module else os.fspath(source)} holds a"
+        where = type(source).__name__ if isinstance(source, nn.Module) else os.fspath(source)
+        raise (TypeError if isinstance(source, nn.Module) else DamagedCheckpointError)(
+            f"The model state dict in {where} holds a"
             f" {type(weights[odd]).__name__} under {odd!r}, not a tensor; only tensors can be exported."
         )
     weights = {k: v.detach().cpu().contiguous() for k, v in weights.items()}

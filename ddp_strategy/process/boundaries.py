@@ -11,7 +11,7 @@ import signal
 import threading
 import time
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
@@ -118,7 +118,7 @@ class SignalsAtStepBoundary(Callback):
     def __init__(self, group: Any, world_size: int, step_round: StepRound) -> None:
         self.group, self.world_size, self.round, self._stopping = group, world_size, step_round, False
         self._signal: int | None = None
-        self._lightning_handler = self._launcher = None
+        self._lightning_handler = self._launcher = cast(Any, None)  # Lightning's, from on_train_start
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         """Take over SIGTERM and (under SLURM auto-requeue) the requeue signal from Lightning (every rank). The round
@@ -127,8 +127,7 @@ class SignalsAtStepBoundary(Callback):
         env = trainer.strategy.cluster_environment
         requeue_signal = getattr(env, "requeue_signal", None) if getattr(env, "auto_requeue", False) else None
         main = threading.current_thread() is threading.main_thread()
-        handler = signal.getsignal(requeue_signal) if requeue_signal is not None and main else None
-        if callable(handler):
+        if requeue_signal is not None and main and callable(handler := signal.getsignal(requeue_signal)):
             self._signal, self._lightning_handler = requeue_signal, handler
             signal.signal(requeue_signal, self._note)
         _pl.take_over_sigterm(trainer, self._note)  # Lightning's, if it handles SIGTERM (in the main thread)

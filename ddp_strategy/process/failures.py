@@ -225,7 +225,7 @@ def describe_peers(exception: BaseException, store: dist.Store, rank: int, world
     found: list[str] = []
     deadline = time.monotonic() + PEER_EXIT_WAIT_S  # shared by all peers
 
-    def read() -> None:
+    def read() -> bool:  # True once every peer is read: the store answered
         for peer in range(world_size):
             failed, _, pid = _peer(store, peer) if peer != rank else (None, None, None)
             if failed:
@@ -238,8 +238,9 @@ def describe_peers(exception: BaseException, store: dist.Store, rank: int, world
                         f"rank {peer} (pid {pid}) is no longer running: it was killed or crashed without"
                         " a Python exception"
                     )
+        return True
 
-    if _best_effort(store, rank, lambda: read() or True) is None and rank != 0:
+    if _best_effort(store, rank, read) is None and rank != 0:
         found.append("rank 0, which holds the rendezvous store, is not answering: it probably failed first")
     return "; ".join(found) if found or certain else None
 

@@ -16,7 +16,7 @@ import socket
 import time
 import weakref
 from datetime import timedelta
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -86,7 +86,7 @@ def _tcp_store(host: str, port: int, rank: int, timeout: timedelta, num_nodes: i
     if rank != 0:
         return dist.TCPStore(host, port, None, is_master=False, timeout=timeout)
     try:
-        ip = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][4][0]
+        ip = cast(str, socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][4][0])  # an IPv4 or IPv6 address
         if num_nodes > 1 and ipaddress.ip_address(ip).is_loopback:
             raise OSError(errno.EADDRNOTAVAIL, f"it resolves to the loopback address {ip} here")
         sock = socket.create_server((ip, port), family=socket.AF_INET6 if ":" in ip else socket.AF_INET)
@@ -241,7 +241,10 @@ class ProcessGroupRun:
         # This run's failure reports (failures.run_reports); this rank's intra-node group (the world on one node) and
         # its ranks; the gloo side group, for monitored_barrier and the signal flags. Set by join, dropped at teardown.
         # The value this run gave GLOO_SOCKET_IFNAME (None: it left it alone), removed at teardown (failures.teardown).
-        self.reports, self.node_group, self.node_ranks, self.barrier_group, self.ifname = None, None, [], None, None
+        self.reports, self.node_group, self.node_ranks, self.barrier_group, self.ifname = cast(
+            "tuple[dist.Store | None, dist.ProcessGroup | None, list[int], Any, str | None]",
+            (None, None, [], None, None),
+        )
         self.failed = self.own_failure = False  # set by failures.on_exception, cleared when the next run joins
 
     def join(self, env: Any, device: torch.device, backend: str | None, num_nodes: int, num_processes: int) -> str:

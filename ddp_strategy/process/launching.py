@@ -149,6 +149,8 @@ class CheckedMultiProcessingLauncher(_pl.MultiProcessingLauncher):
     """Lightning's ``spawn``/``fork``/``forkserver`` launcher, with plain errors, SIGTERM forwarding, and ranks that
     report their failures (``torch.multiprocessing``'s ``ProcessContext.join`` supervises them)."""
 
+    procs: list[torch.multiprocessing.Process]  # Lightning's, set by launch (to mypy the base is a `type`)
+
     def launch(self, function: Any, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
         """Check CUDA (``fork``) and picklability (``spawn``, ``forkserver``: else ``RuntimeError``), then launch as
         Lightning does, passing a SIGTERM on to the ranks (else orphans train on); then close the ``Process``

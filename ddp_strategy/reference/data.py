@@ -6,10 +6,10 @@ hand-written digits, test set) inside scikit-learn, so no download is needed.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
-from torch.utils.data import DataLoader, TensorDataset, random_split
+from torch.utils.data import DataLoader, Dataset, TensorDataset, random_split
 
 from ddp_strategy._compat import namespace as _namespace
 
@@ -70,7 +70,9 @@ class DigitsDataModule(LightningDataModule):
         x, y = load_digits_tensors()
         n_val = round(len(y) * self.hparams.val_fraction)
         val, train = random_split(
-            range(len(y)), [n_val, len(y) - n_val], torch.Generator().manual_seed(self.hparams.split_seed)
+            cast(Dataset[int], range(len(y))),
+            [n_val, len(y) - n_val],
+            torch.Generator().manual_seed(self.hparams.split_seed),
         )
         self.train_set = TensorDataset(x[train.indices], y[train.indices])
         self.val_set = TensorDataset(x[val.indices], y[val.indices])

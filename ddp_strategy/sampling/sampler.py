@@ -60,7 +60,7 @@ def draw_epoch(source: Iterable[Any], seed: int, epoch: int) -> list[Any]:
     anything else (the clock, ``os.urandom``) is not reproducible and not supported.
     """
     if callable(getattr(source, "set_epoch", None)):
-        source.set_epoch(epoch)  # type: ignore[attr-defined]
+        source.set_epoch(epoch)
     holders = [h for h in (source, getattr(source, "sampler", None)) if h is not None and hasattr(h, "generator")]
     saved = [h.generator for h in holders]
     with isolate_rng(include_cuda=False):  # Lightning's: torch's, Python's and NumPy's states restored on exit
@@ -315,7 +315,7 @@ class EqualCountBatchSampler(BatchSampler):
     """
 
     def __init__(self, sampler: _EpochShards, batch_size: int) -> None:  # this rank's unpadded sampler, B
-        super().__init__(sampler, batch_size, drop_last=False)  # type: ignore[arg-type]
+        super().__init__(sampler, batch_size, drop_last=False)
         self.longest = math.ceil(sampler.length / sampler.num_replicas)
 
     def __len__(self) -> int:

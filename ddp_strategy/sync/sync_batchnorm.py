@@ -79,7 +79,9 @@ class CPUSyncBatchNorm(_BatchNorm):
         if self.affine:
             y = y * self.weight.view(shape) + self.bias.view(shape)
         if self.track_running_stats:
-            assert self.num_batches_tracked is not None and self.running_mean is not None
+            assert (
+                self.num_batches_tracked is not None and self.running_mean is not None and self.running_var is not None
+            )
             with torch.no_grad():
                 self.num_batches_tracked.add_(1)
                 momentum = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
