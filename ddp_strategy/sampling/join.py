@@ -25,8 +25,9 @@ of the rank left names that as the likely cause (:attr:`StepJoin.failure_cause`)
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import torch
 import torch.distributed as dist
@@ -52,7 +53,7 @@ _DTYPES = (
 )
 #: A reduction's name (``strategy.reduce``'s string or ``torch.distributed.ReduceOp`` name) -> the reduction over
 #: the gathered rows of the ranks in a tail step.
-_OPS = {
+_OPS: dict[str, Callable[..., torch.Tensor]] = {
     "sum": torch.sum,
     "mean": torch.mean,
     "avg": torch.mean,
@@ -193,8 +194,8 @@ class StepJoin(Joinable, JoinHook):
             synced=[m for m in trainer.lightning_module.modules() if getattr(m, "dist_sync_fn", False) is None],
             outer=self._run,
         )
-        self._run.join.__enter__()
-        for metric in self._run.synced:
+        cast(Join, self._run.join).__enter__()
+        for metric in cast(list[Any], self._run.synced):
             metric.dist_sync_fn = self.gather
 
     def join_step(self) -> None:
@@ -208,7 +209,7 @@ class StepJoin(Joinable, JoinHook):
         Raises:
             UnevenInputsError: ranks validating at other batches (:meth:`_notify`).
         """
-        run, trainer = self._run, self._trainer
+        run, trainer = cast(_Run, self._run), self._trainer  # a run under the join
         if run.tail:
             self._exchange("end")
         if not run.ahead or self._round.received()[2]:  # some rank may lack this batch
@@ -263,7 +264,7 @@ class StepJoin(Joinable, JoinHook):
             if isinstance(reduce_op, str)
             else next((n for n in _OPS if reduce_op == getattr(dist.ReduceOp, n.upper(), None)), None)
         )
-        return tensor.copy_(_OPS[name](torch.stack(self.gather(tensor, group, name)), 0))
+        return tensor.copy_(_OPS[cast(str, name)](torch.stack(self.gather(tensor, group, name)), 0))
 
     def gather(self, tensor: torch.Tensor, group: Any = None, op: str | None = "sum") -> list[torch.Tensor]:
         """Every rank's ``tensor`` (torchmetrics' ``gather_all_tensors``: shapes may differ), in a tail step only the
@@ -289,8 +290,9 @@ class StepJoin(Joinable, JoinHook):
         forward again. A collective."""
         if self.tail:
             self._exchange("end")
-        self._run.join.__exit__(None, None, None)
-        if self._run.synced is None:
+        run = cast(_Run, self._run)  # a run under the join
+        cast(Join, run.join).__exit__(None, None, None)
+        if run.synced is None:
             _tp.set_gradient_divisor(self.ddp, None, True)
             _tp.set_ddp_join_mode(self.ddp, False)
         self.abandon()
@@ -339,7 +341,9 @@ class StepJoin(Joinable, JoinHook):
         trainer = self._trainer
         sent = torch.zeros(4 + trainer.world_size, dtype=torch.int64, device=self.join_device)
         if kind:
-            sent[:4] = torch.tensor([list(self.KINDS).index(kind) + 1, a, b, self._run.progress.current.ready])
+            sent[:4] = torch.tensor(
+                [list(self.KINDS).index(kind) + 1, a, b, cast(_Run, self._run).progress.current.ready]
+            )
             sent[4 + trainer.global_rank] = 1
         dist.all_reduce(sent, dist.ReduceOp.MAX)
         code, a, b, batch, *mask = sent.tolist()
@@ -347,7 +351,7 @@ class StepJoin(Joinable, JoinHook):
         shadow, refusal = self.KINDS[message.kind]
         if message.kind == "refuse" or refusal is not None and (shadow is None or a not in message.active):
             stage = {"train": "training", "test": "test", "predict": "predict"}.get(trainer.state.stage, "validation")
-            what, fix = (list(Refusal)[a] if message.kind == "refuse" else refusal).value
+            what, fix = (list(Refusal)[a] if refusal is None else refusal).value  # "refuse" has none
             raise UnevenInputsError(
                 f"[rank {trainer.global_rank}] {stage} batch {batch} (batch_idx {batch - 1}) of epoch"
                 f" {trainer.current_epoch} on ranks {message.active} makes {what}, in which ranks"
