@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from contextlib import ExitStack, suppress
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch.distributed as dist
 from lightning_utilities.core.apply_func import apply_to_collection
@@ -140,7 +140,7 @@ def _read(dataloader: object) -> _Loader | None:
     user's is respected)."""
     if isinstance(dataloader, _Loader):
         return dataloader
-    batch_sampler = getattr(dataloader, "batch_sampler", None)
+    batch_sampler: Any = getattr(dataloader, "batch_sampler", None)
     held = (getattr(dataloader, "sampler", None), batch_sampler, getattr(batch_sampler, "sampler", None))
     if (
         not isinstance(dataloader, DataLoader)
@@ -151,7 +151,7 @@ def _read(dataloader: object) -> _Loader | None:
     whole = batch_sampler is not None and not (
         hasattr(batch_sampler, "batch_size") and hasattr(batch_sampler, "drop_last")
     )
-    source = None if whole else getattr(batch_sampler, "sampler", dataloader.sampler)
+    source: Any = None if whole else getattr(batch_sampler, "sampler", dataloader.sampler)
     return _Loader(dataloader, source, len(source if source is not None else batch_sampler))
 
 
@@ -181,9 +181,9 @@ def _check_shard_sizes(loader: _Loader, shard: samplers.Shard, training: bool) -
             f" DistributedSampler pads them), so some ranks read the same {what}. Use a data set with at least {w}"
             f" {what}, or fewer devices."
         )
-    if source is None or (batch_sampler := loader.dataloader.batch_sampler) is None:
+    if source is None or (batch_sampler := cast(Any, loader.dataloader.batch_sampler)) is None:
         return
-    batch_size, drop_last = int(batch_sampler.batch_size), bool(batch_sampler.drop_last)  # type: ignore[attr-defined]
+    batch_size, drop_last = int(batch_sampler.batch_size), bool(batch_sampler.drop_last)  # source: it has both
     smallest = math.ceil(n / w) if shard.pad else n // w
     if drop_last and smallest < batch_size:
         raise ValueError(
@@ -255,7 +255,10 @@ def inject_distributed_sampler(dataloader: object, shard: samplers.Shard, traini
         with suppress(TypeError):  # the user's class, re-created around ``built`` (Lightning's code)
             return _pl.update_dataloader(dataloader, built)
     # a batch sampler of its own batches, or one Lightning cannot re-create (an argument it does not know): whole
-    return _pl.update_dataloader_batch_sampler(dataloader, samplers.ShardedBatchSampler(batch_sampler, shard))
+    return _pl.update_dataloader_batch_sampler(
+        dataloader,
+        samplers.ShardedBatchSampler(cast(Iterable[Any], batch_sampler), shard),  # whole: not None
+    )
 
 
 def needs_padding(dataloader: DataLoader | _Loader, num_replicas: int) -> str | None:
@@ -294,7 +297,9 @@ def shard_for_evaluation(dataloader: object, shard: samplers.Shard, stage: str, 
     reason = needs_padding(loader, shard.num_replicas) if exact else None
     if exact and reason is None:  # drop_last=True (N a multiple of W here): Lightning's batches
         drops = bool(getattr(loader.dataloader.batch_sampler, "drop_last", False))
-        exact_loader = inject_distributed_sampler(loader, exact_shard := dataclasses.replace(shard, pad=drops))
+        exact_loader = cast(
+            DataLoader, inject_distributed_sampler(loader, exact_shard := dataclasses.replace(shard, pad=drops))
+        )
         if len(set(counts := count_batches(loader, exact_loader, exact_shard))) == 1:
             return exact_loader
         reason = f"its {type(exact_loader.batch_sampler).__name__} makes {list(counts)} batches of the exact shards"
@@ -318,9 +323,14 @@ def count_batches(dataloader: _Loader, loader: DataLoader, shard: samplers.Shard
         (len(loader),) * shard.num_replicas
         if type(loader.batch_sampler) in ours
         else tuple(
-            len(inject_distributed_sampler(dataloader, dataclasses.replace(shard, rank=r), training=False))
+            len(
+                cast(
+                    DataLoader,
+                    inject_distributed_sampler(dataloader, dataclasses.replace(shard, rank=r), training=False),
+                )
+            )
             for r in range(shard.num_replicas)
-        )  # type: ignore[arg-type]
+        )
     )
 
 
@@ -368,7 +378,7 @@ def warn_if_not_shardable(dataloader: object, world_size: int) -> None:
     if world_size == 1 or empty or (isinstance(dataloader, DataLoader) and not iterable):
         return
     what = (
-        f"{type(dataloader.dataset).__name__} is an IterableDataset"  # type: ignore[attr-defined]
+        f"{type(dataloader.dataset).__name__} is an IterableDataset"
         if iterable
         else f"MyDDPStrategy got a {type(dataloader).__name__} as a loader, not a torch.utils.data.DataLoader"
     )

@@ -46,14 +46,14 @@ def save_positions(trainer: Trainer | None, checkpoint: dict[str, Any]) -> None:
 
     While fitting with injected samplers; otherwise a no-op. No collective: each rank computes the same entry.
     """
-    fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
-    samplers = _train_samplers(trainer) if fitting else []  # type: ignore[arg-type]
-    if samplers:  # the batches whose step ran: where Lightning's loop resumes (a batch interrupted by an exception
-        # is counted ready, not processed, and is run again)
-        done = trainer.fit_loop.epoch_loop.batch_progress.current.processed  # type: ignore[union-attr]
-        if done >= trainer.num_training_batches:  # the epoch reached its end (or its limit_train_batches): no rest
-            done = sys.maxsize
-        checkpoint[CHECKPOINT_KEY] = {"version": STATE_VERSION, "loaders": [s.position(done) for s in samplers]}
+    if trainer is None or trainer.state.fn != TrainerFn.FITTING or not (samplers := _train_samplers(trainer)):
+        return
+    # the batches whose step ran: where Lightning's loop resumes (a batch interrupted by an exception is counted
+    # ready, not processed, and is run again)
+    done = trainer.fit_loop.epoch_loop.batch_progress.current.processed
+    if done >= trainer.num_training_batches:  # the epoch reached its end (or its limit_train_batches): no rest
+        done = sys.maxsize
+    checkpoint[CHECKPOINT_KEY] = {"version": STATE_VERSION, "loaders": [s.position(done) for s in samplers]}
 
 
 def read_positions(checkpoint: dict[str, Any]) -> list[dict[str, Any]]:

@@ -14,7 +14,7 @@ training state of the rank that trained longest (:meth:`UnevenInputs.post_hook`)
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
@@ -240,15 +240,15 @@ class UnevenInputs(StepJoin):
         """``Join``'s post-hook, on every rank once all joined. After a training epoch whose ranks took different
         numbers of steps: record them, and every rank takes the module (parameters, buffers) and training state of
         the highest rank that trained longest. A collective after a training epoch."""
-        if self._run.synced is not None:  # an evaluation's: nothing to record or copy
+        if cast(_Run, self._run).synced is not None:  # an evaluation's: nothing to record or copy
             return
-        trainer, steps = self._trainer, self._flags(self._run.trained)
+        trainer, steps = self._trainer, self._flags(cast(_Run, self._run).trained)
         if len(set(steps)) == 1:
             return
         self.epochs[trainer.current_epoch] = tuple(steps)
         source, module = max(r for r, s in enumerate(steps) if s == max(steps)), trainer.lightning_module
         _tp.broadcast_coalesced([t.detach() for t in (*module.parameters(), *module.buffers())], src=source)
-        box = [
+        box: list[Any] = [
             apply_to_collection(_pl.training_state(trainer), torch.Tensor, torch.Tensor.cpu)
             if trainer.global_rank == source
             else None
