@@ -309,7 +309,10 @@ class FitDiagnostics(Callback):
             n = sized_len(loader.dataset)  # None for an iterable data set
             for sampler in (loader.sampler, getattr(loader.batch_sampler, "sampler", None)):  # one is distributed
                 if isinstance(sampler, DistributedSampler):
-                    per_rank, padding = int(sampler.num_samples), int(sampler.total_size) - len(sampler.dataset)
+                    per_rank, padding = (  # ignore below: torch hints a plain Dataset, yet the sampler len()s it
+                        int(sampler.num_samples),
+                        int(sampler.total_size) - len(sampler.dataset),  # type: ignore[arg-type]
+                    )
         self.summary = FitSummary(
             world_size=trainer.world_size,
             num_nodes=trainer.num_nodes,

@@ -26,9 +26,9 @@ DDP_TIMING_KEYS: tuple[str, ...] = (
 )
 
 
-def ddp_logging_data(model: nn.Module) -> dict[str, Any]:
+def ddp_logging_data(model: nn.Module | None) -> dict[str, Any]:
     """A new dict of ``DistributedDataParallel._get_ddp_logging_data()`` for ``model``; ``{}`` if it is no DDP
-    wrapper or the call fails.
+    wrapper (None included) or the call fails.
 
     It holds the constructor options (``bucket_cap_bytes``, ...), ``comm_hook`` (once one is registered),
     ``unused_parameter_size`` (bytes) and the timings in :data:`DDP_TIMING_KEYS` (once DDP has timed one).

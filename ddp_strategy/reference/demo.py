@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import Any
+from functools import partial
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils.data.distributed import DistributedSampler
+from torch.utils.data import Dataset, DistributedSampler
 
 from ddp_strategy._compat import torch_private as _torch_private
 from ddp_strategy.diagnostics import CommStats
@@ -41,12 +42,12 @@ def epoch_shards(
         [
             list(
                 EpochSeededDistributedSampler(
-                    range(dataset_size),
+                    cast(Dataset[int], range(dataset_size)),  # sized: all a sampler reads
                     num_replicas=world_size,
                     rank=rank,
                     shuffle=shuffle,
                     seed=seed,
-                    epoch_fn=lambda e=epoch: e,
+                    epoch_fn=partial(int, epoch),
                 )
             )
             for rank in range(world_size)
@@ -65,7 +66,9 @@ def forgotten_set_epoch(dataset_size: int, epochs: int = 3, seed: int = 0) -> di
         ``{"DistributedSampler without set_epoch": orders, "EpochSeededDistributedSampler": orders}``, where
         ``orders[epoch]`` is rank 0's index list (world size 2). The first repeats the same list every epoch.
     """
-    plain = DistributedSampler(range(dataset_size), num_replicas=2, rank=0, shuffle=True, seed=seed)
+    plain: DistributedSampler[int] = DistributedSampler(
+        cast(Dataset[int], range(dataset_size)), num_replicas=2, rank=0, shuffle=True, seed=seed
+    )
     return {
         "DistributedSampler without set_epoch": [list(plain) for _ in range(epochs)],
         "EpochSeededDistributedSampler": [shards[0] for shards in epoch_shards(dataset_size, 2, epochs, seed)],
@@ -118,7 +121,7 @@ def _demo_steps(rank: int, world_size: int, batch_size: int, lr: float) -> dict[
     local = _grads(net)
     for p in net.parameters():  # the all-reduce: sum over ranks, then divide by W (a mean)
         dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
-        p.grad /= world_size
+        cast(torch.Tensor, p.grad).div_(world_size)  # in place, as /= (every parameter has a gradient)
     averaged = _grads(net)
     torch.optim.SGD(net.parameters(), lr=lr).step()  # one plain SGD step: w -= lr * grad
 
