@@ -30,7 +30,7 @@ class StrategyOptions:
     """The strategy's arguments the strategy reads after checking (see :class:`~ddp_strategy.MyDDPStrategy`)."""
 
     timeout: timedelta
-    start_method: str
+    start_method: process.StartMethod
     seed: int | None
     allow_cpu_oversubscription: bool
     barrier_timeout: timedelta

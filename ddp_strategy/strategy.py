@@ -6,7 +6,7 @@ import contextlib
 import os
 from collections.abc import Mapping
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 import torch
 import torch.distributed as dist
@@ -119,7 +119,7 @@ class MyDDPStrategy(sync.wrapping.LightningDDPAttributes, ParallelStrategy):
     @override
     def root_device(self) -> torch.device:
         """This rank's device: ``parallel_devices[local_rank]``."""
-        return self.parallel_devices[self.local_rank]
+        return cast("list[torch.device]", self.parallel_devices)[self.local_rank]  # set by Lightning's connector
 
     @property
     def num_processes(self) -> int:
@@ -178,7 +178,9 @@ class MyDDPStrategy(sync.wrapping.LightningDDPAttributes, ParallelStrategy):
     def setup_environment(self) -> None:
         """Check an external launcher's ranks (its local rank picks the device), set the device up, then
         :meth:`setup_distributed`, as Lightning's (every rank, before model code)."""
-        process.launching.check_external_world(self.cluster_environment, self.num_nodes, self.num_processes)
+        process.launching.check_external_world(
+            cast("ClusterEnvironment", self.cluster_environment), self.num_nodes, self.num_processes
+        )
         super().setup_environment()
         self.setup_distributed()
 
@@ -197,14 +199,14 @@ class MyDDPStrategy(sync.wrapping.LightningDDPAttributes, ParallelStrategy):
         self._trainer = trainer
         self._sharding.take_over(trainer)
         self._sampler_seed = self.broadcast(sampling.shared_seed(self._options.seed))
-        self.accelerator.setup(trainer)
+        cast("pl.accelerators.Accelerator", self.accelerator).setup(trainer)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         trainer.callbacks.insert(0, self._uneven.callback)  # first: it ends an uneven epoch or evaluation run
         if trainer.state.fn == _namespace.TrainerFn.FITTING:
             if self._layer_sync:  # Trainer(sync_batchnorm=True): Lightning's plugin, made CPU-capable
                 self._layer_sync = sync.cpu_capable(self._layer_sync)
-                self.model = self._layer_sync.apply(self.model)
+                self.model = cast("pl.plugins.LayerSync", self._layer_sync).apply(self.model)
             process.boundaries.add_fit_callbacks(trainer, self._run, self.global_rank, self.world_size, self._round)
             if self.world_size > 1:  # after the epoch barrier: the batch counts
                 trainer.callbacks.append(self._uneven.epoch_start)
@@ -257,8 +259,8 @@ class MyDDPStrategy(sync.wrapping.LightningDDPAttributes, ParallelStrategy):
         rank's parameters without gradient (:func:`ddp_strategy.sync.after_backward`; no collective)."""
         sync.after_backward(self.model, first_step=self._gradients_steps == 0)
 
-    @override
-    def block_backward_sync(self) -> contextlib.AbstractContextManager:
+    @override  # ignore below: Lightning hints the _GeneratorContextManager of its @contextmanager; any serves
+    def block_backward_sync(self) -> contextlib.AbstractContextManager:  # type: ignore[override]
         """DDP's ``no_sync`` for accumulation's non-final micro-batches (Lightning's), but not under ``static_graph``,
         where torch fails (pytorch/pytorch#143580): there each micro-batch all-reduces, which gives the same
         accumulated mean over ranks (one all-reduce per micro-batch instead of per step)."""
@@ -275,7 +277,9 @@ class MyDDPStrategy(sync.wrapping.LightningDDPAttributes, ParallelStrategy):
             )
         self._gradients_steps += not self._uneven.tail  # steps some ranks only shadow are not checked
         if (n := self._options.verify_sync_every_n_steps) and not self._uneven.tail and self._gradients_steps % n == 0:
-            sync.verify_parameters_in_sync(self.lightning_module, self._gradients_steps, self.root_device)
+            sync.verify_parameters_in_sync(
+                cast("pl.LightningModule", self.lightning_module), self._gradients_steps, self.root_device
+            )
         return output
 
     @override
@@ -308,7 +312,7 @@ class MyDDPStrategy(sync.wrapping.LightningDDPAttributes, ParallelStrategy):
             self._buffers_due = False
             sync.broadcast_states(self.model.module, parameters=False)
         with self.precision_plugin.val_step_context():
-            return self.lightning_module.validation_step(*args, **kwargs)
+            return cast("pl.LightningModule", self.lightning_module).validation_step(*args, **kwargs)
 
     @override
     def barrier(self, name: str | None = None) -> None:
@@ -358,7 +362,7 @@ class MyDDPStrategy(sync.wrapping.LightningDDPAttributes, ParallelStrategy):
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """The LightningModule's state dict without DDP ``module.`` or torch.compile ``_orig_mod.`` segments."""
-        return checkpoint.unwrapped_state_dict(self.lightning_module)
+        return checkpoint.unwrapped_state_dict(cast("pl.LightningModule", self.lightning_module))
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
@@ -391,7 +395,7 @@ class MyDDPStrategy(sync.wrapping.LightningDDPAttributes, ParallelStrategy):
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         """Load weights by exact key (:func:`~ddp_strategy.match_state_dict`); strict: ``StateDictMismatchError``;
         either way a tensor of another shape raises (``size mismatch for <key>``), as under Lightning's ``ddp``."""
-        module = self.lightning_module
+        module = cast("pl.LightningModule", self.lightning_module)
         try:
             state_dict = match_state_dict(
                 checkpoint["state_dict"], module, strict=strict, source=getattr(self, "_checkpoint_path", None)

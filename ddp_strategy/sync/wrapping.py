@@ -11,7 +11,7 @@ import inspect
 import logging
 from contextlib import nullcontext
 from operator import attrgetter
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -147,7 +147,7 @@ def wrap(
     log.debug("wrapping %s in DDP: device_ids=%s options=%s", type(module).__name__, ids, ddp_kwargs)
     with torch.cuda.stream(torch.cuda.Stream()) if ids is not None else nullcontext():
         wrapper = DistributedDataParallel(module, device_ids=ids, **ddp_kwargs)
-    wrapper._trainable = trainable
+    cast(Any, wrapper)._trainable = trainable  # a plain attribute: torch hints __setattr__ for tensors, modules
     comm_hooks.register_comm_hook(wrapper, comm_hook)
     return wrapper
 
