@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from typing_extensions import override
 
@@ -17,9 +17,16 @@ import ddp_strategy  # noqa: F401  (registers "my_ddp" with Lightning)
 from ddp_strategy._compat import namespace as _namespace
 from ddp_strategy.reference import DigitsClassifier, DigitsDataModule
 
+if TYPE_CHECKING:
+    from lightning.pytorch.callbacks import ProgressBar
+    from lightning.pytorch.cli import LightningCLI
+else:  # the CLI runs on the process's namespace (``DDP_STRATEGY_LIGHTNING`` chooses; else ``lightning`` if installed)
+    LightningCLI, ProgressBar = (
+        _namespace.get("pytorch.cli:LightningCLI"),
+        _namespace.get("pytorch.callbacks:ProgressBar"),
+    )
+
 log = logging.getLogger(__name__)
-#: The CLI runs on the process's namespace (``DDP_STRATEGY_LIGHTNING`` chooses; else ``lightning`` if installed).
-LightningCLI, ProgressBar = _namespace.get("pytorch.cli:LightningCLI"), _namespace.get("pytorch.callbacks:ProgressBar")
 
 #: Trainer defaults of the main job; each is a flag (``--trainer.devices=1``) or a YAML entry.
 TRAINER_DEFAULTS: dict[str, Any] = {
