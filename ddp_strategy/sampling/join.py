@@ -264,7 +264,8 @@ class StepJoin(Joinable, JoinHook):
             if isinstance(reduce_op, str)
             else next((n for n in _OPS if reduce_op == getattr(dist.ReduceOp, n.upper(), None)), None)
         )
-        return tensor.copy_(_OPS[cast(str, name)](torch.stack(self.gather(tensor, group, name)), 0))
+        rows = self.gather(tensor, group, name)  # first: it refuses, on every rank, a reduction it cannot shadow
+        return tensor.copy_(_OPS[cast(str, name)](torch.stack(rows), 0))
 
     def gather(self, tensor: torch.Tensor, group: Any = None, op: str | None = "sum") -> list[torch.Tensor]:
         """Every rank's ``tensor`` (torchmetrics' ``gather_all_tensors``: shapes may differ), in a tail step only the

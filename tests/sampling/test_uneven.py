@@ -292,12 +292,19 @@ def test_an_ema_callback_and_clipping_by_norm_hold_the_reference_average_of_ever
 @pytest.mark.multiprocess
 @pytest.mark.timeout(600)
 def test_refused_collectives_raise_uneven_inputs_error_on_every_rank_without_waiting(runs):
-    """In rank 0's 5th step while rank 1 is out of data, self.all_gather and a broadcast from rank 1 each raise
-    UnevenInputsError on both ranks within seconds (the collective timeout is 60 s), naming the collective, the batch
-    and the rank without data, with what to do."""
+    """In rank 0's 5th step while rank 1 is out of data, self.all_gather, a broadcast from rank 1 and a reduce by
+    ReduceOp.BAND (in the steps both ranks take, as under ddp) each raise UnevenInputsError on both ranks within
+    seconds (the collective timeout is 60 s), naming the collective, the batch and the rank without data, with what
+    to do."""
     kinds = {  # name: what, the fix, rank 0's batches seen and optimizer steps
         "refuse_all_gather": ("an all_gather", "gather at the epoch's end", 5, 4),
         "refuse_broadcast": ("a broadcast from a rank that has no data left", "broadcast from a rank that still", 5, 4),
+        "refuse_reduce_op": (
+            "a collective on a process group other than the world, or a reduction",
+            "epoch's end",
+            5,
+            4,
+        ),
     }
     for name, (kind, fix, batches_of_rank_0, steps_of_rank_0) in kinds.items():
         for r, rec in enumerate(load(runs, name, 2)):

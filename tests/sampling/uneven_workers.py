@@ -147,6 +147,8 @@ class Probed(pl.LightningModule):
             got["broadcast"] = strategy.broadcast(f"from rank {self.global_rank}", src=0)
         if "broadcast_from_1" in self.probes:
             got["broadcast_from_1"] = strategy.broadcast(f"from rank {self.global_rank}", src=1)
+        if "reduce_band" in self.probes:  # a reduction a step with fewer ranks cannot shadow
+            got["reduce_band"] = strategy.reduce(torch.tensor([int(v)]), reduce_op=dist.ReduceOp.BAND).item()
         if "all_gather" in self.probes:
             got["all_gather"] = self.all_gather(torch.tensor([v])).tolist()
         if "torch_distributed" in self.probes:  # the user's own collective, not through the strategy
@@ -404,6 +406,7 @@ def scenario_join(out: Path) -> None:
     )
     fit(out, "refuse_all_gather", stream(ITERABLE, ITERABLE_BATCH), model=Probed(("all_gather",)))
     fit(out, "refuse_broadcast", stream(ITERABLE, ITERABLE_BATCH), model=Probed(("broadcast_from_1",)))
+    fit(out, "refuse_reduce_op", stream(ITERABLE, ITERABLE_BATCH), model=Probed(("reduce_band",)))
     fit(out, "refuse_metric", stream(ITERABLE, ITERABLE_BATCH), model=Probed(metric=True))
     fit(out, "buffers", stream(BN_COUNTS, ITERABLE_BATCH), model=Normed(), max_epochs=1)
     fit(out, "refuse_sync_batchnorm", stream(ITERABLE, ITERABLE_BATCH), model=Normed(), sync_batchnorm=True)
