@@ -111,9 +111,13 @@ class MyDDPStrategy(sync.wrapping.LightningDDPAttributes, ParallelStrategy):
         self._saved: Any = None  # the path of the last save_checkpoint, for the other ranks' _written at its barrier
 
     def __repr__(self) -> str:
-        """``<MyDDPStrategy for lightning (DDP_STRATEGY_LIGHTNING chooses)>``: the Lightning namespace it derives
-        from, one per process (``ddp_strategy._compat.namespace``); the other's Trainer refuses it, showing this."""
-        return f"<{type(self).__name__} for {_namespace.NAME} ({_namespace.ENV_VAR} chooses)>"
+        """``<MyDDPStrategy for lightning (DDP_STRATEGY_LIGHTNING=<lightning|pytorch_lightning> before importing
+        ddp_strategy chooses)>``: the namespace it derives from, one per process (``ddp_strategy._compat.namespace``);
+        the other namespace's Trainer refuses it, showing this."""
+        return (
+            f"<{type(self).__name__} for {_namespace.NAME} ({_namespace.ENV_VAR}=lightning|pytorch_lightning before"
+            " importing ddp_strategy chooses)>"
+        )
 
     @property
     @override

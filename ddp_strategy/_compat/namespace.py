@@ -27,8 +27,8 @@ _ROOTS: dict[str, tuple[str, str]] = {
     "lightning": ("lightning.pytorch", "lightning.fabric"),
     "pytorch_lightning": ("pytorch_lightning", "lightning_fabric"),
 }
-#: An ``import`` of either namespace at a line's start: ``import lightning as L``, ``from pytorch_lightning import``.
-_IMPORT = re.compile(r"^\s*(?:from|import)\s+(lightning|pytorch_lightning)\b", re.MULTILINE)
+#: An import of either namespace: ``import lightning as L``, ``from pytorch_lightning import``, ``import os, lightning``
+_IMPORT = re.compile(r"^[ \t]*(?:from|import)[ \t][^\n#]*?(?<![.\w])(pytorch_lightning|lightning)\b", re.MULTILINE)
 
 
 def _found(top: str, sub: str = "") -> bool:
@@ -45,19 +45,28 @@ def installed() -> tuple[str, ...]:
     return tuple(name for name in NAMESPACES if _found(*_ROOTS[name][0].split(".")))
 
 
-def _main_script_imports() -> set[str]:
-    """The namespaces the ``__main__`` script's source imports (none in a REPL or notebook, or unreadable)."""
-    path = getattr(sys.modules.get("__main__"), "__file__", None)
-    try:
-        with open(path or "", encoding="utf-8") as source:
-            return set(_IMPORT.findall(source.read()))
-    except (OSError, UnicodeDecodeError):
-        return set()
+def _sources_import() -> set[str]:
+    """The namespaces the source imports of the ``__main__`` script and of the module whose import statement
+    imported ``ddp_strategy`` (the nearest caller outside it and ``importlib``; a spawned rank's script too); none in
+    a REPL or notebook, or where unreadable."""
+    frame = sys._getframe(1)
+    while frame.f_back is not None and frame.f_globals.get("__name__", "").startswith(("ddp_strategy", "importlib")):
+        frame = frame.f_back
+    found: set[str] = set()
+    for path in {getattr(sys.modules.get("__main__"), "__file__", None) or "", frame.f_code.co_filename}:
+        try:
+            with open(path, encoding="utf-8") as source:
+                found.update(_IMPORT.findall(source.read()))
+        except (OSError, UnicodeDecodeError):
+            pass
+    return found
 
 
 def resolve() -> str:
     """The namespace of this process, first that applies: ``DDP_STRATEGY_LIGHTNING``; the only one the ``__main__``
-    script imports (so ``import ddp_strategy`` may come before ``import pytorch_lightning``); the only one imported
+    script and the module importing ``ddp_strategy`` import (:func:`_sources_import`: so ``import ddp_strategy`` may
+    come before ``import pytorch_lightning``, in the script or in the training module that imports ``ddp_strategy``);
+    the only one imported
     already; the only one installed; else ``lightning``.
 
     Raises:
@@ -77,7 +86,7 @@ def resolve() -> str:
             f" (installed: {list(installed()) or 'none'}): pip install 'ddp_strategy[{extra}]', or choose an"
             " installed one."
         )
-    script = [name for name in installed() if name in _main_script_imports()]
+    script = [name for name in installed() if name in _sources_import()]
     imported = [name for name in installed() if _ROOTS[name][0] in sys.modules]
     for found in ([chosen] if chosen else [], script, imported, list(installed())):
         if len(found) == 1:
@@ -85,10 +94,8 @@ def resolve() -> str:
     return NAMESPACES[0]
 
 
-#: This process's namespace: ``"lightning"`` or ``"pytorch_lightning"``; the processes it starts (spawned and popen
-#: ranks, whose ``ddp_strategy`` may be imported before the script's imports run) inherit it through the variable.
+#: This process's namespace: ``"lightning"`` or ``"pytorch_lightning"`` (its ranks, running its code, choose alike).
 NAME: str = resolve()
-os.environ[ENV_VAR] = NAME
 
 
 def get(path: str, name: str | None = None) -> Any:

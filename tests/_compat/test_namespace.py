@@ -201,19 +201,33 @@ print(json.dumps({{"by_object": by_object._options.timeout.total_seconds(), "by_
 @pytest.mark.multiprocess
 @pytest.mark.slow
 def test_the_users_imports_choose_the_namespace(tmp_path):
-    """Fresh interpreters: a script's own imports choose, before or after ddp_strategy's (the other namespace is never
-    imported); else the namespace imported already; else lightning; DDP_STRATEGY_LIGHTNING overrides. Where nothing
+    """Fresh interpreters: the imports of the script, or of the training module that imports ddp_strategy (the script
+    itself importing no Lightning), choose, before or after ddp_strategy's (the other namespace is never imported),
+    `import os, pytorch_lightning` too; else the namespace imported already; else lightning; DDP_STRATEGY_LIGHTNING
+    overrides; a process that imported ddp_strategy leaves the choice of the scripts it starts to them. Where nothing
     names pytorch_lightning before ddp_strategy is imported (a notebook, ``python -c``), its Trainer refuses our
     strategy and names the variable that fixes it, which works."""
+    expected = {"by_object": 5.0, "by_name": "MyDDPStrategy", "cli": 9.0, "other_imported": False}
     for namespace, other in (("pytorch_lightning", "lightning"), ("lightning.pytorch", "pytorch_lightning")):
         script = tmp_path / f"train_{namespace}.py"
         script.write_text(_SCRIPT.format(namespace=namespace, other=other))
-        assert _fresh_script(script) == {
-            "by_object": 5.0,
-            "by_name": "MyDDPStrategy",
-            "cli": 9.0,
-            "other_imported": False,
-        }
+        assert _fresh_script(script) == expected
+    (tmp_path / "mytrain.py").write_text(
+        _SCRIPT.format(namespace="pytorch_lightning", other="lightning").replace(
+            "from pytorch_lightning import Trainer", "import os, pytorch_lightning\nTrainer = pytorch_lightning.Trainer"
+        )
+    )
+    (run := tmp_path / "run.py").write_text(
+        "import sys\nsys.path.insert(0, sys.argv[0].rpartition('/')[0])\nimport mytrain\n"
+    )
+    assert _fresh_script(run) == expected  # the training module, not the script, imports Lightning
+    child = str(tmp_path / "train_pytorch_lightning.py")
+    driver = (
+        "import ddp_strategy, json, subprocess, sys\n"
+        f"out = subprocess.run([sys.executable, {child!r}], capture_output=True, text=True).stdout\n"
+        "print(out.splitlines()[-1])"
+    )
+    assert _fresh(driver) == expected  # the child chooses by its own imports
     pl_first = _fresh("import pytorch_lightning\n" + _REPORT)
     assert pl_first == {
         "namespace": "pytorch_lightning",
@@ -230,7 +244,7 @@ def test_the_users_imports_choose_the_namespace(tmp_path):
     late = (
         "import ddp_strategy, pytorch_lightning as pl\npl.Trainer(strategy=ddp_strategy.MyDDPStrategy(), logger=False)"
     )
-    with pytest.raises(AssertionError, match=r"strategy=<MyDDPStrategy for lightning \(DDP_STRATEGY_LIGHTNING"):
+    with pytest.raises(AssertionError, match=r"strategy=<MyDDPStrategy for lightning \(DDP_STRATEGY_LIGHTNING="):
         _fresh(late)
     _fresh(late + "\nprint('{}')", env={"DDP_STRATEGY_LIGHTNING": "pytorch_lightning"})
 
