@@ -26,6 +26,7 @@ from torch.utils.data import IterableDataset
 from ddp_strategy._compat import lightning_private as _pl
 from ddp_strategy._compat import namespace as _namespace
 from ddp_strategy._compat import torch_private as _tp
+from ddp_strategy._compat.namespace import rank_zero_warn
 from ddp_strategy.process import boundaries
 from ddp_strategy.sampling.join import StepJoin, UnevenInputsError, _Run
 from ddp_strategy.sampling.loaders import flat_loaders
@@ -56,7 +57,7 @@ def _unshadowed(trainer: Any) -> list[str]:
     shard), SyncBatchNorm layers (their forward all-reduces the batch statistics), torchmetrics metrics with
     ``dist_sync_on_step=True`` (their forward gathers every rank's state)."""
     found = [
-        f"optimizer {i}, a ZeroRedundancyOptimizer"
+        f"optimizer {i} (a ZeroRedundancyOptimizer)"
         for i, optimizer in enumerate(trainer.optimizers)
         if isinstance(optimizer, ZeroRedundancyOptimizer)
     ]
@@ -66,7 +67,7 @@ def _unshadowed(trainer: Any) -> list[str]:
         if "SyncBatchNorm" in type(module).__name__
     ]
     found += [
-        f"the metric {name!r}"
+        f"the metric {name!r} (dist_sync_on_step=True)"
         for name, module in trainer.lightning_module.named_modules()
         if getattr(module, "dist_sync_on_step", False) is True
     ]
@@ -114,7 +115,8 @@ class UnevenInputs(StepJoin):
         Raises:
             ValueError: known, unequal counts under ``"error"``; under ``"join"``, ``accumulate_grad_batches`` not
                 dividing a shorter rank's known count (its last batch would sync gradients alone), or what a rank
-                out of data cannot take part in (:func:`_unshadowed`), each named, with ``uneven_inputs="stop"``.
+                out of data cannot take part in (:func:`_unshadowed`), each named, with ``uneven_inputs="stop"``;
+                on unknown counts (a stream, even ones run as under Lightning's ddp) that is a rank-0 warning.
         """
         self._trainer, self._run, self._uncut = trainer, None, None
         unknown = trainer.num_training_batches == float("inf") or any(
@@ -137,14 +139,22 @@ class UnevenInputs(StepJoin):
                 _accumulation_message(trainer, k, [r for r, c in enumerate(counts) if c % k and c < max(counts)])
             )
         if self.policy == "join" and (unshadowed := _unshadowed(trainer)):
-            raise ValueError(
-                f"[rank {trainer.global_rank}] the ranks' numbers of training batches in epoch {epoch} differ or are"
-                f" unknown ({dict(enumerate(counts))}; -1: a loader without a length, or an IterableDataset), and under"
-                " MyDDPStrategy(uneven_inputs='join') a rank out of data takes part in the others' steps only through"
-                f" the strategy's collectives, not in those that {', '.join(unshadowed)} make(s) in each step. Pass"
-                " MyDDPStrategy(uneven_inputs='stop') (every rank stops at the shortest rank's last batch), or give"
-                " every rank the same known number of batches (let MyDDPStrategy shard the data); a metric also works"
-                " with dist_sync_on_step=False (compute it at the epoch's end), a BatchNorm without sync_batchnorm."
+            message = (
+                " and under MyDDPStrategy(uneven_inputs='join') a rank out of data takes part in the others' steps"
+                " only through the strategy's collectives, not in the collectives these make in a step of their own:"
+                f" {'; '.join(unshadowed)}. Pass MyDDPStrategy(uneven_inputs='stop') (every rank stops at the shortest"
+                " rank's last batch), or give every rank the same known number of batches (let MyDDPStrategy shard"
+                " the data), or leave them out (a metric: dist_sync_on_step=False)."
+            )
+            if known:  # unequal: such a run hangs under Lightning's ddp too
+                raise ValueError(
+                    f"[rank {trainer.global_rank}] the ranks' numbers of training batches in epoch {epoch} differ"
+                    f" ({dict(enumerate(counts))}),{message}"
+                )
+            rank_zero_warn(  # an even stream runs as under ddp; an uneven one fails at the first step a rank lacks
+                "The ranks' numbers of training batches are unknown (a loader without a length, or an"
+                f" IterableDataset),{message} Where they turn out to differ, the first step a rank lacks fails there,"
+                " naming the likely cause."
             )
         if self.policy == "stop" and known:  # cut here, no per-step work; the next epoch is cut anew
             self._uncut = trainer.num_training_batches

@@ -224,25 +224,26 @@ def test_collectives_of_a_tail_step_are_shadowed_with_the_active_ranks_values(ru
 @pytest.mark.multiprocess
 @pytest.mark.timeout(600)
 def test_what_makes_its_own_collectives_in_a_step_is_refused_at_the_epoch_start_and_trains_under_stop(runs):
-    """On 5 and 4 batches of a stream under uneven_inputs="join": a ZeroRedundancyOptimizer (its step broadcasts each
-    rank's shard), Trainer(sync_batchnorm=True)'s SyncBatchNorm layer and a torchmetrics metric with
-    dist_sync_on_step=True (their forward syncs), which a rank out of data cannot take part in, each raise ValueError
-    on both ranks at the first epoch's start, before any step (the collective timeout is 60 s), naming it and
-    uneven_inputs='stop'. What the error suggests, uneven_inputs="stop" on the same data, trains: 4 steps an epoch on
-    both ranks, the ZeroRedundancyOptimizer with gradient clipping and a per-step StepLR to identical weights equal to
-    the reference over those steps (clipped, decayed), and the SyncBatchNorm to the same running statistics on both
-    ranks (synced: a BatchNorm's differ, each rank's own batches)."""
+    """On pre-sharded 5 and 4 batches (known, unequal counts) under uneven_inputs="join": a ZeroRedundancyOptimizer
+    (its step broadcasts each rank's shard), Trainer(sync_batchnorm=True)'s SyncBatchNorm layer and a torchmetrics
+    metric with dist_sync_on_step=True (their forward syncs), which a rank out of data cannot take part in, each raise
+    ValueError on both ranks at the first epoch's start, before any step (the collective timeout is 60 s), naming it
+    and uneven_inputs='stop' (on unknown counts, a stream, a warning: the even-stream test below). What the error
+    suggests, uneven_inputs="stop" on the same data, trains: 4 steps an epoch on both ranks, the
+    ZeroRedundancyOptimizer with gradient clipping and a per-step StepLR to identical weights equal to the reference
+    over those steps (clipped, decayed), and the SyncBatchNorm to the same running statistics on both ranks (synced: a
+    BatchNorm's differ, each rank's own batches)."""
     for name, what in (
-        ("refuse_zero", "optimizer 0, a ZeroRedundancyOptimizer"),
+        ("refuse_zero", "optimizer 0 (a ZeroRedundancyOptimizer)"),
         ("refuse_sync_batchnorm", "the SyncBatchNorm layer 'norm'"),
-        ("refuse_metric", "the metric 'metric'"),
+        ("refuse_metric", "the metric 'metric' (dist_sync_on_step=True)"),
     ):
         records = load(runs, name, 2)
         assert_refused(
             records,
             "ValueError",
-            "the ranks' numbers of training batches in epoch 0 differ or are unknown ({0: -1, 1: -1};",
-            f"not in those that {what} make(s) in each step",
+            "the ranks' numbers of training batches in epoch 0 differ ({0: 5, 1: 4}),",
+            f"not in the collectives these make in a step of their own: {what}.",
             "Pass MyDDPStrategy(uneven_inputs='stop')",
         )
         assert [(rec["steps"], rec["seen"]) for rec in records] == [(0, {})] * 2, name
@@ -486,10 +487,18 @@ def test_only_epochs_whose_counts_differ_are_recorded_and_logged(runs):
 @pytest.mark.timeout(600)
 def test_a_zero_redundancy_optimizer_on_even_inputs_trains_bitwise_as_under_lightning_ddp(runs):
     """The same ZeroRedundancyOptimizer module, clipping and scheduler on 5 batches per rank: MyDDPStrategy() on
-    pre-sharded shards (equal known counts: nothing uneven, nothing refused), MyDDPStrategy(uneven_inputs="stop") on
-    the stream (its counts unknown: what the refusal under "join" suggests) and strategy="ddp" on the stream give
-    bitwise the same weights after 10 steps, equal to the reference."""
-    ours, stop, lightning = (load(runs, f"zero_even_{name}", 2) for name in ("ours", "stop", "ddp"))
+    pre-sharded shards (equal known counts: nothing uneven, nothing said), MyDDPStrategy() on the stream (its counts
+    unknown: rank 0 warns that an uneven one would fail at the first step a rank lacks, and names the optimizer and
+    uneven_inputs='stop', but runs it) and strategy="ddp" on the stream give bitwise the same weights after 10 steps,
+    equal to the reference."""
+    ours, stop, lightning = (load(runs, f"zero_even_{name}", 2) for name in ("ours", "join", "ddp"))
+    warned = [
+        [w for w in rec[r]["warnings"] if w.startswith("The ranks' numbers of training batches are unknown")]
+        for rec in (stop, ours)
+        for r in range(2)
+    ]
+    assert [len(w) for w in warned] == [2, 0, 0, 0]  # rank 0 of the stream's fit, at each epoch's start
+    assert "optimizer 0 (a ZeroRedundancyOptimizer)" in warned[0][0] and "uneven_inputs='stop'" in warned[0][0]
     for r in range(2):
         assert [rec[r]["error"] for rec in (ours, stop, lightning)] == [None] * 3
         assert ours[r]["steps"] == stop[r]["steps"] == lightning[r]["steps"] == 10
