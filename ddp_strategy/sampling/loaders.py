@@ -368,22 +368,26 @@ def warn_if_order_kept(dataloader: object, world_size: int, overfit_batches: int
 
 
 def warn_if_not_shardable(dataloader: object, world_size: int) -> None:
-    """Warn once (rank 0), for W > 1, when ``dataloader`` has no indices to shard, so every rank reads all of it.
+    """Warn once (rank 0), for W > 1, when ``dataloader`` has no indices to shard, so each rank reads what it yields.
 
     Lightning accepts any iterable (``trainer.test(model, [batch])``, an ``IterableDataset``); as under its ``ddp``,
-    every rank iterates all of it. An empty list (Lightning's "no loader") is not warned about.
+    every rank iterates all of it. An ``IterableDataset`` may split its stream by rank in ``__iter__`` (litdata's
+    ``StreamingDataset``, WebDataset's ``split_by_node``, :func:`~ddp_strategy.sampling.sampler.shard_iterable`),
+    which only it knows: its warning says the ranks read the same data unless it does. An empty list (Lightning's
+    "no loader") is not warned about.
     """
     iterable = isinstance(getattr(dataloader, "dataset", None), IterableDataset)
     empty = isinstance(dataloader, (list, tuple)) and not dataloader
     if world_size == 1 or empty or (isinstance(dataloader, DataLoader) and not iterable):
         return
-    what = (
-        f"{type(dataloader.dataset).__name__} is an IterableDataset"
-        if iterable
-        else f"MyDDPStrategy got a {type(dataloader).__name__} as a loader, not a torch.utils.data.DataLoader"
-    )
     rank_zero_warn(
-        f"{what}: it has no indices to shard, so each of the {world_size} ranks iterates all of it (as under"
-        " Lightning's ddp) and sees the same batches. Shard an IterableDataset in its __iter__ with"
-        " ddp_strategy.shard_iterable (by rank and DataLoader worker); wrap other data in a Dataset and a DataLoader."
+        f"{type(dataloader.dataset).__name__} is an IterableDataset, which has no indices to shard: each of the"
+        f" {world_size} ranks reads what its __iter__ yields there (as under Lightning's ddp). Unless __iter__"
+        " splits the data by rank itself (torch.distributed.get_rank(), as ddp_strategy.shard_iterable, litdata's"
+        " StreamingDataset, WebDataset's split_by_node and Hugging Face's split_dataset_by_node do), every rank"
+        " sees the same batches."
+        if iterable
+        else f"MyDDPStrategy got a {type(dataloader).__name__} as a loader, not a torch.utils.data.DataLoader: it"
+        f" has no indices to shard, so each of the {world_size} ranks iterates all of it (as under Lightning's ddp)"
+        " and sees the same batches. Wrap the data in a Dataset and a DataLoader to have it sharded."
     )

@@ -13,7 +13,7 @@ import pytest
 import torch
 from ddp_testing import Regressor, loader, one_rank_trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
 from ddp_strategy.sampling.loaders import (
     inject_distributed_sampler,
@@ -38,6 +38,26 @@ def test_a_loader_that_is_not_a_dataloader_is_accepted_with_a_warning(recwarn):
     warn_if_not_shardable([], world_size=2)
     warn_if_not_shardable(DataLoader(TensorDataset(torch.zeros(2))), world_size=2)
     assert not recwarn.list
+
+
+def test_an_iterable_dataset_is_said_to_give_every_rank_the_same_batches_only_unless_it_splits_them(recwarn):
+    """An IterableDataset's __iter__ may split the stream by rank (litdata, WebDataset, Hugging Face datasets,
+    shard_iterable), which the strategy cannot see: its warning makes the same-batches claim conditional on that;
+    the one for a list of batches, which every rank does read whole, stays unconditional."""
+
+    class Stream(IterableDataset):
+        def __iter__(self):
+            return iter(range(3))
+
+    with pytest.warns(UserWarning) as caught:
+        warn_if_not_shardable(DataLoader(Stream()), world_size=2)
+    message = str(caught[0].message)
+    assert message.startswith("Stream is an IterableDataset, which has no indices to shard: each of the 2 ranks")
+    assert "Unless __iter__ splits the data by rank itself (torch.distributed.get_rank(), as" in message
+    assert message.endswith("split_dataset_by_node do), every rank sees the same batches.")
+    with pytest.warns(UserWarning, match="so each of the 2 ranks iterates all of it") as caught:
+        warn_if_not_shardable([torch.zeros(2, 64)], world_size=2)
+    assert "Unless" not in str(caught[0].message)
 
 
 def batches(dataloader: DataLoader, num_replicas: int, pad: bool = True) -> list[list[int]]:
