@@ -177,24 +177,24 @@ def _check_shard_sizes(loader: _Loader, shard: samplers.Shard, training: bool) -
     what = "samples" if source is not None else "batches"
     if 0 < n < w:  # empty: no rank reads anything, as under Lightning's ddp
         rank_zero_warn(
-            f"The loader has {n} {what} but there are {w} ranks: the shards are padded with repeats (as Lightning's"
+            f"The loader has fewer {what} ({n}) than ranks ({w}): the shards are padded with repeats (as Lightning's"
             f" DistributedSampler pads them), so some ranks read the same {what}. Use a data set with at least {w}"
             f" {what}, or fewer devices."
         )
-    if source is None or (batch_sampler := cast(Any, loader.dataloader.batch_sampler)) is None:
+    if source is None or n == 0 or (batch_sampler := cast(Any, loader.dataloader.batch_sampler)) is None:
         return
     batch_size, drop_last = int(batch_sampler.batch_size), bool(batch_sampler.drop_last)  # source: it has both
     smallest = math.ceil(n / w) if shard.pad else n // w
     if drop_last and smallest < batch_size:
         raise ValueError(
-            f"drop_last=True with batch_size={batch_size}, but a rank's shard has only {smallest} samples ({n} samples"
-            f" over {w} ranks): that rank would get no batch at all. Lower batch_size to at most {smallest}, set"
+            f"drop_last=True with batch_size={batch_size}, but a rank's shard has only {smallest} sample(s) ({n} over"
+            f" {w} ranks): that rank would get no batch at all. Lower batch_size to at most {smallest}, set"
             " drop_last=False, or use fewer devices."
         )
     if training and smallest < batch_size:
         rank_zero_warn(
-            f"batch_size={batch_size} is per device, but each rank's training shard has only {smallest} samples"
-            f" ({n} samples over {w} ranks), so every step sees a short batch. Lower batch_size to at most {smallest}"
+            f"batch_size={batch_size} is per device, but each rank's training shard has only {smallest} sample(s)"
+            f" ({n} over {w} ranks), so every step sees a short batch. Lower batch_size to at most {smallest}"
             f" (the global batch is batch_size x {w}), or use fewer devices."
         )
 
