@@ -99,15 +99,15 @@ class FitSummary:
             + (  # a loader without a length (a stream): Lightning's progress bar shows no total either
                 " batches and optimizer steps per epoch unknown (streaming loader)\n"
                 if math.isinf(self.batches_per_epoch)
-                else f" {self.batches_per_epoch:.0f} batches per epoch per rank ="
-                f" {self.optimizer_steps_per_epoch:.0f} optimizer steps\n"
+                else f" {_plural(int(self.batches_per_epoch), 'batch')} per epoch per rank ="
+                f" {_plural(int(self.optimizer_steps_per_epoch), 'optimizer step')}\n"
             )
             + f"  DDP options: {options}; comm hook: {self.comm_hook}"
         )
 
 
 def _plural(count: int, word: str) -> str:
-    return f"{count} {word}" + ("" if count == 1 else "es" if word.endswith("s") else "s")
+    return f"{count} {word}" + ("" if count == 1 else "es" if word.endswith(("s", "ch")) else "s")
 
 
 def batch_size_warnings(
@@ -119,7 +119,8 @@ def batch_size_warnings(
     """Warnings for a global batch size that looks like a mistake (the rules: docs/diagnostics.md); ``[]`` if none.
 
     The loader's ``batch_size`` B is per device, so a step sees ``B * W`` samples. Rule 1: ``B * W > N``, so each
-    epoch is one partial step. Rule 2 (a heuristic): W > 1 and ``B == configured * W``, as
+    epoch is one partial step; the batch size it suggests, ``min(B, N) // W`` (at least 1), gives no warning when
+    ``N >= W``. Rule 2 (a heuristic): W > 1 and ``B == configured * W``, as
     ``DataLoader(batch_size=self.batch_size * self.trainer.world_size)`` gives, written expecting DDP to split the
     batch (as ``DataParallel`` does).
 
@@ -135,11 +136,12 @@ def batch_size_warnings(
     """
     b, w, configured, messages = per_device_batch_size, world_size, configured_batch_size, []
     if b is not None and dataset_size is not None and b * w > dataset_size:
+        fits = max(min(b, dataset_size) // w, 1)  # the global batch b meant, split over W, or if larger all N
         messages.append(
-            f"Global batch size {b * w} (batch_size={b} per device x {w} processes) exceeds the {dataset_size}"
-            f" training samples: each rank holds only {math.ceil(dataset_size / w)} samples, so every epoch is one"
-            f" partial step. batch_size is the per-device batch size: for a global batch of {b} pass"
-            f" batch_size={max(b // w, 1)}, and keep batch_size x {w} <= {dataset_size}."
+            f"Global batch size {b * w} (batch_size={b} per device x {_plural(w, 'process')}) exceeds the"
+            f" {dataset_size} training samples: each rank holds only {math.ceil(dataset_size / w)} samples, so every"
+            f" epoch is one partial step. batch_size is the per-device batch size: for a global batch of {fits * w}"
+            f" pass batch_size={fits}, and keep batch_size x {w} <= {dataset_size}."
         )
     if b is not None and configured is not None and w > 1 and configured > 0 and b == configured * w:
         messages.append(
@@ -203,6 +205,7 @@ def communication_messages(
     world_size: int,
     per_device_batch_size: int | None = None,
     bucket_cap_mb: float | None = None,
+    static_graph: bool = False,
 ) -> tuple[list[str], list[str]]:
     """The fit-end messages: ``(infos, warnings)``.
 
@@ -210,10 +213,12 @@ def communication_messages(
         stats: rank-averaged timings, or None when DDP timed no step (then the info says so).
         unused: names of parameters that never received a gradient on any rank; world_size: W.
         per_device_batch_size, bucket_cap_mb: B and DDP's bucket size (MiB), quoted in the hint if given.
+        static_graph: DDP's option; under it every micro-batch all-reduces, so the hint leaves accumulation out.
 
     Returns:
         ``infos``: the communication summary, plus a hint when the un-overlapped all-reduce exceeds
-        :data:`COMM_DOMINATES_FRACTION` of the step. ``warnings``: one naming the unused parameters, if any.
+        :data:`COMM_DOMINATES_FRACTION` of the step on W > 1 ranks.
+        ``warnings``: one naming the unused parameters, if any.
     """
     warnings = (
         [
@@ -233,13 +238,15 @@ def communication_messages(
         f" {stats.overlap_ms:.2f} ({stats.overlap_fraction:.0%}) overlapped with backward; waiting for"
         f" communication {stats.exposed_comm_ms:.2f} = {stats.comm_fraction:.0%} of the step."
     ]
-    if stats.comm_fraction > COMM_DOMINATES_FRACTION:
+    if world_size > 1 and stats.comm_fraction > COMM_DOMINATES_FRACTION:  # one process: nothing to compare with
         batch = f" than {per_device_batch_size}" if per_device_batch_size is not None else ""
         bucket = f" (now {bucket_cap_mb:g} MiB)" if bucket_cap_mb is not None else ""
+        # without static_graph, accumulation's micro-batches skip the all-reduce (no_sync); under it each makes one
+        accumulate = "" if static_graph else " or accumulate_grad_batches"
         infos.append(
             f"Hint: communication dominates ({stats.comm_fraction:.0%} of each step waits for the gradient"
             f" all-reduce), so {world_size} processes may be slower than one. Give each all-reduce more work:"
-            f" a larger per-device batch_size{batch} or accumulate_grad_batches; a larger"
+            f" a larger per-device batch_size{batch}{accumulate}; a larger"
             f" MyDDPStrategy(bucket_cap_mb=...){bucket}; a compression comm hook such as"
             " torch.distributed.algorithms.ddp_comm_hooks.default_hooks.fp16_compress_hook; or fewer devices."
         )
@@ -365,7 +372,9 @@ class FitDiagnostics(Callback):
         bucket_bytes = data.get("bucket_cap_bytes")
         bucket_mb = bucket_bytes / 2**20 if isinstance(bucket_bytes, (int, float)) and bucket_bytes > 0 else None
         world_size, batch_size = dist.get_world_size(), self.summary.per_device_batch_size
-        infos, warnings = communication_messages(stats, unused, world_size, batch_size, bucket_mb)
+        infos, warnings = communication_messages(
+            stats, unused, world_size, batch_size, bucket_mb, static_graph=bool(data.get("static_graph"))
+        )
         for message in infos:
             rank_zero_info(message)
         for message in warnings:

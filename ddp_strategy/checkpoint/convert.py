@@ -274,12 +274,14 @@ def export_weights(
     Args:
         source: a checkpoint file (Lightning or plain) or a module.
         path: the output file: safetensors if it ends in ``.safetensors`` (``pip install ddp_strategy[safetensors]``;
-            ``torch.load`` reads any such path as safetensors), else ``torch.save``'s format.
+            ``torch.load`` reads any such path as safetensors), else ``torch.save``'s format. Safetensors holds no
+            shared memory: tied weights are written once, as ``safetensors.torch.save_model`` writes them, so load
+            with ``safetensors.torch.load_model(model, path)``, which ties them again.
         submodule: attribute of the plain model in the LightningModule (default ``"model"``); ``""``: everything.
         weights_only: as for :func:`load_plain_state_dict`.
 
     Returns:
-        The exported state dict.
+        The exported state dict (every name, tied ones included).
 
     Raises:
         FileNotFoundError, PermissionError, DamagedCheckpointError, UnsafeCheckpointError, KeyError: as for
@@ -301,7 +303,7 @@ def export_weights(
             f"The model state dict in {where} holds a"
             f" {type(weights[odd]).__name__} under {odd!r}, not a tensor; only tensors can be exported."
         )
-    weights = {k: v.detach().cpu().contiguous() for k, v in weights.items()}
+    exported = {k: v.detach().cpu().contiguous() for k, v in weights.items()}
     if os.fspath(path).endswith(".safetensors"):
         try:
             from safetensors.torch import save as to_safetensors_bytes
@@ -311,7 +313,18 @@ def export_weights(
                 " or export a PyTorch file instead (a path not ending in .safetensors, such as weights.pt:"
                 " torch.load reads any *.safetensors path as safetensors)."
             ) from e
-        atomic_save(weights, path, save_fn=lambda obj, f: f.write(to_safetensors_bytes(obj)))
+        # Tied weights (one tensor under several names; read before .cpu(), which copies each name's) are written
+        # once, under their first name, as safetensors.torch.save_model does (the format refuses shared memory): the
+        # metadata maps each other name to it, and safetensors.torch.load_model(model, path) restores the tie. An
+        # empty tensor (address 0) is tied to nothing, as there.
+        tensors = {k: (v.device, v.data_ptr() or id(v), v.shape, v.stride()) for k, v in weights.items()}
+        first = {tensor: name for name, tensor in reversed(tensors.items())}
+        tied = {name: first[tensor] for name, tensor in tensors.items() if first[tensor] != name}
+        atomic_save(
+            {k: v for k, v in exported.items() if k not in tied},
+            path,
+            save_fn=lambda obj, f: f.write(to_safetensors_bytes(obj, metadata=tied)),
+        )
     else:
-        atomic_save(weights, path)
-    return weights
+        atomic_save(exported, path)
+    return exported

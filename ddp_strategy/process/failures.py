@@ -256,5 +256,5 @@ def explain(rank: int, peers: str, timeout: timedelta, cause: str | None = None)
         f"{head} No rank reported an error: a peer exited or lost its connection, or is stalled (an endless loop, a"
         f" deadlocked DataLoader worker, slow storage; a collective waits {timeout.total_seconds():.0f} s), or the"
         " ranks called collectives in a different order or number (self.log(..., sync_dist=True) on some ranks only,"
-        " an all_gather in a branch). Set TORCH_DISTRIBUTED_DEBUG=DETAIL to have PyTorch check that collectives match."
+        " an all_gather in a branch)."
     )

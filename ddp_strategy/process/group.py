@@ -283,7 +283,8 @@ class ProcessGroupRun:
         self.barrier_group = _side_groups[dist.group.WORLD]
         self.failed = self.own_failure = False
         self.reports = failures.run_reports(rank, world_size)
-        rank_zero_info(f"MyDDPStrategy: {world_size} processes, backend={dist.get_backend()}")
+        processes = "process" if world_size == 1 else "processes"
+        rank_zero_info(f"MyDDPStrategy: {world_size} {processes}, backend={dist.get_backend()}")
         return dist.get_backend()  # the group's (reused: the first run's)
 
 

@@ -177,24 +177,24 @@ def _check_shard_sizes(loader: _Loader, shard: samplers.Shard, training: bool) -
     what = "samples" if source is not None else "batches"
     if 0 < n < w:  # empty: no rank reads anything, as under Lightning's ddp
         rank_zero_warn(
-            f"The loader has {n} {what} but there are {w} ranks: the shards are padded with repeats (as Lightning's"
+            f"The loader has fewer {what} ({n}) than ranks ({w}): the shards are padded with repeats (as Lightning's"
             f" DistributedSampler pads them), so some ranks read the same {what}. Use a data set with at least {w}"
             f" {what}, or fewer devices."
         )
-    if source is None or (batch_sampler := cast(Any, loader.dataloader.batch_sampler)) is None:
+    if source is None or n == 0 or (batch_sampler := cast(Any, loader.dataloader.batch_sampler)) is None:
         return
     batch_size, drop_last = int(batch_sampler.batch_size), bool(batch_sampler.drop_last)  # source: it has both
     smallest = math.ceil(n / w) if shard.pad else n // w
     if drop_last and smallest < batch_size:
         raise ValueError(
-            f"drop_last=True with batch_size={batch_size}, but a rank's shard has only {smallest} samples ({n} samples"
-            f" over {w} ranks): that rank would get no batch at all. Lower batch_size to at most {smallest}, set"
+            f"drop_last=True with batch_size={batch_size}, but a rank's shard has only {smallest} sample(s) ({n} over"
+            f" {w} ranks): that rank would get no batch at all. Lower batch_size to at most {smallest}, set"
             " drop_last=False, or use fewer devices."
         )
     if training and smallest < batch_size:
         rank_zero_warn(
-            f"batch_size={batch_size} is per device, but each rank's training shard has only {smallest} samples"
-            f" ({n} samples over {w} ranks), so every step sees a short batch. Lower batch_size to at most {smallest}"
+            f"batch_size={batch_size} is per device, but each rank's training shard has only {smallest} sample(s)"
+            f" ({n} over {w} ranks), so every step sees a short batch. Lower batch_size to at most {smallest}"
             f" (the global batch is batch_size x {w}), or use fewer devices."
         )
 
@@ -368,22 +368,26 @@ def warn_if_order_kept(dataloader: object, world_size: int, overfit_batches: int
 
 
 def warn_if_not_shardable(dataloader: object, world_size: int) -> None:
-    """Warn once (rank 0), for W > 1, when ``dataloader`` has no indices to shard, so every rank reads all of it.
+    """Warn once (rank 0), for W > 1, when ``dataloader`` has no indices to shard, so each rank reads what it yields.
 
     Lightning accepts any iterable (``trainer.test(model, [batch])``, an ``IterableDataset``); as under its ``ddp``,
-    every rank iterates all of it. An empty list (Lightning's "no loader") is not warned about.
+    every rank iterates all of it. An ``IterableDataset`` may split its stream by rank in ``__iter__`` (litdata's
+    ``StreamingDataset``, WebDataset's ``split_by_node``, :func:`~ddp_strategy.sampling.sampler.shard_iterable`),
+    which only it knows: its warning says the ranks read the same data unless it does. An empty list (Lightning's
+    "no loader") is not warned about.
     """
     iterable = isinstance(getattr(dataloader, "dataset", None), IterableDataset)
     empty = isinstance(dataloader, (list, tuple)) and not dataloader
     if world_size == 1 or empty or (isinstance(dataloader, DataLoader) and not iterable):
         return
-    what = (
-        f"{type(dataloader.dataset).__name__} is an IterableDataset"
-        if iterable
-        else f"MyDDPStrategy got a {type(dataloader).__name__} as a loader, not a torch.utils.data.DataLoader"
-    )
     rank_zero_warn(
-        f"{what}: it has no indices to shard, so each of the {world_size} ranks iterates all of it (as under"
-        " Lightning's ddp) and sees the same batches. Shard an IterableDataset in its __iter__ with"
-        " ddp_strategy.shard_iterable (by rank and DataLoader worker); wrap other data in a Dataset and a DataLoader."
+        f"{type(dataloader.dataset).__name__} is an IterableDataset, which has no indices to shard: each of the"
+        f" {world_size} ranks reads what its __iter__ yields there (as under Lightning's ddp). Unless __iter__"
+        " splits the data by rank itself (torch.distributed.get_rank(), as ddp_strategy.shard_iterable, litdata's"
+        " StreamingDataset, WebDataset's split_by_node and Hugging Face's split_dataset_by_node do), every rank"
+        " sees the same batches."
+        if iterable
+        else f"MyDDPStrategy got a {type(dataloader).__name__} as a loader, not a torch.utils.data.DataLoader: it"
+        f" has no indices to shard, so each of the {world_size} ranks iterates all of it (as under Lightning's ddp)"
+        " and sees the same batches. Wrap the data in a Dataset and a DataLoader to have it sharded."
     )

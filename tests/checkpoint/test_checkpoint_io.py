@@ -391,6 +391,65 @@ def test_export_weights_as_torch_and_safetensors(tmp_path):
     torch.testing.assert_close(net(x), model(x), rtol=0, atol=0)
 
 
+class TiedLM(nn.Module):
+    """A language model whose output layer is its embedding (GPT-2's ``lm_head.weight`` is ``transformer.wte.weight``),
+    with two empty buffers, which share no memory (address 0) and are not tied."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(11, 4)
+        self.lm_head = nn.Linear(4, 11, bias=False)
+        self.lm_head.weight = self.wte.weight
+        self.register_buffer("empty_a", torch.empty(0))
+        self.register_buffer("empty_b", torch.empty(0))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.wte(ids))
+
+
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param(
+            "cuda",
+            marks=[pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")],
+        ),
+    ],
+)
+def test_exported_tied_weights_load_back_into_the_tied_model(tmp_path, device):
+    """A checkpoint of a model with tied weights (and the model itself, on the CPU or a GPU) exports to safetensors
+    (which refuses shared memory) with the tied tensor written once, under its first name, the other name in the
+    metadata: safetensors.torch.load_model, as the docs say, loads it into a fresh model, the tie kept; the
+    PyTorch file keeps both names and loads with load_state_dict; the returned state dict holds both."""
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+    from safetensors import safe_open
+
+    holder = pl.LightningModule()
+    holder.model = TiedLM().to(device)
+    ckpt = tmp_path / "tied.ckpt"
+    DDPCheckpointIO().save_checkpoint({"state_dict": holder.state_dict()}, ckpt)
+    ids = torch.tensor([[1, 5, 10]])
+    expected = holder.model.cpu()(ids) if device == "cpu" else holder.model(ids.to(device)).cpu()
+    for source in (ckpt, holder):
+        returned = export_weights(source, tmp_path / "w.safetensors")
+        assert sorted(returned) == ["empty_a", "empty_b", "lm_head.weight", "wte.weight"]
+        with safe_open(tmp_path / "w.safetensors", framework="pt") as f:
+            assert sorted(f.keys()) == ["empty_a", "empty_b", "wte.weight"]
+            assert f.metadata() == {"lm_head.weight": "wte.weight"}
+        torch.manual_seed(1)
+        net = TiedLM()
+        safetensors_torch.load_model(net, tmp_path / "w.safetensors")
+        assert net.lm_head.weight is net.wte.weight
+        torch.testing.assert_close(net(ids), expected, rtol=0, atol=0)
+
+        export_weights(source, tmp_path / "w.pt")
+        net = TiedLM()
+        net.load_state_dict(torch.load(tmp_path / "w.pt", weights_only=True), strict=True)
+        assert net.lm_head.weight is net.wte.weight
+        torch.testing.assert_close(net(ids), expected, rtol=0, atol=0)
+
+
 def test_atomic_save_gives_the_permissions_a_plain_save_gives(tmp_path):
     """A checkpoint written atomically is readable by whoever could read torch.save's file (0o644 under umask
     022, 0o640 under 027), not private to its owner as the temporary file mkstemp makes (0o600)."""

@@ -18,8 +18,9 @@ import torch
 from ddp_testing import one_rank_trainer, quiet_trainer
 from diagnostics_workers import ListHandler, MultipliedBatchDigits, UnusedHeadClassifier
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
-from ddp_strategy import DigitsDataModule, MyDDPStrategy
+from ddp_strategy import DigitsClassifier, DigitsDataModule, MyDDPStrategy
 from ddp_strategy.diagnostics import (
     COMM_DOMINATES_FRACTION,
     CommStats,
@@ -74,7 +75,7 @@ def test_fit_summary_with_drop_last_unknown_batch_and_iterable_data():
         batches_per_epoch=1,
     )
     assert "4 per rank per epoch (1 dropped by drop_last)" in dropped.format()
-    assert "1 batches per epoch per rank = 1 optimizer steps" in dropped.format()
+    assert "1 batch per epoch per rank = 1 optimizer step\n" in dropped.format()  # one of each, singular
     unknown = FitSummary(world_size=2, num_nodes=1, backend="gloo", start_method="fork", per_device_batch_size=None)
     assert unknown.global_batch_size is None and math.isinf(unknown.optimizer_steps_per_epoch)
     text = unknown.format()
@@ -112,6 +113,20 @@ def test_global_batch_larger_than_the_data_set_is_reported_with_numbers():
     )
     assert "for a global batch of 1024 pass batch_size=512, and keep batch_size x 2 <= 1438." in message
     assert batch_size_warnings(512, 2, 1438) == []  # the suggested batch size is silent
+
+
+@pytest.mark.parametrize(
+    ("batch", "world", "n", "suggested"),
+    [(1024, 2, 1438, 512), (2048, 2, 1438, 719), (2048, 1, 1438, 1438), (5000, 3, 1438, 479)],
+)
+def test_the_batch_size_a_global_batch_warning_suggests_gives_no_warning(batch, world, n, suggested):
+    """Whatever the batch, the world size (one process too) and the data set, the batch_size the warning suggests
+    fits the data set and gives no warning (a suggestion of batch // W alone still overflowed when batch > N)."""
+    (message,) = batch_size_warnings(batch, world, n)
+    assert f"for a global batch of {suggested * world} pass batch_size={suggested}," in message
+    assert batch_size_warnings(suggested, world, n) == []
+    processes = "1 process" if world == 1 else f"{world} processes"
+    assert f"per device x {processes})" in message
 
 
 def test_batch_size_multiplied_by_world_size_is_reported_with_numbers():
@@ -179,6 +194,36 @@ def test_communication_summary_and_hint_when_communication_dominates():
         "fewer devices",
     ):
         assert advice in infos[1]
+
+
+def test_the_hint_suggests_accumulation_only_where_it_saves_all_reduces():
+    """Accumulation gives each all-reduce more work only where its micro-batches skip it (no_sync: one all-reduce
+    per window, tests/sync/test_ddp_equivalence.py); under static_graph=True each micro-batch all-reduces
+    (tests/sync/test_backward.py), so the hint leaves it out there. One process gets no hint: there is nothing to
+    compare with and no device to drop."""
+    stats = CommStats(forward_ms=1.0, backward_compute_ms=1.5, allreduce_ms=12.0, overlap_ms=1.0)
+    (_, dynamic), _ = communication_messages(stats, [], world_size=2, per_device_batch_size=32)
+    (_, static), _ = communication_messages(stats, [], world_size=2, per_device_batch_size=32, static_graph=True)
+    assert "a larger per-device batch_size than 32 or accumulate_grad_batches; a larger" in dynamic
+    assert "a larger per-device batch_size than 32; a larger" in static and "accumulate" not in static
+    (summary,), _ = communication_messages(stats, [], world_size=1)
+    assert summary.startswith("DDP communication per step (ms, averaged over DDP's sampled steps and 1 rank)")
+
+
+@pytest.mark.parametrize("static_graph", [False, True])
+def test_accumulation_saves_all_reduces_without_static_graph_only(tmp_path, static_graph):
+    """What the hint's accumulation advice rests on, in a fit: accumulate_grad_batches=2 over 4 batches makes 2
+    gradient all-reduces (DDP's comm hook is called once per bucket, here 1) without static_graph, 4 under it."""
+    calls = []
+
+    def counting_allreduce(state, bucket):
+        calls.append(bucket.index())
+        return allreduce_hook(state, bucket)
+
+    strategy = MyDDPStrategy(timeout=30, ddp_comm_hook=counting_allreduce, static_graph=static_graph)
+    trainer = one_rank_trainer(tmp_path, strategy, max_steps=2, accumulate_grad_batches=2, limit_val_batches=0)
+    trainer.fit(DigitsClassifier(), DigitsDataModule(batch_size=64))
+    assert len(calls) == (4 if static_graph else 2)
 
 
 def test_no_hint_when_communication_is_hidden_or_at_the_threshold():
@@ -263,6 +308,7 @@ def test_one_process_fit_logs_summary_and_names_the_unused_head(tmp_path, lightn
         for t in texts
     )
     assert not any(t.startswith("Global batch size") for t in texts)  # 1024 x 1 <= 1438
+    assert "MyDDPStrategy: 1 process, backend=gloo" in lightning_log
 
 
 SUMMARY_RE = re.compile(

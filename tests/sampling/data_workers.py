@@ -20,7 +20,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.tuner import Tuner
 from sampling_workers import SEED, Indexed, Recorder, trainer
 from torch import nn
-from torch.utils.data import BatchSampler, DataLoader, Sampler, SequentialSampler, Subset
+from torch.utils.data import BatchSampler, DataLoader, IterableDataset, Sampler, SequentialSampler, Subset
 from torch.utils.data._utils.collate import default_collate
 
 from ddp_strategy import DDPCheckpointIO, MyDDPStrategy, UnsafeCheckpointError
@@ -176,6 +176,16 @@ class Batches:
         return len(self.batches)
 
 
+class SplitByRank(IterableDataset):
+    """A stream that splits itself by rank in ``__iter__``, reading ``torch.distributed`` as litdata's
+    ``StreamingDataset``, WebDataset's ``split_by_node`` and Hugging Face's ``split_dataset_by_node`` do: rank r
+    reads samples r, r + W, ... of ``N``."""
+
+    def __iter__(self) -> Any:
+        data = Indexed(N, 4)
+        return (data[i] for i in range(torch.distributed.get_rank(), N, torch.distributed.get_world_size()))
+
+
 def own_half(salt: int, shuffle: bool = False, n: int = N) -> Any:
     """A loader over this rank's own half of ``n`` samples: rank r holds r, r + 2, ... (the user split it)."""
     return lambda: DataLoader(Subset(Indexed(n, salt), range(rank(), n, 2)), batch_size=BATCH, shuffle=shuffle)
@@ -278,6 +288,11 @@ def scenario_data(out: Path) -> None:
         },
     )
 
+    # A stream that splits itself by rank: each rank trains its own half; the warning must not say otherwise.
+    split = Seen({"train": lambda: DataLoader(SplitByRank(), batch_size=BATCH)})
+    caught = record_warnings(lambda: trainer(2, out, max_epochs=1).fit(split))
+    save(out, "split_by_rank", {"train": split.seen["train"], "warnings": [w for w in caught if "Iterable" in w]})
+
     # 3. DataLoader subclasses with custom batch samplers, built in the hooks (Lightning captures the arguments)
     # for training, passed ready-made for validation (Lightning reads the attributes).
     val_loader = TaggedLoader(
@@ -315,6 +330,9 @@ def scenario_data(out: Path) -> None:
     t.test(reference, [rows])
     t.test(reference, Batches(9, 4))
     save(out, "iterables_lightning", {"test": reference.seen["test"]})
+    split = Seen({"train": lambda: DataLoader(SplitByRank(), batch_size=BATCH)})
+    trainer(2, out, strategy="ddp", max_epochs=1).fit(split)
+    save(out, "split_by_rank_lightning", {"train": split.seen["train"]})
     order_fit(out, "order_shuffled_lightning", "ddp", shuffle=True)
     order_fit(out, "order_kept_lightning", "ddp", shuffle=False)
 

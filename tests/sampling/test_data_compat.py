@@ -204,6 +204,24 @@ def test_any_iterable_is_read_whole_by_every_rank_as_under_lightning_ddp(runs):
     assert ours[1]["warnings"] == []
 
 
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_a_stream_that_splits_itself_by_rank_is_not_said_to_be_read_whole(runs):
+    """An IterableDataset that splits itself by rank in __iter__ (torch.distributed.get_rank(), as litdata, WebDataset
+    and Hugging Face datasets do): each rank trains its own half, as under Lightning's ddp; rank 0's warning says the
+    ranks see the same batches only unless __iter__ splits the data by rank, and names the libraries that do."""
+    ours, lightning = load(runs, "split_by_rank", 2), load(runs, "split_by_rank_lightning", 2)
+    for r in range(2):
+        assert flat(ours[r]["train"]) == list(range(r, N, 2)) == flat(lightning[r]["train"])
+    assert ours[1]["warnings"] == [] and len(ours[0]["warnings"]) == 1
+    assert ours[0]["warnings"][0] == (
+        "SplitByRank is an IterableDataset, which has no indices to shard: each of the 2 ranks reads what its"
+        " __iter__ yields there (as under Lightning's ddp). Unless __iter__ splits the data by rank itself"
+        " (torch.distributed.get_rank(), as ddp_strategy.shard_iterable, litdata's StreamingDataset, WebDataset's"
+        " split_by_node and Hugging Face's split_dataset_by_node do), every rank sees the same batches."
+    )
+
+
 def epochs_of(record: dict) -> list[list[list[int]]]:
     """The training batches of an order fit, per epoch (4 per epoch: 11 samples per rank in batches of 3)."""
     per_epoch = math.ceil(math.ceil(N_ORDER / 2) / ORDER_BATCH)

@@ -13,7 +13,7 @@ import pytest
 import torch
 from ddp_testing import Regressor, loader, one_rank_trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
 from ddp_strategy.sampling.loaders import (
     inject_distributed_sampler,
@@ -40,6 +40,26 @@ def test_a_loader_that_is_not_a_dataloader_is_accepted_with_a_warning(recwarn):
     assert not recwarn.list
 
 
+def test_an_iterable_dataset_is_said_to_give_every_rank_the_same_batches_only_unless_it_splits_them(recwarn):
+    """An IterableDataset's __iter__ may split the stream by rank (litdata, WebDataset, Hugging Face datasets,
+    shard_iterable), which the strategy cannot see: its warning makes the same-batches claim conditional on that;
+    the one for a list of batches, which every rank does read whole, stays unconditional."""
+
+    class Stream(IterableDataset):
+        def __iter__(self):
+            return iter(range(3))
+
+    with pytest.warns(UserWarning) as caught:
+        warn_if_not_shardable(DataLoader(Stream()), world_size=2)
+    message = str(caught[0].message)
+    assert message.startswith("Stream is an IterableDataset, which has no indices to shard: each of the 2 ranks")
+    assert "Unless __iter__ splits the data by rank itself (torch.distributed.get_rank(), as" in message
+    assert message.endswith("split_dataset_by_node do), every rank sees the same batches.")
+    with pytest.warns(UserWarning, match="so each of the 2 ranks iterates all of it") as caught:
+        warn_if_not_shardable([torch.zeros(2, 64)], world_size=2)
+    assert "Unless" not in str(caught[0].message)
+
+
 def batches(dataloader: DataLoader, num_replicas: int, pad: bool = True) -> list[list[int]]:
     """Batch sizes each of ``num_replicas`` ranks reads from the injected loader, rank by rank."""
     return [
@@ -61,7 +81,7 @@ def test_drop_last_without_a_batch_error_suggestions_work():
     drop_last=False or one device each gives every rank a batch."""
     with pytest.raises(
         ValueError,
-        match="drop_last=True with batch_size=4, but a rank's shard has only 3 samples.*"
+        match=r"drop_last=True with batch_size=4, but a rank's shard has only 3 sample\(s\) \(5 over 2 ranks\).*"
         "Lower batch_size to at most 3, set drop_last=False, or use fewer devices",
     ):
         batches(loader(5, 4, drop_last=True), 2)
@@ -75,31 +95,41 @@ def test_drop_last_without_a_batch_error_suggestions_work():
 def test_fewer_samples_than_ranks_are_evaluated_padded_as_under_lightning_and_the_suggestions_work():
     """An evaluation loader of 1 sample, or of 1 custom batch, on 2 ranks runs as under Lightning's ddp: padded, both
     ranks read it, with a warning; its suggestions (2 samples, or 1 device) read each sample once; an empty loader
-    gives every rank no batch, with no error and no warning (Lightning's ddp skips it)."""
-    with pytest.warns(UserWarning, match="1 samples but there are 2 ranks.* at least 2 samples, or fewer devices"):
+    (drop_last or not, evaluation or training) gives every rank no batch, with no error and no warning (Lightning's
+    ddp skips it)."""
+    with pytest.warns(
+        UserWarning, match=r"fewer samples \(1\) than ranks \(2\).* at least 2 samples, or fewer devices"
+    ):
         assert evaluated(loader(1, 1), 2) == [[1], [1]]
     one_batch = DataLoader(TensorDataset(torch.arange(2)), batch_sampler=[[0, 1]])  # no batch_size: sharded whole
-    with pytest.warns(UserWarning, match="1 batches but there are 2 ranks"):
+    with pytest.warns(UserWarning, match=r"The loader has fewer batches \(1\) than ranks \(2\)"):
         assert evaluated(one_batch, 2) == [[2], [2]]
     assert evaluated(loader(2, 1), 2) == [[1], [1]]
     assert evaluated(loader(1, 1), 1) == [[1]]
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert evaluated(loader(0, 1), 2) == [[], []]
+        # drop_last=True too (it was refused, advising batch_size "at most 0"); training shards likewise
+        assert evaluated(loader(0, 1, drop_last=True), 2) == [[], []]
+        assert batches(loader(0, 1, drop_last=True), 2) == [[], []]
 
 
 def test_a_training_batch_larger_than_a_shard_runs_with_a_warning_whose_suggestion_removes_it():
     """10 samples, batch_size=6, 2 ranks: Lightning's ddp runs it (one batch of 5 per rank), so do we, and warn;
-    batch_size=4 with 6 samples warns likewise, and the suggested batch_size=3 gives full batches, silently."""
+    batch_size=4 with 6 samples, and batch_size=2 with 2 (a shard of 1), warn likewise, and the suggested batch
+    sizes, 3 and 1, give full batches, silently."""
     data = DataLoader(TensorDataset(torch.arange(10)), batch_size=6)
-    with pytest.warns(UserWarning, match="batch_size=6 is per device.*only 5 samples"):
+    with pytest.warns(UserWarning, match=r"batch_size=6 is per device.*only 5 sample\(s\) \(10 over 2 ranks\)"):
         new = inject_distributed_sampler(data, Shard(2, 1, 0, pad=True))
     assert [b[0].tolist() for b in new] == [[1, 3, 5, 7, 9]]
     with pytest.warns(UserWarning, match="Lower batch_size to at most 3"):
         assert batches(loader(6, 4), 2) == [[3], [3]]
+    with pytest.warns(UserWarning, match=r"only 1 sample\(s\) \(2 over 2 ranks\).*Lower batch_size to at most 1 "):
+        assert batches(loader(2, 2), 2) == [[1], [1]]
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert batches(loader(6, 3), 2) == [[3], [3]]
+        assert batches(loader(2, 1), 2) == [[1], [1]]
 
 
 def test_padded_evaluation_warning_suggestions_give_exact_shards():
