@@ -25,7 +25,6 @@ of the rank left names that as the likely cause (:attr:`StepJoin.failure_cause`)
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple, cast
 
@@ -53,7 +52,7 @@ _DTYPES = (
 )
 #: A reduction's name (``strategy.reduce``'s string or ``torch.distributed.ReduceOp`` name) -> the reduction over
 #: the gathered rows of the ranks in a tail step.
-_OPS: dict[str, Callable[..., torch.Tensor]] = {
+_OPS: dict[str, Any] = {
     "sum": torch.sum,
     "mean": torch.mean,
     "avg": torch.mean,
