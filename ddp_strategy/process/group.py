@@ -132,12 +132,12 @@ def init_process_group(
     ``env://``); torchrun's agent store (``TORCHELASTIC_USE_AGENT_STORE=True``); ``env://`` at
     ``main_address:main_port``, served by rank 0 (on loopback when ``num_nodes == 1``). A CUDA ``device`` is passed
     as ``device_id`` (eager NCCL initialisation). ``MASTER_ADDR``/``MASTER_PORT`` are set for ``env://``, and left
-    set, as Lightning's ``_init_dist_connection`` does.
+    set, as Lightning's ``_init_dist_connection`` does. ``init_method`` is one :func:`validate_init_method` accepted
+    (``MyDDPStrategy(...)`` checked it).
 
     Raises:
         RuntimeError: a group exists with another rank or world size; or the rendezvous failed (unreachable
             address, the port in use, ranks missing after ``timeout``): the message names the address.
-        ValueError: a bad ``init_method``.
     """
     if dist.is_initialized():
         if (dist.get_rank(), dist.get_world_size()) != (rank, world_size):
@@ -147,7 +147,6 @@ def init_process_group(
                 " torch.distributed.destroy_process_group() before starting another run."
             )
         return
-    validate_init_method(init_method)
     env = store is None and init_method in (None, "env://")
     if init_method is not None and init_method.startswith("tcp://"):  # served as env:// is
         main_address, port = init_method[len("tcp://") :].rsplit(":", 1)
@@ -256,7 +255,13 @@ class ProcessGroupRun:
                 :func:`init_process_group`.
         """
         backend = resolve_backend(device, backend)
-        rank, world_size = env.global_rank(), num_nodes * num_processes
+        rank, world_size = env.global_rank(), env.world_size()
+        # A world of num_nodes x num_processes ranks (launching.check_external_world) is laid out by node; one an
+        # environment owns (Ray's, a user's) may span machines even with num_nodes == 1: unless its rendezvous is on
+        # loopback (one machine), each rank is taken as a node of its own, and no node group is made.
+        laid_out = world_size == num_nodes * num_processes
+        if not laid_out:
+            num_nodes = 1 if env.main_address in ("127.0.0.1", "localhost", "::1") else world_size
         # On one node gloo's connections stay on loopback (the groups made now, and the user's during the run),
         # unless the user chose an interface; failures.teardown removes the variable again, on every path.
         if num_nodes == 1 and "GLOO_SOCKET_IFNAME" not in os.environ and "lo" in dict(socket.if_nameindex()).values():
@@ -275,9 +280,10 @@ class ProcessGroupRun:
         )
         # Made for each run and dropped at its teardown: a group kept here would keep the world group's store (and
         # MASTER_PORT) alive after the user destroys the group.
-        lists = [list(range(n * num_processes, (n + 1) * num_processes)) for n in range(num_nodes)]
-        self.node_ranks = lists[rank // num_processes]
-        self.node_group = dist.group.WORLD if num_nodes == 1 else dist.new_subgroups_by_enumeration(lists)[0]
+        if laid_out:  # else torch's default where a node group is needed (PostLocalSGDState's subgroup)
+            lists = [list(range(n * num_processes, (n + 1) * num_processes)) for n in range(num_nodes)]
+            self.node_ranks = lists[rank // num_processes]
+            self.node_group = dist.group.WORLD if num_nodes == 1 else dist.new_subgroups_by_enumeration(lists)[0]
         if dist.group.WORLD not in _side_groups:  # gloo: monitored_barrier, boundaries.py's flags; off DDP's group
             _side_groups[dist.group.WORLD] = dist.new_group(backend="gloo")
         self.barrier_group = _side_groups[dist.group.WORLD]

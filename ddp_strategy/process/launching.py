@@ -46,9 +46,16 @@ def check_cpu_processes(num_processes: int, allow_oversubscription: bool = False
 
 
 def check_external_world(env: ClusterEnvironment, num_nodes: int, num_processes: int) -> None:
-    """Every rank, before joining: raise ``ValueError`` unless an external launcher's (torchrun, SLURM) world size is
-    ``num_nodes * num_processes``, its rank in ``[0, world size)`` and local rank in ``[0, num_processes)``."""
-    if not env.creates_processes_externally:
+    """Every rank, before joining: raise ``ValueError`` unless an external launcher's (torchrun, SLURM, ...: one of
+    Lightning's own environments) world size is ``num_nodes * num_processes``, its rank in ``[0, world size)`` and
+    local rank in ``[0, num_processes)``. Any other environment (Ray's ``RayLightningEnvironment``, a user's
+    ``ClusterEnvironment`` subclass) owns the world and is trusted, as Lightning's ``ddp`` trusts it: its
+    ``world_size()`` is the world and its own ``validate_settings`` (which Lightning's launcher calls) checks it."""
+    if not env.creates_processes_externally or type(env).__module__.split(".")[0] not in (
+        "lightning",  # Lightning's own environments, in either namespace
+        "lightning_fabric",
+        "pytorch_lightning",
+    ):
         return
     name, world, rank, local = type(env).__name__, env.world_size(), env.global_rank(), env.local_rank()
     if world != num_nodes * num_processes:
