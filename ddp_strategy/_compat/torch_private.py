@@ -90,6 +90,19 @@ class CountingProcessGroup:
         return self._target().allreduce(tensors, *args)
 
 
+def release_world_defaults(world: Any) -> None:
+    """Replace ``world`` by ``None`` (the default group, as torch reads ``group=None``) in the default arguments of
+    ``torch.distributed.nn.functional``'s collectives and ``zero_redundancy_optimizer._broadcast_object``: they take
+    ``group=dist.group.WORLD``, evaluated on import, so imported while a group exists (Ray Train makes it before
+    ``train_func`` imports Lightning, which imports them) they hold it, and destroying it would not close it."""
+    from torch.distributed.nn import functional
+    from torch.distributed.optim import zero_redundancy_optimizer
+
+    for function in (*vars(functional).values(), zero_redundancy_optimizer._broadcast_object):
+        if any(default is world for default in getattr(function, "__defaults__", None) or ()):
+            function.__defaults__ = tuple(None if d is world else d for d in function.__defaults__)
+
+
 def default_store() -> Any:
     """The default process group's store (``distributed_c10d._get_default_store()``), where
     :mod:`ddp_strategy.process.failures` keeps its reports.

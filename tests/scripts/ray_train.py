@@ -67,6 +67,17 @@ class RayRecorder(RecordingClassifier):
         super().on_train_end()
 
 
+class ErrorRecorder(pl.Callback):
+    """Records this rank's error, and when, in OUT/<run>/error.rank<R>.pt (Lightning calls it before the strategy's
+    on_exception, which names a failed peer in the log: Ray may stop this worker at any moment after that)."""
+
+    def __init__(self, out):
+        self.out = out
+
+    def on_exception(self, trainer, pl_module, exception):
+        torch.save({"error": str(exception), "at": time.time()}, self.out / f"error.rank{trainer.global_rank}.pt")
+
+
 def train_func(config):
     """Ray's recipe: a Trainer with devices="auto", RayLightningEnvironment and RayTrainReportCallback."""
     out = Path(config["out"])
@@ -77,7 +88,7 @@ def train_func(config):
         devices="auto",
         strategy=MyDDPStrategy(timeout=60) if config["ours"] else RayDDPStrategy(),
         plugins=[RayLightningEnvironment()],
-        callbacks=[RayTrainReportCallback()],
+        callbacks=[RayTrainReportCallback(), ErrorRecorder(out)],
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
@@ -91,11 +102,7 @@ def train_func(config):
             torch.save(str(refusal), out / f"refused.rank{trainer.global_rank}.pt")
     else:
         trainer = prepare_trainer(trainer)
-    try:
-        trainer.fit(model, datamodule=IndexedValDigits(batch_size=32))
-    except Exception as error:  # what the user sees on this rank
-        torch.save({"error": str(error), "at": time.time()}, out / f"error.rank{trainer.global_rank}.pt")
-        raise
+    trainer.fit(model, datamodule=IndexedValDigits(batch_size=32))
 
 
 def fit(out: Path, name: str, ours: bool, fail: bool = False) -> None:
