@@ -254,20 +254,21 @@ class ProcessGroupRun:
             ValueError: an unknown or unavailable backend (:func:`resolve_backend`); RuntimeError: as
                 :func:`init_process_group`.
         """
-        backend = resolve_backend(device, backend)
         rank, world_size = env.global_rank(), env.world_size()
-        # A world of num_nodes x num_processes ranks (launching.check_external_world) is laid out by node; one an
-        # environment owns (Ray's, a user's) may span machines even with num_nodes == 1: unless its rendezvous is on
-        # loopback (one machine), each rank is taken as a node of its own, and no node group is made.
-        laid_out = world_size == num_nodes * num_processes
-        if not laid_out:
-            num_nodes = 1 if env.main_address in ("127.0.0.1", "localhost", "::1") else world_size
+        # A world of num_nodes x num_processes ranks (launching.check_external_world) is laid out by node. One an
+        # environment owns (Ray's, a user's) is not (Ray's workers have devices="auto" and may span machines with
+        # num_nodes == 1): it gets no node group, and no loopback unless it is this node's processes.
         # On one node gloo's connections stay on loopback (the groups made now, and the user's during the run),
         # unless the user chose an interface; failures.teardown removes the variable again, on every path.
-        if num_nodes == 1 and "GLOO_SOCKET_IFNAME" not in os.environ and "lo" in dict(socket.if_nameindex()).values():
+        if (
+            num_nodes == 1
+            and world_size == num_processes
+            and "GLOO_SOCKET_IFNAME" not in os.environ
+            and "lo" in dict(socket.if_nameindex()).values()
+        ):
             os.environ["GLOO_SOCKET_IFNAME"] = self.ifname = "lo"
         init_process_group(
-            backend,
+            resolve_backend(device, backend),
             rank,
             world_size,
             env.main_address,
@@ -280,7 +281,7 @@ class ProcessGroupRun:
         )
         # Made for each run and dropped at its teardown: a group kept here would keep the world group's store (and
         # MASTER_PORT) alive after the user destroys the group.
-        if laid_out:  # else torch's default where a node group is needed (PostLocalSGDState's subgroup)
+        if world_size == num_nodes * num_processes:  # else torch's default where one is needed (PostLocalSGDState's)
             lists = [list(range(n * num_processes, (n + 1) * num_processes)) for n in range(num_nodes)]
             self.node_ranks = lists[rank // num_processes]
             self.node_group = dist.group.WORLD if num_nodes == 1 else dist.new_subgroups_by_enumeration(lists)[0]
@@ -289,8 +290,9 @@ class ProcessGroupRun:
         self.barrier_group = _side_groups[dist.group.WORLD]
         self.failed = self.own_failure = False
         self.reports = failures.run_reports(rank, world_size)
-        processes = "process" if world_size == 1 else "processes"
-        rank_zero_info(f"MyDDPStrategy: {world_size} {processes}, backend={dist.get_backend()}")
+        rank_zero_info(
+            f"MyDDPStrategy: {world_size} {'process' if world_size == 1 else 'processes'}, backend={dist.get_backend()}"
+        )
         return dist.get_backend()  # the group's (reused: the first run's)
 
 

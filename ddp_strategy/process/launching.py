@@ -51,11 +51,8 @@ def check_external_world(env: ClusterEnvironment, num_nodes: int, num_processes:
     local rank in ``[0, num_processes)``. Any other environment (Ray's ``RayLightningEnvironment``, a user's
     ``ClusterEnvironment`` subclass) owns the world and is trusted, as Lightning's ``ddp`` trusts it: its
     ``world_size()`` is the world and its own ``validate_settings`` (which Lightning's launcher calls) checks it."""
-    if not env.creates_processes_externally or type(env).__module__.split(".")[0] not in (
-        "lightning",  # Lightning's own environments, in either namespace
-        "lightning_fabric",
-        "pytorch_lightning",
-    ):
+    # Lightning's own environments (lightning.fabric..., lightning_fabric..., pytorch_lightning...) are checked
+    if not (env.creates_processes_externally and type(env).__module__.startswith(("lightning", "pytorch_lightning"))):
         return
     name, world, rank, local = type(env).__name__, env.world_size(), env.global_rank(), env.local_rank()
     if world != num_nodes * num_processes:
