@@ -12,6 +12,7 @@ import inspect
 import os
 import signal
 import sys
+import threading
 import time
 from typing import TYPE_CHECKING, Any, cast
 
@@ -73,7 +74,8 @@ class SubprocessScriptLauncher(_namespace.get(PRIVATE_NAMES["SubprocessScriptLau
 
 class Supervisor(_namespace.get(PRIVATE_NAMES["ChildProcessObserver"])):  # type: ignore[misc]
     """The one supervisor of the ranks popen's launching process starts (once per process: later launches find
-    ``LOCAL_RANK`` set and start none). Lightning's observer, a daemon thread that polls them every 5 s, except:
+    ``LOCAL_RANK`` set and start none). Lightning's observer, a daemon thread that polls them every 5 s (its
+    ``_sleep_period``), except:
 
     - when one exited non-zero, it SIGKILLs them and this process only if this process still runs
       :data:`GRACE_S` later (Lightning's does at once, before this rank could name the failed one and its
@@ -83,13 +85,22 @@ class Supervisor(_namespace.get(PRIVATE_NAMES["ChildProcessObserver"])):  # type
       leaves them running).
     """
 
+    def __init__(self, main_pid: int, child_processes: list[Any]) -> None:
+        super().__init__(main_pid, child_processes)
+        self._stopping = threading.Event()
+
+    def run(self) -> None:
+        """Lightning's poll, every 5 s until the ranks exited or one failed, woken at once by :meth:`stop`."""
+        while not self._stopping.wait(self._sleep_period) and not self._run():
+            pass
+
     def _terminate_all(self) -> None:
-        time.sleep(GRACE_S)  # a daemon thread: if this process exits first, nothing happens
-        super()._terminate_all()
+        if not self._stopping.wait(GRACE_S):  # stop() reaps the ranks itself; this process is exiting anyway
+            super()._terminate_all()
 
     def stop(self) -> None:
-        """Wait up to :data:`GRACE_S` for the ranks to exit, SIGKILL those left, reap them all (this process's
-        exit)."""
+        """Wait up to :data:`GRACE_S` for the ranks to exit, SIGKILL those left, reap them all, end the started thread
+        (this process's exit; the thread is gone when it returns, as a test suite's leaked-thread check expects)."""
         deadline = time.monotonic() + GRACE_S
         while any(proc.poll() is None for proc in self._child_processes) and time.monotonic() < deadline:
             time.sleep(0.1)
@@ -101,6 +112,8 @@ class Supervisor(_namespace.get(PRIVATE_NAMES["ChildProcessObserver"])):  # type
                 )
                 proc.kill()
                 proc.wait()
+        self._stopping.set()
+        self.join()
 
 
 #: Lightning's launcher for ``spawn``, ``fork`` and ``forkserver`` (``torch.multiprocessing``): a base class
