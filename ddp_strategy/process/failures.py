@@ -164,8 +164,11 @@ def collectives_allowed(trainer: Any) -> bool:
     peer may be mid-step, and the collective would meet that step's (gloo: "Received data size doesn't match", a
     native abort, or a wait until the timeout): none is made. An agreed SIGTERM stop (``trainer.received_sigterm``),
     where every rank is at the same step boundary, makes them."""
-    stopped_alone = trainer is not None and trainer.state.status == "interrupted" and not trainer.received_sigterm
-    return dist.is_available() and dist.is_initialized() and not stopped_alone
+    return (
+        dist.is_available()
+        and dist.is_initialized()
+        and (trainer is None or trainer.state.status != "interrupted" or trainer.received_sigterm)
+    )
 
 
 def destroy_process_group() -> bool:

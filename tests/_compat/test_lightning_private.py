@@ -513,8 +513,8 @@ def test_training_state_round_trips_and_cut_epoch_sets_the_loops_counts(namespac
 
     source, target = fitted(3), fitted(1)
     state = _pl.training_state(source)
-    assert state["optimizers"][0]["state"] and state["checkpoints"][0][1] == 3 and target.global_step == 1
-    assert [latest for _, latest, _ in state["averages"]] == ([3] if ema else [])
+    assert state["states"][0]["state"] and state["private"][1] == 3 and target.global_step == 1  # the optimizer's
+    assert state["private"][2:3] == ([3] if ema else [])  # the EMA callback's last update step
     _pl.load_training_state(target, state)
     assert target.global_step == 3 and target.checkpoint_callback._last_global_step_saved == 3
     assert_same_on_every_rank([state, _pl.training_state(target)], "training state")
