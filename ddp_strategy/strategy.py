@@ -322,19 +322,21 @@ class MyDDPStrategy(sync.wrapping.LightningDDPAttributes, ParallelStrategy):
 
     @override
     def barrier(self, name: str | None = None) -> None:
-        """Wait for every rank (NCCL: on this rank's device); a no-op without a process group."""
-        self._uneven.announce("save" if name == _pl.SAVE_BARRIER else "barrier")
-        if dist.is_available() and dist.is_initialized():
+        """Wait for every rank (NCCL: on this rank's device); a no-op without a process group or on a rank's own
+        exception path (``process.failures.collectives_allowed``)."""
+        if process.failures.collectives_allowed(self._trainer):  # none on an exception path: peers may be mid-step
+            self._uneven.announce("save" if name == _pl.SAVE_BARRIER else "barrier")
             dist.barrier(device_ids=process.device_ids(self.root_device) if dist.get_backend() == "nccl" else None)
         if name == _pl.SAVE_BARRIER and self._saved is not None:  # rank 0 wrote it: the file as it is now
             self._written.add(self._saved)
 
     @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:
-        """Rank ``src``'s ``obj`` on every rank (pickled); ``obj`` itself without a process group."""
-        self._uneven.announce("broadcast", src)
+        """Rank ``src``'s ``obj`` on every rank (pickled); ``obj`` itself without a process group or on a rank's own
+        exception path."""
         box = [obj]
-        if dist.is_available() and dist.is_initialized():
+        if process.failures.collectives_allowed(self._trainer):
+            self._uneven.announce("broadcast", src)
             dist.broadcast_object_list(box, src)
         return box[0]
 

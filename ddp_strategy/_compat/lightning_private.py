@@ -12,6 +12,7 @@ import inspect
 import os
 import signal
 import sys
+import threading
 import time
 from typing import TYPE_CHECKING, Any, cast
 
@@ -73,7 +74,8 @@ class SubprocessScriptLauncher(_namespace.get(PRIVATE_NAMES["SubprocessScriptLau
 
 class Supervisor(_namespace.get(PRIVATE_NAMES["ChildProcessObserver"])):  # type: ignore[misc]
     """The one supervisor of the ranks popen's launching process starts (once per process: later launches find
-    ``LOCAL_RANK`` set and start none). Lightning's observer, a daemon thread that polls them every 5 s, except:
+    ``LOCAL_RANK`` set and start none). Lightning's observer, a daemon thread that polls them every 5 s (its
+    ``_sleep_period``), except:
 
     - when one exited non-zero, it SIGKILLs them and this process only if this process still runs
       :data:`GRACE_S` later (Lightning's does at once, before this rank could name the failed one and its
@@ -83,13 +85,22 @@ class Supervisor(_namespace.get(PRIVATE_NAMES["ChildProcessObserver"])):  # type
       leaves them running).
     """
 
+    def __init__(self, main_pid: int, child_processes: list[Any]) -> None:
+        super().__init__(main_pid, child_processes)
+        self._stopping = threading.Event()
+
+    def run(self) -> None:
+        """Lightning's poll, every 5 s until the ranks exited or one failed, woken at once by :meth:`stop`."""
+        while not self._stopping.wait(self._sleep_period) and not self._run():
+            pass
+
     def _terminate_all(self) -> None:
-        time.sleep(GRACE_S)  # a daemon thread: if this process exits first, nothing happens
-        super()._terminate_all()
+        if not self._stopping.wait(GRACE_S):  # stop() reaps the ranks itself; this process is exiting anyway
+            super()._terminate_all()
 
     def stop(self) -> None:
-        """Wait up to :data:`GRACE_S` for the ranks to exit, SIGKILL those left, reap them all (this process's
-        exit)."""
+        """Wait up to :data:`GRACE_S` for the ranks to exit, SIGKILL those left, reap them all, end the started thread
+        (this process's exit; the thread is gone when it returns, as a test suite's leaked-thread check expects)."""
         deadline = time.monotonic() + GRACE_S
         while any(proc.poll() is None for proc in self._child_processes) and time.monotonic() < deadline:
             time.sleep(0.1)
@@ -101,6 +112,8 @@ class Supervisor(_namespace.get(PRIVATE_NAMES["ChildProcessObserver"])):  # type
                 )
                 proc.kill()
                 proc.wait()
+        self._stopping.set()
+        self.join()
 
 
 #: Lightning's launcher for ``spawn``, ``fork`` and ``forkserver`` (``torch.multiprocessing``): a base class
@@ -265,54 +278,52 @@ def set_received_sigterm(trainer: pl.Trainer, value: bool) -> None:
 
 def training_state(trainer: pl.Trainer) -> dict[str, Any]:
     """What a fit's ranks must hold alike besides the module (read on the rank that trained longest, after uneven
-    inputs): optimizer and LR-scheduler states, the precision plugin's, the optimizer-step counters behind
-    ``trainer.global_step`` and the logging step, and each ``ModelCheckpoint``'s state with its (private) last
-    saved step, which decides its next save (and so its ``barrier``), and each weight-averaging callback's
-    (``EMAWeightAveraging``, Lightning >= 2.5) averaged model and (private) last update step and epoch, which a rank
-    out of data in a tail step did not update."""
-    loop: Any = trainer.fit_loop.epoch_loop
+    inputs), from :func:`_state_holders`: ``"states"``, their state dicts, and ``"private"``, their private
+    attributes' values."""
+    stateful, private = _state_holders(trainer)
     return {
-        "optimizers": [o.state_dict() for o in trainer.optimizers],
-        "schedulers": [c.scheduler.state_dict() for c in trainer.lr_scheduler_configs],
-        "precision": trainer.precision_plugin.state_dict(),
-        "steps": (
-            loop.automatic_optimization.optim_progress.state_dict(),
-            loop.manual_optimization.optim_step_progress.state_dict(),
-            loop._batches_that_stepped,
-        ),
-        "checkpoints": [(c.state_dict(), c._last_global_step_saved) for c in trainer.checkpoint_callbacks],
-        "averages": [
-            (c._average_model.state_dict(), c._latest_update_step, c._latest_update_epoch) for c in _averaging(trainer)
-        ],
+        "states": [holder.state_dict() for holder in stateful],
+        "private": [getattr(holder, name) for holder, name in private],
     }
 
 
 def load_training_state(trainer: pl.Trainer, state: dict[str, Any]) -> None:
     """Load what :func:`training_state` read on another rank."""
+    stateful, private = _state_holders(trainer)
+    for holder, holder_state in zip(stateful, state["states"], strict=True):
+        holder.load_state_dict(holder_state)
+    for (holder, name), value in zip(private, state["private"], strict=True):
+        setattr(holder, name, value)
+
+
+def _state_holders(trainer: pl.Trainer) -> tuple[list[Any], list[tuple[Any, str]]]:
+    """The objects whose state dicts the ranks must hold alike, in load order (an optimizer before its scheduler):
+    optimizers, LR schedulers, the precision plugin, the optimizer-step counters behind ``trainer.global_step``, each
+    ``ModelCheckpoint``, each weight-averaging callback's averaged model (``EMAWeightAveraging``, Lightning >= 2.5);
+    and the private ``(object, attribute)`` pairs besides: the logging step, each ``ModelCheckpoint``'s last saved
+    step, which decides its next save (and so its ``barrier``), and each weight-averaging callback's last update step
+    and epoch, which a rank out of data in a tail step did not update."""
     loop: Any = trainer.fit_loop.epoch_loop
-    for optimizer, optimizer_state in zip(trainer.optimizers, state["optimizers"], strict=True):
-        optimizer.load_state_dict(optimizer_state)
-    for config, scheduler_state in zip(trainer.lr_scheduler_configs, state["schedulers"], strict=True):
-        config.scheduler.load_state_dict(scheduler_state)
-    trainer.precision_plugin.load_state_dict(state["precision"])
-    automatic, manual, loop._batches_that_stepped = state["steps"]
-    loop.automatic_optimization.optim_progress.load_state_dict(automatic)
-    loop.manual_optimization.optim_step_progress.load_state_dict(manual)
-    for callback, (callback_state, step) in zip(trainer.checkpoint_callbacks, state["checkpoints"], strict=True):
-        callback.load_state_dict(callback_state)
-        callback._last_global_step_saved = step
-    for callback, (average, *latest) in zip(_averaging(trainer), state["averages"], strict=True):
-        callback._average_model.load_state_dict(average)
-        callback._latest_update_step, callback._latest_update_epoch = latest
-
-
-def _averaging(trainer: pl.Trainer) -> list[Any]:
-    """The fit's ``WeightAveraging`` callbacks (per step; by their private state, in either namespace)."""
-    return [
+    averaging = [  # the fit's WeightAveraging callbacks (by their private state, in either namespace)
         c
         for c in trainer.callbacks
         if getattr(c, "_average_model", None) is not None and hasattr(c, "_latest_update_step")
     ]
+    stateful = [
+        *trainer.optimizers,
+        *(config.scheduler for config in trainer.lr_scheduler_configs),
+        trainer.precision_plugin,
+        loop.automatic_optimization.optim_progress,
+        loop.manual_optimization.optim_step_progress,
+        *trainer.checkpoint_callbacks,
+        *(c._average_model for c in averaging),
+    ]
+    private = [
+        (loop, "_batches_that_stepped"),
+        *((c, "_last_global_step_saved") for c in trainer.checkpoint_callbacks),
+        *((c, name) for c in averaging for name in ("_latest_update_step", "_latest_update_epoch")),
+    ]
+    return stateful, private
 
 
 def cut_epoch(trainer: pl.Trainer, batches: int) -> None:

@@ -95,12 +95,14 @@ def release_world_defaults(world: Any) -> None:
     ``torch.distributed.nn.functional``'s collectives and ``zero_redundancy_optimizer._broadcast_object``: they take
     ``group=dist.group.WORLD``, evaluated on import, so imported while a group exists (Ray Train makes it before
     ``train_func`` imports Lightning, which imports them) they hold it, and destroying it would not close it."""
-    from torch.distributed.nn import functional
-    from torch.distributed.optim import zero_redundancy_optimizer
+    from torch.distributed.nn import functional as f
+    from torch.distributed.optim import zero_redundancy_optimizer as zero
 
-    for function in (*vars(functional).values(), zero_redundancy_optimizer._broadcast_object):
-        if any(default is world for default in getattr(function, "__defaults__", None) or ()):
-            function.__defaults__ = tuple(None if d is world else d for d in function.__defaults__)
+    for function in (
+        *(f.broadcast, f.gather, f.scatter, f.reduce, f.reduce_scatter, f.all_gather, f._all_gather_base),
+        *(f.all_to_all, f.all_to_all_single, f.all_reduce, zero._broadcast_object),
+    ):
+        function.__defaults__ = tuple(None if d is world else d for d in function.__defaults__ or ())
 
 
 def default_store() -> Any:

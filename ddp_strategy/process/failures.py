@@ -157,6 +157,20 @@ def teardown(run: Any, rank: int, world_size: int) -> None:
         wait_for_peers(store, rank, world_size)
 
 
+def collectives_allowed(trainer: Any) -> bool:
+    """Whether a strategy collective (a barrier, a broadcast) may run now: a process group exists and ``trainer`` is
+    not on the exception path of a fit that this rank stopped alone (Lightning's ``on_exception`` hooks, e.g.
+    ``OnExceptionCheckpoint``'s save, after Ctrl-C or this rank's own error: its status ``"interrupted"``). There a
+    peer may be mid-step, and the collective would meet that step's (gloo: "Received data size doesn't match", a
+    native abort, or a wait until the timeout): none is made. An agreed SIGTERM stop (``trainer.received_sigterm``),
+    where every rank is at the same step boundary, makes them."""
+    return (
+        dist.is_available()
+        and dist.is_initialized()
+        and (trainer is None or trainer.state.status != "interrupted" or trainer.received_sigterm)
+    )
+
+
 def destroy_process_group() -> bool:
     """Destroy the default process group, if any; return whether it is gone (False: something still holds it).
     Garbage is collected around it (also without a group: the fork path relies on it), else a reference cycle (a

@@ -370,8 +370,10 @@ class StepJoin(Joinable, JoinHook):
         return message
 
     def _shadow_forward(self, message: _Message) -> None:
-        """DDP's forward in join mode on the active ranks: its bucket rebuild, buffer broadcast and sync flag."""
-        _tp.shadow_ddp_forward(self.ddp)
+        """DDP's forward in join mode on the active ranks: its bucket rebuild, buffer broadcast and sync flag, in the
+        precision plugin's ``train_step_context`` as there (``"64-true"``, ``"bf16-true"``: the flag's dtype)."""
+        with self._trainer.precision_plugin.train_step_context():
+            _tp.shadow_ddp_forward(self.ddp)
 
     def _shadow_backward(self, message: _Message) -> None:
         """DDP's gradient all-reduce of the active ranks' backward, bucket by bucket, with zeros."""

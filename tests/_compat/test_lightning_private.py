@@ -322,7 +322,8 @@ def test_the_popen_launcher_is_lightnings_with_our_supervisor_in_place_of_its_ob
         _private(namespace, "SubprocessScriptLauncher")._call_children_scripts
     )
     observer_cls = namespace.get(_pl.PRIVATE_NAMES["ChildProcessObserver"])
-    assert signature_of(observer_cls)[:2] == ["main_pid", "child_processes"]
+    assert signature_of(observer_cls)[:3] == ["main_pid", "child_processes", "sleep_period"]
+    assert observer_cls(0, [])._sleep_period == 5  # Supervisor.run polls every _sleep_period seconds
     assert lightning_launch.__globals__["_launch_process_observer"].__globals__["_ChildProcessObserver"] is observer_cls
     main = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])  # stands in for this process
     failed = subprocess.Popen([sys.executable, "-c", "raise SystemExit(1)"])
@@ -334,7 +335,7 @@ def test_the_popen_launcher_is_lightnings_with_our_supervisor_in_place_of_its_ob
 def test_the_supervisor_gives_the_launching_process_its_grace_and_stops_the_ranks_at_its_exit(monkeypatch):
     """After a rank exited non-zero the supervisor SIGKILLs the launching process only once GRACE_S have passed; at
     the exit it SIGKILLs and reaps a rank still running GRACE_S later, with a warning naming it, and one that exits
-    in time is reaped without a word."""
+    in time is reaped without a word; then its thread has ended (not left in its 5 s poll)."""
     import subprocess
     import warnings
 
@@ -352,7 +353,9 @@ def test_the_supervisor_gives_the_launching_process_its_grace_and_stops_the_rank
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         supervisor = _pl.Supervisor(os.getpid(), [quick, stalled])
+        supervisor.start()
         supervisor.stop()
+    assert not supervisor.is_alive()  # stop() ends the thread, mid-poll (issue 51 item 6)
     assert (quick.returncode, stalled.returncode) == (0, -signal.SIGKILL)
     assert [str(w.message) for w in caught] == [
         f"local rank 2 (pid {stalled.pid}) is still running 0 s after the launching process: SIGKILL"
@@ -510,8 +513,8 @@ def test_training_state_round_trips_and_cut_epoch_sets_the_loops_counts(namespac
 
     source, target = fitted(3), fitted(1)
     state = _pl.training_state(source)
-    assert state["optimizers"][0]["state"] and state["checkpoints"][0][1] == 3 and target.global_step == 1
-    assert [latest for _, latest, _ in state["averages"]] == ([3] if ema else [])
+    assert state["states"][0]["state"] and state["private"][1] == 3 and target.global_step == 1  # the optimizer's
+    assert state["private"][2:3] == ([3] if ema else [])  # the EMA callback's last update step
     _pl.load_training_state(target, state)
     assert target.global_step == 3 and target.checkpoint_callback._last_global_step_saved == 3
     assert_same_on_every_rank([state, _pl.training_state(target)], "training state")

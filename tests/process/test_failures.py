@@ -36,6 +36,8 @@ JOBS: dict[str, tuple[str, str, int | None]] = {  # the long ones first; spawn (
     "stall/popen": ("stall", "popen", None),
     "sigterm/spawn": ("sigterm", "spawn", signal.SIGTERM),
     "sigint/popen": ("sigint", "popen", signal.SIGINT),
+    "sigint_save/popen": ("sigint_save", "popen", signal.SIGINT),
+    "sigint_save/ddp": ("sigint_save", "ddp", signal.SIGINT),
     "train_raise/spawn": ("train_raise", "spawn", None),
     "sigterm/popen": ("sigterm", "popen", signal.SIGTERM),
     "sigkill/spawn": ("sigkill", "spawn", None),
@@ -101,6 +103,7 @@ class Job:
             if self.signum is not None and not self.signalled and waiting:
                 self.proc.send_signal(self.signum)
                 self.signalled = True
+                (self.out / "failing_at").write_text(str(time.time()))  # the signal is the failure
             if time.monotonic() > self.deadline:
                 self.kill(f"job did not end in {JOB_TIMEOUT_S:.0f} s")
                 return True
@@ -268,6 +271,23 @@ def test_ctrl_c_to_the_launcher_stops_every_rank(jobs, job):
     ended = jobs[job].result()
     assert ended.signalled, f"the job ended before both ranks waited at step 3 for the signal:\n{ended.out[-3000:]}"
     assert ended.code != 0 and "KeyboardInterrupt" in ended.out
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("job", ["sigint_save/popen", "sigint_save/ddp"])
+def test_ctrl_c_mid_step_with_on_exception_checkpoint_ends_rank_0_through_python(jobs, job):
+    """SIGINT to the launching process alone while rank 1 waits in the step's gradient all-reduce, with an
+    OnExceptionCheckpoint: rank 0 saves it and ends through Python as under strategy="ddp" (status 1, its finally run,
+    no gloo abort: until 2026-12-06 the save's barrier met rank 1's gradient all-reduce, "Received data size doesn't
+    match expected size", status -6; or, where the barrier met nothing, a wait until rank 1's collective timed out,
+    98 s here), within 15 s of the signal (DDPStrategy, its timeout lowered to 20 s, waits in that barrier until it
+    times out), and no rank survives it."""
+    ended = jobs[job].result()
+    assert ended.signalled, f"the job ended before rank 0 waited at step 3 for the signal:\n{ended.out[-3000:]}"
+    assert ended.code == 1 and "Detected KeyboardInterrupt" in ended.out, ended.out[-3000:]
+    assert "EnforceNotMet" not in ended.out and "terminate called" not in ended.out, ended.out[-3000:]
+    assert (ended.folder / "finally_rank0").exists() and (ended.folder / "on_exception.ckpt").exists()
+    assert job.endswith("ddp") or ended.since_failure < 15, f"took {ended.since_failure:.1f} s after the signal"
 
 
 @pytest.mark.timeout(300)

@@ -498,3 +498,34 @@ def scenario_direct_collective(out: Path) -> None:
 def scenario_evaluation_ddp(out: Path) -> None:
     """:class:`Evaluated`'s validation on ``EVAL``'s streams under Lightning's ddp (a 10 s collective timeout)."""
     evaluate(out, "eval_ddp", lambda: DDPStrategy(timeout=timedelta(seconds=10)), ("validate",))
+
+
+#: Lightning's CPU precisions besides the default "32-true" (``"16-mixed"`` falls back to ``"bf16-mixed"`` on CPU,
+#: with a warning); :func:`scenario_precisions` fits each on 5 and 3 batches (streams of 10 and 6 samples).
+PRECISIONS, PRECISION_COUNTS = ("64-true", "bf16-true", "16-true", "bf16-mixed", "16-mixed"), (10, 6)
+
+
+def scenario_precisions(out: Path) -> None:
+    """Each of :data:`PRECISIONS` under the default "join" on 5 and 3 batches, every shadowed collective in each
+    step (a tail step's shadow of DDP's forward runs where the active rank's default dtype is its precision's); then
+    "64-true" on even streams under MyDDPStrategy and Lightning's ddp (uneven ones hang there)."""
+    for precision in PRECISIONS:
+        fit(
+            out,
+            f"precision_{precision}",
+            stream(PRECISION_COUNTS, ITERABLE_BATCH),
+            model=Probed(SHADOWED),
+            precision=precision,
+            max_epochs=1,
+        )
+    even = (PRECISION_COUNTS[0],) * 2
+    for name, ddp in (("precision_even_ours", None), ("precision_even_ddp", "ddp")):
+        fit(
+            out,
+            name,
+            stream(even, ITERABLE_BATCH),
+            model=Probed(SHADOWED),
+            precision="64-true",
+            max_epochs=1,
+            strategy=ddp,
+        )

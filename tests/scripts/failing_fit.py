@@ -1,10 +1,12 @@
 """A short 2-process fit that goes wrong on purpose, for tests/process/test_failures.py.
 
-Usage: python failing_fit.py OUT_DIR SCENARIO START_METHOD
+Usage: python failing_fit.py OUT_DIR SCENARIO START_METHOD (or ``ddp``: Lightning's DDPStrategy, popen, a 20 s
+collective timeout)
 
 Each rank writes OUT_DIR/started_rank{r} when training starts and OUT_DIR/failing_at when it triggers the
 failure (a time.time() stamp), so the test can measure how long the job takes to end. In the sigterm and
-sigint scenarios each rank writes OUT_DIR/waiting_rank{r} at step 3 and waits there for the test's signal. The
+sigint scenarios each rank writes OUT_DIR/waiting_rank{r} at step 3 and waits there for the test's signal (in
+sigint_save, with an ``OnExceptionCheckpoint``, rank 0 alone waits: rank 1 goes on to the gradient all-reduce). The
 launching process writes OUT_DIR/finally_rank0 in a ``finally`` around ``fit`` (popen: it must not be killed first),
 and rank 0 writes OUT_DIR/finished (the steps taken) if the fit ends normally. In that ``finally`` each process
 writes OUT_DIR/environ_rank{r}: the names of the environment variables that differ from the script's start. In
@@ -16,11 +18,14 @@ import os
 import signal
 import sys
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import lightning as L
 import sklearn  # noqa: F401 (imported by the data module; its import sets KMP_* variables, before start_environ)
 import torch
+from lightning.pytorch.callbacks import OnExceptionCheckpoint
+from lightning.pytorch.strategies import DDPStrategy
 from torch.utils.data import DataLoader, DistributedSampler
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -77,6 +82,10 @@ class Model(DigitsClassifier):
             mark_failing()
         if SCENARIO in ("sigterm", "sigint") and self.global_step == FAIL_STEP:
             wait_for_the_signal(self.trainer)
+        if SCENARIO == "sigint_save" and self.global_step == FAIL_STEP:  # rank 1 goes on to the gradient all-reduce
+            (OUT / f"waiting_rank{self.global_rank}").write_text(str(os.getpid()))
+            while self.global_rank == 0:
+                time.sleep(0.05)
         return super().training_step(batch, batch_idx)
 
     def validation_step(self, batch, batch_idx):
@@ -126,12 +135,16 @@ if __name__ == "__main__":
     L.seed_everything(3)
     start_environ = dict(os.environ)
     timeout = 5 if SCENARIO == "skip_log" else 60  # skip_log waits for it: the ranks' collectives do not match
-    strategy = MyDDPStrategy(
-        start_method=START_METHOD,
-        timeout=timeout,
-        monitored_barrier_timeout=5,
-        checkpoint_on_sigterm=str(OUT / "sigterm.ckpt"),
-        uneven_inputs="error" if SCENARIO == "uneven" else "join",
+    strategy = (
+        DDPStrategy(timeout=timedelta(seconds=20))
+        if START_METHOD == "ddp"
+        else MyDDPStrategy(
+            start_method=START_METHOD,
+            timeout=timeout,
+            monitored_barrier_timeout=5,
+            checkpoint_on_sigterm=str(OUT / "sigterm.ckpt"),
+            uneven_inputs="error" if SCENARIO == "uneven" else "join",
+        )
     )  # the default trains them
     trainer = quiet_trainer(
         2,
@@ -139,7 +152,8 @@ if __name__ == "__main__":
         max_epochs=3,
         limit_train_batches=6,
         limit_val_batches=3,
-        callbacks=[Events()],
+        callbacks=[Events(), *([OnExceptionCheckpoint(str(OUT))] if SCENARIO == "sigint_save" else [])],
+        enable_checkpointing=SCENARIO == "sigint_save",
         default_root_dir=str(OUT),
         plugins=[FullDisk()] if SCENARIO == "save_raise" else [],
     )
@@ -162,7 +176,7 @@ if __name__ == "__main__":
     finally:
         changed = {k for k in {**start_environ, **os.environ} if start_environ.get(k) != os.environ.get(k)}
         (OUT / f"environ_rank{trainer.global_rank}").write_text(" ".join(sorted(changed)))
-        if trainer.global_rank == 0 or START_METHOD != "popen":
+        if trainer.global_rank == 0 or START_METHOD not in ("popen", "ddp"):
             (OUT / "finally_rank0").write_text(str(os.getpid()))
     if trainer.global_rank == 0:
         (OUT / "finished").write_text(str(trainer.global_step))
