@@ -122,8 +122,9 @@ class MyDDPStrategy(sync.wrapping.LightningDDPAttributes, ParallelStrategy):
     @property
     @override
     def root_device(self) -> torch.device:
-        """This rank's device: ``parallel_devices[local_rank]``."""
-        return cast("list[torch.device]", self.parallel_devices)[self.local_rank]  # set by Lightning's connector
+        """This rank's device: ``parallel_devices[local_rank]``; the one device a rank sees, whatever its local rank,
+        where the environment owns the world (Ray's workers: ``devices="auto"``, as ``RayDDPStrategy``'s)."""
+        return cast("list[torch.device]", self.parallel_devices)[self.local_rank if self.num_processes > 1 else 0]
 
     @property
     def num_processes(self) -> int:
@@ -133,8 +134,9 @@ class MyDDPStrategy(sync.wrapping.LightningDDPAttributes, ParallelStrategy):
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        """``num_replicas`` (world size) and ``rank`` (global rank) for a ``DistributedSampler``."""
-        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+        """``num_replicas`` (world size: the environment's, as ``RayDDPStrategy``'s) and ``rank`` (global rank) for a
+        ``DistributedSampler``."""
+        return {"num_replicas": self.world_size, "rank": self.global_rank}
 
     @property
     def node_group(self) -> Any:

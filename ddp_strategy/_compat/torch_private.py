@@ -90,6 +90,21 @@ class CountingProcessGroup:
         return self._target().allreduce(tensors, *args)
 
 
+def release_world_defaults(world: Any) -> None:
+    """Replace ``world`` by ``None`` (the default group, as torch reads ``group=None``) in the default arguments of
+    ``torch.distributed.nn.functional``'s collectives and ``zero_redundancy_optimizer._broadcast_object``: they take
+    ``group=dist.group.WORLD``, evaluated on import, so imported while a group exists (Ray Train makes it before
+    ``train_func`` imports Lightning, which imports them) they hold it, and destroying it would not close it."""
+    from torch.distributed.nn import functional as f
+    from torch.distributed.optim import zero_redundancy_optimizer as zero
+
+    for function in (
+        *(f.broadcast, f.gather, f.scatter, f.reduce, f.reduce_scatter, f.all_gather, f._all_gather_base),
+        *(f.all_to_all, f.all_to_all_single, f.all_reduce, zero._broadcast_object),
+    ):
+        function.__defaults__ = tuple(None if d is world else d for d in function.__defaults__ or ())
+
+
 def default_store() -> Any:
     """The default process group's store (``distributed_c10d._get_default_store()``), where
     :mod:`ddp_strategy.process.failures` keeps its reports.

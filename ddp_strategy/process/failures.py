@@ -178,6 +178,7 @@ def destroy_process_group() -> bool:
     gc.collect()
     world = weakref.ref(dist.group.WORLD) if dist.is_initialized() else None
     if world is not None:
+        _torch.release_world_defaults(world())  # a group made before Lightning was imported (Ray's) is held there
         dist.destroy_process_group()
     gc.collect()
     return world is None or world() is None

@@ -132,12 +132,12 @@ def init_process_group(
     ``env://``); torchrun's agent store (``TORCHELASTIC_USE_AGENT_STORE=True``); ``env://`` at
     ``main_address:main_port``, served by rank 0 (on loopback when ``num_nodes == 1``). A CUDA ``device`` is passed
     as ``device_id`` (eager NCCL initialisation). ``MASTER_ADDR``/``MASTER_PORT`` are set for ``env://``, and left
-    set, as Lightning's ``_init_dist_connection`` does.
+    set, as Lightning's ``_init_dist_connection`` does. ``init_method`` is one :func:`validate_init_method` accepted
+    (``MyDDPStrategy(...)`` checked it).
 
     Raises:
         RuntimeError: a group exists with another rank or world size; or the rendezvous failed (unreachable
             address, the port in use, ranks missing after ``timeout``): the message names the address.
-        ValueError: a bad ``init_method``.
     """
     if dist.is_initialized():
         if (dist.get_rank(), dist.get_world_size()) != (rank, world_size):
@@ -147,7 +147,6 @@ def init_process_group(
                 " torch.distributed.destroy_process_group() before starting another run."
             )
         return
-    validate_init_method(init_method)
     env = store is None and init_method in (None, "env://")
     if init_method is not None and init_method.startswith("tcp://"):  # served as env:// is
         main_address, port = init_method[len("tcp://") :].rsplit(":", 1)
@@ -255,14 +254,21 @@ class ProcessGroupRun:
             ValueError: an unknown or unavailable backend (:func:`resolve_backend`); RuntimeError: as
                 :func:`init_process_group`.
         """
-        backend = resolve_backend(device, backend)
-        rank, world_size = env.global_rank(), num_nodes * num_processes
+        rank, world_size = env.global_rank(), env.world_size()
+        # A world of num_nodes x num_processes ranks (launching.check_external_world) is laid out by node. One an
+        # environment owns (Ray's, a user's) is not (Ray's workers have devices="auto" and may span machines with
+        # num_nodes == 1): it gets no node group, and no loopback unless it is this node's processes.
         # On one node gloo's connections stay on loopback (the groups made now, and the user's during the run),
         # unless the user chose an interface; failures.teardown removes the variable again, on every path.
-        if num_nodes == 1 and "GLOO_SOCKET_IFNAME" not in os.environ and "lo" in dict(socket.if_nameindex()).values():
+        if (
+            num_nodes == 1
+            and world_size == num_processes
+            and "GLOO_SOCKET_IFNAME" not in os.environ
+            and "lo" in dict(socket.if_nameindex()).values()
+        ):
             os.environ["GLOO_SOCKET_IFNAME"] = self.ifname = "lo"
         init_process_group(
-            backend,
+            resolve_backend(device, backend),
             rank,
             world_size,
             env.main_address,
@@ -275,16 +281,18 @@ class ProcessGroupRun:
         )
         # Made for each run and dropped at its teardown: a group kept here would keep the world group's store (and
         # MASTER_PORT) alive after the user destroys the group.
-        lists = [list(range(n * num_processes, (n + 1) * num_processes)) for n in range(num_nodes)]
-        self.node_ranks = lists[rank // num_processes]
-        self.node_group = dist.group.WORLD if num_nodes == 1 else dist.new_subgroups_by_enumeration(lists)[0]
+        if world_size == num_nodes * num_processes:  # else torch's default where one is needed (PostLocalSGDState's)
+            lists = [list(range(n * num_processes, (n + 1) * num_processes)) for n in range(num_nodes)]
+            self.node_ranks = lists[rank // num_processes]
+            self.node_group = dist.group.WORLD if num_nodes == 1 else dist.new_subgroups_by_enumeration(lists)[0]
         if dist.group.WORLD not in _side_groups:  # gloo: monitored_barrier, boundaries.py's flags; off DDP's group
             _side_groups[dist.group.WORLD] = dist.new_group(backend="gloo")
         self.barrier_group = _side_groups[dist.group.WORLD]
         self.failed = self.own_failure = False
         self.reports = failures.run_reports(rank, world_size)
-        processes = "process" if world_size == 1 else "processes"
-        rank_zero_info(f"MyDDPStrategy: {world_size} {processes}, backend={dist.get_backend()}")
+        rank_zero_info(
+            f"MyDDPStrategy: {world_size} {'process' if world_size == 1 else 'processes'}, backend={dist.get_backend()}"
+        )
         return dist.get_backend()  # the group's (reused: the first run's)
 
 

@@ -46,9 +46,13 @@ def check_cpu_processes(num_processes: int, allow_oversubscription: bool = False
 
 
 def check_external_world(env: ClusterEnvironment, num_nodes: int, num_processes: int) -> None:
-    """Every rank, before joining: raise ``ValueError`` unless an external launcher's (torchrun, SLURM) world size is
-    ``num_nodes * num_processes``, its rank in ``[0, world size)`` and local rank in ``[0, num_processes)``."""
-    if not env.creates_processes_externally:
+    """Every rank, before joining: raise ``ValueError`` unless an external launcher's (torchrun, SLURM, ...: one of
+    Lightning's own environments) world size is ``num_nodes * num_processes``, its rank in ``[0, world size)`` and
+    local rank in ``[0, num_processes)``. Any other environment (Ray's ``RayLightningEnvironment``, a user's
+    ``ClusterEnvironment`` subclass) owns the world and is trusted, as Lightning's ``ddp`` trusts it: its
+    ``world_size()`` is the world and its own ``validate_settings`` (which Lightning's launcher calls) checks it."""
+    # Lightning's own environments (lightning.fabric..., lightning_fabric..., pytorch_lightning...) are checked
+    if not (env.creates_processes_externally and type(env).__module__.startswith(("lightning", "pytorch_lightning"))):
         return
     name, world, rank, local = type(env).__name__, env.world_size(), env.global_rank(), env.local_rank()
     if world != num_nodes * num_processes:
@@ -88,12 +92,12 @@ def check_launch_env(env: ClusterEnvironment, num_nodes: int, num_processes: int
         return  # a subclass or another environment (SLURM, ...) reads its own variables
     # Upper bounds against the Trainer (RANK < WORLD_SIZE, LOCAL_RANK < devices) are check_external_world's,
     # which runs before the rendezvous; NODE_RANK is bounded here since a Lightning-launched job skips that.
-    node = "NODE_RANK" if not elastic and "NODE_RANK" in os.environ else "GROUP_RANK"
     limits = {  # name: (lowest, highest or None, what it is)
         "WORLD_SIZE": (1, None, "the number of processes"),
         "RANK": (0, None, "a global rank"),
         "LOCAL_RANK": (0, None, "a rank on this node"),
-        node: (0, None, "a node index")
+        # the node index: NODE_RANK where Lightning reads it, else GROUP_RANK
+        "NODE_RANK" if not elastic and "NODE_RANK" in os.environ else "GROUP_RANK": (0, None, "a node index")
         if elastic
         else (0, num_nodes - 1, f"a node index below Trainer(num_nodes={num_nodes})"),
         "MASTER_PORT": (int(num_nodes * num_processes > 1), 65535, "a TCP port"),  # 0: any free one, alone
@@ -101,17 +105,17 @@ def check_launch_env(env: ClusterEnvironment, num_nodes: int, num_processes: int
     for name, (low, high, meaning) in limits.items():
         if name not in os.environ or (not elastic and name in ("WORLD_SIZE", "RANK")):
             continue
-        raw = os.environ[name]
         try:
-            value = int(raw)
+            value = int(os.environ[name])
         except ValueError:
             raise ValueError(
-                f"Environment variable {name}={raw!r} {'is not a whole number' if raw.strip() else 'is empty'}."
+                f"Environment variable {name}={os.environ[name]!r}"
+                f" {'is not a whole number' if os.environ[name].strip() else 'is empty'}."
                 f" Set it to an integer (e.g. {name}={29500 if name == 'MASTER_PORT' else 0}) or unset it."
             ) from None
         if value < low or (high is not None and value > high):
             raise ValueError(
-                f"Environment variable {name}={raw!r} is out of range: it is {meaning}, so"
+                f"Environment variable {name}={os.environ[name]!r} is out of range: it is {meaning}, so"
                 f" {f'{low}..{high}' if high is not None else f'>= {low}'}. Fix the launcher's {name}, or unset it."
             )
 

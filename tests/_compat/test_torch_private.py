@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import inspect
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -180,3 +182,32 @@ def test_all_reduce_first_static_graph_step_flushes_a_backward_outside_ddps_outp
     ddp(x).sum().backward()  # a later step: DDP's own hooks all-reduce
     assert calls == [0, 0]
     _torch_private.all_reduce_first_static_graph_step(nn.Linear(2, 2))
+
+
+MODULES = ("torch.distributed.nn.functional", "torch.distributed.optim.zero_redundancy_optimizer")
+
+
+def test_a_group_made_before_lightning_is_imported_is_freed_when_destroyed():
+    """A fresh interpreter makes its group first, then imports Lightning and the package (as a Ray Train worker
+    does): torch functions then hold the group as a default argument (in MODULES); destroying it frees
+    it (its connections close: a failing rank's peers learn at once), and the collectives still take the default
+    group. Fails if torch captures the group elsewhere too."""
+    code = f"""
+import torch, torch.distributed as dist
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+import lightning.pytorch, ddp_strategy
+from torch.distributed.nn.functional import all_reduce
+from ddp_strategy.process import failures
+held = [m for m in {MODULES!r} if any(
+    dist.group.WORLD in (getattr(f, "__defaults__", None) or ()) for f in vars(__import__("sys").modules[m]).values())]
+print("held", sorted(held))
+print("freed", failures.destroy_process_group())
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+print("sum", all_reduce(torch.ones(1)).item())
+dist.destroy_process_group()
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.splitlines()
+    assert f"held {sorted(MODULES)}" in lines  # what release_world_defaults undoes is there
+    assert "freed True" in lines and "sum 1.0" in lines

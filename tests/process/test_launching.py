@@ -13,7 +13,17 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from ddp_testing import finish, free_port, load_ranks, quiet_trainer, session_members, start_session
+from ddp_testing import (
+    IndexedDigits,
+    RecordingClassifier,
+    finish,
+    free_port,
+    load_ranks,
+    quiet_trainer,
+    session_members,
+    start_session,
+)
+from lightning.fabric.plugins.environments import ClusterEnvironment
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from ddp_strategy import DigitsClassifier, DigitsDataModule, MyDDPStrategy
@@ -254,3 +264,94 @@ def test_fit_on_cuda_uses_nccl(tmp_path):
     model = DigitsClassifier()
     trainer.fit(model, DigitsDataModule())
     assert trainer.callback_metrics["val_acc"] > 0.9
+
+
+class OwnWorld(ClusterEnvironment):
+    """A user's environment that owns the world, as Ray's ``RayLightningEnvironment`` does: rank and world size from
+    its own variables (``MY_RANK``, ``MY_WORLD``, ``MY_PORT``), each process alone on its "node", and Lightning's
+    ``set_world_size``/``set_global_rank`` ignored."""
+
+    creates_processes_externally = True
+    main_address = "127.0.0.1"
+
+    @property
+    def main_port(self) -> int:
+        return int(os.environ["MY_PORT"])
+
+    @staticmethod
+    def detect() -> bool:
+        return True
+
+    def world_size(self) -> int:
+        return int(os.environ["MY_WORLD"])
+
+    def set_world_size(self, size: int) -> None:
+        pass
+
+    def global_rank(self) -> int:
+        return int(os.environ["MY_RANK"])
+
+    def set_global_rank(self, rank: int) -> None:
+        pass
+
+    def local_rank(self) -> int:
+        return 0
+
+    def node_rank(self) -> int:
+        return self.global_rank()
+
+
+def _fit_recorded(tmp: str, strategy, **kwargs) -> dict:
+    """Fit RecordingClassifier for 3 steps on IndexedDigits (one process's part); return its record."""
+    pl.seed_everything(7)
+    model = RecordingClassifier(tmp)
+    quiet_trainer(strategy=strategy, max_steps=3, limit_val_batches=0, **kwargs).fit(model, IndexedDigits())
+    return {key: model.record[key] for key in ("seen", "final", "world_size")}
+
+
+def _worlds_not_made_by_the_strategy(rank: int, world_size: int, tmp: str, ports: list[int]) -> dict:
+    """Per rank: fits in a world OwnWorld owns (ours: Trainer(devices=1); ddp needs num_nodes=2 for its sampler),
+    then fits in a process group the user made before fit (a FileStore, a 50 s timeout)."""
+    os.environ.update(MY_RANK=str(rank), MY_WORLD=str(world_size))
+    owned = {}
+    runs = (("ours", MyDDPStrategy(timeout=30), 1), ("ddp", "ddp", 2))
+    for (name, strategy, num_nodes), port in zip(runs, ports, strict=True):
+        os.environ["MY_PORT"] = str(port)
+        owned[name] = _fit_recorded(tmp, strategy, devices=1, num_nodes=num_nodes, plugins=[OwnWorld()])
+        failures.destroy_process_group()  # the next one makes its own
+    store = dist.FileStore(f"{tmp}/store", world_size)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=50))
+    world, made = dist.group.WORLD, {}
+    for name, strategy in (("ddp", "ddp"), ("ours", MyDDPStrategy(timeout=30))):
+        made[name] = _fit_recorded(tmp, strategy, devices=world_size)
+        made[name]["kept"] = dist.is_initialized() and dist.group.WORLD is world and dist.get_backend() == "gloo"
+    total = torch.tensor([rank + 1.0])
+    dist.all_reduce(total)  # the user's group still works after both fits
+    return {"owned": owned, "made": made, "total": total.item()}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+def test_an_environment_owning_the_world_and_a_users_process_group_are_used_as_they_are(tmp_path):
+    """A user's ClusterEnvironment that owns a world of 2 (Trainer(devices=1), no num_nodes) is trusted as Lightning
+    trusts it: both ranks train on disjoint shards to the weights and batches of ddp's fit there; a process group the
+    user made before fit is used and left alive by both strategies, with equal weights. 2 ranks started here."""
+    from ddp_strategy.testing import run_on_ranks
+
+    ranks = run_on_ranks(
+        _worlds_not_made_by_the_strategy,
+        2,
+        args=(str(tmp_path), [free_port(), free_port()]),
+        init_process_group=False,
+        timeout_s=200,
+    )
+    for kind in ("owned", "made"):
+        for rank in ranks:
+            ours, ddp = rank[kind]["ours"], rank[kind]["ddp"]
+            assert ours["world_size"] == ddp["world_size"] == 2
+            assert ours["seen"] == ddp["seen"]
+            assert all(torch.equal(ours["final"][k], ddp["final"][k]) for k in ddp["final"])
+            assert all(torch.equal(ours["final"][k], ranks[0][kind]["ours"]["final"][k]) for k in ddp["final"])
+            assert rank["made"]["ours"]["kept"] and rank["made"]["ddp"]["kept"] and rank["total"] == 3.0
+        shards = [set(rank[kind]["ours"]["seen"][0]) for rank in ranks]
+        assert shards[0] and not shards[0] & shards[1]
