@@ -200,10 +200,12 @@ def load_file(
         except OSError as e:  # the file changed (removed, chmod) since it was opened above
             raise _open_error(path, e) from e
         except Exception as e:  # whatever the unpickler raised, the file is not a checkpoint we can load
-            if callable(map_location):
-                raise  # torch's own error, as Lightning's TorchCheckpointIO gives it: the callable's, or the file's
-            if isinstance(e, RuntimeError) and "Attempting to deserialize object on" in str(e):
-                raise  # a valid file for a device this machine lacks: PyTorch's message says what to do
+            # torch's own error: with a map_location callable, as Lightning's TorchCheckpointIO gives it (the
+            # callable's, or the file's); for a valid file on a device this machine lacks, PyTorch's says what to do
+            if callable(map_location) or (
+                isinstance(e, RuntimeError) and "Attempting to deserialize object on" in str(e)
+            ):
+                raise
             warned = " ".join(str(w.message) for w in caught)  # torch's "Detected pickle protocol 4 ..."
             raise _load_error(path, size, weights_only, e, opt_out, warned) from e
     for w in caught:
