@@ -101,8 +101,7 @@ def prepare_folders(callbacks: list[Any]) -> None:
     writable, where Lightning's ddp fails at the first save (a ``tempfile.TemporaryFile`` probe there or in its
     nearest existing parent leaves no trace; remote paths are not probed). What killed writers left there goes at
     the next save (:func:`atomic_save`)."""
-    folders = [os.fspath(cb.dirpath) for cb in callbacks if getattr(cb, "dirpath", None)]
-    for folder in [f for f in folders if _is_local(f)]:
+    for folder in [os.fspath(cb.dirpath) for cb in callbacks if _is_local(getattr(cb, "dirpath", None))]:
         absolute = Path(folder).absolute()
         existing = next(p for p in (absolute, *absolute.parents) if p.exists())
         try:
