@@ -307,11 +307,8 @@ class FitDiagnostics(Callback):
         loader = next(iter(flat_loaders(trainer.train_dataloader)), None)
         batch_size, n, per_rank, padding = None, None, None, 0
         if isinstance(loader, DataLoader):
-            size = (
-                loader.batch_size
-                if loader.batch_size is not None
-                else getattr(loader.batch_sampler, "batch_size", None)
-            )
+            # DataLoader(batch_size=B) batches with a BatchSampler of B; a custom batch sampler may have one too
+            size = getattr(loader.batch_sampler, "batch_size", None)
             batch_size = int(size) if isinstance(size, int) else None
             n = sized_len(loader.dataset)  # None for an iterable data set
             for sampler in (loader.sampler, getattr(loader.batch_sampler, "sampler", None)):  # one is distributed
