@@ -23,8 +23,7 @@ from ddp_strategy._compat import torch_private as _torch_private
 from ddp_strategy.sampling import flat_loaders
 
 if TYPE_CHECKING:
-    import lightning.pytorch as pl
-    from lightning.pytorch import Callback
+    from lightning.pytorch import Callback, LightningModule, Trainer
 else:  # this process's Lightning namespace (see ddp_strategy._compat.namespace)
     Callback = _namespace.get("pytorch.callbacks:Callback")
 
@@ -288,7 +287,7 @@ class FitDiagnostics(Callback):
         self.summary: FitSummary | None = None
         self.tracker: GradientTracker | None = None
 
-    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """Log the fit summary and batch-size warnings on rank 0; start tracking gradients on every rank.
 
         After the DDP wrapper (and its comm hook) and the training loaders exist; no collective. Reads the first
@@ -335,12 +334,12 @@ class FitDiagnostics(Callback):
             _namespace.rank_zero_warn(message)
         self.tracker = GradientTracker(pl_module)
 
-    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+    def on_train_batch_end(self, trainer: Trainer, *args: Any) -> None:
         """After each batch's step: stop tracking the parameters that got a gradient (no collective)."""
         if self.tracker is not None:
             self.tracker.prune()
 
-    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """Average DDP's timings and the gradient flags over ranks, then log the fit-end messages on rank 0.
 
         A collective (one all-reduce of ``4 + 1 + P`` float64 values, P = tracked parameters) in the group the DDP
@@ -374,7 +373,7 @@ class FitDiagnostics(Callback):
         for message in warnings:
             _namespace.rank_zero_warn(message)
 
-    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         """Remove the gradient hooks; no collective (other ranks may be gone)."""
         if self.tracker is not None:
             self.tracker.close()
