@@ -57,8 +57,7 @@ def remove_stale_temp_files(folder: str | os.PathLike) -> list[Path]:
         for entry in (folder.iterdir() if folder.is_dir() else ())
         if (m := _TMP_PATTERN.match(entry.name))
         and m["host"] == _HOST
-        and int(m["pid"]) != os.getpid()
-        and not _pid_alive(int(m["pid"]))
+        and not _pid_alive(int(m["pid"]))  # this process's own are alive too
     ]
     for entry in stale:
         entry.unlink(missing_ok=True)
