@@ -13,8 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from typing_extensions import override
 
-import ddp_strategy  # noqa: F401  (registers "my_ddp" with Lightning)
-from ddp_strategy._compat import namespace as _namespace
+from ddp_strategy._compat import namespace as _namespace  # importing the package registers "my_ddp" with Lightning
 from ddp_strategy.reference import DigitsClassifier, DigitsDataModule
 
 if TYPE_CHECKING:

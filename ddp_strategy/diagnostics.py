@@ -20,18 +20,10 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from ddp_strategy._compat import namespace as _namespace
 from ddp_strategy._compat import torch_private as _torch_private
-from ddp_strategy._compat.namespace import (
-    lightning_getattr,
-    lightning_hasattr,
-    rank_zero_info,
-    rank_zero_warn,
-    sized_len,
-)
 from ddp_strategy.sampling import flat_loaders
 
 if TYPE_CHECKING:
-    import lightning.pytorch as pl
-    from lightning.pytorch import Callback
+    from lightning.pytorch import Callback, LightningModule, Trainer
 else:  # this process's Lightning namespace (see ddp_strategy._compat.namespace)
     Callback = _namespace.get("pytorch.callbacks:Callback")
 
@@ -295,7 +287,7 @@ class FitDiagnostics(Callback):
         self.summary: FitSummary | None = None
         self.tracker: GradientTracker | None = None
 
-    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """Log the fit summary and batch-size warnings on rank 0; start tracking gradients on every rank.
 
         After the DDP wrapper (and its comm hook) and the training loaders exist; no collective. Reads the first
@@ -307,13 +299,10 @@ class FitDiagnostics(Callback):
         loader = next(iter(flat_loaders(trainer.train_dataloader)), None)
         batch_size, n, per_rank, padding = None, None, None, 0
         if isinstance(loader, DataLoader):
-            size = (
-                loader.batch_size
-                if loader.batch_size is not None
-                else getattr(loader.batch_sampler, "batch_size", None)
-            )
+            # DataLoader(batch_size=B) batches with a BatchSampler of B; a custom batch sampler may have one too
+            size = getattr(loader.batch_sampler, "batch_size", None)
             batch_size = int(size) if isinstance(size, int) else None
-            n = sized_len(loader.dataset)  # None for an iterable data set
+            n = _namespace.sized_len(loader.dataset)  # None for an iterable data set
             for sampler in (loader.sampler, getattr(loader.batch_sampler, "sampler", None)):  # one is distributed
                 if isinstance(sampler, DistributedSampler):
                     per_rank, padding = (  # ignore below: torch hints a plain Dataset, yet the sampler len()s it
@@ -334,19 +323,23 @@ class FitDiagnostics(Callback):
             ddp_options=dict(self.ddp_options),
             comm_hook=str(_torch_private.ddp_logging_data(ddp).get("comm_hook") or "none"),
         )
-        configured = lightning_getattr(pl_module, "batch_size") if lightning_hasattr(pl_module, "batch_size") else None
+        configured = (
+            _namespace.lightning_getattr(pl_module, "batch_size")
+            if _namespace.lightning_hasattr(pl_module, "batch_size")
+            else None
+        )
         configured = configured if isinstance(configured, int) and not isinstance(configured, bool) else None
-        rank_zero_info(self.summary.format())
+        _namespace.rank_zero_info(self.summary.format())
         for message in batch_size_warnings(batch_size, self.summary.world_size, n, configured):
-            rank_zero_warn(message)
+            _namespace.rank_zero_warn(message)
         self.tracker = GradientTracker(pl_module)
 
-    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+    def on_train_batch_end(self, trainer: Trainer, *args: Any) -> None:
         """After each batch's step: stop tracking the parameters that got a gradient (no collective)."""
         if self.tracker is not None:
             self.tracker.prune()
 
-    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """Average DDP's timings and the gradient flags over ranks, then log the fit-end messages on rank 0.
 
         A collective (one all-reduce of ``4 + 1 + P`` float64 values, P = tracked parameters) in the group the DDP
@@ -376,11 +369,11 @@ class FitDiagnostics(Callback):
             stats, unused, world_size, batch_size, bucket_mb, static_graph=bool(data.get("static_graph"))
         )
         for message in infos:
-            rank_zero_info(message)
+            _namespace.rank_zero_info(message)
         for message in warnings:
-            rank_zero_warn(message)
+            _namespace.rank_zero_warn(message)
 
-    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         """Remove the gradient hooks; no collective (other ranks may be gone)."""
         if self.tracker is not None:
             self.tracker.close()

@@ -57,8 +57,7 @@ def remove_stale_temp_files(folder: str | os.PathLike) -> list[Path]:
         for entry in (folder.iterdir() if folder.is_dir() else ())
         if (m := _TMP_PATTERN.match(entry.name))
         and m["host"] == _HOST
-        and int(m["pid"]) != os.getpid()
-        and not _pid_alive(int(m["pid"]))
+        and not _pid_alive(int(m["pid"]))  # this process's own are alive too
     ]
     for entry in stale:
         entry.unlink(missing_ok=True)
@@ -101,8 +100,7 @@ def prepare_folders(callbacks: list[Any]) -> None:
     writable, where Lightning's ddp fails at the first save (a ``tempfile.TemporaryFile`` probe there or in its
     nearest existing parent leaves no trace; remote paths are not probed). What killed writers left there goes at
     the next save (:func:`atomic_save`)."""
-    folders = [os.fspath(cb.dirpath) for cb in callbacks if getattr(cb, "dirpath", None)]
-    for folder in [f for f in folders if _is_local(f)]:
+    for folder in [os.fspath(cb.dirpath) for cb in callbacks if _is_local(getattr(cb, "dirpath", None))]:
         absolute = Path(folder).absolute()
         existing = next(p for p in (absolute, *absolute.parents) if p.exists())
         try:
@@ -200,10 +198,12 @@ def load_file(
         except OSError as e:  # the file changed (removed, chmod) since it was opened above
             raise _open_error(path, e) from e
         except Exception as e:  # whatever the unpickler raised, the file is not a checkpoint we can load
-            if callable(map_location):
-                raise  # torch's own error, as Lightning's TorchCheckpointIO gives it: the callable's, or the file's
-            if isinstance(e, RuntimeError) and "Attempting to deserialize object on" in str(e):
-                raise  # a valid file for a device this machine lacks: PyTorch's message says what to do
+            # torch's own error: with a map_location callable, as Lightning's TorchCheckpointIO gives it (the
+            # callable's, or the file's); for a valid file on a device this machine lacks, PyTorch's says what to do
+            if callable(map_location) or (
+                isinstance(e, RuntimeError) and "Attempting to deserialize object on" in str(e)
+            ):
+                raise
             warned = " ".join(str(w.message) for w in caught)  # torch's "Detected pickle protocol 4 ..."
             raise _load_error(path, size, weights_only, e, opt_out, warned) from e
     for w in caught:

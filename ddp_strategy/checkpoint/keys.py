@@ -16,7 +16,6 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from ddp_strategy._compat import torch_private as _torch
-from ddp_strategy._compat.torch_private import COMPILE_SEGMENT
 
 #: The key prefix ``DistributedDataParallel`` adds to its module's state dict.
 DDP_PREFIX = "module."
@@ -34,7 +33,7 @@ def unwrapped_name(module: nn.Module, key: str) -> str:
     for part in path:
         if not (  # the segment a wrapper adds: DDP's module., torch.compile's _orig_mod.
             (part == "module" and isinstance(current, DistributedDataParallel))
-            or (part == COMPILE_SEGMENT and _torch.compiled_original(current) is not None)
+            or (part == _torch.COMPILE_SEGMENT and _torch.compiled_original(current) is not None)
         ):
             kept.append(part)
         current = dict(current.named_children()).get(part) if current is not None else None
@@ -52,7 +51,7 @@ def unwrapped_state_dict(module: nn.Module) -> dict[str, Any]:
 
 def _without_compile_segments(key: str) -> str:
     parts = key.split(".")
-    return ".".join([part for part in parts[:-1] if part != COMPILE_SEGMENT] + parts[-1:])
+    return ".".join([part for part in parts[:-1] if part != _torch.COMPILE_SEGMENT] + parts[-1:])
 
 
 def strip_compile_prefixes(state_dict: Mapping[str, Any]) -> dict[str, Any]:

@@ -197,18 +197,15 @@ class _EpochShards:
         ``{"epoch", "seed", "length", "kind", "layers"}``, the last layer ``{"world_size": W, "consumed": [c_0, ...,
         c_{W-1}]}``. Every rank reads the same batches per epoch (the strategy checks it), so rank ``r`` consumed
         ``min(batches * items_per_batch, its shard's length)``."""
-        started = self._iter_epoch is not None
-        done = max(batches_done - self.batch_offset, 0) * self.items_per_batch if started else 0
+        done = max(batches_done - self.batch_offset, 0) * self.items_per_batch
+        # before the first iterator nothing was dealt (_iter_total 0, no start layers): every rank consumed 0
         consumed = [min(done, len(range(r, self._iter_total, self.num_replicas))) for r in range(self.num_replicas)]
         return {
-            "epoch": self._iter_epoch if started else self.epoch,
+            "epoch": self.epoch if self._iter_epoch is None else self._iter_epoch,
             "seed": self.seed,
             "length": self.length,
             "kind": self.kind,
-            "layers": [
-                *(self._start_layers if started else []),
-                {"world_size": self.num_replicas, "consumed": consumed},
-            ],
+            "layers": [*self._start_layers, {"world_size": self.num_replicas, "consumed": consumed}],
         }
 
 

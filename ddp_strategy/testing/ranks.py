@@ -204,11 +204,10 @@ def _end(procs: list[Any]) -> None:
     """SIGKILL each rank's process group and reap the ranks; return once none of those groups' processes is
     alive (zombies aside), or after :data:`END_WAIT_S`."""
     groups = [proc.pid for proc in procs if proc.pid is not None]
-    for pgid in groups:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(pgid, signal.SIGKILL)
     for proc in procs:
         if proc.pid is not None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)
             proc.kill()  # a rank that had not yet made its group; a no-op for one that has exited
             proc.join(END_WAIT_S)
     deadline = time.monotonic() + END_WAIT_S
