@@ -33,7 +33,8 @@ def gather_shapes(tensor: Tensor, group: Any | None = None) -> list[tuple[int, .
 def check_gatherable(shapes: list[tuple[int, ...]], rank: int) -> None:
     """Raise ``ValueError`` (on every rank: they hold the same ``shapes``) unless only the first dimension
     differs."""
-    if not all(len(s) == len(shapes[0]) and len(s) > 0 and s[1:] == shapes[0][1:] for s in shapes):
+    first = shapes[0]
+    if not all(len(s) == len(first) and len(s) > 0 and s[1:] == first[1:] for s in shapes):
         raise ValueError(
             f"[rank {rank}] all_gather needs tensors with the same number of dimensions and the same size in every"
             f" dimension but the first on every rank; got"
@@ -75,9 +76,8 @@ def all_gather_padded(
     missing = [(r, i) for i in range(most) for r in range(world) if i >= sizes[r]]  # in dealing order too
     fills = dict(zip(missing, itertools.cycle(_dealing_order(sizes)), strict=False))  # missing row -> real row
     source = [q * most + k for r in range(world) for i in range(most) for q, k in [fills.get((r, i), (r, i))]]
-    return stacked.index_select(0, torch.tensor(source, dtype=torch.long, device=stacked.device)).reshape(
-        world, most, *rest
-    )
+    index = torch.tensor(source, dtype=torch.long, device=stacked.device)
+    return stacked.index_select(0, index).reshape(world, most, *rest)
 
 
 def all_gather_rows(tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:

@@ -92,12 +92,12 @@ def check_launch_env(env: ClusterEnvironment, num_nodes: int, num_processes: int
         return  # a subclass or another environment (SLURM, ...) reads its own variables
     # Upper bounds against the Trainer (RANK < WORLD_SIZE, LOCAL_RANK < devices) are check_external_world's,
     # which runs before the rendezvous; NODE_RANK is bounded here since a Lightning-launched job skips that.
+    node = "NODE_RANK" if not elastic and "NODE_RANK" in os.environ else "GROUP_RANK"
     limits = {  # name: (lowest, highest or None, what it is)
         "WORLD_SIZE": (1, None, "the number of processes"),
         "RANK": (0, None, "a global rank"),
         "LOCAL_RANK": (0, None, "a rank on this node"),
-        # the node index: NODE_RANK where Lightning reads it, else GROUP_RANK
-        "NODE_RANK" if not elastic and "NODE_RANK" in os.environ else "GROUP_RANK": (0, None, "a node index")
+        node: (0, None, "a node index")
         if elastic
         else (0, num_nodes - 1, f"a node index below Trainer(num_nodes={num_nodes})"),
         "MASTER_PORT": (int(num_nodes * num_processes > 1), 65535, "a TCP port"),  # 0: any free one, alone
@@ -105,17 +105,17 @@ def check_launch_env(env: ClusterEnvironment, num_nodes: int, num_processes: int
     for name, (low, high, meaning) in limits.items():
         if name not in os.environ or (not elastic and name in ("WORLD_SIZE", "RANK")):
             continue
+        raw = os.environ[name]
         try:
-            value = int(os.environ[name])
+            value = int(raw)
         except ValueError:
             raise ValueError(
-                f"Environment variable {name}={os.environ[name]!r}"
-                f" {'is not a whole number' if os.environ[name].strip() else 'is empty'}."
+                f"Environment variable {name}={raw!r} {'is not a whole number' if raw.strip() else 'is empty'}."
                 f" Set it to an integer (e.g. {name}={29500 if name == 'MASTER_PORT' else 0}) or unset it."
             ) from None
         if value < low or (high is not None and value > high):
             raise ValueError(
-                f"Environment variable {name}={os.environ[name]!r} is out of range: it is {meaning}, so"
+                f"Environment variable {name}={raw!r} is out of range: it is {meaning}, so"
                 f" {f'{low}..{high}' if high is not None else f'>= {low}'}. Fix the launcher's {name}, or unset it."
             )
 
