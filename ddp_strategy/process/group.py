@@ -17,6 +17,7 @@ import time
 import weakref
 from datetime import timedelta
 from typing import Any, cast
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -222,7 +223,8 @@ def init_process_group(
     ) from error
 
 
-#: world group -> its gloo side group, made once (a collective, at join) and dropped with the world group
+#: world group -> its gloo side group (``monitored_barrier``; under gloo the per-step round), made once (at join: no
+#: collective, no connection: its pairs connect on first use) and dropped with the world group
 _side_groups: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 
 
@@ -239,7 +241,7 @@ class ProcessGroupRun:
     ) -> None:
         self.timeout, self.barrier_timeout, self.init_method, self.store = timeout, barrier_timeout, init_method, store
         # This run's failure reports (failures.run_reports); this rank's intra-node group (the world on one node) and
-        # its ranks; the gloo side group, for monitored_barrier and the signal flags. Set by join, dropped at teardown.
+        # its ranks; the gloo side group (process.boundaries). Set by join, dropped at teardown.
         # The value this run gave GLOO_SOCKET_IFNAME (None: it left it alone), removed at teardown (failures.teardown).
         self.reports, self.node_group, self.node_ranks, self.barrier_group, self.ifname = cast(
             "tuple[dist.Store | None, dist.ProcessGroup | None, list[int], Any, str | None]",
@@ -278,8 +280,10 @@ class ProcessGroupRun:
         lists = [list(range(n * num_processes, (n + 1) * num_processes)) for n in range(num_nodes)]
         self.node_ranks = lists[rank // num_processes]
         self.node_group = dist.group.WORLD if num_nodes == 1 else dist.new_subgroups_by_enumeration(lists)[0]
-        if dist.group.WORLD not in _side_groups:  # gloo: monitored_barrier, boundaries.py's flags; off DDP's group
-            _side_groups[dist.group.WORLD] = dist.new_group(backend="gloo")
+        if dist.group.WORLD not in _side_groups:  # gloo, its pairs connected on first use (TORCH_GLOO_LAZY_INIT, unless
+            # the user set it): monitored_barrier's, rank 0 to each rank, and a round's ring neighbours; no full mesh
+            with mock.patch.dict(os.environ, {"TORCH_GLOO_LAZY_INIT": os.environ.get("TORCH_GLOO_LAZY_INIT", "1")}):
+                _side_groups[dist.group.WORLD] = dist.new_group(backend="gloo")
         self.barrier_group = _side_groups[dist.group.WORLD]
         self.failed = self.own_failure = False
         self.reports = failures.run_reports(rank, world_size)
