@@ -231,6 +231,8 @@ class StepRecorder:
             self.first_end_wall = time.time()
         if last:
             self.comm_at_end = self.comm.snapshot()
+            if self.scale is not None:  # pairs a group connects on first use are held by now
+                self.scale["tcp_connections_end"] = bench_probe.tcp_connections()
             if loss is not None:
                 self.final_loss = float(loss.detach())
 

@@ -10,8 +10,9 @@ two epochs and two steps, interleaved (the order rotates from W to W), each a fr
 (``bench_recorder.py``, ``bench_probe.py``), and the table gives, per rank (the mean over ranks, the largest in
 brackets where they differ):
 
-* after set-up (at the first step's start): established TCP connections, process groups, the store operations and
-  the collectives made since launch;
+* after set-up (at the first step's start): established TCP connections (and again at the last step, once pairs that
+  a group connects on first use are connected), process groups, the store operations (and those made by the last
+  step's start) and the collectives made since launch;
 * per steady-state step (the second epoch's, each from one step's start to the next's): the collectives on the
   world group (the gradient buckets through the comm hook included) and on any other group, with their bytes, and
   the store operations;
@@ -87,6 +88,8 @@ def rank_counts(rank: dict[str, Any], per_epoch: int) -> dict[str, Any]:
     boundary = _delta(snaps[2 * per_epoch - 1], snaps[2 * per_epoch])
     return {
         "tcp": scale["tcp_connections"],
+        "tcp_end": scale.get("tcp_connections_end", 0),
+        "run": _delta(zero, snaps[-1]),
         "groups": scale["process_groups"],
         "setup": _delta(zero, snaps[0]),
         "step": steady,
@@ -134,6 +137,8 @@ def summarize(results: dict[tuple[int, str], RunResult]) -> list[dict[str, Any]]
                 "world": world,
                 "impl": impl,
                 "tcp": [r["tcp"] for r in ranks],
+                "tcp_end": [r["tcp_end"] for r in ranks],
+                "run": [r["run"] for r in ranks],
                 "groups": [r["groups"] for r in ranks],
                 "setup": [r["setup"] for r in ranks],
                 "step": [r["step"] for r in ranks],
@@ -153,9 +158,9 @@ def summarize(results: dict[tuple[int, str], RunResult]) -> list[dict[str, Any]]
 def markdown(rows: list[dict[str, Any]]) -> str:
     """The tables: set-up, then steady state, one row per (W, implementation)."""
     setup = [
-        "| W | implementation | TCP connections/rank | process groups | store ops/rank | collectives (world) |"
-        " collectives (other groups) | launch→1st step s | ÷ Lightning |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| W | implementation | TCP connections/rank | at the last step | process groups | store ops/rank |"
+        " by the last step | collectives (world) | collectives (other groups) | launch→1st step s | ÷ Lightning |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     steady = [
         "| W | implementation | per step: world group | per step: other groups | per step: store ops/rank |"
@@ -165,12 +170,14 @@ def markdown(rows: list[dict[str, Any]]) -> str:
     for row in rows:
         name = NAMES[row["impl"]]
         if "error" in row:
-            setup.append(f"| {row['world']} | {name} | failed: {row['error'].splitlines()[0]} | | | | | | |")
+            setup.append(f"| {row['world']} | {name} | failed: {row['error'].splitlines()[0]} | | | | | | | | |")
             continue
         ratio = f"{row['startup_ratio']:.2f}" if row["startup_ratio"] is not None else "–"
+        by_last_step = _mean_max([sum(r["store"].values()) for r in row["run"]])
         setup.append(
-            f"| {row['world']} | {name} | {_mean_max(row['tcp'])} | {_mean_max(row['groups'])} |"
-            f" {_store(row['setup'])} | {_collectives(row['setup'], 'world')} |"
+            f"| {row['world']} | {name} | {_mean_max(row['tcp'])} | {_mean_max(row['tcp_end'])} |"
+            f" {_mean_max(row['groups'])} | {_store(row['setup'])} | {by_last_step} |"
+            f" {_collectives(row['setup'], 'world')} |"
             f" {_collectives(row['setup'], 'other')} | {row['startup_s']:.1f} | {ratio} |"
         )
         note = "" if row["steady_equal"] else " (steps differ)"
