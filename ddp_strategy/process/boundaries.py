@@ -62,7 +62,9 @@ class StepRound:
         has_next]`` on ``group`` (None: the world) on ``device`` (none with one rank), unless in a ``tail`` step; then
         clear the batch's flags."""
         if not self.tail:
-            flags = torch.tensor([*self.signalled, int(not self.has_next)], dtype=torch.uint8, device=device)
+            flags = torch.tensor(  # CUDA: copied from pinned memory, no host-device sync
+                [*self.signalled, int(not self.has_next)], dtype=torch.uint8, pin_memory=device.type == "cuda"
+            ).to(device, non_blocking=True)
             work = dist.all_reduce(flags, dist.ReduceOp.MAX, group, async_op=True) if world_size > 1 else None
             if work is not None and flags.is_cuda:
                 with torch.cuda.stream(copier := torch.cuda.Stream(device)):  # (from torch's pool of streams)
@@ -201,19 +203,17 @@ class SignalsAtStepBoundary(Callback):
         self.round.reset()
 
 
-def add_fit_callbacks(
-    trainer: Any, run: Any, rank: int, world_size: int, step_round: StepRound, begin_epoch: Any
-) -> None:
+def add_fit_callbacks(trainer: Any, run: Any, rank: int, world_size: int, step_round: StepRound, begin: Any) -> None:
     """Put both callbacks last in ``trainer.callbacks`` (replacing earlier ones): the epoch check on ``run``'s barrier
-    group (a ``ProcessGroupRun``), then ``begin_epoch``; the signals start and read ``step_round``, the fit's per-step
-    round."""
+    group (a ``ProcessGroupRun``), then ``begin(trainer)``; the signals start and read ``step_round``, the fit's
+    per-step round."""
     remove_fit_callbacks(trainer)
     # under gloo the barrier on the world group's full mesh, the round on the side group (apart from the gradient
     # buckets' queue), a CPU tensor; else the barrier on the (gloo) side group, the round on the world group
     gloo, side = dist.get_backend() == "gloo", run.barrier_group
     trainer.callbacks.extend(
         [
-            EpochBoundaryCheck(None if gloo else side, run.barrier_timeout, rank, world_size, begin_epoch),
+            EpochBoundaryCheck(None if gloo else side, run.barrier_timeout, rank, world_size, begin),
             SignalsAtStepBoundary(
                 (side, torch.device("cpu")) if gloo else (None, trainer.strategy.root_device), world_size, step_round
             ),
