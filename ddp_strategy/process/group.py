@@ -14,7 +14,6 @@ import logging
 import os
 import socket
 import time
-import weakref
 from datetime import timedelta
 from typing import Any, cast
 from unittest import mock
@@ -223,11 +222,6 @@ def init_process_group(
     ) from error
 
 
-#: world group -> its gloo side group (``monitored_barrier``; under gloo the per-step round), made once (at join: no
-#: collective, no connection: its pairs connect on first use) and dropped with the world group
-_side_groups: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
-
-
 class ProcessGroupRun:
     """One rank's part in the runs (stages, fits) of one strategy: the rendezvous (:func:`init_process_group`),
     side groups, failure state; ``barrier_timeout`` is the epoch-start ``monitored_barrier``'s."""
@@ -280,11 +274,11 @@ class ProcessGroupRun:
         lists = [list(range(n * num_processes, (n + 1) * num_processes)) for n in range(num_nodes)]
         self.node_ranks = lists[rank // num_processes]
         self.node_group = dist.group.WORLD if num_nodes == 1 else dist.new_subgroups_by_enumeration(lists)[0]
-        if dist.group.WORLD not in _side_groups:  # gloo, its pairs connected on first use (TORCH_GLOO_LAZY_INIT, unless
-            # the user set it): monitored_barrier's, rank 0 to each rank, and a round's ring neighbours; no full mesh
-            with mock.patch.dict(os.environ, {"TORCH_GLOO_LAZY_INIT": os.environ.get("TORCH_GLOO_LAZY_INIT", "1")}):
-                _side_groups[dist.group.WORLD] = dist.new_group(backend="gloo")
-        self.barrier_group = _side_groups[dist.group.WORLD]
+        # The run's gloo side group (process.boundaries), destroyed at its teardown: made with its pairs connected on
+        # first use (TORCH_GLOO_LAZY_INIT, unless the user set it), so making it connects nothing and costs no store
+        # operation, and it connects only what it uses (monitored_barrier's rank 0 to each rank, a round's ring)
+        with mock.patch.dict(os.environ, {"TORCH_GLOO_LAZY_INIT": os.environ.get("TORCH_GLOO_LAZY_INIT", "1")}):
+            self.barrier_group = dist.new_group(backend="gloo")
         self.failed = self.own_failure = False
         self.reports = failures.run_reports(rank, world_size)
         processes = "process" if world_size == 1 else "processes"
