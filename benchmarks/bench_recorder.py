@@ -8,6 +8,9 @@ then writes ``rank<N>.json`` (see :meth:`StepRecorder.finish`), which
 
 Environment read here (set by ``bench_ddp.py``):
     BENCH_LAUNCH_TIME: ``time.time()`` of the launch, in seconds since the epoch.
+    BENCH_SCALE: ``1`` (set by ``bench_scale.py``): also count the store operations (``bench_probe.py``), the calls
+        and bytes on every process group, and snapshot them at each step's start, with the TCP connections and
+        process groups at the first (``scale`` in ``rank<N>.json``).
 """
 
 import functools
@@ -21,6 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import bench_probe
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -89,6 +93,8 @@ class CommCounter:
         self.other_bytes: dict[str, int] = {}
         self.other_calls: dict[str, int] = {}
         self.call_sites: dict[str, int] = {}  # "name <- file:line function" -> calls
+        #: "world" or "other" (any other group) -> "name" -> [calls, tensor bytes]; every call, not the comm hook's
+        self.by_group: dict[str, dict[str, list[int]]] = {"world": {}, "other": {}}
 
     def install(self) -> None:
         """Wrap the ``torch.distributed`` collectives to count calls and tensor bytes."""
@@ -108,8 +114,10 @@ class CommCounter:
                 world = group is None or group is dist.group.WORLD  # only the world group's count as "other"
                 site = f"{name}{'' if world else ' [side group]'} <- {_caller_outside_torch()}"
                 self.call_sites[site] = self.call_sites.get(site, 0) + 1
+                nbytes = _tensor_bytes(args[0]) if args else _tensor_bytes(kwargs.get("tensor"))
+                counts = self.by_group["world" if world else "other"].setdefault(name, [0, 0])
+                counts[0], counts[1] = counts[0] + 1, counts[1] + nbytes
                 if world:
-                    nbytes = _tensor_bytes(args[0]) if args else _tensor_bytes(kwargs.get("tensor"))
                     self.other_calls[name] = self.other_calls.get(name, 0) + 1
                     self.other_bytes[name] = self.other_bytes.get(name, 0) + nbytes
             return fn(*args, **kwargs)
@@ -176,6 +184,25 @@ class StepRecorder:
         self.comm_at_end: dict[str, Any] | None = None
         self.final_loss: float | None = None
         self.marks: dict[str, float] = {"imports": time.time() - self.launch_time}
+        self.scale: dict[str, Any] | None = None  # BENCH_SCALE=1: see _scale_snapshot
+        if os.environ.get("BENCH_SCALE") == "1":
+            bench_probe.install()
+            self.scale = {"snapshots": []}
+
+    def _scale_snapshot(self) -> None:
+        """Cumulative counts at a step's start (``BENCH_SCALE=1``): calls and bytes per group, the gradient buckets
+        (world group), store operations; at the first, also the TCP connections and process groups held."""
+        assert self.scale is not None
+        if not self.scale["snapshots"]:
+            self.scale["tcp_connections"] = bench_probe.tcp_connections()
+            self.scale["process_groups"] = bench_probe.process_groups()
+        self.scale["snapshots"].append(
+            {
+                "groups": {g: {k: list(v) for k, v in calls.items()} for g, calls in self.comm.by_group.items()},
+                "grad": [self.comm.grad_buckets, self.comm.grad_bytes],
+                "store": dict(bench_probe.STORE_OPS),
+            }
+        )
 
     def mark(self, name: str) -> None:
         """Record a start-up milestone, in seconds since launch (``imports`` is set on creation)."""
@@ -187,6 +214,8 @@ class StepRecorder:
             self.mark("train_start")  # no-op if the caller marked it earlier
             self.first_start_wall = time.time()
             self.comm_at_start = self.comm.snapshot()
+        if self.scale is not None:
+            self._scale_snapshot()
         self.starts.append(time.perf_counter())
 
     def step_end(self, loss: torch.Tensor | None = None, last: bool = False) -> None:
@@ -202,6 +231,8 @@ class StepRecorder:
             self.first_end_wall = time.time()
         if last:
             self.comm_at_end = self.comm.snapshot()
+            if self.scale is not None:  # pairs a group connects on first use are held by now
+                self.scale["tcp_connections_end"] = bench_probe.tcp_connections()
             if loss is not None:
                 self.final_loss = float(loss.detach())
 
@@ -247,6 +278,7 @@ class StepRecorder:
                 "other_calls": other_calls,
                 "other_call_sites": sites,
             },
+            "scale": self.scale,
             **extra,
         }
         Path(out_dir).mkdir(parents=True, exist_ok=True)

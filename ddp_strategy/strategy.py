@@ -213,9 +213,9 @@ class MyDDPStrategy(sync.wrapping.LightningDDPAttributes, ParallelStrategy):
             if self._layer_sync:  # Trainer(sync_batchnorm=True): Lightning's plugin, made CPU-capable
                 self._layer_sync = sync.cpu_capable(self._layer_sync)
                 self.model = cast("pl.plugins.LayerSync", self._layer_sync).apply(self.model)
-            process.boundaries.add_fit_callbacks(trainer, self._run, self.global_rank, self.world_size, self._round)
-            if self.world_size > 1:  # after the epoch barrier: the batch counts
-                trainer.callbacks.append(self._uneven.epoch_start)
+            process.boundaries.add_fit_callbacks(  # at an epoch's start, after the barrier: the batch counts
+                trainer, self._run, self.global_rank, self.world_size, self._round, self._uneven.begin_epoch
+            )
             trainer.callbacks.append(diagnostics.FitDiagnostics(self._options.ddp_kwargs, self.start_method))
             if self.is_global_zero:
                 checkpoint.prepare_folders(trainer.checkpoint_callbacks)
@@ -445,9 +445,10 @@ class MyDDPStrategy(sync.wrapping.LightningDDPAttributes, ParallelStrategy):
         self._uneven.abandon()
         if trainer is not None:  # the loops' data fetchers read the loaders' lengths (user code) while the group lives
             process.boundaries.remove_fit_callbacks(trainer)
-            ours = (self._uneven.callback, self._uneven.epoch_start)
             trainer.callbacks[:] = [
-                c for c in trainer.callbacks if c not in ours and not isinstance(c, diagnostics.FitDiagnostics)
+                c
+                for c in trainer.callbacks
+                if c is not self._uneven.callback and not isinstance(c, diagnostics.FitDiagnostics)
             ]
             for loop in (trainer.fit_loop, trainer.validate_loop, trainer.test_loop, trainer.predict_loop):
                 loop.teardown()

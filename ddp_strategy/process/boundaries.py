@@ -30,8 +30,13 @@ log = logging.getLogger(__name__)
 
 class StepRound:
     """One fit's per-step agreement: at each training batch's start every rank that takes the batch starts one
-    asynchronous all-reduce (MAX) of three flags, a CPU tensor on the gloo side group (no world-group collective, no
-    host-device sync), and the result is read a step later, long done by then.
+    asynchronous all-reduce (MAX) of three flags, and the result is read at the step's end, arrived long before: no
+    store operation, no host-device sync. Under NCCL on the world group, a tensor on this rank's device: a tree
+    all-reduce of 3 bytes (logarithmic latency) ahead of the step's gradient buckets; the step's stream does not wait
+    for it: a side stream does, then copies the flags to pinned host memory, and the read waits for that copy alone
+    (Lightning's ``ddp`` broadcasts and reads ``.item()`` per step instead, a host-device sync,
+    Lightning-AI/pytorch-lightning#21487). Under gloo, a CPU tensor on the strategy's gloo side group (the world
+    group's queue keeps to the gradient buckets), whose pairs connect on first use: the ring's neighbours.
 
     The strategy makes one and gives it to both parties that read it: :class:`SignalsAtStepBoundary` starts each
     round and acts on ``signalled`` (this rank's SIGTERM and requeue flags, set until acted on), and the uneven
@@ -52,62 +57,75 @@ class StepRound:
         self.tail = False  #: the current batch is one that some ranks only shadow (set by sampling.join)
         self._sent: tuple[torch.Tensor, Any] | None = None
 
-    def start(self, group: Any, world_size: int) -> None:
+    def start(self, group: Any, device: torch.device, world_size: int) -> None:
         """At a training batch's start, on every rank that takes it: start the all-reduce of ``[*signalled, not
-        has_next]`` on ``group`` (none with one rank), unless in a ``tail`` step; then clear the batch's flags."""
+        has_next]`` on ``group`` (None: the world) on ``device`` (none with one rank), unless in a ``tail`` step; then
+        clear the batch's flags."""
         if not self.tail:
-            flags = torch.tensor([*self.signalled, int(not self.has_next)], dtype=torch.uint8)
+            flags = torch.tensor(  # CUDA: copied from pinned memory, no host-device sync
+                [*self.signalled, int(not self.has_next)], dtype=torch.uint8, pin_memory=device.type == "cuda"
+            ).to(device, non_blocking=True)
             work = dist.all_reduce(flags, dist.ReduceOp.MAX, group, async_op=True) if world_size > 1 else None
+            if work is not None and flags.is_cuda:
+                with torch.cuda.stream(copier := torch.cuda.Stream(device)):  # (from torch's pool of streams)
+                    work.wait()  # this stream waits, not the step's
+                    flags.record_stream(copier)  # (its memory is not reused before the copy)
+                    flags, work = flags.to("cpu", non_blocking=True), copier.record_event()  # pinned
             self._sent = (flags, work)
         self.has_next = self.tail = False
 
     def received(self) -> torch.Tensor:
-        """The last round's flags, every rank's maximum: ``[SIGTERM, requeue, some rank lacks a next batch]``, waited
-        for (sent a step ago: done); ``[0, 0, 1]`` before the first. A round may be read again (the next epoch's first
-        step reads the one before a tail): the signal flags are cleared in it once acted on, and a round whose
-        ``has_next`` was read already carried a 1 (the epoch's last batch, or the batch before a tail)."""
+        """The last round's flags, every rank's maximum: ``[SIGTERM, requeue, some rank lacks a next batch]``, on the
+        host, waited for (sent at the step's start: arrived); ``[0, 0, 1]`` before the first. A round may be read
+        again (the next epoch's first step reads the one before a tail): the signal flags are cleared in it once acted
+        on, and a round whose ``has_next`` was read already carried a 1 (the epoch's last batch, or the batch before a
+        tail)."""
         flags, work = self._sent or (torch.tensor([0, 0, 1], dtype=torch.uint8), None)
-        if work is not None:
-            work.wait()
+        if work is not None:  # a CUDA event's wait would make a stream wait, not the host
+            work.synchronize() if isinstance(work, torch.cuda.Event) else work.wait()
         return flags
 
 
 class EpochBoundaryCheck(Callback):
-    """At each training epoch's start, on every rank: a gloo ``monitored_barrier`` on ``group`` (``None``: the world).
+    """At each training epoch's start, on every rank: a gloo ``monitored_barrier`` on ``group`` (``None``: the world),
+    then ``begin_epoch(trainer)``, if given (the uneven inputs' batch counts: ``sampling.UnevenInputs.begin_epoch``).
     Before the first batch and after the other callbacks' epoch start, so a rank that stalled between epochs is
-    named; with one rank nothing is done.
+    named; with one rank nothing is done. Under gloo on the world group (its full mesh: no connection more); else on
+    the strategy's gloo side group, whose pairs connect on first use (``process.group``): rank 0 to each rank.
 
     Raises:
         StalledRankError: a rank did not reach the barrier in ``timeout`` (a barrier broken sooner, by a peer that
             failed and left the group, raises gloo's error for :mod:`ddp_strategy.process.failures` to explain).
     """
 
-    def __init__(self, group: Any, timeout: timedelta, rank: int, world_size: int) -> None:
-        self.group, self.timeout, self.rank, self.world_size = group, timeout, rank, world_size
+    def __init__(self, group: Any, timeout: timedelta, rank: int, world_size: int, begin_epoch: Any = None) -> None:
+        self.group, self.timeout, self.rank, self.world_size, self.begin = group, timeout, rank, world_size, begin_epoch
 
     def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
         if self.world_size == 1:
             return
-        epoch, rank, start = trainer.current_epoch, self.rank, time.monotonic()
+        epoch, rank, start, timeout = trainer.current_epoch, self.rank, time.monotonic(), self.timeout
         try:
-            dist.monitored_barrier(group=self.group, timeout=self.timeout, wait_all_ranks=True)
+            dist.monitored_barrier(group=self.group, timeout=timeout, wait_all_ranks=True)
         except RuntimeError as e:
-            if time.monotonic() - start < 0.9 * self.timeout.total_seconds():
+            if time.monotonic() - start < 0.9 * timeout.total_seconds():
                 raise  # a connection broke (a peer failed and left): failures.describe_peers names it
             raise StalledRankError(
                 f"[rank {rank}] not every rank reached the start of training epoch {epoch} within"
-                f" {self.timeout.total_seconds():.0f} s: {e}. That rank is stalled (an endless loop, a deadlocked"
+                f" {timeout.total_seconds():.0f} s: {e}. That rank is stalled (an endless loop, a deadlocked"
                 " DataLoader worker, slow storage) or has died."
             ) from e
+        if self.begin is not None:
+            self.begin(trainer)
 
 
 class SignalsAtStepBoundary(Callback):
     """SIGTERM and Lightning's SLURM requeue signal, acted on at one step boundary on every rank, whichever got it.
 
     A signal sets a flag of ``step_round``. At each batch's start every rank starts that batch's round
-    (:class:`StepRound`, on the gloo side ``group``), and at each step's end waits for the one it started at that
-    batch's start (long done by then). Steps that only some ranks take send nothing: a flag raised in them goes in
-    the next epoch's first round. No round starts at an epoch's end: a rank-0-only collective in an earlier callback
+    (:class:`StepRound`, ``round_on``: its group and device), and at each step's end waits for the one it started at
+    that batch's start (long done by then). Steps that only some ranks take send nothing: a flag raised in them goes
+    in the next epoch's first round. No round starts at an epoch's end: a rank-0-only collective in an earlier callback
     (a progress bar reading ``trainer.progress_bar_metrics``, which syncs metrics) would wait there for the other
     ranks while they wait in the round. So a signal during step ``s`` acts on every rank at the end of step ``s + 1``
     (the next epoch's first, after an epoch's last step or its tail; a validation run in between ends first), where a
@@ -115,8 +133,8 @@ class SignalsAtStepBoundary(Callback):
     sets ``trainer.received_sigterm``, Lightning raises ``SIGTERMException`` there (``checkpoint_on_sigterm`` saves);
     the requeue signal runs Lightning's handler (save, requeue)."""
 
-    def __init__(self, group: Any, world_size: int, step_round: StepRound) -> None:
-        self.group, self.world_size, self.round, self._stopping = group, world_size, step_round, False
+    def __init__(self, round_on: tuple[Any, torch.device], world_size: int, step_round: StepRound) -> None:
+        self.round_on, self.world_size, self.round, self._stopping = round_on, world_size, step_round, False
         self._signal: int | None = None
         self._lightning_handler = self._launcher = cast(Any, None)  # Lightning's, from on_train_start
 
@@ -151,9 +169,9 @@ class SignalsAtStepBoundary(Callback):
             _pl.set_received_sigterm(trainer, True)
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
-        """Start this batch's round, unless stopping (a collective on the side group, every rank taking the batch)."""
+        """Start this batch's round, unless stopping (a collective, every rank taking the batch)."""
         if not self._stopping:
-            self.round.start(self.group, self.world_size)
+            self.round.start(*self.round_on, self.world_size)
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         """At the end of an accumulation window (every ``accumulate_grad_batches`` batches: an optimizer step; the
@@ -185,14 +203,20 @@ class SignalsAtStepBoundary(Callback):
         self.round.reset()
 
 
-def add_fit_callbacks(trainer: Any, run: Any, rank: int, world_size: int, step_round: StepRound) -> None:
-    """Put both callbacks last in ``trainer.callbacks`` (replacing earlier ones), on ``run``'s barrier group (a
-    ``ProcessGroupRun``); the signals start and read ``step_round``, the fit's per-step round."""
+def add_fit_callbacks(trainer: Any, run: Any, rank: int, world_size: int, step_round: StepRound, begin: Any) -> None:
+    """Put both callbacks last in ``trainer.callbacks`` (replacing earlier ones): the epoch check on ``run``'s barrier
+    group (a ``ProcessGroupRun``), then ``begin(trainer)``; the signals start and read ``step_round``, the fit's
+    per-step round."""
     remove_fit_callbacks(trainer)
+    # under gloo the barrier on the world group's full mesh, the round on the side group (apart from the gradient
+    # buckets' queue), a CPU tensor; else the barrier on the (gloo) side group, the round on the world group
+    gloo, side = dist.get_backend() == "gloo", run.barrier_group
     trainer.callbacks.extend(
         [
-            EpochBoundaryCheck(run.barrier_group, run.barrier_timeout, rank, world_size),
-            SignalsAtStepBoundary(run.barrier_group, world_size, step_round),
+            EpochBoundaryCheck(None if gloo else side, run.barrier_timeout, rank, world_size, begin),
+            SignalsAtStepBoundary(
+                (side, torch.device("cpu")) if gloo else (None, trainer.strategy.root_device), world_size, step_round
+            ),
         ]
     )
 

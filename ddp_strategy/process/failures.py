@@ -141,6 +141,8 @@ def teardown(run: Any, rank: int, world_size: int) -> None:
     store, run.reports = run.reports, None
     if run.ifname is not None and os.environ.get("GLOO_SOCKET_IFNAME") == run.ifname:
         del os.environ["GLOO_SOCKET_IFNAME"]
+    if not run.failed and run.barrier_group is not None:  # (a failed run's is destroyed with the world group below)
+        dist.destroy_process_group(run.barrier_group)
     # no reference to the group outlives the run
     run.node_group, run.node_ranks, run.barrier_group, run.ifname = None, [], None, None
     if not run.failed:

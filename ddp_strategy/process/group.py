@@ -14,9 +14,9 @@ import logging
 import os
 import socket
 import time
-import weakref
 from datetime import timedelta
 from typing import Any, cast
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -221,10 +221,6 @@ def init_process_group(
     ) from error
 
 
-#: world group -> its gloo side group, made once (a collective, at join) and dropped with the world group
-_side_groups: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
-
-
 class ProcessGroupRun:
     """One rank's part in the runs (stages, fits) of one strategy: the rendezvous (:func:`init_process_group`),
     side groups, failure state; ``barrier_timeout`` is the epoch-start ``monitored_barrier``'s."""
@@ -238,7 +234,7 @@ class ProcessGroupRun:
     ) -> None:
         self.timeout, self.barrier_timeout, self.init_method, self.store = timeout, barrier_timeout, init_method, store
         # This run's failure reports (failures.run_reports); this rank's intra-node group (the world on one node) and
-        # its ranks; the gloo side group, for monitored_barrier and the signal flags. Set by join, dropped at teardown.
+        # its ranks; the gloo side group (process.boundaries). Set by join, dropped at teardown.
         # The value this run gave GLOO_SOCKET_IFNAME (None: it left it alone), removed at teardown (failures.teardown).
         self.reports, self.node_group, self.node_ranks, self.barrier_group, self.ifname = cast(
             "tuple[dist.Store | None, dist.ProcessGroup | None, list[int], Any, str | None]",
@@ -285,14 +281,15 @@ class ProcessGroupRun:
             lists = [list(range(n * num_processes, (n + 1) * num_processes)) for n in range(num_nodes)]
             self.node_ranks = lists[rank // num_processes]
             self.node_group = dist.group.WORLD if num_nodes == 1 else dist.new_subgroups_by_enumeration(lists)[0]
-        if dist.group.WORLD not in _side_groups:  # gloo: monitored_barrier, boundaries.py's flags; off DDP's group
-            _side_groups[dist.group.WORLD] = dist.new_group(backend="gloo")
-        self.barrier_group = _side_groups[dist.group.WORLD]
+        # The run's gloo side group (process.boundaries), destroyed at its teardown: made with its pairs connected on
+        # first use (TORCH_GLOO_LAZY_INIT, unless the user set it), so making it connects nothing and costs no store
+        # operation, and it connects only what it uses (monitored_barrier's rank 0 to each rank, a round's ring)
+        with mock.patch.dict(os.environ, {"TORCH_GLOO_LAZY_INIT": os.environ.get("TORCH_GLOO_LAZY_INIT", "1")}):
+            self.barrier_group = dist.new_group(backend="gloo")
         self.failed = self.own_failure = False
         self.reports = failures.run_reports(rank, world_size)
-        rank_zero_info(
-            f"MyDDPStrategy: {world_size} {'process' if world_size == 1 else 'processes'}, backend={dist.get_backend()}"
-        )
+        processes = "process" if world_size == 1 else "processes"
+        rank_zero_info(f"MyDDPStrategy: {world_size} {processes}, backend={dist.get_backend()}")
         return dist.get_backend()  # the group's (reused: the first run's)
 
 

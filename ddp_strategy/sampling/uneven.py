@@ -103,7 +103,6 @@ class UnevenInputs(StepJoin):
         super().__init__(divide_by_initial_world_size, step_round)
         self.policy = policy
         self.callback = _EpochEnd(self)  #: first among the callbacks: ends an uneven epoch or evaluation run
-        self.epoch_start = _EpochStart(self)  #: after the epoch barrier's callback (2+ ranks): gathers the counts
         self.epochs: dict[int, tuple[int, ...]] = {}  #: epoch whose counts differed -> batches each rank trained
         self._uncut: int | None = None  #: ``"stop"`` with known counts (the epoch cut at its start): its length
 
@@ -309,14 +308,3 @@ class _EpochEnd(Callback):
                 f"Uneven inputs (uneven_inputs={u.policy!r}{rule}): batches trained per rank, "
                 + ", ".join(f"epoch {epoch}: {list(counts)}" for epoch, counts in u.epochs.items())
             )
-
-
-class _EpochStart(Callback):
-    """At each training epoch's start, after the epoch barrier (put after ``process.boundaries``' callbacks): the
-    policy's part, :meth:`UnevenInputs.begin_epoch`."""
-
-    def __init__(self, uneven: UnevenInputs) -> None:
-        self.uneven = uneven
-
-    def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
-        self.uneven.begin_epoch(trainer)
