@@ -81,8 +81,10 @@ class StepRound:
         on, and a round whose ``has_next`` was read already carried a 1 (the epoch's last batch, or the batch before a
         tail)."""
         flags, work = self._sent or (torch.tensor([0, 0, 1], dtype=torch.uint8), None)
-        if work is not None:  # a CUDA event's wait would make a stream wait, not the host
-            work.synchronize() if isinstance(work, torch.cuda.Event) else work.wait()
+        if isinstance(work, torch.cuda.Event):  # its wait() would make a stream wait, not the host
+            work.synchronize()
+        elif work is not None:
+            work.wait()
         return flags
 
 

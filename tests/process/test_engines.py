@@ -59,6 +59,21 @@ def _clean_environment() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES and not k.startswith(LAUNCHER_PREFIXES)}
 
 
+def _start_ranks(
+    out: Path, strategy: str, engine: str, variables: dict[str, str], rank_variables: tuple[str, ...]
+) -> list[subprocess.Popen]:
+    """Two ranks of the user script started as ``engine`` starts them, each in a session of its own: the clean
+    environment plus the engine's ``variables``, and each of ``rank_variables`` set to the process's rank."""
+    return [
+        start_session(
+            [sys.executable, str(SCRIPT), str(out), strategy, engine],
+            cwd=out,
+            env={**_clean_environment(), **variables, **dict.fromkeys(rank_variables, str(rank))},
+        )
+        for rank in range(2)
+    ]
+
+
 def _kubeflow_pods(out: Path, strategy: str) -> list[subprocess.Popen]:
     """A PyTorchJob of one Master and one Worker replica: each pod runs ``python train.py`` with what Kubeflow's
     training operator sets (kubeflow/training-operator, pkg/controller.v1/pytorch/envvar.go and master.go:
@@ -75,14 +90,7 @@ def _kubeflow_pods(out: Path, strategy: str) -> list[subprocess.Popen]:
         "KUBERNETES_SERVICE_PORT": "443",
         "KUBERNETES_PORT": "tcp://10.96.0.1:443",
     }
-    return [
-        start_session(
-            [sys.executable, str(SCRIPT), str(out), strategy, "kubeflow"],
-            cwd=out,
-            env={**_clean_environment(), **pod, "RANK": str(rank)},
-        )
-        for rank in range(2)
-    ]
+    return _start_ranks(out, strategy, "kubeflow", pod, ("RANK",))
 
 
 def _lsf_job_id() -> int:
@@ -108,14 +116,7 @@ def _jsrun_tasks(out: Path, strategy: str) -> list[subprocess.Popen]:
         "JSM_NAMESPACE_SIZE": "2",
         "JSM_NAMESPACE_LOCAL_SIZE": "2",
     }
-    return [
-        start_session(
-            [sys.executable, str(SCRIPT), str(out), strategy, "lsf"],
-            cwd=out,
-            env={**_clean_environment(), **job, "JSM_NAMESPACE_RANK": str(rank), "JSM_NAMESPACE_LOCAL_RANK": str(rank)},
-        )
-        for rank in range(2)
-    ]
+    return _start_ranks(out, strategy, "lsf", job, ("JSM_NAMESPACE_RANK", "JSM_NAMESPACE_LOCAL_RANK"))
 
 
 def _mpirun(out: Path, strategy: str) -> list[subprocess.Popen]:
