@@ -108,7 +108,7 @@ def cli_run(tmp_path_factory):
 def test_main_job_reaches_095_validation_accuracy(cli_run):
     """The default main job trains on 2 processes (global batch 64) to >= 0.95 validation accuracy."""
     _, out, err = cli_run
-    assert "2 processes, backend=gloo" in err
+    assert "MyDDPStrategy: world size 2, backend=gloo" in err
     assert "global batch size 64" in err
     metrics = ast.literal_eval(re.search(r"Final metrics: (\{.*\})", out).group(1))
     assert metrics["val_acc"] >= 0.95

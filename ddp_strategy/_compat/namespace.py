@@ -10,6 +10,7 @@ work as for any. ``"my_ddp"`` is registered in that namespace's registry (docs/c
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import pkgutil
@@ -54,11 +55,8 @@ def _sources_import() -> set[str]:
         frame = frame.f_back
     found: set[str] = set()
     for path in {getattr(sys.modules.get("__main__"), "__file__", None) or "", frame.f_code.co_filename}:
-        try:
-            with open(path, encoding="utf-8") as source:
-                found.update(_IMPORT.findall(source.read()))
-        except (OSError, UnicodeDecodeError):
-            pass
+        with contextlib.suppress(OSError, UnicodeDecodeError), open(path, encoding="utf-8") as source:
+            found.update(_IMPORT.findall(source.read()))
     return found
 
 

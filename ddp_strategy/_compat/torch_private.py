@@ -7,13 +7,11 @@ at run time each wrapper degrades to "no data" instead of failing a training run
 
 from __future__ import annotations
 
-import logging
+import contextlib
 from typing import Any, cast
 
 import torch.distributed as dist
 from torch import nn
-
-log = logging.getLogger(__name__)
 
 #: Keys of ``DistributedDataParallel._get_ddp_logging_data()`` this package reads. Times are in nanoseconds,
 #: averaged by DDP's reducer over the iterations it samples (each of the first 10, then every 100th; the
@@ -33,14 +31,9 @@ def ddp_logging_data(model: nn.Module | None) -> dict[str, Any]:
     It holds the constructor options (``bucket_cap_bytes``, ...), ``comm_hook`` (once one is registered),
     ``unused_parameter_size`` (bytes) and the timings in :data:`DDP_TIMING_KEYS` (once DDP has timed one).
     """
-    getter = getattr(model, "_get_ddp_logging_data", None)
-    if getter is None:
-        return {}
-    try:
-        return dict(getter())
-    except RuntimeError as e:  # the reducer can be gone after a failed step; diagnostics must not fail the run
-        log.debug("DistributedDataParallel._get_ddp_logging_data() failed: %s", e)
-        return {}
+    with contextlib.suppress(AttributeError, RuntimeError):  # the reducer can be gone after a failed step:
+        return dict(cast(Any, model)._get_ddp_logging_data())  # (diagnostics must not fail the run)
+    return {}
 
 
 def release_ddp_process_group(model: Any) -> None:

@@ -41,10 +41,8 @@ _TMP_PATTERN = re.compile(r"^\.(?P<name>.+)\.(?P<host>[A-Za-z0-9-]+)\.(?P<pid>\d
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # alive, another user's
-        pass
+    except OSError as e:  # PermissionError: alive, another user's
+        return not isinstance(e, ProcessLookupError)
     return True
 
 

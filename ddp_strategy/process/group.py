@@ -288,8 +288,7 @@ class ProcessGroupRun:
             self.barrier_group = dist.new_group(backend="gloo")
         self.failed = self.own_failure = False
         self.reports = failures.run_reports(rank, world_size)
-        processes = "process" if world_size == 1 else "processes"
-        rank_zero_info(f"MyDDPStrategy: {world_size} {processes}, backend={dist.get_backend()}")
+        rank_zero_info(f"MyDDPStrategy: world size {world_size}, backend={dist.get_backend()}")
         return dist.get_backend()  # the group's (reused: the first run's)
 
 

@@ -308,7 +308,7 @@ def test_one_process_fit_logs_summary_and_names_the_unused_head(tmp_path, lightn
         for t in texts
     )
     assert not any(t.startswith("Global batch size") for t in texts)  # 1024 x 1 <= 1438
-    assert "MyDDPStrategy: 1 process, backend=gloo" in lightning_log
+    assert "MyDDPStrategy: world size 1, backend=gloo" in lightning_log
 
 
 SUMMARY_RE = re.compile(
