@@ -214,7 +214,7 @@ class MyDDPStrategy(sync.wrapping.LightningDDPAttributes, ParallelStrategy):
                 self._layer_sync = sync.cpu_capable(self._layer_sync)
                 self.model = cast("pl.plugins.LayerSync", self._layer_sync).apply(self.model)
             process.boundaries.add_fit_callbacks(  # at an epoch's start, after the barrier: the batch counts
-                trainer, self._run, self.global_rank, self.world_size, self._round, self._uneven.begin_epoch
+                trainer, self._run, self.global_rank, self.world_size, self._round, self._uneven.begin_epoch, first=1
             )
             trainer.callbacks.append(diagnostics.FitDiagnostics(self._options.ddp_kwargs, self.start_method))
             if self.is_global_zero:
@@ -248,6 +248,7 @@ class MyDDPStrategy(sync.wrapping.LightningDDPAttributes, ParallelStrategy):
         self.model = sync.wrap(
             self.model, self.root_device, self._options.ddp_kwargs, self._options.comm_hook, self._uneven.tail
         )
+        self._round.start()  # this step's SIGTERM, requeue and next-batch flags (process.boundaries.StepRound)
         self._uneven.before_forward()
         return super().training_step(*args, **kwargs)
 
@@ -323,10 +324,16 @@ class MyDDPStrategy(sync.wrapping.LightningDDPAttributes, ParallelStrategy):
     @override
     def barrier(self, name: str | None = None) -> None:
         """Wait for every rank (NCCL: on this rank's device); a no-op without a process group or on a rank's own
-        exception path (``process.failures.collectives_allowed``)."""
+        exception path (``process.failures.collectives_allowed``). While fitting, a round of the step agreement
+        (``process.boundaries.StepRound.barrier``): one that some ranks skip (``trainer.save_checkpoint`` under ``if
+        trainer.is_global_zero``) fails at once, named, not at the collective timeout."""
         if process.failures.collectives_allowed(self._trainer):  # none on an exception path: peers may be mid-step
             self._uneven.announce("save" if name == _pl.SAVE_BARRIER else "barrier")
-            dist.barrier(device_ids=process.device_ids(self.root_device) if dist.get_backend() == "nccl" else None)
+            self._round.barrier(  # while fitting, named at once where another rank went on to a step instead
+                self.global_rank,
+                f"waited in a barrier ({name or 'strategy.barrier()'})",
+                process.device_ids(self.root_device) if dist.get_backend() == "nccl" else None,
+            )
         if name == _pl.SAVE_BARRIER and self._saved is not None:  # rank 0 wrote it: the file as it is now
             self._written.add(self._saved)
 

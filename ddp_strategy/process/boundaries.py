@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 
 
 class StepRound:
-    """One fit's per-step agreement: at each training batch's start every rank that takes the batch starts one
+    """One fit's per-step agreement: at each training step's start every rank that takes the step starts one
     asynchronous all-reduce (MAX) of three flags, and the result is read at the step's end, arrived long before: no
     store operation, no host-device sync. Under NCCL on the world group, a tensor on this rank's device: a tree
     all-reduce of 3 bytes (logarithmic latency) ahead of the step's gradient buckets; the step's stream does not wait
@@ -38,8 +38,8 @@ class StepRound:
     Lightning-AI/pytorch-lightning#21487). Under gloo, a CPU tensor on the strategy's gloo side group (the world
     group's queue keeps to the gradient buckets), whose pairs connect on first use: the ring's neighbours.
 
-    The strategy makes one and gives it to both parties that read it: :class:`SignalsAtStepBoundary` starts each
-    round and acts on ``signalled`` (this rank's SIGTERM and requeue flags, set until acted on), and the uneven
+    The strategy makes one, starts each round, and gives it to both parties that read it: :class:`SignalsAtStepBoundary`
+    acts on ``signalled`` (this rank's SIGTERM and requeue flags, set until acted on), and the uneven
     inputs' join (``sampling.join``) reads whether every rank has the next batch (each rank's ``has_next``), so that
     it need not notify then. ``has_next`` and ``tail`` are the current batch's: set at its start, before its round
     (``batch_to_device``), and cleared by it; in a ``tail`` step, which some ranks (out of data) only shadow, no round
@@ -55,32 +55,65 @@ class StepRound:
         self.signalled = [0, 0]  #: this rank's SIGTERM and requeue flags
         self.has_next = False  #: this rank has a batch after the current one (set by sampling.join)
         self.tail = False  #: the current batch is one that some ranks only shadow (set by sampling.join)
+        #: the rounds' group, device and world size, from the fit's set-up (``add_fit_callbacks``) to its end
+        self.on: tuple[Any, torch.device, int] = (None, torch.device("cpu"), 1)
         self._sent: tuple[torch.Tensor, Any] | None = None
 
-    def start(self, group: Any, device: torch.device, world_size: int) -> None:
-        """At a training batch's start, on every rank that takes it: start the all-reduce of ``[*signalled, not
-        has_next]`` on ``group`` (None: the world) on ``device`` (none with one rank), unless in a ``tail`` step; then
-        clear the batch's flags."""
-        if not self.tail:
-            flags = torch.tensor(  # CUDA: copied from pinned memory, no host-device sync
-                [*self.signalled, int(not self.has_next)], dtype=torch.uint8, pin_memory=device.type == "cuda"
-            ).to(device, non_blocking=True)
-            work = dist.all_reduce(flags, dist.ReduceOp.MAX, group, async_op=True) if world_size > 1 else None
-            if work is not None and flags.is_cuda:
-                with torch.cuda.stream(copier := torch.cuda.Stream(device)):  # (from torch's pool of streams)
-                    work.wait()  # this stream waits, not the step's
-                    flags.record_stream(copier)  # (its memory is not reused before the copy)
-                    flags, work = flags.to("cpu", non_blocking=True), copier.record_event()  # pinned
-            self._sent = (flags, work)
+    def start(self) -> None:
+        """At a training step's start (the strategy's ``training_step``: after the hooks that may end the epoch), on
+        every rank that takes it: :meth:`send` this step's flags, unless in a ``tail`` step; then clear the
+        batch's flags."""
+        if not self.tail:  # (none after a SIGTERM stop: Lightning raises at the step's or epoch's end)
+            self._sent = self.send(stepping=True)
         self.has_next = self.tail = False
 
-    def received(self) -> torch.Tensor:
-        """The last round's flags, every rank's maximum: ``[SIGTERM, requeue, some rank lacks a next batch]``, on the
-        host, waited for (sent at the step's start: arrived); ``[0, 0, 1]`` before the first. A round may be read
-        again (the next epoch's first step reads the one before a tail): the signal flags are cleared in it once acted
-        on, and a round whose ``has_next`` was read already carried a 1 (the epoch's last batch, or the batch before a
-        tail)."""
-        flags, work = self._sent or (torch.tensor([0, 0, 1], dtype=torch.uint8), None)
+    def send(self, stepping: bool) -> tuple[torch.Tensor, Any]:
+        """Start the all-reduce of ``[*signalled, not has_next, stepping]`` on :attr:`on`'s group and device (none with
+        one rank). ``stepping=False`` outside a step (:meth:`barrier`, a rank that may have left the epoch alone)
+        meets the round of a rank that is in a step instead, if any: the maximum's last flag says so. Returns what
+        :meth:`received` reads."""
+        group, device, world_size = self.on
+        flags = torch.tensor(  # CUDA: copied from pinned memory, no host-device sync
+            [*self.signalled, int(not self.has_next), int(stepping)],
+            dtype=torch.uint8,
+            pin_memory=device.type == "cuda",
+        ).to(device, non_blocking=True)
+        work = dist.all_reduce(flags, dist.ReduceOp.MAX, group, async_op=True) if world_size > 1 else None
+        if work is not None and flags.is_cuda:
+            with torch.cuda.stream(copier := torch.cuda.Stream(device)):  # (from torch's pool of streams)
+                work.wait()  # this stream waits, not the step's
+                flags.record_stream(copier)  # (its memory is not reused before the copy)
+                flags, work = flags.to("cpu", non_blocking=True), copier.record_event()  # pinned
+        return flags, work
+
+    def barrier(self, rank: int, what: str, device_ids: list[int] | None = None) -> None:
+        """The strategy's barrier. While a fit runs (:attr:`on` set, more than one rank): a round outside a step
+        (:meth:`send`, waited for), which every rank makes at the same point, but which meets the next step's round of
+        a rank that did not make it; else ``dist.barrier(device_ids=device_ids)``. Collective.
+
+        Raises:
+            RuntimeError: ``[rank <rank>] <what>`` while another rank went on to its next training step, at once (it
+                names this rank when this one leaves the group: :mod:`ddp_strategy.process.failures`), not at the
+                collective timeout.
+        """
+        if self.on[2] == 1:
+            return dist.barrier(device_ids=device_ids)
+        if self.received(self.send(stepping=False))[3]:
+            raise RuntimeError(
+                f"[rank {rank}] {what} while another rank went on to its next training step, which waits for this"
+                " one. Both must happen on every rank alike: a barrier (trainer.save_checkpoint, which writes on rank"
+                " 0 alone) outside `if trainer.is_global_zero:`; an epoch's early end decided on every rank, by"
+                " reducing the decision first (trainer.strategy.reduce_boolean_decision(decision, all=False)) or"
+                " broadcasting one rank's (trainer.strategy.broadcast(decision, src=...))."
+            )
+
+    def received(self, sent: tuple[torch.Tensor, Any] | None = None) -> torch.Tensor:
+        """The flags of ``sent`` (by default the last step's round), every rank's maximum: ``[SIGTERM, requeue, some
+        rank lacks a next batch, some rank took the step]``, on the host, waited for (a step's round, sent at its
+        start, has arrived); ``[0, 0, 1, 0]`` before the first. A round may be read again (the next epoch's first step
+        reads the one before a tail): the signal flags are cleared in it once acted on, and a round whose
+        ``has_next`` was read already carried a 1 (the epoch's last batch, or the batch before a tail)."""
+        flags, work = sent or self._sent or (torch.tensor([0, 0, 1, 0], dtype=torch.uint8), None)
         if isinstance(work, torch.cuda.Event):  # its wait() would make a stream wait, not the host
             work.synchronize()
         elif work is not None:
@@ -90,9 +123,9 @@ class StepRound:
 
 class EpochBoundaryCheck(Callback):
     """At each training epoch's start, on every rank: a gloo ``monitored_barrier`` on ``group`` (``None``: the world),
-    then ``begin_epoch(trainer)``, if given (the uneven inputs' batch counts: ``sampling.UnevenInputs.begin_epoch``).
-    Before the first batch and after the other callbacks' epoch start, so a rank that stalled between epochs is
-    named; with one rank nothing is done. Under gloo on the world group (its full mesh: no connection more); else on
+    then ``begin_epoch(trainer)`` (the uneven inputs' batch counts: ``sampling.UnevenInputs.begin_epoch``). Before
+    the first batch and after the other callbacks' epoch start, so a rank that stalled between epochs is named (with
+    one rank, a barrier of one). Under gloo on the world group (its full mesh: no connection more); else on
     the strategy's gloo side group, whose pairs connect on first use (``process.group``): rank 0 to each rank.
 
     Raises:
@@ -100,12 +133,10 @@ class EpochBoundaryCheck(Callback):
             failed and left the group, raises gloo's error for :mod:`ddp_strategy.process.failures` to explain).
     """
 
-    def __init__(self, group: Any, timeout: timedelta, rank: int, world_size: int, begin_epoch: Any = None) -> None:
-        self.group, self.timeout, self.rank, self.world_size, self.begin = group, timeout, rank, world_size, begin_epoch
+    def __init__(self, group: Any, timeout: timedelta, rank: int, begin_epoch: Any) -> None:
+        self.group, self.timeout, self.rank, self.begin = group, timeout, rank, begin_epoch
 
     def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
-        if self.world_size == 1:
-            return
         epoch, rank, start, timeout = trainer.current_epoch, self.rank, time.monotonic(), self.timeout
         try:
             dist.monitored_barrier(group=self.group, timeout=timeout, wait_all_ranks=True)
@@ -117,16 +148,15 @@ class EpochBoundaryCheck(Callback):
                 f" {timeout.total_seconds():.0f} s: {e}. That rank is stalled (an endless loop, a deadlocked"
                 " DataLoader worker, slow storage) or has died."
             ) from e
-        if self.begin is not None:
-            self.begin(trainer)
+        self.begin(trainer)
 
 
 class SignalsAtStepBoundary(Callback):
     """SIGTERM and Lightning's SLURM requeue signal, acted on at one step boundary on every rank, whichever got it.
 
-    A signal sets a flag of ``step_round``. At each batch's start every rank starts that batch's round
-    (:class:`StepRound`, ``round_on``: its group and device), and at each step's end waits for the one it started at
-    that batch's start (long done by then). Steps that only some ranks take send nothing: a flag raised in them goes
+    A signal sets a flag of ``step_round``. At each step's start every rank starts that step's round
+    (:class:`StepRound`, started by the strategy's ``training_step``), and at each step's end waits for it (long done
+    by then). Steps that only some ranks take send nothing: a flag raised in them goes
     in the next epoch's first round. No round starts at an epoch's end: a rank-0-only collective in an earlier callback
     (a progress bar reading ``trainer.progress_bar_metrics``, which syncs metrics) would wait there for the other
     ranks while they wait in the round. So a signal during step ``s`` acts on every rank at the end of step ``s + 1``
@@ -135,15 +165,14 @@ class SignalsAtStepBoundary(Callback):
     sets ``trainer.received_sigterm``, Lightning raises ``SIGTERMException`` there (``checkpoint_on_sigterm`` saves);
     the requeue signal runs Lightning's handler (save, requeue)."""
 
-    def __init__(self, round_on: tuple[Any, torch.device], world_size: int, step_round: StepRound) -> None:
-        self.round_on, self.world_size, self.round, self._stopping = round_on, world_size, step_round, False
-        self._signal: int | None = None
+    def __init__(self, step_round: StepRound) -> None:
+        self.round, self._signal, self._stopping = step_round, cast("int | None", None), False
         self._lightning_handler = self._launcher = cast(Any, None)  # Lightning's, from on_train_start
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         """Take over SIGTERM and (under SLURM auto-requeue) the requeue signal from Lightning (every rank). The round
         starts clean: the last fit's end reset it (:meth:`on_train_end`)."""
-        self._stopping, self._rank, self._launcher = False, trainer.global_rank, trainer.strategy.launcher
+        self._rank, self._launcher = trainer.global_rank, trainer.strategy.launcher
         env = trainer.strategy.cluster_environment
         requeue_signal = getattr(env, "requeue_signal", None) if getattr(env, "auto_requeue", False) else None
         main = threading.current_thread() is threading.main_thread()
@@ -170,14 +199,9 @@ class SignalsAtStepBoundary(Callback):
             self._stopping = True
             _pl.set_received_sigterm(trainer, True)
 
-    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
-        """Start this batch's round, unless stopping (a collective, every rank taking the batch)."""
-        if not self._stopping:
-            self.round.start(*self.round_on, self.world_size)
-
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         """At the end of an accumulation window (every ``accumulate_grad_batches`` batches: an optimizer step; the
-        epoch's end is :meth:`on_train_epoch_end`'s), act on the flags sent at this batch's start (a collective,
+        epoch's end is :meth:`on_train_epoch_end`'s), act on the flags sent at this step's start (a collective,
         every rank). Not inside a window: its checkpoint could not hold the accumulated gradients. The test is the
         same on every rank (a rank's own last batch, in an uneven epoch, is not)."""
         if not (batch_idx + 1) % trainer.accumulate_grad_batches:
@@ -185,10 +209,30 @@ class SignalsAtStepBoundary(Callback):
 
     def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
         """Act on the last step's flags (Lightning stops at the epoch's end on SIGTERM): a last window shorter than
-        ``accumulate_grad_batches``. Collective."""
+        ``accumulate_grad_batches``. Collective, after :meth:`_check_not_alone`."""
+        self._check_not_alone(trainer)
         self._agree(trainer)
 
+    def _check_not_alone(self, trainer: Any) -> None:
+        """On a rank that may have left the epoch's steps alone (a batch it did not step: its ``on_train_batch_start``
+        returned -1, or it was None; ``trainer.should_stop`` before its last batch, which also validates at once):
+        one more round (:meth:`StepRound.barrier`), which meets the step another rank took instead, if any. At the
+        epoch's end and at a validation run's start.
+
+        Raises:
+            RuntimeError: on a rank that left alone, at once (the others, waiting for it in their step's gradient
+                all-reduce, name it when it leaves the group: :mod:`ddp_strategy.process.failures`).
+        """
+        progress = trainer.fit_loop.epoch_loop.batch_progress
+        if progress.current.started < progress.current.processed or trainer.should_stop and not progress.is_last_batch:
+            self.round.barrier(
+                trainer.global_rank,
+                f"ended training epoch {trainer.current_epoch} after {progress.current.processed} batches (here"
+                " alone: on_train_batch_start returned -1, a batch was None, or trainer.should_stop was set)",
+            )
+
     def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
+        self._check_not_alone(trainer)
         if self._stopping:  # the validation loop would stop at its first batch: it ends first
             _pl.set_received_sigterm(trainer, False)
 
@@ -199,28 +243,29 @@ class SignalsAtStepBoundary(Callback):
     def on_train_end(self, trainer: Any = None, pl_module: Any = None) -> None:
         """Give the requeue signal back to Lightning's handler if ours is still installed (Lightning restores the
         original at teardown); let go of the round in flight unread. No collective."""
-        if self._signal is not None and signal.getsignal(self._signal) == self._note:
+        if self._signal is not None and signal.getsignal(self._signal) == self._note:  # (once: then it is not)
             signal.signal(self._signal, self._lightning_handler)
-        self._signal = self._lightning_handler = self._launcher = None
         self.round.reset()
 
 
-def add_fit_callbacks(trainer: Any, run: Any, rank: int, world_size: int, step_round: StepRound, begin: Any) -> None:
-    """Put both callbacks last in ``trainer.callbacks`` (replacing earlier ones): the epoch check on ``run``'s barrier
-    group (a ``ProcessGroupRun``), then ``begin(trainer)``; the signals start and read ``step_round``, the fit's
-    per-step round."""
+def add_fit_callbacks(
+    trainer: Any, run: Any, rank: int, world_size: int, step_round: StepRound, begin: Any, first: int
+) -> None:
+    """Put the callbacks in ``trainer.callbacks`` (replacing earlier ones): the epoch check on ``run``'s barrier group
+    (a ``ProcessGroupRun``), then ``begin(trainer)``, last; the signals, which read ``step_round`` (the fit's
+    per-step round, :attr:`StepRound.on` set here), at index ``first``, before any of the user's: a rank that left the
+    epoch alone must learn it before their epoch end, where a rank-0-only collective (a progress bar reading
+    ``trainer.progress_bar_metrics`` syncs metrics that the other ranks sync later) would wait for the others while
+    they wait in that round."""
     remove_fit_callbacks(trainer)
     # under gloo the barrier on the world group's full mesh, the round on the side group (apart from the gradient
     # buckets' queue), a CPU tensor; else the barrier on the (gloo) side group, the round on the world group
     gloo, side = dist.get_backend() == "gloo", run.barrier_group
-    trainer.callbacks.extend(
-        [
-            EpochBoundaryCheck(None if gloo else side, run.barrier_timeout, rank, world_size, begin),
-            SignalsAtStepBoundary(
-                (side, torch.device("cpu")) if gloo else (None, trainer.strategy.root_device), world_size, step_round
-            ),
-        ]
+    step_round.on = (
+        (side, torch.device("cpu"), world_size) if gloo else (None, trainer.strategy.root_device, world_size)
     )
+    trainer.callbacks.append(EpochBoundaryCheck(None if gloo else side, run.barrier_timeout, rank, begin))
+    trainer.callbacks.insert(first, SignalsAtStepBoundary(step_round))
 
 
 def remove_fit_callbacks(trainer: Any) -> None:

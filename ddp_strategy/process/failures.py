@@ -66,6 +66,8 @@ _IN_COLLECTIVE, *_MAYBE = (
     os.path.join(os.path.dirname(os.path.dirname(dist.__file__)), *folder, "")
     for folder in (["distributed"], ["autograd"], ["nn", "parallel"])
 )
+#: ``file:function`` of the wait for a round (``boundaries.StepRound.received``): a collective, as torch's are.
+_ROUND_WAIT = os.path.join(os.path.dirname(__file__), "boundaries.py:received")
 
 
 class StalledRankError(RuntimeError):
@@ -231,12 +233,13 @@ def wait_for_peers(store: dist.Store, rank: int, world_size: int, timeout_s: flo
 def describe_peers(exception: BaseException, store: dist.Store, rank: int, world_size: int) -> str | None:
     """Step 3's causes, ``"; "``-joined (each peer that reported a failure or whose process on this host is gone), if
     ``exception`` broke in a collective; None if it is this rank's own failure. In a collective: a ``DistError``
-    (``DistBackendError``, ``DistNetworkError``, ``DistStoreError``) or an error raised in ``torch.distributed``;
+    (``DistBackendError``, ``DistNetworkError``, ``DistStoreError``) or an error raised in ``torch.distributed`` or in
+    the wait for a round (:data:`_ROUND_WAIT`: a barrier's, while fitting);
     one raised in torch's autograd engine or DDP's module (DDP's gradient all-reduce fails the backward pass, its
     buffer broadcast the forward; gloo's errors are plain ``RuntimeError``) only if a cause is found, as those
     frames raise a rank's own errors too (an in-place modification)."""
-    where = "".join(frame.filename for frame in traceback.extract_tb(exception.__traceback__)[-1:])  # innermost
-    certain = isinstance(exception, dist.DistError) or where.startswith(_IN_COLLECTIVE)
+    where = "".join(f"{f.filename}:{f.name}" for f in traceback.extract_tb(exception.__traceback__)[-1:])  # innermost
+    certain = isinstance(exception, dist.DistError) or where.startswith((_IN_COLLECTIVE, _ROUND_WAIT))
     if not certain and not where.startswith(tuple(_MAYBE)):
         return None
     found: list[str] = []

@@ -384,8 +384,9 @@ class StepJoin(Joinable, JoinHook):
         gather_all_tensors(torch.zeros((0,) * message.a, dtype=_DTYPES[message.b], device=self.join_device))
 
     def _shadow_barrier(self, message: _Message) -> None:
-        """``strategy.barrier()``, or a checkpoint save's (rank 0 writes; a failure there fails as under Lightning)."""
-        dist.barrier()
+        """``strategy.barrier()``, or a checkpoint save's (rank 0 writes; a failure there fails as under Lightning), as
+        the strategy makes it (``process.boundaries.StepRound.barrier`` while fitting)."""
+        self._round.barrier(self._trainer.global_rank, "waited in a barrier")
 
     def _shadow_broadcast(self, message: _Message) -> None:
         """A broadcast of a picklable object from active rank ``a``."""

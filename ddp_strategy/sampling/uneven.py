@@ -109,7 +109,7 @@ class UnevenInputs(StepJoin):
     def begin_epoch(self, trainer: Any) -> None:
         """At a training epoch's start, on every rank, after the epoch barrier: gather every rank's batch count (-1:
         unknown, as any ``IterableDataset``'s, whose length is only a hint; one all-reduce of W integers), and where
-        they differ or are unknown, set the epoch up for the policy (not called with one rank).
+        they differ or are unknown, set the epoch up for the policy (with one rank, nothing).
 
         Raises:
             ValueError: known, unequal counts under ``"error"``; under ``"join"``, ``accumulate_grad_batches`` not
@@ -122,7 +122,7 @@ class UnevenInputs(StepJoin):
             isinstance(getattr(dl, "dataset", None), IterableDataset) for dl in flat_loaders(trainer.train_dataloader)
         )
         counts = [c - 1 for c in self._flags(0 if unknown else int(trainer.num_training_batches) + 1)]
-        if len(set(counts)) == 1 and -1 not in counts:
+        if len(counts) == 1 or len(set(counts)) == 1 and -1 not in counts:  # one rank: nothing to agree
             return
         epoch, k, known = trainer.current_epoch, trainer.accumulate_grad_batches, -1 not in counts
         if self.policy == "error" and known:

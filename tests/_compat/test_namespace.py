@@ -80,7 +80,7 @@ def test_our_classes_derive_from_the_process_namespace():
         (
             EpochBoundaryCheck,
             "pytorch:Callback",
-            {"group": None, "timeout": timedelta(seconds=1), "rank": 0, "world_size": 1},
+            {"group": None, "timeout": timedelta(seconds=1), "rank": 0, "begin_epoch": print},
         ),
     ):
         obj = ours(**args)
@@ -345,6 +345,6 @@ def test_fit_checkpoint_and_resume_under_each_namespace(namespace_runs):
 def test_main_job_runs_on_the_namespace_chosen_by_the_environment(namespace_runs):
     """DDP_STRATEGY_LIGHTNING=<each namespace> python -m ddp_strategy fit: a 2-process fit, clean checkpoint."""
     _, _, main_job, log = namespace_runs
-    assert "2 processes, backend=gloo" in log and "Final metrics" in log
+    assert "MyDDPStrategy: world size 2, backend=gloo" in log and "Final metrics" in log
     (ckpt,) = main_job.glob("lightning_logs/version_0/checkpoints/*.ckpt")
     assert set(load_file(ckpt, weights_only=True)["state_dict"]) == LIGHTNING_KEYS

@@ -99,3 +99,31 @@ def rank_0_fails_between_epochs(out: Path) -> None:
     except Exception as e:
         error = f"{type(e).__name__}: {e}"
     save(out, "between_epochs", {"error": error})
+
+
+class DecidedAlike(DigitsClassifier):
+    """Ends epoch 0 at batch 3 by returning -1 from ``on_train_batch_start`` and stops the fit at epoch 1's batch 2 by
+    ``trainer.should_stop``, each decided on rank 1 alone and made every rank's as the strategy's errors advise:
+    ``reduce_boolean_decision(..., all=False)`` and ``broadcast`` from rank 1."""
+
+    def on_train_batch_start(self, batch, batch_idx):
+        skip = self.trainer.strategy.reduce_boolean_decision(
+            self.global_rank == 1 and self.current_epoch == 0 and batch_idx == 3, all=False
+        )
+        stop = self.trainer.strategy.broadcast(self.current_epoch == 1 and batch_idx == 2, src=1)
+        self.trainer.should_stop = self.trainer.should_stop or stop
+        return -1 if skip else None
+
+
+def decided_alike(out: Path) -> None:
+    """The fit of :class:`DecidedAlike` (3 epochs of 6 steps, the progress bar on) under MyDDPStrategy and ddp."""
+    results = {}
+    for name, strategy in (("ours", MyDDPStrategy(timeout=60)), ("ddp", "ddp")):
+        pl.seed_everything(3)
+        model = DecidedAlike()
+        trainer = quiet_trainer(
+            2, strategy, max_epochs=3, limit_train_batches=6, limit_val_batches=2, enable_progress_bar=True
+        )
+        trainer.fit(model, DigitsDataModule())
+        results[name] = {"steps": trainer.global_step, "epoch": trainer.current_epoch, "weights": state_copy(model)}
+    save(out, "decided_alike", results)

@@ -23,7 +23,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from ddp_testing import launch, load, quiet_trainer, session_members
-from failure_workers import crash_and_resume, rank_0_fails_between_epochs, resume_after_sigterm
+from failure_workers import crash_and_resume, decided_alike, rank_0_fails_between_epochs, resume_after_sigterm
 
 from ddp_strategy import MyDDPStrategy
 
@@ -48,6 +48,11 @@ JOBS: dict[str, tuple[str, str, int | None]] = {  # the long ones first; spawn (
     "train_raise/popen": ("train_raise", "popen", None),
     "sigkill/popen": ("sigkill", "popen", None),
     "refit/popen": ("refit", "popen", None),
+    "skip_alone/popen": ("skip_alone", "popen", None),
+    "stop_alone/popen": ("stop_alone", "popen", None),
+    "save_alone/popen": ("save_alone", "popen", None),
+    "skip_alone/ddp": ("skip_alone", "ddp", None),
+    "save_alone/ddp": ("save_alone", "ddp", None),
 }
 #: Launch variables a fit in this pytest process may have left in os.environ (Lightning's popen launcher and the
 #: rendezvous set MASTER_ADDR/MASTER_PORT in the launching process; a module fixture's fit is not undone by the
@@ -231,6 +236,58 @@ def test_collectives_out_of_step_fail_within_the_timeout_with_the_likely_cause(j
     assert ended.code != 0 and ended.seconds < 200, f"exit {ended.code} after {ended.seconds:.1f} s"
     # gloo waits out the timeout (or detects the size mismatch itself); rank 0, whose all-reduce broke, explains.
     assert "collective mismatch" in ended.out or "did not take part" in ended.out
+
+
+#: A rank that leaves the others' step sequence alone: the job, the rank, what it says of itself.
+ALONE = {
+    "skip_alone": (1, "ended training epoch 0 after 4 batches (here alone: on_train_batch_start returned -1,"),
+    "stop_alone": (1, "ended training epoch 1 after 4 batches (here alone: on_train_batch_start returned -1,"),
+    "save_alone": (
+        0,
+        "waited in a barrier (Trainer.save_checkpoint) while another rank went on to its next training step",
+    ),
+}
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("job", ["skip_alone/popen", "stop_alone/popen", "save_alone/popen"])
+def test_a_rank_that_leaves_the_others_steps_alone_is_named_on_every_rank_within_seconds(jobs, job):
+    """on_train_batch_start returning -1 on rank 1 alone, trainer.should_stop set on rank 1 alone, and
+    trainer.save_checkpoint on rank 0 alone (a 20 s collective timeout): the rank that left names itself and the cause,
+    the other names it as the cause, within 15 s of the divergence (Lightning's ddp: the timeout, unnamed)."""
+    ended = jobs[job].result()
+    rank, says = ALONE[job.split("/")[0]]
+    assert ended.code != 0 and ended.since_failure < 15, f"exit {ended.code} after {ended.since_failure:.1f} s"
+    assert f"[rank {rank}] failed: RuntimeError: [rank {rank}] {says}" in ended.out
+    assert (
+        f"[rank {1 - rank}] a collective failed because another rank did not take part. Cause: rank {rank} failed:"
+        f" RuntimeError: [rank {rank}] {says}" in ended.out
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("job", ["skip_alone/ddp", "save_alone/ddp"])
+def test_under_lightnings_ddp_a_rank_that_leaves_alone_fails_at_the_collective_timeout(jobs, job):
+    """The same user code under strategy=DDPStrategy(timeout=20 s): every rank waits out the timeout, no rank named."""
+    ended = jobs[job].result()
+    assert ended.code != 0 and ended.since_failure >= 20, f"exit {ended.code} after {ended.since_failure:.1f} s"
+    assert "timeout" in ended.out.lower() and ALONE[job.split("/")[0]][1] not in ended.out
+
+
+@pytest.mark.timeout(300)
+def test_an_epoch_end_decided_alike_on_every_rank_trains_as_under_ddp(tmp_path):
+    """The fix the errors above advise: -1 and should_stop decided on rank 1, shared by reduce_boolean_decision and
+    broadcast, with the progress bar on: both fits end where decided (epoch 0 after 3 steps, the fit after epoch 1's
+    3rd), with the same steps and weights as ddp's, on both ranks."""
+    launch(decided_alike, 2, tmp_path)
+    records = load(tmp_path, "decided_alike", 2)
+    for record in records:
+        assert record["ours"]["steps"] == record["ddp"]["steps"] == 3 + 3, record
+        assert record["ours"]["epoch"] == record["ddp"]["epoch"]
+        for name, value in record["ddp"]["weights"].items():
+            torch.testing.assert_close(record["ours"]["weights"][name], value, rtol=0, atol=1e-6)
+    torch.testing.assert_close(records[0]["ours"]["weights"], records[1]["ours"]["weights"], rtol=0, atol=0)
 
 
 @pytest.mark.timeout(600)

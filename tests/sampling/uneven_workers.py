@@ -271,7 +271,8 @@ def evaluate(out: Path, name: str, strategy: Any, stages: tuple[str, ...]) -> No
 class Observed(pl.Callback, logging.Handler):
     """While a fit runs: the messages of Lightning's rank-zero logger (the fit summary, the uneven-inputs line), and
     each ``torch.distributed.all_reduce`` called from a ``ddp_strategy`` module, as ``(step, module, async_op,
-    world)``: ``step`` the training steps ended before it (a step lasts from one step's end to the next's)."""
+    world)`` (a round: ``boundaries.py:<what sent it>``): ``step`` the training steps ended before it (a step lasts
+    from one step's end to the next's)."""
 
     def __init__(self) -> None:
         pl.Callback.__init__(self)
@@ -284,10 +285,13 @@ class Observed(pl.Callback, logging.Handler):
         self.messages.append(record.getMessage())
 
     def _counted(self, tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        caller = sys._getframe(1).f_code.co_filename
-        if f"{os.sep}ddp_strategy{os.sep}" in caller:
+        caller = sys._getframe(1)
+        if f"{os.sep}ddp_strategy{os.sep}" in caller.f_code.co_filename:
             group = kwargs.get("group", args[1] if len(args) > 1 else None)
-            self.calls.append((self.steps, Path(caller).name, bool(kwargs.get("async_op")), group is None))
+            where = Path(caller.f_code.co_filename).name
+            if caller.f_code.co_name == "send":  # a round: a step's (start), a barrier's, an epoch end's
+                where += f":{caller.f_back.f_code.co_name}"
+            self.calls.append((self.steps, where, bool(kwargs.get("async_op")), group is None))
         return self._all_reduce(tensor, *args, **kwargs)
 
     def __enter__(self) -> Observed:

@@ -88,6 +88,15 @@ class Model(DigitsClassifier):
                 time.sleep(0.05)
         return super().training_step(batch, batch_idx)
 
+    def on_train_batch_start(self, batch, batch_idx):
+        if SCENARIO == "skip_alone" and self.global_rank == 1 and self.global_step == FAIL_STEP:
+            mark_failing()
+            return -1  # rank 1 alone ends its epoch
+        if SCENARIO == "stop_alone" and self.global_rank == 1 and self.current_epoch == 1 and batch_idx == FAIL_STEP:
+            mark_failing()
+            self.trainer.should_stop = True  # rank 1 alone leaves the fit after this step (min_epochs=1 is met)
+        return super().on_train_batch_start(batch, batch_idx)
+
     def validation_step(self, batch, batch_idx):
         if SCENARIO == "val_raise" and self.global_rank == 0:
             mark_failing()
@@ -105,6 +114,9 @@ class Events(L.Callback):
             raise ValueError("a callback on rank 1 failed on purpose")
         if SCENARIO == "save_raise" and trainer.global_step == FAIL_STEP:  # every rank; rank 0's write fails
             trainer.save_checkpoint(OUT / "step.ckpt")
+        if SCENARIO == "save_alone" and trainer.global_rank == 0 and trainer.global_step == FAIL_STEP:
+            mark_failing()
+            trainer.save_checkpoint(OUT / "step.ckpt")  # rank 0 alone: its save's barrier meets rank 1's step
 
     def on_train_epoch_start(self, trainer, pl_module):
         if SCENARIO == "refit" and trainer.current_epoch == 1:
@@ -134,9 +146,11 @@ class UnevenData(DigitsDataModule):
 if __name__ == "__main__":
     L.seed_everything(3)
     start_environ = dict(os.environ)
-    timeout = 5 if SCENARIO == "skip_log" else 60  # skip_log waits for it: the ranks' collectives do not match
+    timeout = (
+        5 if SCENARIO == "skip_log" else 20 if SCENARIO.endswith("_alone") else 60
+    )  # skip_log waits for it: the ranks' collectives do not match
     strategy = (
-        DDPStrategy(timeout=timedelta(seconds=20))
+        DDPStrategy(timeout=timedelta(seconds=timeout if SCENARIO.endswith("_alone") else 20))
         if START_METHOD == "ddp"
         else MyDDPStrategy(
             start_method=START_METHOD,
