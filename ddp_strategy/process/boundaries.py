@@ -227,8 +227,8 @@ class SignalsAtStepBoundary(Callback):
         if progress.current.started < progress.current.processed or trainer.should_stop and not progress.is_last_batch:
             self.round.barrier(
                 trainer.global_rank,
-                f"ended training epoch {trainer.current_epoch} after {progress.current.processed} batches (here"
-                " alone: on_train_batch_start returned -1, a batch was None, or trainer.should_stop was set)",
+                f"ended training epoch {trainer.current_epoch} early, at batch_idx {progress.current.processed - 1}"
+                " (here alone: on_train_batch_start returned -1, a batch was None, or trainer.should_stop was set)",
             )
 
     def on_validation_start(self, trainer: Any, pl_module: Any) -> None:

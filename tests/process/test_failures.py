@@ -240,8 +240,8 @@ def test_collectives_out_of_step_fail_within_the_timeout_with_the_likely_cause(j
 
 #: A rank that leaves the others' step sequence alone: the job, the rank, what it says of itself.
 ALONE = {
-    "skip_alone": (1, "ended training epoch 0 after 4 batches (here alone: on_train_batch_start returned -1,"),
-    "stop_alone": (1, "ended training epoch 1 after 4 batches (here alone: on_train_batch_start returned -1,"),
+    "skip_alone": (1, "ended training epoch 0 early, at batch_idx 3 (here alone: on_train_batch_start returned -1,"),
+    "stop_alone": (1, "ended training epoch 1 early, at batch_idx 3 (here alone: on_train_batch_start returned -1,"),
     "save_alone": (
         0,
         "waited in a barrier (Trainer.save_checkpoint) while another rank went on to its next training step",
