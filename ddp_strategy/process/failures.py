@@ -113,10 +113,10 @@ def on_exception(
             " exiting; resume with fit(ckpt_path=...)"
         )
         sigterm_save()
-    elif isinstance(exception, StalledRankError):
-        log.error("%s", exception)  # it names the missing ranks already
     elif isinstance(exception, (KeyboardInterrupt, SIGTERMException)) or store is None:
         return  # an interruption, or not a rank (the parent of spawned ranks), or one that never joined
+    elif isinstance(exception, StalledRankError):  # published (it names the ranks missing), not waited on: stalled
+        _best_effort(store, rank, store.set, f"failed/{rank}", summarize(exception))
     elif (peers := describe_peers(exception, store, rank, world_size)) is not None:
         extra = explain(rank, peers, run.timeout, cause)
         exception.args = (
