@@ -1,7 +1,8 @@
 """Checks at epoch and step boundaries while fitting: every rank arrives; SIGTERM, SLURM requeue stop all at one step.
 
 :func:`add_fit_callbacks` and :func:`remove_fit_callbacks` put the two callbacks in and out of ``trainer.callbacks``;
-:class:`StepRound` is the one per-step agreement that the signals and the uneven inputs' join share.
+:class:`StepRound` is the one per-step agreement that the signals and the uneven inputs' join share, and the
+strategy's barrier while fitting (a round made outside a step, which tells a rank that the others went on alone).
 """
 
 from __future__ import annotations
@@ -30,9 +31,9 @@ log = logging.getLogger(__name__)
 
 class StepRound:
     """One fit's per-step agreement: at each training step's start every rank that takes the step starts one
-    asynchronous all-reduce (MAX) of three flags, and the result is read at the step's end, arrived long before: no
+    asynchronous all-reduce (MAX) of four flags, and the result is read at the step's end, arrived long before: no
     store operation, no host-device sync. Under NCCL on the world group, a tensor on this rank's device: a tree
-    all-reduce of 3 bytes (logarithmic latency) ahead of the step's gradient buckets; the step's stream does not wait
+    all-reduce of 4 bytes (logarithmic latency) ahead of the step's gradient buckets; the step's stream does not wait
     for it: a side stream does, then copies the flags to pinned host memory, and the read waits for that copy alone
     (Lightning's ``ddp`` broadcasts and reads ``.item()`` per step instead, a host-device sync,
     Lightning-AI/pytorch-lightning#21487). Under gloo, a CPU tensor on the strategy's gloo side group (the world
@@ -156,13 +157,15 @@ class SignalsAtStepBoundary(Callback):
 
     A signal sets a flag of ``step_round``. At each step's start every rank starts that step's round
     (:class:`StepRound`, started by the strategy's ``training_step``), and at each step's end waits for it (long done
-    by then). Steps that only some ranks take send nothing: a flag raised in them goes
-    in the next epoch's first round. No round starts at an epoch's end: a rank-0-only collective in an earlier callback
-    (a progress bar reading ``trainer.progress_bar_metrics``, which syncs metrics) would wait there for the other
-    ranks while they wait in the round. So a signal during step ``s`` acts on every rank at the end of step ``s + 1``
-    (the next epoch's first, after an epoch's last step or its tail; a validation run in between ends first), where a
-    step is an optimizer step (``accumulate_grad_batches`` batches: a resume from its checkpoint is exact): SIGTERM
-    sets ``trainer.received_sigterm``, Lightning raises ``SIGTERMException`` there (``checkpoint_on_sigterm`` saves);
+    by then). Steps that only some ranks take send nothing: a flag raised in them goes in the next epoch's first round.
+    No step's round starts at an epoch's end; only the check of a rank that ended its epoch early
+    (:meth:`_check_not_alone`), which this callback, first among them, makes before any user callback's (a rank-0-only
+    collective there, a progress bar reading ``trainer.progress_bar_metrics``, which syncs metrics, would wait for the
+    other ranks while they wait in a round). So a signal during step ``s`` acts on every rank at the end of step
+    ``s + 1`` (the next epoch's first, after an epoch's last step or its tail; a validation run in between ends
+    first), where a step is an optimizer step (``accumulate_grad_batches`` batches: a resume from its checkpoint is
+    exact): SIGTERM sets ``trainer.received_sigterm``, Lightning raises ``SIGTERMException`` there
+    (``checkpoint_on_sigterm`` saves);
     the requeue signal runs Lightning's handler (save, requeue)."""
 
     def __init__(self, step_round: StepRound) -> None:
@@ -243,7 +246,7 @@ class SignalsAtStepBoundary(Callback):
     def on_train_end(self, trainer: Any = None, pl_module: Any = None) -> None:
         """Give the requeue signal back to Lightning's handler if ours is still installed (Lightning restores the
         original at teardown); let go of the round in flight unread. No collective."""
-        if self._signal is not None and signal.getsignal(self._signal) == self._note:  # (once: then it is not)
+        if self._signal is not None and signal.getsignal(self._signal) == self._note:  # (not again at teardown)
             signal.signal(self._signal, self._lightning_handler)
         self.round.reset()
 
