@@ -12,7 +12,6 @@ from ddp_strategy.process.collectives import (
     all_gather_rows,
     gather_shapes,
 )
-from ddp_strategy.process.failures import destroy_process_group
 from ddp_strategy.process.group import (
     DEFAULT_TIMEOUT,
     ProcessGroupRun,
@@ -36,7 +35,6 @@ __all__ = [
     "boundaries",
     "check_launch_env",
     "default_start_method",
-    "destroy_process_group",
     "device_ids",
     "failures",
     "free_port",

@@ -226,7 +226,7 @@ def wait_for_peers(store: dist.Store, rank: int, world_size: int, timeout_s: flo
         return bool(failed or explained) or (pid is not None and _gone(pid))
 
     while waiting and time.monotonic() < deadline:  # (None: the store is gone)
-        waiting = _best_effort(store, rank, lambda w=waiting: [peer for peer in w if not done(peer)])
+        waiting = _best_effort(store, rank, list, (peer for peer in waiting if not done(peer)))
         time.sleep(0.05 if waiting else 0)
 
 

@@ -2,11 +2,14 @@
 
 One default (world) group per process, as under Lightning's ``DDPStrategy``: every stage and ``Trainer`` in the
 process reuses it, and it outlives a successful run. It is destroyed after a failed run
-(:mod:`ddp_strategy.process.failures`) and when a spawned or forked rank's work ends.
+(:mod:`ddp_strategy.process.failures`), when a spawned or forked rank's work ends, and, where the strategy made it,
+at the process's exit (``atexit``, as Lightning does for NCCL only; under gloo, Lightning's ``ddp`` leaves it to the
+interpreter's finalisation, where gloo's worker thread may end the process with ``std::terminate``).
 """
 
 from __future__ import annotations
 
+import atexit
 import errno
 import gc
 import ipaddress
@@ -194,6 +197,10 @@ def init_process_group(
             timeout=timeout,
             device_id=device if device is not None and device.type == "cuda" else None,
         )
+        # destroyed at this process's exit, as Lightning does for NCCL, on every backend: else gloo's worker thread may
+        # free a finished work's Python objects during interpreter finalisation (std::terminate, "terminate called
+        # without an active exception"; NCCL warns the group was not destroyed)
+        atexit.register(failures.destroy_process_group)
 
     deadline = time.monotonic() + timeout.total_seconds()
     while True:

@@ -192,11 +192,14 @@ def test_two_torchrun_nodes_rendezvous_over_loopback_and_train_together(tmp_path
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(240)
-def test_a_popen_fit_leaves_no_thread_that_lightnings_thread_police_would_fail(tmp_path):
+def test_a_popen_fit_leaves_no_thread_or_process_group_behind(tmp_path):
     """The same 2-process popen fit under MyDDPStrategy and strategy="ddp": after trainer.fit returns, Lightning's
     own test suite's check (stop each new daemon thread that has a ``stop``, then it must be gone; join Lightning's
     observer for up to 10 s) finds no thread left in the launching process (until 2026-12-06 the Supervisor's
-    ``stop`` returned while its thread slept on in its 5 s poll), and both exit 0."""
+    ``stop`` returned while its thread slept on in its 5 s poll), and both exit 0. At the interpreter's exit ours has
+    destroyed the gloo group on both ranks (its atexit hook), where ddp leaves it to finalisation, whose gloo worker
+    thread aborted 3 of 128 stream fits natively ("terminate called without an active exception", issue 51 item 6:
+    too rare to show by exit codes here, so the group's state at exit is what is asserted)."""
     runs = {}
     for mode in ("ours", "ddp"):
         (tmp_path / mode).mkdir()
@@ -205,6 +208,8 @@ def test_a_popen_fit_leaves_no_thread_that_lightnings_thread_police_would_fail(t
         code, out = finish(proc, 200)
         assert code == 0, out[-3000:]
         assert [rank["leaked"] for rank in load_ranks(tmp_path / mode, 2)] == [[], []], mode
+        at_exit = [(tmp_path / mode / f"exit{rank}.txt").read_text() for rank in range(2)]
+        assert at_exit == (["False", "False"] if mode == "ours" else ["True", "True"]), mode
 
 
 @pytest.mark.multiprocess

@@ -24,7 +24,7 @@ from torch.utils.data import BatchSampler, DataLoader, IterableDataset, Sampler,
 from torch.utils.data._utils.collate import default_collate
 
 from ddp_strategy import DDPCheckpointIO, MyDDPStrategy, UnsafeCheckpointError
-from ddp_strategy.process import destroy_process_group
+from ddp_strategy.process.failures import destroy_process_group
 from ddp_strategy.sampling.loaders import ORDER_KEPT_WARNING
 
 N = 24  # samples the user splits by rank: 12 each

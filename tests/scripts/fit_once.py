@@ -4,9 +4,12 @@ Usage: python fit_once.py OUT_DIR [extra: torchrun | cpu3 | ddp]. Under torchrun
 of launching. With cpu3 it pins itself (and so its ranks) to 2 CPU cores and fits on devices=3: more processes
 than cores. With ddp it fits under Lightning's strategy="ddp". Each rank writes what it saw to
 OUT_DIR/rank{global_rank}.pt, with the threads the fit left running once Lightning's own test suite has stopped
-them (its ``thread_police_duuu_daaa_duuu_daaa`` fixture: a daemon thread with a ``stop`` is stopped and must be gone).
+them (its ``thread_police_duuu_daaa_duuu_daaa`` fixture: a daemon thread with a ``stop`` is stopped and must be gone),
+and, from an ``atexit`` hook registered before the fit (so run after any the fit registered), whether a process group
+was still initialised at the interpreter's exit, to OUT_DIR/exit{global_rank}.txt.
 """
 
+import atexit
 import os
 import sys
 import threading
@@ -69,6 +72,9 @@ if __name__ == "__main__":
     )
     model = DigitsClassifier()
     before = set(threading.enumerate())
+    atexit.register(
+        lambda: (out / f"exit{trainer.global_rank}.txt").write_text(str(torch.distributed.is_initialized()))
+    )
     trainer.fit(model, DigitsDataModule())
     leaked = leaked_threads(before)
     torch.save({**record.seen, "final": model.state_dict(), "leaked": leaked}, out / f"rank{trainer.global_rank}.pt")
