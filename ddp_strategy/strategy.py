@@ -451,12 +451,7 @@ class MyDDPStrategy(sync.wrapping.LightningDDPAttributes, ParallelStrategy):
         self._sharding.hand_back(trainer)
         self._uneven.abandon()
         if trainer is not None:  # the loops' data fetchers read the loaders' lengths (user code) while the group lives
-            process.boundaries.remove_fit_callbacks(trainer)
-            trainer.callbacks[:] = [
-                c
-                for c in trainer.callbacks
-                if c is not self._uneven.callback and not isinstance(c, diagnostics.FitDiagnostics)
-            ]
+            process.boundaries.remove_fit_callbacks(trainer, type(self._uneven.callback), diagnostics.FitDiagnostics)
             for loop in (trainer.fit_loop, trainer.validate_loop, trainer.test_loop, trainer.predict_loop):
                 loop.teardown()
         super().teardown()

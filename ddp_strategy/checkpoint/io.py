@@ -120,13 +120,11 @@ def _is_local(path: Any) -> bool:
 
 def _stamp(path: Any) -> tuple[str, int, int] | None:
     """``(real path, size in bytes, mtime in ns)`` of a local file; None for a remote or missing one."""
-    if not _is_local(path):
-        return None
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    return os.path.realpath(path), st.st_size, st.st_mtime_ns
+    if _is_local(path):
+        with contextlib.suppress(OSError):  # missing
+            st = os.stat(path)
+            return os.path.realpath(path), st.st_size, st.st_mtime_ns
+    return None
 
 
 class WrittenFiles:
@@ -145,8 +143,7 @@ class WrittenFiles:
         self._stamps.discard(_stamp(path))
 
     def __contains__(self, path: Any) -> bool:
-        stamp = _stamp(path)
-        return stamp is not None and stamp in self._stamps
+        return _stamp(path) in self._stamps - {None}  # (None: a remote or missing file, never trusted)
 
 
 # ---------------------------------------------------------------------------------------------- loads

@@ -123,11 +123,13 @@ class StepRound:
 
 
 class EpochBoundaryCheck(Callback):
-    """At each training epoch's start, on every rank: a gloo ``monitored_barrier`` on ``group`` (``None``: the world),
-    then ``begin_epoch(trainer)`` (the uneven inputs' batch counts: ``sampling.UnevenInputs.begin_epoch``). Before
-    the first batch and after the other callbacks' epoch start, so a rank that stalled between epochs is named (with
-    one rank, a barrier of one). Under gloo on the world group (its full mesh: no connection more); else on
-    the strategy's gloo side group, whose pairs connect on first use (``process.group``): rank 0 to each rank.
+    """At each training epoch's start and at the fit's end, on every rank: a gloo ``monitored_barrier`` on ``group``
+    (``None``: the world), then ``begin_epoch(trainer, end)`` (the uneven inputs' batch counts, or at the end a mark
+    that pairs with them: ``sampling.UnevenInputs.begin_epoch``, which names a rank that ended the fit while others
+    went on). Before the first batch and after the other callbacks' epoch start (or train end), so a rank that
+    stalled between epochs is named (with one rank, a barrier of one). Under gloo on the world group (its full mesh: no
+    connection more); else on the strategy's gloo side group, whose pairs connect on first use (``process.group``):
+    rank 0 to each rank. Per fit: one barrier and one all-reduce of W integers per epoch, and one more of each.
 
     Raises:
         StalledRankError: a rank did not reach the barrier in ``timeout`` (a barrier broken sooner, by a peer that
@@ -137,7 +139,7 @@ class EpochBoundaryCheck(Callback):
     def __init__(self, group: Any, timeout: timedelta, rank: int, begin_epoch: Any) -> None:
         self.group, self.timeout, self.rank, self.begin = group, timeout, rank, begin_epoch
 
-    def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
+    def on_train_epoch_start(self, trainer: Any, pl_module: Any, end: bool = False) -> None:
         epoch, rank, start, timeout = trainer.current_epoch, self.rank, time.monotonic(), self.timeout
         try:
             dist.monitored_barrier(group=self.group, timeout=timeout, wait_all_ranks=True)
@@ -145,11 +147,16 @@ class EpochBoundaryCheck(Callback):
             if time.monotonic() - start < 0.9 * timeout.total_seconds():
                 raise  # a connection broke (a peer failed and left): failures.describe_peers names it
             raise StalledRankError(
-                f"[rank {rank}] not every rank reached the start of training epoch {epoch} within"
+                f"[rank {rank}] not every rank reached the start of training epoch {epoch} (or the fit's end) within"
                 f" {timeout.total_seconds():.0f} s: {e}. That rank is stalled (an endless loop, a deadlocked"
                 " DataLoader worker, slow storage) or has died."
             ) from e
-        self.begin(trainer)
+        self.begin(trainer, end)
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        """The same at the fit's end (before the fit-end diagnostics' all-reduce), where a rank that ended the fit
+        alone (``trainer.should_stop`` after its epoch's last batch) meets the others' next epoch's start."""
+        self.on_train_epoch_start(trainer, pl_module, end=True)
 
 
 class SignalsAtStepBoundary(Callback):
@@ -255,7 +262,7 @@ def add_fit_callbacks(
     trainer: Any, run: Any, rank: int, world_size: int, step_round: StepRound, begin: Any, first: int
 ) -> None:
     """Put the callbacks in ``trainer.callbacks`` (replacing earlier ones): the epoch check on ``run``'s barrier group
-    (a ``ProcessGroupRun``), then ``begin(trainer)``, last; the signals, which read ``step_round`` (the fit's
+    (a ``ProcessGroupRun``), then ``begin(trainer, end)``, last; the signals, which read ``step_round`` (the fit's
     per-step round, :attr:`StepRound.on` set here), at index ``first``, before any of the user's: a rank that left the
     epoch alone must learn it before their epoch end, where a rank-0-only collective (a progress bar reading
     ``trainer.progress_bar_metrics`` syncs metrics that the other ranks sync later) would wait for the others while
@@ -271,11 +278,12 @@ def add_fit_callbacks(
     trainer.callbacks.insert(first, SignalsAtStepBoundary(step_round))
 
 
-def remove_fit_callbacks(trainer: Any) -> None:
-    """Remove what :func:`add_fit_callbacks` added, giving the requeue signal back to Lightning's handler."""
+def remove_fit_callbacks(trainer: Any, *others: type) -> None:
+    """Remove what :func:`add_fit_callbacks` added, giving the requeue signal back to Lightning's handler, and the
+    callbacks of the ``others`` types (the strategy's own)."""
     for cb in trainer.callbacks:
         if isinstance(cb, SignalsAtStepBoundary):
             cb.on_train_end()
     trainer.callbacks[:] = [
-        cb for cb in trainer.callbacks if not isinstance(cb, (EpochBoundaryCheck, SignalsAtStepBoundary))
+        cb for cb in trainer.callbacks if not isinstance(cb, (EpochBoundaryCheck, SignalsAtStepBoundary, *others))
     ]

@@ -115,8 +115,6 @@ def on_exception(
         sigterm_save()
     elif isinstance(exception, (KeyboardInterrupt, SIGTERMException)) or store is None:
         return  # an interruption, or not a rank (the parent of spawned ranks), or one that never joined
-    elif isinstance(exception, StalledRankError):  # published (it names the ranks missing), not waited on: stalled
-        _best_effort(store, rank, store.set, f"failed/{rank}", summarize(exception))
     elif (peers := describe_peers(exception, store, rank, world_size)) is not None:
         extra = explain(rank, peers, run.timeout, cause)
         exception.args = (
@@ -134,7 +132,7 @@ def on_exception(
             exc_info=(type(exception), exception, exception.__traceback__),
         )
         _best_effort(store, rank, store.set, f"failed/{rank}", summarize(exception))
-        run.own_failure = True
+        run.own_failure = not isinstance(exception, StalledRankError)  # (it names the ranks missing: not waited on)
 
 
 def teardown(run: Any, rank: int, world_size: int) -> None:

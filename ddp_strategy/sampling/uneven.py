@@ -38,6 +38,8 @@ else:  # this process's Lightning namespace (see ddp_strategy._compat.namespace)
 
 #: ``MyDDPStrategy(uneven_inputs=...)``'s values, the default first.
 POLICIES = ("join", "stop", "error")
+#: A rank's count in :meth:`UnevenInputs.begin_epoch` at the fit's end: above any number of batches.
+_ENDED = 2**62
 
 
 def _accumulation_message(trainer: Any, k: int, ranks: list[int]) -> str:
@@ -106,12 +108,16 @@ class UnevenInputs(StepJoin):
         self.epochs: dict[int, tuple[int, ...]] = {}  #: epoch whose counts differed -> batches each rank trained
         self._uncut: int | None = None  #: ``"stop"`` with known counts (the epoch cut at its start): its length
 
-    def begin_epoch(self, trainer: Any) -> None:
+    def begin_epoch(self, trainer: Any, end: bool = False) -> None:
         """At a training epoch's start, on every rank, after the epoch barrier: gather every rank's batch count (-1:
         unknown, as any ``IterableDataset``'s, whose length is only a hint; one all-reduce of W integers), and where
-        they differ or are unknown, set the epoch up for the policy (with one rank, nothing).
+        they differ or are unknown, set the epoch up for the policy (with one rank, nothing). At the fit's ``end``
+        (``on_train_end``) the same all-reduce, with a mark in place of the count: it pairs with the others' next
+        epoch where this rank ended the fit alone (``trainer.should_stop`` on some ranks only, after their epoch's
+        last batch: under Lightning's ddp the others' next step fails once it exits, or waits out the timeout).
 
         Raises:
+            RuntimeError: some ranks ended the fit while the others started an epoch (on every rank, naming both).
             ValueError: known, unequal counts under ``"error"``; under ``"join"``, ``accumulate_grad_batches`` not
                 dividing a shorter rank's known count (its last batch would sync gradients alone), or what a rank
                 out of data cannot take part in (:func:`_unshadowed`), each named, with ``uneven_inputs="stop"``;
@@ -121,7 +127,16 @@ class UnevenInputs(StepJoin):
         unknown = trainer.num_training_batches == float("inf") or any(
             isinstance(getattr(dl, "dataset", None), IterableDataset) for dl in flat_loaders(trainer.train_dataloader)
         )
-        counts = [c - 1 for c in self._flags(0 if unknown else int(trainer.num_training_batches) + 1)]
+        counts = [
+            c - 1 for c in self._flags(_ENDED + 1 if end else 0 if unknown else int(trainer.num_training_batches) + 1)
+        ]
+        if len({c == _ENDED for c in counts}) > 1:
+            raise RuntimeError(
+                f"[rank {trainer.global_rank}] ranks {[r for r, c in enumerate(counts) if c == _ENDED]} ended the fit"
+                " (trainer.should_stop set there alone, after the epoch's last batch) while the others started training"
+                f" epoch {trainer.current_epoch}. Decide the stop on every rank: trainer.should_stop ="
+                " trainer.strategy.reduce_boolean_decision(stop, all=False), as EarlyStopping does."
+            )
         if len(counts) == 1 or len(set(counts)) == 1 and -1 not in counts:  # one rank: nothing to agree
             return
         epoch, k, known = trainer.current_epoch, trainer.accumulate_grad_batches, -1 not in counts

@@ -51,6 +51,7 @@ JOBS: dict[str, tuple[str, str, int | None]] = {  # the long ones first; spawn (
     "skip_alone/popen": ("skip_alone", "popen", None),
     "stop_alone/popen": ("stop_alone", "popen", None),
     "save_alone/popen": ("save_alone", "popen", None),
+    "end_alone/popen": ("end_alone", "popen", None),
     "skip_alone/ddp": ("skip_alone", "ddp", None),
     "save_alone/ddp": ("save_alone", "ddp", None),
 }
@@ -214,7 +215,7 @@ def test_a_stalled_rank_is_named_by_the_epoch_barrier(jobs, job):
     """A rank that hangs before its next epoch is named by the monitored barrier after 5 s, not 30 minutes."""
     ended = jobs[job].result()
     assert ended.code != 0 and ended.since_failure < 60, f"exit {ended.code} after {ended.since_failure:.1f} s"
-    assert "[rank 0] not every rank reached the start of training epoch 1 within 5 s" in ended.out
+    assert "[rank 0] not every rank reached the start of training epoch 1 (or the fit's end) within 5 s" in ended.out
     assert any(f"{who} 1 failed to pass monitoredBarrier" in ended.out for who in ("Rank", "Ranks"))
 
 
@@ -246,19 +247,26 @@ ALONE = {
         0,
         "waited in a barrier (Trainer.save_checkpoint) while another rank went on to its next training step",
     ),
+    "end_alone": (1, "ranks [1] ended the fit (trainer.should_stop set there alone, after the epoch's last batch) while"),
 }
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("job", ["skip_alone/popen", "stop_alone/popen", "save_alone/popen"])
+@pytest.mark.parametrize("job", ["skip_alone/popen", "stop_alone/popen", "save_alone/popen", "end_alone/popen"])
 def test_a_rank_that_leaves_the_others_steps_alone_is_named_on_every_rank_within_seconds(jobs, job):
-    """on_train_batch_start returning -1 on rank 1 alone, trainer.should_stop set on rank 1 alone, and
-    trainer.save_checkpoint on rank 0 alone (a 20 s collective timeout): the rank that left names itself and the cause,
-    the other names it as the cause, within 15 s of the divergence (Lightning's ddp: the timeout, unnamed)."""
+    """on_train_batch_start returning -1 on rank 1 alone, trainer.should_stop set on rank 1 alone mid-epoch or in
+    on_train_epoch_end (after the last batch: it ends the fit), and trainer.save_checkpoint on rank 0 alone (a 20 s
+    collective timeout): the rank that left names itself and the cause, the other names it as the cause, within 15 s
+    of the divergence (Lightning's ddp: the timeout, unnamed; for the fit's end alone, the others' next step fails
+    once the rank that left exits, unnamed: "Connection closed by peer"). Until 2026-12-06 a fit ended alone waited
+    out the timeout: its fit-end all-reduce met the others' next epoch's barrier."""
     ended = jobs[job].result()
     rank, says = ALONE[job.split("/")[0]]
     assert ended.code != 0 and ended.since_failure < 15, f"exit {ended.code} after {ended.since_failure:.1f} s"
     assert f"[rank {rank}] failed: RuntimeError: [rank {rank}] {says}" in ended.out
+    if job.startswith("end_alone"):  # both ranks take part in the same all-reduce at the fit's end: each raises it
+        assert f"[rank 0] failed: RuntimeError: [rank 0] {says} the others started training epoch 1" in ended.out
+        return
     assert (
         f"[rank {1 - rank}] a collective failed because another rank did not take part. Cause: rank {rank} failed:"
         f" RuntimeError: [rank {rank}] {says}" in ended.out

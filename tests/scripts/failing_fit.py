@@ -118,6 +118,11 @@ class Events(L.Callback):
             mark_failing()
             trainer.save_checkpoint(OUT / "step.ckpt")  # rank 0 alone: its save's barrier meets rank 1's step
 
+    def on_train_epoch_end(self, trainer, pl_module):
+        if SCENARIO == "end_alone" and trainer.global_rank == 1 and trainer.current_epoch == 0:
+            mark_failing()
+            trainer.should_stop = True  # rank 1 alone ends the fit after its epoch's last batch; rank 0 goes on
+
     def on_train_epoch_start(self, trainer, pl_module):
         if SCENARIO == "refit" and trainer.current_epoch == 1:
             mark_failing()
