@@ -247,7 +247,10 @@ ALONE = {
         0,
         "waited in a barrier (Trainer.save_checkpoint) while another rank went on to its next training step",
     ),
-    "end_alone": (1, "ranks [1] ended the fit (trainer.should_stop set there alone, after the epoch's last batch) while"),
+    "end_alone": (
+        1,
+        "ranks [1] ended the fit (trainer.should_stop set there alone, after the epoch's last batch) while",
+    ),
 }
 
 
