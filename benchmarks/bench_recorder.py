@@ -103,12 +103,18 @@ class CommCounter:
             if fn is None or getattr(fn, "_bench_wrapped", False):
                 continue
             setattr(dist, name, self._wrap(name, fn))
+        # a group's own barrier (ProcessGroup.barrier(options): MyDDPStrategy's epoch barrier, with a timeout),
+        # counted where it is not called by torch.distributed.barrier (counted above)
+        if not getattr(dist.ProcessGroup.barrier, "_bench_wrapped", False):
+            dist.ProcessGroup.barrier = self._wrap("barrier", dist.ProcessGroup.barrier, method=True)
 
-    def _wrap(self, name: str, fn: Any) -> Any:
-        params = list(inspect.signature(fn).parameters)
-        group_at = params.index("group") if "group" in params else None
+    def _wrap(self, name: str, fn: Any, method: bool = False) -> Any:
+        params = [] if method else list(inspect.signature(fn).parameters)
+        group_at = 0 if method else params.index("group") if "group" in params else None
 
         def wrapper(*args: Any, **kwargs: Any) -> Any:
+            if method and getattr(_tls, "in_dist", False):
+                return fn(*args, **kwargs)
             if not getattr(_tls, "in_hook", False):
                 group = kwargs.get("group", args[group_at] if group_at is not None and group_at < len(args) else None)
                 world = group is None or group is dist.group.WORLD  # only the world group's count as "other"
@@ -120,7 +126,11 @@ class CommCounter:
                 if world:
                     self.other_calls[name] = self.other_calls.get(name, 0) + 1
                     self.other_bytes[name] = self.other_bytes.get(name, 0) + nbytes
-            return fn(*args, **kwargs)
+            outer, _tls.in_dist = getattr(_tls, "in_dist", False), True
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                _tls.in_dist = outer
 
         wrapper._bench_wrapped = True  # type: ignore[attr-defined]
         return wrapper

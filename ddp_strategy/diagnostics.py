@@ -23,9 +23,7 @@ from ddp_strategy._compat import torch_private as _torch_private
 from ddp_strategy.sampling import flat_loaders
 
 if TYPE_CHECKING:
-    from lightning.pytorch import Callback, LightningModule, Trainer
-else:  # this process's Lightning namespace (see ddp_strategy._compat.namespace)
-    Callback = _namespace.get("pytorch.callbacks:Callback")
+    from lightning.pytorch import LightningModule, Trainer
 
 #: The hint is given when un-overlapped all-reduce time exceeds this share of a step (0.5: communication
 #: takes longer than forward and backward compute together).
@@ -273,7 +271,7 @@ class GradientTracker:
             self._handles.popitem()[1].remove()
 
 
-class FitDiagnostics(Callback):
+class FitDiagnostics(_namespace.Callback):
     """What rank 0 tells the user about a fit, as a callback the strategy adds while fitting: at the training start
     the fit summary and the batch-size warnings (no collective), gradients tracked on every rank; at its end the
     communication summary and the parameters no rank updated (:meth:`on_train_end`, a collective).

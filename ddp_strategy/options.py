@@ -43,10 +43,13 @@ class StrategyOptions:
     def sigterm_save(self, trainer: Any) -> functools.partial | None:
         """The save on SIGTERM, ``trainer.save_checkpoint`` with its path (the given one, ``<default_root_dir>/
         sigterm.ckpt`` for True) bound (``.args[0]``); None without ``checkpoint_on_sigterm`` or a trainer."""
-        if isinstance(self.checkpoint_on_sigterm, (str, os.PathLike)) and trainer is not None:
-            return functools.partial(trainer.save_checkpoint, os.fspath(self.checkpoint_on_sigterm))
-        if self.checkpoint_on_sigterm and trainer is not None:
-            return functools.partial(trainer.save_checkpoint, os.path.join(trainer.default_root_dir, "sigterm.ckpt"))
+        if self.checkpoint_on_sigterm and trainer is not None:  # (an empty path was refused: strategy_options)
+            path = (
+                self.checkpoint_on_sigterm
+                if isinstance(self.checkpoint_on_sigterm, (str, os.PathLike))
+                else os.path.join(trainer.default_root_dir, "sigterm.ckpt")
+            )
+            return functools.partial(trainer.save_checkpoint, os.fspath(path))
         return None
 
 

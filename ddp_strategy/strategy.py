@@ -22,12 +22,9 @@ from ddp_strategy.checkpoint import FIT_MISMATCH_HINT, StateDictMismatchError, m
 if TYPE_CHECKING:
     import lightning.pytorch as pl
     from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
-    from lightning.pytorch.strategies import ParallelStrategy
-else:  # this process's Lightning namespace (see ddp_strategy._compat.namespace)
-    ParallelStrategy = _namespace.get("pytorch.strategies:ParallelStrategy")
 
 
-class MyDDPStrategy(sync.wrapping.LightningDDPAttributes, ParallelStrategy):
+class MyDDPStrategy(sync.wrapping.LightningDDPAttributes, _namespace.ParallelStrategy):
     """Distributed data parallel training: one process per device, gradients all-reduced during backward.
 
     ``Trainer(devices=2, strategy=MyDDPStrategy())``: 2 processes (gloo; NCCL on CUDA), a per-epoch sampler for every
@@ -42,7 +39,7 @@ class MyDDPStrategy(sync.wrapping.LightningDDPAttributes, ParallelStrategy):
         init_method: ``None``/``"env://"`` (``MASTER_ADDR``/``MASTER_PORT``), ``"tcp://host:port"``, ``"file:///path"``.
         store: a ready ``torch.distributed.Store`` (e.g. ``FileStore``); ``fork`` and ``popen`` only.
         allow_cpu_oversubscription: silence the warning for more CPU processes per node than cores.
-        monitored_barrier_timeout: a training epoch's ``monitored_barrier`` names ranks this late; default ``timeout``.
+        monitored_barrier_timeout: the epoch barrier (``process.boundaries``) names ranks this late; default timeout.
         checkpoint_on_sigterm: on SIGTERM all ranks stop at one step and save to a path (``True``: ``sigterm.ckpt``).
         ddp_comm_hook, ddp_comm_state, ddp_comm_wrapper: a DDP comm hook (or ``"powersgd"``...), its state, a wrapper.
         model_averaging_period: with a ``PostLocalSGDState``, average the parameters every N optimizer steps after

@@ -17,7 +17,7 @@ import pkgutil
 import re
 import sys
 from functools import cache
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 #: Environment variable naming the namespace to use: ``lightning`` or ``pytorch_lightning``.
 ENV_VAR = "DDP_STRATEGY_LIGHTNING"
@@ -122,4 +122,14 @@ isolate_rng = get("pytorch.utilities.seed:isolate_rng")
 TrainerFn = get("pytorch.trainer.states:TrainerFn")
 RunningStage = get("pytorch.trainer.states:RunningStage")
 SIGTERMException = get("pytorch.utilities.exceptions:SIGTERMException")
-LightningModule = get("pytorch:LightningModule")
+# The base classes the package subclasses (``class X(_namespace.Callback)``), typed as Lightning's for mypy.
+if TYPE_CHECKING:
+    from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+    from lightning.pytorch import Callback, LightningDataModule, LightningModule
+    from lightning.pytorch.strategies import ParallelStrategy
+else:
+    Callback = get("pytorch.callbacks:Callback")
+    LightningModule = get("pytorch:LightningModule")
+    LightningDataModule = get("pytorch:LightningDataModule")
+    ParallelStrategy = get("pytorch.strategies:ParallelStrategy")
+    TorchCheckpointIO = get("fabric.plugins.io.torch_io:TorchCheckpointIO")

@@ -17,17 +17,12 @@ import warnings
 import zipfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from ddp_strategy._compat import lightning_private as _pl
 from ddp_strategy._compat import namespace as _namespace
-
-if TYPE_CHECKING:
-    from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
-else:  # this process's Lightning namespace (see ddp_strategy._compat.namespace)
-    TorchCheckpointIO = _namespace.get("fabric.plugins.io.torch_io:TorchCheckpointIO")
 
 log = logging.getLogger(__name__)
 
@@ -273,7 +268,7 @@ def _verify_zip_checksums(f: Any, path: str, size: int) -> None:
 
 
 # ----------------------------------------------------------------------------------- Lightning plugin
-class DDPCheckpointIO(TorchCheckpointIO):
+class DDPCheckpointIO(_namespace.TorchCheckpointIO):
     """Lightning's ``TorchCheckpointIO``, crash-safe and safe to load: local files written by :func:`atomic_save`
     (the keys as given: ``MyDDPStrategy`` hands it clean ones), loaded by :func:`load_file`; URLs (``file://`` too)
     and ``remove_checkpoint`` Lightning's.

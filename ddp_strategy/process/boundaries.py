@@ -12,7 +12,7 @@ import signal
 import threading
 import time
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -20,11 +20,6 @@ import torch.distributed as dist
 from ddp_strategy._compat import lightning_private as _pl
 from ddp_strategy._compat import namespace as _namespace
 from ddp_strategy.process.failures import StalledRankError
-
-if TYPE_CHECKING:
-    from lightning.pytorch import Callback
-else:  # this process's Lightning namespace (see ddp_strategy._compat.namespace)
-    Callback = _namespace.get("pytorch.callbacks:Callback")
 
 log = logging.getLogger(__name__)
 
@@ -122,33 +117,44 @@ class StepRound:
         return flags
 
 
-class EpochBoundaryCheck(Callback):
-    """At each training epoch's start and at the fit's end, on every rank: a gloo ``monitored_barrier`` on ``group``
-    (``None``: the world), then ``begin_epoch(trainer, end)`` (the uneven inputs' batch counts, or at the end a mark
-    that pairs with them: ``sampling.UnevenInputs.begin_epoch``, which names a rank that ended the fit while others
-    went on). Before the first batch and after the other callbacks' epoch start (or train end), so a rank that
-    stalled between epochs is named (with one rank, a barrier of one). Under gloo on the world group (its full mesh: no
+class EpochBoundaryCheck(_namespace.Callback):
+    """At each training epoch's start and at the fit's end, on every rank: a gloo barrier on ``group`` with
+    ``timeout``, then ``begin_epoch(trainer, end)`` (the uneven inputs' batch counts, or at the end a mark that pairs
+    with them: ``sampling.UnevenInputs.begin_epoch``, which names a rank that ended the fit while others went on).
+    Before the first batch and after the other callbacks' epoch start (or train end), so a rank that stalled between
+    epochs is named (with one rank, a barrier of one). The barrier is gloo's own (``ProcessGroup.barrier``, torch's
+    ``BarrierOptions`` carrying the timeout): a dissemination barrier, ``ceil(log2 W)`` rounds in which each rank sends
+    one empty message and receives one (Hensgen, Finkel and Manber, 1988), so no rank loops over the world (Lightning's
+    ``monitored_barrier``: rank 0 exchanges with each rank in turn). Under gloo on the world group (its full mesh: no
     connection more); else on the strategy's gloo side group, whose pairs connect on first use (``process.group``):
-    rank 0 to each rank. Per fit: one barrier and one all-reduce of W integers per epoch, and one more of each.
+    about ``2 log2 W`` peers per rank. Before it each rank counts the checks it reached in ``reports`` (a store ``add``
+    to its own key), which a timeout reads to name the ranks missing: the only loop over the world, on the failure
+    path. Per fit: one barrier, one store ``add`` and one all-reduce of W integers per epoch, and one more of each at
+    its end.
 
     Raises:
-        StalledRankError: a rank did not reach the barrier in ``timeout`` (a barrier broken sooner, by a peer that
-            failed and left the group, raises gloo's error for :mod:`ddp_strategy.process.failures` to explain).
+        StalledRankError: a rank did not reach the barrier in ``timeout``, named (a barrier broken sooner, by a peer
+            that failed and left the group, raises gloo's error for :mod:`ddp_strategy.process.failures` to explain).
     """
 
-    def __init__(self, group: Any, timeout: timedelta, rank: int, begin_epoch: Any) -> None:
-        self.group, self.timeout, self.rank, self.begin = group, timeout, rank, begin_epoch
+    def __init__(self, group: Any, timeout: timedelta, rank: int, begin_epoch: Any, reports: Any) -> None:
+        self.group, self.timeout, self.rank, self.begin, self.reports = group, timeout, rank, begin_epoch, reports
 
     def on_train_epoch_start(self, trainer: Any, pl_module: Any, end: bool = False) -> None:
         epoch, rank, start, timeout = trainer.current_epoch, self.rank, time.monotonic(), self.timeout
+        reached = self.reports.add(f"checks/{rank}", 1)  # the checks this rank reached (the same on every rank)
+        options = dist.BarrierOptions()
+        options.timeout = timeout  # per operation: it ends on time, none left in flight (which would block teardown)
         try:
-            dist.monitored_barrier(group=self.group, timeout=timeout, wait_all_ranks=True)
+            self.group.barrier(options).wait()
         except RuntimeError as e:
             if time.monotonic() - start < 0.9 * timeout.total_seconds():
                 raise  # a connection broke (a peer failed and left): failures.describe_peers names it
+            missing = [r for r in range(self.group.size()) if self.reports.add(f"checks/{r}", 0) < reached]
             raise StalledRankError(
-                f"[rank {rank}] not every rank reached the start of training epoch {epoch} (or the fit's end) within"
-                f" {timeout.total_seconds():.0f} s: {e}. That rank is stalled (an endless loop, a deadlocked"
+                f"[rank {rank}] ranks {missing} did not reach"
+                f" {'the end of the fit' if end else f'the start of training epoch {epoch}'}"
+                f" within {timeout.total_seconds():.0f} s ({e}). Such a rank is stalled (an endless loop, a deadlocked"
                 " DataLoader worker, slow storage) or has died."
             ) from e
         self.begin(trainer, end)
@@ -159,7 +165,7 @@ class EpochBoundaryCheck(Callback):
         self.on_train_epoch_start(trainer, pl_module, end=True)
 
 
-class SignalsAtStepBoundary(Callback):
+class SignalsAtStepBoundary(_namespace.Callback):
     """SIGTERM and Lightning's SLURM requeue signal, acted on at one step boundary on every rank, whichever got it.
 
     A signal sets a flag of ``step_round``. At each step's start every rank starts that step's round
@@ -274,7 +280,9 @@ def add_fit_callbacks(
     step_round.on = (
         (side, torch.device("cpu"), world_size) if gloo else (None, trainer.strategy.root_device, world_size)
     )
-    trainer.callbacks.append(EpochBoundaryCheck(None if gloo else side, run.barrier_timeout, rank, begin))
+    trainer.callbacks.append(
+        EpochBoundaryCheck(dist.group.WORLD if gloo else side, run.barrier_timeout, rank, begin, run.reports)
+    )
     trainer.callbacks.insert(first, SignalsAtStepBoundary(step_round))
 
 

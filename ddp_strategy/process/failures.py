@@ -66,12 +66,15 @@ _IN_COLLECTIVE, *_MAYBE = (
     os.path.join(os.path.dirname(os.path.dirname(dist.__file__)), *folder, "")
     for folder in (["distributed"], ["autograd"], ["nn", "parallel"])
 )
-#: ``file:function`` of the wait for a round (``boundaries.StepRound.received``): a collective, as torch's are.
-_ROUND_WAIT = os.path.join(os.path.dirname(__file__), "boundaries.py:received")
+#: ``file:function`` of the waits for a round (``boundaries.StepRound.received``) and for the epoch barrier
+#: (``boundaries.EpochBoundaryCheck.on_train_epoch_start``, which raises its own StalledRankError): collectives.
+_OUR_WAITS = tuple(
+    os.path.join(os.path.dirname(__file__), f"boundaries.py:{f}") for f in ("received", "on_train_epoch_start")
+)
 
 
 class StalledRankError(RuntimeError):
-    """A rank did not reach a monitored barrier in time; the message names it."""
+    """A rank did not reach the epoch barrier (:mod:`~ddp_strategy.process.boundaries`) in time; named."""
 
 
 def generation(store: dist.Store, world_size: int, kind: str) -> dist.PrefixStore:
@@ -232,12 +235,14 @@ def describe_peers(exception: BaseException, store: dist.Store, rank: int, world
     """Step 3's causes, ``"; "``-joined (each peer that reported a failure or whose process on this host is gone), if
     ``exception`` broke in a collective; None if it is this rank's own failure. In a collective: a ``DistError``
     (``DistBackendError``, ``DistNetworkError``, ``DistStoreError``) or an error raised in ``torch.distributed`` or in
-    the wait for a round (:data:`_ROUND_WAIT`: a barrier's, while fitting);
+    the wait for a round or the epoch barrier (:data:`_OUR_WAITS`; a round: a barrier's, while fitting);
     one raised in torch's autograd engine or DDP's module (DDP's gradient all-reduce fails the backward pass, its
     buffer broadcast the forward; gloo's errors are plain ``RuntimeError``) only if a cause is found, as those
     frames raise a rank's own errors too (an in-place modification)."""
     where = "".join(f"{f.filename}:{f.name}" for f in traceback.extract_tb(exception.__traceback__)[-1:])  # innermost
-    certain = isinstance(exception, dist.DistError) or where.startswith((_IN_COLLECTIVE, _ROUND_WAIT))
+    certain = not isinstance(exception, StalledRankError) and (
+        isinstance(exception, dist.DistError) or where.startswith((_IN_COLLECTIVE, *_OUR_WAITS))
+    )
     if not certain and not where.startswith(tuple(_MAYBE)):
         return None
     found: list[str] = []

@@ -230,7 +230,7 @@ def init_process_group(
 
 class ProcessGroupRun:
     """One rank's part in the runs (stages, fits) of one strategy: the rendezvous (:func:`init_process_group`),
-    side groups, failure state; ``barrier_timeout`` is the epoch-start ``monitored_barrier``'s."""
+    side groups, failure state; ``barrier_timeout`` is the epoch barrier's (:mod:`~ddp_strategy.process.boundaries`)."""
 
     def __init__(
         self,
@@ -290,7 +290,7 @@ class ProcessGroupRun:
             self.node_group = dist.group.WORLD if num_nodes == 1 else dist.new_subgroups_by_enumeration(lists)[0]
         # The run's gloo side group (process.boundaries), destroyed at its teardown: made with its pairs connected on
         # first use (TORCH_GLOO_LAZY_INIT, unless the user set it), so making it connects nothing and costs no store
-        # operation, and it connects only what it uses (monitored_barrier's rank 0 to each rank, a round's ring)
+        # operation, and it connects only what it uses (the epoch barrier's 2 log2 W - 1 peers, a round's ring)
         with mock.patch.dict(os.environ, {"TORCH_GLOO_LAZY_INIT": os.environ.get("TORCH_GLOO_LAZY_INIT", "1")}):
             self.barrier_group = dist.new_group(backend="gloo")
         self.failed = self.own_failure = False

@@ -6,17 +6,12 @@ hand-written digits, test set) inside scikit-learn, so no download is needed.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, cast
+from typing import cast
 
 import torch
 from torch.utils.data import DataLoader, Dataset, TensorDataset, random_split
 
 from ddp_strategy._compat import namespace as _namespace
-
-if TYPE_CHECKING:
-    from lightning.pytorch import LightningDataModule
-else:  # this process's Lightning namespace (see ddp_strategy._compat.namespace)
-    LightningDataModule = _namespace.get("pytorch:LightningDataModule")
 
 NUM_FEATURES = 64
 NUM_CLASSES = 10
@@ -35,7 +30,7 @@ def load_digits_tensors() -> tuple[torch.Tensor, torch.Tensor]:
     return torch.tensor(data.data, dtype=torch.float32) / 16.0, torch.tensor(data.target, dtype=torch.int64)
 
 
-class DigitsDataModule(LightningDataModule):
+class DigitsDataModule(_namespace.LightningDataModule):
     """Digits, split 80/20 into train (1,438 images) and validation (359) with a fixed seed.
 
     Args:

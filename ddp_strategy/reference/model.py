@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -11,11 +11,6 @@ from torchmetrics.classification import MulticlassAccuracy
 
 from ddp_strategy._compat import namespace as _namespace
 from ddp_strategy.reference.data import NUM_CLASSES, NUM_FEATURES
-
-if TYPE_CHECKING:
-    from lightning.pytorch import LightningModule
-else:  # this process's Lightning namespace (see ddp_strategy._compat.namespace)
-    LightningModule = _namespace.get("pytorch:LightningModule")
 
 
 class DigitsNet(nn.Module):
@@ -41,7 +36,7 @@ class DigitsNet(nn.Module):
         return self.layers(x)
 
 
-class DigitsClassifier(LightningModule):
+class DigitsClassifier(_namespace.LightningModule):
     """The reference LightningModule: :class:`DigitsNet` under ``self.model``, cross-entropy, Adam.
 
     Accuracy is a ``torchmetrics`` ``MulticlassAccuracy``; under DDP torchmetrics sums its counts over ranks at epoch

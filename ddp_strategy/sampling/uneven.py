@@ -14,7 +14,7 @@ training state of the rank that trained longest (:meth:`UnevenInputs.post_hook`)
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -30,11 +30,6 @@ from ddp_strategy._compat.namespace import rank_zero_warn
 from ddp_strategy.process import boundaries
 from ddp_strategy.sampling.join import StepJoin, UnevenInputsError, _Run
 from ddp_strategy.sampling.loaders import flat_loaders
-
-if TYPE_CHECKING:
-    from lightning.pytorch import Callback
-else:  # this process's Lightning namespace (see ddp_strategy._compat.namespace)
-    Callback = _namespace.get("pytorch.callbacks:Callback")
 
 #: ``MyDDPStrategy(uneven_inputs=...)``'s values, the default first.
 POLICIES = ("join", "stop", "error")
@@ -291,7 +286,7 @@ class UnevenInputs(StepJoin):
         return flags.tolist()
 
 
-class _EpochEnd(Callback):
+class _EpochEnd(_namespace.Callback):
     """Ends this rank's part of an uneven epoch or evaluation run before anything after its last batch: validation or
     the epoch's end (put first among the callbacks; the strategy's collectives check too, :meth:`StepJoin.announce`);
     logs the fit's counts at its end."""

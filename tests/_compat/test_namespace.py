@@ -80,7 +80,7 @@ def test_our_classes_derive_from_the_process_namespace():
         (
             EpochBoundaryCheck,
             "pytorch:Callback",
-            {"group": None, "timeout": timedelta(seconds=1), "rank": 0, "begin_epoch": print},
+            {"group": None, "timeout": timedelta(seconds=1), "rank": 0, "begin_epoch": print, "reports": None},
         ),
     ):
         obj = ours(**args)

@@ -212,11 +212,12 @@ def test_a_killed_rank_is_named_and_the_others_exit_within_60_s(jobs, job):
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("job", ["stall/popen"])
 def test_a_stalled_rank_is_named_by_the_epoch_barrier(jobs, job):
-    """A rank that hangs before its next epoch is named by the monitored barrier after 5 s, not 30 minutes."""
+    """A rank that hangs before its next epoch is named by the epoch barrier after 5 s (its timeout), not 30 minutes:
+    gloo's barrier ends on time, and the ranks that reached it read who did not from the run's store (issue 49 item 4:
+    until 2026-12-06 a monitored_barrier, rank 0 exchanging with every rank in turn at every epoch)."""
     ended = jobs[job].result()
     assert ended.code != 0 and ended.since_failure < 60, f"exit {ended.code} after {ended.since_failure:.1f} s"
-    assert "[rank 0] not every rank reached the start of training epoch 1 (or the fit's end) within 5 s" in ended.out
-    assert any(f"{who} 1 failed to pass monitoredBarrier" in ended.out for who in ("Rank", "Ranks"))
+    assert "[rank 0] ranks [1] did not reach the start of training epoch 1 within 5 s" in ended.out
 
 
 @pytest.mark.timeout(600)
