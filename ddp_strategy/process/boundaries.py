@@ -11,7 +11,6 @@ import logging
 import signal
 import threading
 import time
-from datetime import timedelta
 from typing import Any, cast
 
 import torch
@@ -118,39 +117,40 @@ class StepRound:
 
 
 class EpochBoundaryCheck(_namespace.Callback):
-    """At each training epoch's start and at the fit's end, on every rank: a gloo barrier on ``group`` with
-    ``timeout``, then ``begin_epoch(trainer, end)`` (the uneven inputs' batch counts, or at the end a mark that pairs
-    with them: ``sampling.UnevenInputs.begin_epoch``, which names a rank that ended the fit while others went on).
-    Before the first batch and after the other callbacks' epoch start (or train end), so a rank that stalled between
-    epochs is named (with one rank, a barrier of one). The barrier is gloo's own (``ProcessGroup.barrier``, torch's
-    ``BarrierOptions`` carrying the timeout): a dissemination barrier, ``ceil(log2 W)`` rounds in which each rank sends
-    one empty message and receives one (Hensgen, Finkel and Manber, 1988), so no rank loops over the world (Lightning's
-    ``monitored_barrier``: rank 0 exchanges with each rank in turn). Under gloo on the world group (its full mesh: no
-    connection more); else on the strategy's gloo side group, whose pairs connect on first use (``process.group``):
-    about ``2 log2 W`` peers per rank. Before it each rank counts the checks it reached in ``reports`` (a store ``add``
-    to its own key), which a timeout reads to name the ranks missing: the only loop over the world, on the failure
-    path. Per fit: one barrier, one store ``add`` and one all-reduce of W integers per epoch, and one more of each at
-    its end.
+    """At each training epoch's start and at the fit's end, on every rank: a gloo barrier on ``run``'s group (a
+    ``ProcessGroupRun``: the world under ``gloo``, else its side group; looked up, not held) with its
+    ``barrier_timeout``, then ``begin_epoch(trainer, end)`` (the uneven inputs' batch counts, or at the end a mark
+    that pairs with them: ``sampling.UnevenInputs.begin_epoch``, which names a rank that ended the fit while others
+    went on). Before the first batch and after the other callbacks' epoch start (or train end), so a rank that
+    stalled between epochs is named (with one rank, a barrier of one). The barrier is gloo's own
+    (``ProcessGroup.barrier``, torch's ``BarrierOptions`` carrying the timeout): a dissemination barrier, ``ceil(log2
+    W)`` rounds in which each rank sends one empty message and receives one (Hensgen, Finkel and Manber, 1988), so no
+    rank loops over the world (Lightning's ``monitored_barrier``: rank 0 exchanges with each rank in turn). Under
+    gloo on the world group (its full mesh: no connection more); else on the strategy's gloo side group, whose pairs
+    connect on first use (``process.group``): about ``2 log2 W`` peers per rank. Before it each rank counts the
+    checks it reached in ``run.reports`` (a store ``add`` to its own key), which a timeout reads to name the ranks
+    missing: the only loop over the world, on the failure path. Per fit: one barrier, one store ``add`` and one
+    all-reduce of W integers per epoch, and one more of each at its end.
 
     Raises:
-        StalledRankError: a rank did not reach the barrier in ``timeout``, named (a barrier broken sooner, by a peer
-            that failed and left the group, raises gloo's error for :mod:`ddp_strategy.process.failures` to explain).
+        StalledRankError: a rank did not reach the barrier in ``barrier_timeout``, named (a barrier broken sooner, by
+            a peer that failed and left the group, raises gloo's error for :mod:`ddp_strategy.process.failures`).
     """
 
-    def __init__(self, group: Any, timeout: timedelta, rank: int, begin_epoch: Any, reports: Any) -> None:
-        self.group, self.timeout, self.rank, self.begin, self.reports = group, timeout, rank, begin_epoch, reports
+    def __init__(self, run: Any, gloo: bool, rank: int, begin_epoch: Any) -> None:
+        self.run, self.gloo, self.rank, self.begin = run, gloo, rank, begin_epoch
 
     def on_train_epoch_start(self, trainer: Any, pl_module: Any, end: bool = False) -> None:
-        epoch, rank, start, timeout = trainer.current_epoch, self.rank, time.monotonic(), self.timeout
-        reached = self.reports.add(f"checks/{rank}", 1)  # the checks this rank reached (the same on every rank)
+        epoch, rank, start, timeout = trainer.current_epoch, self.rank, time.monotonic(), self.run.barrier_timeout
+        reached = self.run.reports.add(f"checks/{rank}", 1)  # the checks this rank reached (the same on every rank)
         options = dist.BarrierOptions()
         options.timeout = timeout  # per operation: it ends on time, none left in flight (which would block teardown)
-        try:
-            self.group.barrier(options).wait()
+        try:  # the group looked up, not held: a traceback holding it would keep its connections open on a failure
+            cast(Any, dist.group.WORLD if self.gloo else self.run.barrier_group).barrier(options).wait()
         except RuntimeError as e:
             if time.monotonic() - start < 0.9 * timeout.total_seconds():
                 raise  # a connection broke (a peer failed and left): failures.describe_peers names it
-            missing = [r for r in range(self.group.size()) if self.reports.add(f"checks/{r}", 0) < reached]
+            missing = [r for r in range(trainer.world_size) if self.run.reports.add(f"checks/{r}", 0) < reached]
             raise StalledRankError(
                 f"[rank {rank}] ranks {missing} did not reach"
                 f" {'the end of the fit' if end else f'the start of training epoch {epoch}'}"
@@ -280,9 +280,7 @@ def add_fit_callbacks(
     step_round.on = (
         (side, torch.device("cpu"), world_size) if gloo else (None, trainer.strategy.root_device, world_size)
     )
-    trainer.callbacks.append(
-        EpochBoundaryCheck(dist.group.WORLD if gloo else side, run.barrier_timeout, rank, begin, run.reports)
-    )
+    trainer.callbacks.append(EpochBoundaryCheck(run, gloo, rank, begin))
     trainer.callbacks.insert(first, SignalsAtStepBoundary(step_round))
 
 

@@ -7,7 +7,6 @@ import json
 import pickle
 import subprocess
 import sys
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -80,7 +79,7 @@ def test_our_classes_derive_from_the_process_namespace():
         (
             EpochBoundaryCheck,
             "pytorch:Callback",
-            {"group": None, "timeout": timedelta(seconds=1), "rank": 0, "begin_epoch": print, "reports": None},
+            {"run": None, "gloo": True, "rank": 0, "begin_epoch": print},
         ),
     ):
         obj = ours(**args)

@@ -43,6 +43,7 @@ JOBS: dict[str, tuple[str, str, int | None]] = {  # the long ones first; spawn (
     "sigkill/spawn": ("sigkill", "spawn", None),
     "val_raise/popen": ("val_raise", "popen", None),
     "callback_raise/popen": ("callback_raise", "popen", None),
+    "epoch_end_raise/popen": ("epoch_end_raise", "popen", None),
     "save_raise/popen": ("save_raise", "popen", None),
     "uneven/popen": ("uneven", "popen", None),
     "train_raise/popen": ("train_raise", "popen", None),
@@ -177,6 +178,12 @@ def jobs(request, tmp_path_factory) -> dict[str, Job]:
             "callback_raise/popen",
             "[rank 1] failed: ValueError: a callback on rank 1 failed on purpose",
             "Cause: rank 1 failed: ValueError: a callback on rank 1 failed on purpose",
+        ),
+        (  # rank 1 waits for rank 0 at the next epoch's barrier: until 2026-12-06 (a day) the barrier's callback held
+            # the world group, which a failing rank's traceback then kept open: rank 1 waited out the barrier timeout
+            "epoch_end_raise/popen",
+            "[rank 0] failed: ValueError: rank 0 failed at its epoch's end on purpose",
+            "Cause: rank 0 failed: ValueError: rank 0 failed at its epoch's end on purpose",
         ),
         (  # Trainer.save_checkpoint on every rank; rank 0's write fails, rank 1 waits in the save's barrier
             "save_raise/popen",

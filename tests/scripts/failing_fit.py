@@ -119,6 +119,9 @@ class Events(L.Callback):
             trainer.save_checkpoint(OUT / "step.ckpt")  # rank 0 alone: its save's barrier meets rank 1's step
 
     def on_train_epoch_end(self, trainer, pl_module):
+        if SCENARIO == "epoch_end_raise" and trainer.global_rank == 0 and trainer.current_epoch == 0:
+            mark_failing()  # rank 1 goes on to the next epoch's barrier (or waits in an epoch-end metric sync)
+            raise ValueError("rank 0 failed at its epoch's end on purpose")
         if SCENARIO == "end_alone" and trainer.global_rank == 1 and trainer.current_epoch == 0:
             mark_failing()
             trainer.should_stop = True  # rank 1 alone ends the fit after its epoch's last batch; rank 0 goes on
