@@ -293,6 +293,13 @@ class ProcessGroupRun:
         # operation, and it connects only what it uses (the epoch barrier's 2 log2 W - 1 peers, a round's ring)
         with mock.patch.dict(os.environ, {"TORCH_GLOO_LAZY_INIT": os.environ.get("TORCH_GLOO_LAZY_INIT", "1")}):
             self.barrier_group = dist.new_group(backend="gloo")
+        # the pairs it will use connected now, while every rank is alive: a first use after a peer failed would retry
+        # the connect to its closed listener until the group's timeout instead of failing (under gloo the rounds'
+        # ring, else the epoch barrier's peers; the barrier's peers include the ring's)
+        if dist.get_backend() == "gloo":
+            dist.all_reduce(torch.zeros(1), group=self.barrier_group)
+        else:
+            dist.barrier(group=self.barrier_group)
         self.failed = self.own_failure = False
         self.reports = failures.run_reports(rank, world_size)
         rank_zero_info(f"MyDDPStrategy: world size {world_size}, backend={dist.get_backend()}")

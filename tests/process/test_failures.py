@@ -44,6 +44,7 @@ JOBS: dict[str, tuple[str, str, int | None]] = {  # the long ones first; spawn (
     "val_raise/popen": ("val_raise", "popen", None),
     "callback_raise/popen": ("callback_raise", "popen", None),
     "epoch_end_raise/popen": ("epoch_end_raise", "popen", None),
+    "fit_start_raise/popen": ("fit_start_raise", "popen", None),
     "save_raise/popen": ("save_raise", "popen", None),
     "uneven/popen": ("uneven", "popen", None),
     "train_raise/popen": ("train_raise", "popen", None),
@@ -184,6 +185,12 @@ def jobs(request, tmp_path_factory) -> dict[str, Job]:
             "epoch_end_raise/popen",
             "[rank 0] failed: ValueError: rank 0 failed at its epoch's end on purpose",
             "Cause: rank 0 failed: ValueError: rank 0 failed at its epoch's end on purpose",
+        ),
+        (  # rank 1's first use of the side group (the run-stage barrier) came after rank 0 closed it: until 2026-12-06
+            # its pairs connected on first use, and the connect to a closed listener was retried until the timeout
+            "fit_start_raise/popen",
+            "[rank 0] failed: ValueError: rank 0 failed at the fit's start on purpose",
+            "Cause: rank 0 failed: ValueError: rank 0 failed at the fit's start on purpose",
         ),
         (  # Trainer.save_checkpoint on every rank; rank 0's write fails, rank 1 waits in the save's barrier
             "save_raise/popen",

@@ -118,6 +118,11 @@ class Events(L.Callback):
             mark_failing()
             trainer.save_checkpoint(OUT / "step.ckpt")  # rank 0 alone: its save's barrier meets rank 1's step
 
+    def on_fit_start(self, trainer, pl_module):
+        if SCENARIO == "fit_start_raise" and trainer.global_rank == 0:
+            mark_failing()  # rank 1 goes on to Lightning's run-stage barrier: the side group's first use
+            raise ValueError("rank 0 failed at the fit's start on purpose")
+
     def on_train_epoch_end(self, trainer, pl_module):
         if SCENARIO == "epoch_end_raise" and trainer.global_rank == 0 and trainer.current_epoch == 0:
             mark_failing()  # rank 1 goes on to the next epoch's barrier (or waits in an epoch-end metric sync)
