@@ -11,6 +11,7 @@ import logging
 import signal
 import threading
 import time
+from datetime import timedelta
 from typing import Any, cast
 
 import torch
@@ -62,18 +63,20 @@ class StepRound:
             self._sent = self.send(stepping=True)
         self.has_next = self.tail = False
 
-    def send(self, stepping: bool) -> tuple[torch.Tensor, Any]:
+    def send(self, stepping: bool, timeout: timedelta | None = None) -> tuple[torch.Tensor, Any]:
         """Start the all-reduce of ``[*signalled, not has_next, stepping]`` on :attr:`on`'s group and device (none with
-        one rank). ``stepping=False`` outside a step (:meth:`barrier`, a rank that may have left the epoch alone)
-        meets the round of a rank that is in a step instead, if any: the maximum's last flag says so. Returns what
-        :meth:`received` reads."""
+        one rank), ending at ``timeout`` (default: the group's). ``stepping=False`` outside a step (:meth:`barrier`, a
+        rank that may have left the epoch alone) meets the round of a rank that is in a step or at an epoch's start
+        instead (:class:`EpochBoundaryCheck`), if any: the maximum's last flag says so. Returns what :meth:`received`
+        reads."""
         group, device, world_size = self.on
         flags = torch.tensor(  # CUDA: copied from pinned memory, no host-device sync
             [*self.signalled, int(not self.has_next), int(stepping)],
             dtype=torch.uint8,
             pin_memory=device.type == "cuda",
         ).to(device, non_blocking=True)
-        work = dist.all_reduce(flags, dist.ReduceOp.MAX, group, async_op=True) if world_size > 1 else None
+        group = dist.group.WORLD if group is None else group
+        work = cast(Any, group).allreduce([flags], dist.ReduceOp.MAX, timeout) if world_size > 1 else None
         if work is not None and flags.is_cuda:
             with torch.cuda.stream(copier := torch.cuda.Stream(device)):  # (from torch's pool of streams)
                 work.wait()  # this stream waits, not the step's
@@ -95,8 +98,8 @@ class StepRound:
             return dist.barrier(device_ids=device_ids)
         if self.received(self.send(stepping=False))[3]:
             raise RuntimeError(
-                f"[rank {rank}] {what} while another rank went on to its next training step, which waits for this"
-                " one. Both must happen on every rank alike: a barrier (trainer.save_checkpoint, which writes on rank"
+                f"[rank {rank}] {what} while another rank went on to its next training step or epoch, which waits"
+                " for this one. Both must happen on every rank alike: a barrier (trainer.save_checkpoint, which writes on rank"
                 " 0 alone) outside `if trainer.is_global_zero:`; an epoch's early end decided on every rank, by"
                 " reducing the decision first (trainer.strategy.reduce_boolean_decision(decision, all=False)) or"
                 " broadcasting one rank's (trainer.strategy.broadcast(decision, src=...))."
@@ -137,12 +140,13 @@ class EpochBoundaryCheck(_namespace.Callback):
             a peer that failed and left the group, raises gloo's error for :mod:`ddp_strategy.process.failures`).
     """
 
-    def __init__(self, run: Any, gloo: bool, rank: int, begin_epoch: Any) -> None:
-        self.run, self.gloo, self.rank, self.begin = run, gloo, rank, begin_epoch
+    def __init__(self, run: Any, gloo: bool, rank: int, begin_epoch: Any, step_round: StepRound) -> None:
+        self.run, self.gloo, self.rank, self.begin, self.round = run, gloo, rank, begin_epoch, step_round
 
     def on_train_epoch_start(self, trainer: Any, pl_module: Any, end: bool = False) -> None:
         epoch, rank, start, timeout = trainer.current_epoch, self.rank, time.monotonic(), self.run.barrier_timeout
         reached = self.run.reports.add(f"checks/{rank}", 1)  # the checks this rank reached (the same on every rank)
+        self.round.send(stepping=True, timeout=timeout)  # meets a barrier's round on a rank not here (a save)
         options = dist.BarrierOptions()
         options.timeout = timeout  # per operation: it ends on time, none left in flight (which would block teardown)
         try:  # the group looked up, not held: a traceback holding it would keep its connections open on a failure
@@ -161,8 +165,10 @@ class EpochBoundaryCheck(_namespace.Callback):
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         """The same at the fit's end (before the fit-end diagnostics' all-reduce), where a rank that ended the fit
-        alone (``trainer.should_stop`` after its epoch's last batch) meets the others' next epoch's start."""
+        alone (``trainer.should_stop`` after its epoch's last batch) meets the others' next epoch's start; then the
+        round lets go of the fit (:meth:`StepRound.reset`): a barrier after it is ``dist.barrier``."""
         self.on_train_epoch_start(trainer, pl_module, end=True)
+        self.round.reset()
 
 
 class SignalsAtStepBoundary(_namespace.Callback):
@@ -187,7 +193,7 @@ class SignalsAtStepBoundary(_namespace.Callback):
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         """Take over SIGTERM and (under SLURM auto-requeue) the requeue signal from Lightning (every rank). The round
-        starts clean: the last fit's end reset it (:meth:`on_train_end`)."""
+        starts clean: the last fit's end reset it (:meth:`EpochBoundaryCheck.on_train_end`)."""
         self._rank, self._launcher = trainer.global_rank, trainer.strategy.launcher
         env = trainer.strategy.cluster_environment
         requeue_signal = getattr(env, "requeue_signal", None) if getattr(env, "auto_requeue", False) else None
@@ -258,10 +264,10 @@ class SignalsAtStepBoundary(_namespace.Callback):
 
     def on_train_end(self, trainer: Any = None, pl_module: Any = None) -> None:
         """Give the requeue signal back to Lightning's handler if ours is still installed (Lightning restores the
-        original at teardown); let go of the round in flight unread. No collective."""
+        original at teardown). No collective; the round is reset after the fit-end check
+        (:meth:`EpochBoundaryCheck.on_train_end`), or at teardown."""
         if self._signal is not None and signal.getsignal(self._signal) == self._note:  # (not again at teardown)
             signal.signal(self._signal, self._lightning_handler)
-        self.round.reset()
 
 
 def add_fit_callbacks(
@@ -280,7 +286,7 @@ def add_fit_callbacks(
     step_round.on = (
         (side, torch.device("cpu"), world_size) if gloo else (None, trainer.strategy.root_device, world_size)
     )
-    trainer.callbacks.append(EpochBoundaryCheck(run, gloo, rank, begin))
+    trainer.callbacks.append(EpochBoundaryCheck(run, gloo, rank, begin, step_round))
     trainer.callbacks.insert(first, SignalsAtStepBoundary(step_round))
 
 
@@ -290,6 +296,7 @@ def remove_fit_callbacks(trainer: Any, *others: type) -> None:
     for cb in trainer.callbacks:
         if isinstance(cb, SignalsAtStepBoundary):
             cb.on_train_end()
+            cb.round.reset()  # a round in flight let go unread (after a failure a peer may be gone)
     trainer.callbacks[:] = [
         cb for cb in trainer.callbacks if not isinstance(cb, (EpochBoundaryCheck, SignalsAtStepBoundary, *others))
     ]

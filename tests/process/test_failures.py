@@ -54,8 +54,10 @@ JOBS: dict[str, tuple[str, str, int | None]] = {  # the long ones first; spawn (
     "stop_alone/popen": ("stop_alone", "popen", None),
     "save_alone/popen": ("save_alone", "popen", None),
     "end_alone/popen": ("end_alone", "popen", None),
+    "save_epoch_alone/popen": ("save_epoch_alone", "popen", None),
     "skip_alone/ddp": ("skip_alone", "ddp", None),
     "save_alone/ddp": ("save_alone", "ddp", None),
+    "save_epoch_alone/ddp": ("save_epoch_alone", "ddp", None),
 }
 #: Launch variables a fit in this pytest process may have left in os.environ (Lightning's popen launcher and the
 #: rendezvous set MASTER_ADDR/MASTER_PORT in the launching process; a module fixture's fit is not undone by the
@@ -262,6 +264,10 @@ ALONE = {
         0,
         "waited in a barrier (Trainer.save_checkpoint) while another rank went on to its next training step",
     ),
+    "save_epoch_alone": (
+        0,
+        "waited in a barrier (Trainer.save_checkpoint) while another rank went on to its next training step or epoch",
+    ),
     "end_alone": (
         1,
         "ranks [1] ended the fit (trainer.should_stop set there alone, after the epoch's last batch) while",
@@ -270,7 +276,9 @@ ALONE = {
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("job", ["skip_alone/popen", "stop_alone/popen", "save_alone/popen", "end_alone/popen"])
+@pytest.mark.parametrize(
+    "job", ["skip_alone/popen", "stop_alone/popen", "save_alone/popen", "save_epoch_alone/popen", "end_alone/popen"]
+)
 def test_a_rank_that_leaves_the_others_steps_alone_is_named_on_every_rank_within_seconds(jobs, job):
     """on_train_batch_start returning -1 on rank 1 alone, trainer.should_stop set on rank 1 alone mid-epoch or in
     on_train_epoch_end (after the last batch: it ends the fit), and trainer.save_checkpoint on rank 0 alone (a 20 s
@@ -293,7 +301,7 @@ def test_a_rank_that_leaves_the_others_steps_alone_is_named_on_every_rank_within
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("job", ["skip_alone/ddp", "save_alone/ddp"])
+@pytest.mark.parametrize("job", ["skip_alone/ddp", "save_alone/ddp", "save_epoch_alone/ddp"])
 def test_under_lightnings_ddp_a_rank_that_leaves_alone_fails_at_the_collective_timeout(jobs, job):
     """The same user code under strategy=DDPStrategy(timeout=20 s): every rank waits out the timeout, no rank named."""
     ended = jobs[job].result()

@@ -88,6 +88,10 @@ class Model(DigitsClassifier):
                 time.sleep(0.05)
         return super().training_step(batch, batch_idx)
 
+    def log(self, name, value, *args, **kwargs):
+        if not (SCENARIO == "save_epoch_alone" and name == "train_acc"):  # no epoch-end sync: the others go on
+            super().log(name, value, *args, **kwargs)  # to the next epoch's start (a torchmetrics sync: the timeout)
+
     def on_train_batch_start(self, batch, batch_idx):
         if SCENARIO == "skip_alone" and self.global_rank == 1 and self.global_step == FAIL_STEP:
             mark_failing()
@@ -127,6 +131,9 @@ class Events(L.Callback):
         if SCENARIO == "epoch_end_raise" and trainer.global_rank == 0 and trainer.current_epoch == 0:
             mark_failing()  # rank 1 goes on to the next epoch's barrier (or waits in an epoch-end metric sync)
             raise ValueError("rank 0 failed at its epoch's end on purpose")
+        if SCENARIO == "save_epoch_alone" and trainer.global_rank == 0 and trainer.current_epoch == 0:
+            mark_failing()
+            trainer.save_checkpoint(OUT / "epoch.ckpt")  # rank 0 alone: its save's barrier meets rank 1's epoch start
         if SCENARIO == "end_alone" and trainer.global_rank == 1 and trainer.current_epoch == 0:
             mark_failing()
             trainer.should_stop = True  # rank 1 alone ends the fit after its epoch's last batch; rank 0 goes on
