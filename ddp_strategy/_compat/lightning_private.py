@@ -271,6 +271,16 @@ def take_over_sigterm(trainer: pl.Trainer, note: Any) -> bool:
     return True
 
 
+def hook_of(frame: Any) -> str | None:
+    """``<class>.<hook>`` of the hook (a ``Callback``, ``LightningModule`` or ``Strategy`` method, the class the
+    object's own) that one of Lightning's ``trainer/call.py`` ``_call_*_hook`` functions calls in ``frame`` (a
+    traceback's frame: its locals ``hook_name`` and ``fn``), e.g. ``"ModelCheckpoint.on_train_epoch_end"``; None for
+    any other frame."""
+    hook = frame.f_code.co_filename.endswith(os.path.join("trainer", "call.py")) and frame.f_locals.get("hook_name")
+    owner = getattr(frame.f_locals.get("fn"), "__self__", None)  # the callback, module or strategy called
+    return f"{type(owner).__name__}.{hook}" if isinstance(hook, str) and owner is not None else None
+
+
 def set_received_sigterm(trainer: pl.Trainer, value: bool) -> None:
     """Set ``trainer.received_sigterm``: Lightning raises ``SIGTERMException`` at the step's (epoch's) end if set."""
     trainer._signal_connector.received_sigterm = value

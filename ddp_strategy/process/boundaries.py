@@ -99,8 +99,8 @@ class StepRound:
         if self.received(self.send(stepping=False))[3]:
             raise RuntimeError(
                 f"[rank {rank}] {what} while another rank went on to its next training step or epoch, which waits"
-                " for this one. Both must happen on every rank alike: a barrier (trainer.save_checkpoint, which writes on rank"
-                " 0 alone) outside `if trainer.is_global_zero:`; an epoch's early end decided on every rank, by"
+                " for this one. Both must happen on every rank alike: a barrier (trainer.save_checkpoint, which writes"
+                " on rank 0 alone) outside `if trainer.is_global_zero:`; an epoch's early end decided on every rank, by"
                 " reducing the decision first (trainer.strategy.reduce_boolean_decision(decision, all=False)) or"
                 " broadcasting one rank's (trainer.strategy.broadcast(decision, src=...))."
             )

@@ -11,10 +11,14 @@ apart):
    stall or SIGTERM) logs ``[rank N] failed: Type: message (file:line in function)`` with its traceback and
    publishes that line as ``failed/<rank>``.
 3. **A rank whose collective broke**, told by the exception's type and where it was raised, never by its words
-   (:func:`describe_peers`), reads every peer's ``failed/<peer>`` and, for a same-host peer without one, whether its
-   pid exited (polled for up to :data:`PEER_EXIT_WAIT_S`); it appends ``Cause: rank 1 failed: ...`` or ``rank 1
-   (pid N) is no longer running`` (nothing known: the likely causes) to its own exception, logs it, and writes
-   ``explained/<rank>``.
+   (:func:`describe_peers`), writes where it waited as ``explained/<rank>`` (:func:`position`: the collective, the
+   Lightning hook, the user's line), then reads every peer's ``failed/<peer>``, ``explained/<peer>`` and, for a
+   same-host peer, whether its pid exited (each polled until one is there, for up to :data:`PEER_EXIT_WAIT_S` in
+   all); it appends ``Cause: rank 1 failed: ...`` or ``rank 1 (pid N) is no longer running``, or, nothing known,
+   the likely causes and where the ranks whose collectives broke too waited (``ranks [0]: barrier in
+   MyDDPStrategy.training_step, at train.py:84 in training_step; ranks [1]: _engine_run_backward in
+   MyDDPStrategy.backward``: ranks that called collectives in a different order), to its own exception, and logs
+   it.
 4. **At teardown after a failure** (:func:`teardown`) the world group is destroyed, so the failing rank's
    connections close and its peers' collectives break now (step 3), not at the timeout; its store is kept
    (:data:`KEPT_STORES`) for the process's next run. A failing rank with no live ``multiprocessing`` children
@@ -36,6 +40,7 @@ import logging
 import multiprocessing
 import os
 import socket
+import sysconfig
 import time
 import traceback
 import weakref
@@ -45,6 +50,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from ddp_strategy._compat import lightning_private as _pl
 from ddp_strategy._compat import torch_private as _torch
 from ddp_strategy._compat.namespace import SIGTERMException, rank_zero_info
 
@@ -70,6 +76,12 @@ _IN_COLLECTIVE, *_MAYBE = (
 #: (``boundaries.EpochBoundaryCheck.on_train_epoch_start``, which raises its own StalledRankError): collectives.
 _OUR_WAITS = tuple(
     os.path.join(os.path.dirname(__file__), f"boundaries.py:{f}") for f in ("received", "on_train_epoch_start")
+)
+
+#: Where library code lives (the standard library, installed packages, this package): a frame elsewhere is the user's.
+_LIBRARIES = (
+    *{sysconfig.get_path(name) for name in ("stdlib", "purelib", "platlib")},
+    os.path.dirname(os.path.dirname(__file__)),
 )
 
 
@@ -99,6 +111,19 @@ def summarize(exception: BaseException) -> str:
     return f"{type(exception).__name__}: {str(exception).splitlines()[0] if str(exception) else ''}{where}"
 
 
+def position(exception: BaseException) -> str:
+    """Where ``exception`` was raised, for the peers' messages: its innermost function, in the innermost Lightning
+    hook (``_compat.lightning_private.hook_of``) and, where the user's code runs inside that hook, at its innermost
+    line: ``all_reduce in MyDDPStrategy.training_step, at train.py:84 in training_step``."""
+    found, frames = ["", ""], list(traceback.walk_tb(exception.__traceback__))
+    for frame, line in frames:
+        if hook := _pl.hook_of(frame):
+            found = [f" in {hook}", ""]
+        elif not frame.f_code.co_filename.startswith(_LIBRARIES):
+            found[1] = f", at {os.path.basename(frame.f_code.co_filename)}:{line} in {frame.f_code.co_name}"
+    return "".join([frames[-1][0].f_code.co_name, *found])
+
+
 def on_exception(
     run: Any,
     exception: BaseException,
@@ -126,7 +151,6 @@ def on_exception(
             else (*exception.args, extra)
         )
         log.error("[rank %d] %s", rank, exception)  # now: a launcher may stop this rank soon
-        _best_effort(store, rank, store.set, f"explained/{rank}", "1")
     else:
         log.error(
             "[rank %d] failed: %s",
@@ -198,11 +222,15 @@ def _best_effort(store: dist.Store, rank: int, operation: Callable[..., Any], *a
         log.debug("[rank %d] store unreachable while failing: %s", rank, e)
 
 
-def _peer(store: dist.Store, peer: int) -> tuple[str | None, bool, int | None]:
-    """What ``peer`` published: its failure summary, whether it explained, and its pid on this host (or None)."""
-    failed = store.get(f"failed/{peer}").decode() if store.check([f"failed/{peer}"]) else None
+def _peer(store: dist.Store, peer: int) -> tuple[str | None, str | None, int | None]:
+    """What ``peer`` published: its failure summary, where its collective broke (:func:`position`), and the pid it
+    had if it ran on this host and has exited (else None)."""
+    failed, waited = (
+        store.get(f"{key}/{peer}").decode() if store.check([f"{key}/{peer}"]) else None
+        for key in ("failed", "explained")
+    )
     host, _, pid = (store.get(f"pid/{peer}").decode() if store.check([f"pid/{peer}"]) else ":").rpartition(":")
-    return failed, store.check([f"explained/{peer}"]), int(pid) if host == socket.gethostname() else None
+    return failed, waited, int(pid) if host == socket.gethostname() and _gone(int(pid)) else None
 
 
 def _gone(pid: int) -> bool:
@@ -222,23 +250,24 @@ def wait_for_peers(store: dist.Store, rank: int, world_size: int, timeout_s: flo
     deadline = time.monotonic() + (EXPLAIN_WAIT_S if timeout_s is None else timeout_s)
     waiting = [peer for peer in range(world_size) if peer != rank]
 
-    def done(peer: int) -> bool:
-        failed, explained, pid = _peer(store, peer)
-        return bool(failed or explained) or (pid is not None and _gone(pid))
-
     while waiting and time.monotonic() < deadline:  # (None: the store is gone)
-        waiting = _best_effort(store, rank, list, (peer for peer in waiting if not done(peer)))
+        waiting = _best_effort(store, rank, list, (peer for peer in waiting if not any(_peer(store, peer))))
         time.sleep(0.05 if waiting else 0)
 
 
-def describe_peers(exception: BaseException, store: dist.Store, rank: int, world_size: int) -> str | None:
-    """Step 3's causes, ``"; "``-joined (each peer that reported a failure or whose process on this host is gone), if
-    ``exception`` broke in a collective; None if it is this rank's own failure. In a collective: a ``DistError``
+def describe_peers(
+    exception: BaseException, store: dist.Store, rank: int, world_size: int
+) -> tuple[list[str], dict[str, list[int]]] | None:
+    """Step 3, if ``exception`` broke in a collective (None if it is this rank's own failure): the causes (each peer
+    that reported a failure or whose process on this host is gone) and where each rank whose collective broke too
+    waited (:func:`position` -> ranks, this one's included, published as ``explained/<rank>`` before the peers are
+    read, each until it published or exited, for at most :data:`PEER_EXIT_WAIT_S` in all; where this rank's own code
+    failed, ``failed/<rank>`` follows, which the peers read first). In a collective: a ``DistError``
     (``DistBackendError``, ``DistNetworkError``, ``DistStoreError``) or an error raised in ``torch.distributed`` or in
-    the wait for a round or the epoch barrier (:data:`_OUR_WAITS`; a round: a barrier's, while fitting);
-    one raised in torch's autograd engine or DDP's module (DDP's gradient all-reduce fails the backward pass, its
-    buffer broadcast the forward; gloo's errors are plain ``RuntimeError``) only if a cause is found, as those
-    frames raise a rank's own errors too (an in-place modification)."""
+    the wait for a round or the epoch barrier (:data:`_OUR_WAITS`; a round: a barrier's, while fitting); one raised
+    in torch's autograd engine or DDP's module (DDP's gradient all-reduce fails the backward pass, its buffer
+    broadcast the forward; gloo's errors are plain ``RuntimeError``) only if a peer failed, exited or broke too, as
+    those frames raise a rank's own errors too (an in-place modification)."""
     where = "".join(f"{f.filename}:{f.name}" for f in traceback.extract_tb(exception.__traceback__)[-1:])  # innermost
     certain = not isinstance(exception, StalledRankError) and (
         isinstance(exception, dist.DistError) or where.startswith((_IN_COLLECTIVE, *_OUR_WAITS))
@@ -246,38 +275,45 @@ def describe_peers(exception: BaseException, store: dist.Store, rank: int, world
     if not certain and not where.startswith(tuple(_MAYBE)):
         return None
     found: list[str] = []
+    waits = {position(exception): [rank]}
     deadline = time.monotonic() + PEER_EXIT_WAIT_S  # shared by all peers
 
     def read() -> bool:  # True once every peer is read: the store answered
-        for peer in range(world_size):
-            failed, _, pid = _peer(store, peer) if peer != rank else (None, None, None)
-            if failed:
-                found.append(f"rank {peer} failed: {failed}")
-            elif pid is not None:
-                while not (gone := _gone(pid)) and time.monotonic() < deadline:
-                    time.sleep(0.05)
-                if gone:
-                    found.append(
-                        f"rank {peer} (pid {pid}) is no longer running: it was killed or crashed without"
-                        " a Python exception"
-                    )
+        store.set(f"explained/{rank}", next(iter(waits)))  # first: the peers read it (an own failure: failed/ too)
+        for peer in (peer for peer in range(world_size) if peer != rank):
+            while not any(state := _peer(store, peer)) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            failed, waited, pid = state
+            if failed or pid is not None:
+                found.append(
+                    f"rank {peer} failed: {failed}"
+                    if failed
+                    else f"rank {peer} (pid {pid}) is no longer running: it was killed or crashed without a Python"
+                    " exception"
+                )
+            elif waited:
+                waits.setdefault(waited, []).append(peer)
         return True
 
     if _best_effort(store, rank, read) is None and rank != 0:
         found.append("rank 0, which holds the rendezvous store, is not answering: it probably failed first")
-    return "; ".join(found) if found or certain else None
+    return (found, waits) if found or certain or len(waits) > 1 else None
 
 
-def explain(rank: int, peers: str, timeout: timedelta, cause: str | None = None) -> str:
-    """The sentence added to a collective error: ``cause`` (a likely one the strategy knows of), then which peers
-    failed, or the likely causes."""
+def explain(
+    rank: int, peers: tuple[list[str], dict[str, list[int]]], timeout: timedelta, cause: str | None = None
+) -> str:
+    """The sentence added to a collective error: ``cause`` (a likely one the strategy knows of), then the ``peers``
+    (:func:`describe_peers`) that failed, or the likely causes and where the ranks whose collectives broke waited."""
     head = " ".join(filter(None, [f"[rank {rank}] a collective failed because another rank did not take part.", cause]))
-    if peers:
-        failing = " The failing rank's own traceback is printed above this one." if " failed: " in peers else ""
-        return f"{head} Cause: {peers}.{failing}"
+    if peers[0]:
+        failing = " The failing rank's own traceback is printed above this one." if " failed: " in peers[0][0] else ""
+        return f"{head} Cause: {'; '.join(peers[0])}.{failing}"
     return (
         f"{head} No rank reported an error: a peer exited or lost its connection, or is stalled (an endless loop, a"
         f" deadlocked DataLoader worker, slow storage; a collective waits {timeout.total_seconds():.0f} s), or the"
         " ranks called collectives in a different order or number (self.log(..., sync_dist=True) on some ranks only,"
-        " an all_gather in a branch)."
+        " an all_gather in a branch). Where the ranks waited: "
+        + "; ".join(f"ranks {sorted(ranks)}: {waited}" for waited, ranks in peers[1].items())
+        + "."
     )

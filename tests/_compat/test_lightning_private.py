@@ -568,3 +568,42 @@ def test_rank_zero_only_is_lightning_utilities_own(namespace):
     from lightning_utilities.core.rank_zero import rank_zero_only
 
     assert namespace.get("pytorch.utilities.rank_zero:rank_zero_only") is rank_zero_only
+
+
+def test_a_failure_names_the_hook_lightning_was_calling_and_the_users_line_inside_it(namespace):
+    """hook_of reads Lightning's trainer/call.py frames (their ``hook_name`` and ``fn`` locals): a failure in a
+    callback hook and in a module hook called there is placed by failures.position (what a rank whose collective
+    broke tells the others) at the hook's qualified name and the user's line inside it."""
+    from ddp_strategy.process import failures
+
+    class Failing(namespace.pytorch.Callback):
+        def on_train_epoch_end(self, trainer, pl_module):
+            raise ValueError("on purpose")
+
+    class Module(namespace.get("pytorch.demos.boring_classes:BoringModel")):
+        def on_train_start(self):
+            torch.zeros(1).view(2)  # raises in torch's C++ (no frame): this line is the innermost
+
+    for model, callbacks, expected in (
+        (Module(), [], "on_train_start in Module.on_train_start, at test_lightning_private.py:"),
+        (
+            namespace.get("pytorch.demos.boring_classes:BoringModel")(),
+            [Failing()],
+            "on_train_epoch_end in Failing.on_train_epoch_end, at test_lightning_private.py:",
+        ),
+    ):
+        trainer = namespace.pytorch.Trainer(
+            accelerator="cpu",
+            devices=1,
+            max_epochs=1,
+            limit_train_batches=1,
+            limit_val_batches=0,
+            logger=False,
+            enable_checkpointing=False,
+            enable_model_summary=False,
+            enable_progress_bar=False,
+            callbacks=callbacks,
+        )
+        with pytest.raises((ValueError, RuntimeError)) as raised:
+            trainer.fit(model)
+        assert failures.position(raised.value).startswith(expected), failures.position(raised.value)

@@ -79,7 +79,7 @@ def test_our_classes_derive_from_the_process_namespace():
         (
             EpochBoundaryCheck,
             "pytorch:Callback",
-            {"run": None, "gloo": True, "rank": 0, "begin_epoch": print},
+            {"run": None, "gloo": True, "rank": 0, "begin_epoch": print, "step_round": None},
         ),
     ):
         obj = ours(**args)

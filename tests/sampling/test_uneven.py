@@ -507,7 +507,9 @@ def test_steps_every_rank_takes_agree_asynchronously_and_a_step_a_rank_lacks_not
         side = [(step, module) for step, module, _, world in rec["all_reduces"] if not world]
         # (Lightning's barriers; and the join's one all-reduce that connects the side group's ring, before the fit)
         rounds = [(step, module) for step, module in side if module not in ("boundaries.py:barrier", "group.py")]
-        assert sorted(rounds) == [(step, "boundaries.py:start") for step in range(10)]  # one round each step, shared
+        epochs = [(0, "boundaries.py:on_train_epoch_start"), (5, "boundaries.py:on_train_epoch_start")]
+        fit_end = [(10, "boundaries.py:on_train_epoch_start")]  # (each epoch's start and the fit's end: one more)
+        assert sorted(rounds) == sorted([(step, "boundaries.py:start") for step in range(10)] + epochs + fit_end)
         calls = [(step, world) for step, module, _, world in rec["all_reduces"] if module in UNEVEN_MODULES]
         assert {step for step, world in calls if world} == {0, 5, 10}
     records = load(runs, "join_iterable", 2)

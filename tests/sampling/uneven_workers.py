@@ -285,22 +285,30 @@ class Observed(pl.Callback, logging.Handler):
         self.messages.append(record.getMessage())
 
     def _counted(self, tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        caller = sys._getframe(1)
-        if f"{os.sep}ddp_strategy{os.sep}" in caller.f_code.co_filename:
-            group = kwargs.get("group", args[1] if len(args) > 1 else None)
-            where = Path(caller.f_code.co_filename).name
-            if caller.f_code.co_name == "send":  # a round: a step's (start), a barrier's, an epoch end's
-                where += f":{caller.f_back.f_code.co_name}"
-            self.calls.append((self.steps, where, bool(kwargs.get("async_op")), group is None))
+        group = kwargs.get("group", args[1] if len(args) > 1 else None)
+        self._note(sys._getframe(1), bool(kwargs.get("async_op")), group is None)
         return self._all_reduce(tensor, *args, **kwargs)
+
+    def _counted_by_group(self, group: Any, *args: Any, **kwargs: Any) -> Any:
+        """A group's own ``allreduce`` (a round: asynchronous, with a timeout), not through torch.distributed's."""
+        self._note(sys._getframe(2), True, group is dist.group.WORLD)  # (called by the lambda of __enter__)
+        return self._allreduce(group, *args, **kwargs)
+
+    def _note(self, caller: Any, async_op: bool, world: bool) -> None:
+        if f"{os.sep}ddp_strategy{os.sep}" in caller.f_code.co_filename:
+            where = Path(caller.f_code.co_filename).name
+            if caller.f_code.co_name == "send":  # a round: a step's (start), a barrier's, an epoch start's
+                where += f":{caller.f_back.f_code.co_name}"
+            self.calls.append((self.steps, where, async_op, world))
 
     def __enter__(self) -> Observed:
         rank_zero.log.addHandler(self)
-        dist.all_reduce = self._counted
+        self._allreduce, dist.all_reduce = dist.ProcessGroup.allreduce, self._counted
+        dist.ProcessGroup.allreduce = lambda group, *args, **kwargs: self._counted_by_group(group, *args, **kwargs)
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        dist.all_reduce = self._all_reduce
+        dist.all_reduce, dist.ProcessGroup.allreduce = self._all_reduce, self._allreduce
         rank_zero.log.removeHandler(self)
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
