@@ -103,10 +103,12 @@ class CommCounter:
             if fn is None or getattr(fn, "_bench_wrapped", False):
                 continue
             setattr(dist, name, self._wrap(name, fn))
-        # a group's own barrier (ProcessGroup.barrier(options): MyDDPStrategy's epoch barrier, with a timeout),
-        # counted where it is not called by torch.distributed.barrier (counted above)
-        if not getattr(dist.ProcessGroup.barrier, "_bench_wrapped", False):
-            dist.ProcessGroup.barrier = self._wrap("barrier", dist.ProcessGroup.barrier, method=True)
+        # a group's own barrier and all-reduce (ProcessGroup.barrier(options), ProcessGroup.allreduce(tensors, op,
+        # timeout): MyDDPStrategy's epoch barrier and its rounds, with a timeout), counted where they are not called
+        # by torch.distributed.barrier / all_reduce (counted above)
+        for name, method in (("barrier", "barrier"), ("all_reduce", "allreduce")):
+            if not getattr(getattr(dist.ProcessGroup, method), "_bench_wrapped", False):
+                setattr(dist.ProcessGroup, method, self._wrap(name, getattr(dist.ProcessGroup, method), method=True))
 
     def _wrap(self, name: str, fn: Any, method: bool = False) -> Any:
         params = [] if method else list(inspect.signature(fn).parameters)
@@ -120,7 +122,8 @@ class CommCounter:
                 world = group is None or group is dist.group.WORLD  # only the world group's count as "other"
                 site = f"{name}{'' if world else ' [side group]'} <- {_caller_outside_torch()}"
                 self.call_sites[site] = self.call_sites.get(site, 0) + 1
-                nbytes = _tensor_bytes(args[0]) if args else _tensor_bytes(kwargs.get("tensor"))
+                tensor = args[1 if method else 0] if len(args) > method else kwargs.get("tensor")  # (method: the group)
+                nbytes = _tensor_bytes(tensor)
                 counts = self.by_group["world" if world else "other"].setdefault(name, [0, 0])
                 counts[0], counts[1] = counts[0] + 1, counts[1] + nbytes
                 if world:

@@ -250,7 +250,7 @@ def test_uneven_batch_counts_are_reported_instead_of_deadlocking(jobs, job):
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("job", ["skip_log/popen"])
 def test_collectives_out_of_step_are_explained_on_every_rank_with_where_each_rank_waited(jobs, job):
-    """Rank 1 skips one self.log(..., sync_dist=True) (a 5 s collective timeout): rank 0's reduce meets rank 1's
+    """Rank 1 skips one self.log(..., sync_dist=True) (a 10 s collective timeout): rank 0's reduce meets rank 1's
     gradient all-reduce. Every rank ends at the timeout (telling it sooner would take an agreement before every
     reduce), none calls it its own failure (until 2026-12-06 rank 1, whose backward pass timed out, published the
     timeout as its own error and rank 0 said that no rank reported one), and each gives the likely causes and where

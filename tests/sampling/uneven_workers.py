@@ -304,11 +304,13 @@ class Observed(pl.Callback, logging.Handler):
     def __enter__(self) -> Observed:
         rank_zero.log.addHandler(self)
         self._allreduce, dist.all_reduce = dist.ProcessGroup.allreduce, self._counted
+        # (the class's own entry, a method descriptor, put back at the exit: the attribute read is a plain function)
+        self._allreduce_entry = vars(dist.ProcessGroup)["allreduce"]
         dist.ProcessGroup.allreduce = lambda group, *args, **kwargs: self._counted_by_group(group, *args, **kwargs)
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        dist.all_reduce, dist.ProcessGroup.allreduce = self._all_reduce, self._allreduce
+        dist.all_reduce, dist.ProcessGroup.allreduce = self._all_reduce, self._allreduce_entry
         rank_zero.log.removeHandler(self)
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
