@@ -356,7 +356,6 @@ class FitDiagnostics(_namespace.Callback):
             ]
         ).to(trainer.strategy.root_device)
         dist.all_reduce(total)
-        total = total.cpu()
         ranks_timed = int(total[4].item())
         stats = CommStats(*(total[:4] / ranks_timed).tolist()) if ranks_timed else None
         unused = [name for name, count in zip(tracker.names, total[5:].tolist(), strict=True) if count == 0]

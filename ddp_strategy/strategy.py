@@ -430,12 +430,7 @@ class MyDDPStrategy(sync.wrapping.LightningDDPAttributes, _namespace.ParallelStr
         cause = self._uneven.failure_cause  # read before the run is forgotten
         self._uneven.abandon()
         process.failures.on_exception(
-            self._run,
-            exception,
-            self.global_rank,
-            self.world_size,
-            self._options.sigterm_save(self._trainer),
-            cause,
+            self._run, exception, self.global_rank, self.world_size, self._options.sigterm_save(self._trainer), cause
         )
 
     @override

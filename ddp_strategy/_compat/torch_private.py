@@ -105,9 +105,7 @@ def default_store() -> Any:
     Raises:
         ValueError: no default process group.
     """
-    from torch.distributed import distributed_c10d
-
-    return distributed_c10d._get_default_store()
+    return dist.distributed_c10d._get_default_store()
 
 
 #: The attribute (and the state-dict key segment) under which ``torch.compile``'s ``OptimizedModule`` keeps the

@@ -46,8 +46,7 @@ def find_model_state_dict(checkpoint: Any, where: str | os.PathLike) -> Mapping[
             f"No model state dict in {where}: expected one of the entries {list(MODEL_STATE_KEYS)} or a dict of"
             f" tensors, found {[repr(k)[:40] for k in list(checkpoint)[:10]]}."
         )
-    odd = next((k for k in state_dict if not isinstance(k, str)), None)
-    if odd is not None:
+    if (odd := next((k for k in state_dict if not isinstance(k, str)), None)) is not None:
         raise DamagedCheckpointError(
             f"The model state dict in {where} has a key that is not a string:"
             f" {odd!r} ({type(odd).__name__}); state-dict keys are parameter names."
@@ -155,8 +154,7 @@ def _check_optimizer_lines_up(optimizer_state: Mapping[str, Any], params: list[t
 
 def _fit_loop_state(epochs_completed: int, global_step: int) -> dict[str, Any]:
     """A fresh Trainer's ``fit_loop.state_dict()`` (Lightning's layout), counters set to the epochs and steps."""
-    trainer = _namespace.get("pytorch:Trainer")(accelerator="cpu", devices=1, logger=False)  # never fitted
-    state = trainer.fit_loop.state_dict()
+    state = _namespace.get("pytorch:Trainer")(accelerator="cpu", devices=1, logger=False).fit_loop.state_dict()
     steps = state["epoch_loop.automatic_optimization.optim_progress"]["optimizer"]["step"]
     for scope in ("total", "current"):
         state["epoch_progress"][scope] = dict.fromkeys(state["epoch_progress"][scope], epochs_completed)
@@ -296,8 +294,8 @@ def export_weights(
             source,
             submodule,
         )
-    odd = next((k for k, v in weights.items() if not isinstance(v, torch.Tensor)), None)
-    if odd is not None:  # a module's extra state (TypeError), or a file that is no checkpoint
+    # a module's extra state (TypeError), or a file that is no checkpoint
+    if (odd := next((k for k, v in weights.items() if not isinstance(v, torch.Tensor)), None)) is not None:
         where = type(source).__name__ if isinstance(source, nn.Module) else os.fspath(source)
         raise (TypeError if isinstance(source, nn.Module) else DamagedCheckpointError)(
             f"The model state dict in {where} holds a"

@@ -259,10 +259,8 @@ def _verify_zip_checksums(f: Any, path: str, size: int) -> None:
     saved with torch's CRC-32 switched off (every CRC 0) is not checked. Else ``DamagedCheckpointError``."""
     try:
         with zipfile.ZipFile(f) as archive:
-            if any(info.CRC for info in archive.infolist()):
-                bad = archive.testzip()
-                if bad is not None:
-                    raise zipfile.BadZipFile(f"the CRC-32 or the header of member {bad} does not check out")
+            if any(info.CRC for info in archive.infolist()) and (bad := archive.testzip()) is not None:
+                raise zipfile.BadZipFile(f"the CRC-32 or the header of member {bad} does not check out")
     except Exception as e:  # zipfile raises BadZipFile, EOFError, ValueError, struct.error, ... on bad bytes
         raise _damaged(path, size, e) from e
 

@@ -97,23 +97,14 @@ def _tcp_store(host: str, port: int, rank: int, timeout: timedelta, num_nodes: i
         if num_nodes == 1 or e.errno == errno.EADDRINUSE:
             raise
         log.warning(
-            "MASTER_ADDR=%s is no address of rank 0's machine that other nodes reach (%s), but the job has %d"
-            " nodes: the rendezvous store listens on every interface. Set MASTER_ADDR to the address the other"
-            " nodes reach this one by.",
-            host,
-            e,
-            num_nodes,
+            f"MASTER_ADDR={host} is no address of rank 0's machine that other nodes reach ({e}), but the job has"
+            f" {num_nodes} nodes: the rendezvous store listens on every interface. Set MASTER_ADDR to the address"
+            " the other nodes reach this one by."
         )
         sock = socket.create_server(("", port), family=socket.AF_INET6, dualstack_ipv6=True)
-    return dist.TCPStore(
-        host,
-        port,
-        None,
-        is_master=True,
-        timeout=timeout,
-        wait_for_workers=False,
-        master_listen_fd=sock.detach(),
-    )  # the store owns (and closes) the socket now
+    return dist.TCPStore(  # the store owns (and closes) the socket now
+        host, port, None, is_master=True, timeout=timeout, wait_for_workers=False, master_listen_fd=sock.detach()
+    )
 
 
 def init_process_group(
@@ -166,12 +157,8 @@ def init_process_group(
     if env:  # as Lightning's _init_dist_connection does; torch's env:// handler reads them under torchrun
         os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = main_address, str(main_port)
     log.info(
-        "[rank %d] joining the process group: backend=%s world_size=%d rendezvous=%s timeout=%.0fs",
-        rank,
-        backend,
-        world_size,
-        where,
-        timeout.total_seconds(),
+        f"[rank {rank}] joining the process group: backend={backend} world_size={world_size} rendezvous={where}"
+        f" timeout={timeout.total_seconds():.0f}s"
     )
 
     def attempt(rendezvous: dist.Store | None) -> None:

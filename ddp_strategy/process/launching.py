@@ -93,7 +93,7 @@ def check_launch_env(env: ClusterEnvironment, num_nodes: int, num_processes: int
     # Upper bounds against the Trainer (RANK < WORLD_SIZE, LOCAL_RANK < devices) are check_external_world's,
     # which runs before the rendezvous; NODE_RANK is bounded here since a Lightning-launched job skips that.
     node = "NODE_RANK" if not elastic and "NODE_RANK" in os.environ else "GROUP_RANK"
-    limits = {  # name: (lowest, highest or None, what it is)
+    for name, (low, high, meaning) in {  # name: (lowest, highest or None, what it is)
         "WORLD_SIZE": (1, None, "the number of processes"),
         "RANK": (0, None, "a global rank"),
         "LOCAL_RANK": (0, None, "a rank on this node"),
@@ -101,8 +101,7 @@ def check_launch_env(env: ClusterEnvironment, num_nodes: int, num_processes: int
         if elastic
         else (0, num_nodes - 1, f"a node index below Trainer(num_nodes={num_nodes})"),
         "MASTER_PORT": (int(num_nodes * num_processes > 1), 65535, "a TCP port"),  # 0: any free one, alone
-    }
-    for name, (low, high, meaning) in limits.items():
+    }.items():
         if name not in os.environ or (not elastic and name in ("WORLD_SIZE", "RANK")):
             continue
         raw = os.environ[name]

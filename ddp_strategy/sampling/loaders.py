@@ -91,8 +91,7 @@ class LoaderSharding:
         # one position per training loader, in order; one not ours (your DistributedSampler) restarts its epoch,
         # as under Lightning's ddp, whose "not resumable" warning says so
         position = self.positions.pop(0) if self.positions else None
-        injected = injected_sampler(loader)
-        if position is not None and injected is not None:
+        if position is not None and (injected := injected_sampler(loader)) is not None:
             injected.resume_from(position)
         return loader
 

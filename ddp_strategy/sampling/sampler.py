@@ -245,9 +245,8 @@ class EpochSeededDistributedSampler(_EpochShards, DistributedSampler):
             self.num_samples, self.total_size = len(self), self.length
 
     def _stream(self, epoch: int) -> list[int]:
-        n = self.length
         generator = torch.Generator().manual_seed(self.seed + epoch)
-        return torch.randperm(n, generator=generator).tolist() if self.shuffle else list(range(n))
+        return torch.randperm(self.length, generator=generator).tolist() if self.shuffle else list(range(self.length))
 
 
 class ShardedSampler(_EpochShards, Sampler[Any]):

@@ -53,22 +53,23 @@ def _unshadowed(trainer: Any) -> list[str]:
     cannot take part in them under the join, named: a ``ZeroRedundancyOptimizer`` (its step broadcasts each rank's
     shard), SyncBatchNorm layers (their forward all-reduces the batch statistics), torchmetrics metrics with
     ``dist_sync_on_step=True`` (their forward gathers every rank's state)."""
-    found = [
-        f"optimizer {i} (a ZeroRedundancyOptimizer)"
-        for i, optimizer in enumerate(trainer.optimizers)
-        if isinstance(optimizer, ZeroRedundancyOptimizer)
-    ]
-    found += [
-        f"the SyncBatchNorm layer {name!r}"
-        for name, module in trainer.lightning_module.named_modules()
-        if "SyncBatchNorm" in type(module).__name__
-    ]
-    found += [
-        f"the metric {name!r} (dist_sync_on_step=True)"
-        for name, module in trainer.lightning_module.named_modules()
-        if getattr(module, "dist_sync_on_step", False) is True
-    ]
-    return found
+    return (
+        [
+            f"optimizer {i} (a ZeroRedundancyOptimizer)"
+            for i, optimizer in enumerate(trainer.optimizers)
+            if isinstance(optimizer, ZeroRedundancyOptimizer)
+        ]
+        + [
+            f"the SyncBatchNorm layer {name!r}"
+            for name, module in trainer.lightning_module.named_modules()
+            if "SyncBatchNorm" in type(module).__name__
+        ]
+        + [
+            f"the metric {name!r} (dist_sync_on_step=True)"
+            for name, module in trainer.lightning_module.named_modules()
+            if getattr(module, "dist_sync_on_step", False) is True
+        ]
+    )
 
 
 class UnevenInputs(StepJoin):

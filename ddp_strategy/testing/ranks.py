@@ -251,16 +251,16 @@ def _collect(procs: list[Any], folder: Path, timed_out: bool, timeout_s: float) 
         result, error, stack = folder / f"result_{rank}.pkl", folder / f"error_{rank}.txt", folder / f"stack_{rank}.txt"
         if result.exists() and proc.exitcode == 0:
             results.append(pickle.loads(result.read_bytes()))
-            continue
-        reports[rank] = (
-            f"raised:\n{error.read_text()}"
-            if error.exists()
-            else f"still running; its stack:\n{stack.read_text() if stack.exists() else '(none)'}"
-            if proc.is_alive()
-            else f"exited with code {proc.exitcode} without a result (killed, os._exit, or it never"
-            " reached fn: called from a script, run_on_ranks must be under"
-            " `if __name__ == '__main__':`, because the ranks' parent imports the main module)"
-        )
+        else:
+            reports[rank] = (
+                f"raised:\n{error.read_text()}"
+                if error.exists()
+                else f"still running; its stack:\n{stack.read_text() if stack.exists() else '(none)'}"
+                if proc.is_alive()
+                else f"exited with code {proc.exitcode} without a result (killed, os._exit, or it never"
+                " reached fn: called from a script, run_on_ranks must be under"
+                " `if __name__ == '__main__':`, because the ranks' parent imports the main module)"
+            )
     if not reports:
         return results
     why = f"did not finish within {timeout_s:g} s" if timed_out else "failed"
