@@ -340,7 +340,8 @@ class MyDDPStrategy(sync.wrapping.LightningDDPAttributes, _namespace.ParallelStr
         exception path."""
         box = [obj]
         if process.failures.collectives_allowed(self._trainer):
-            self._uneven.announce("broadcast", src)
+            if not self._uneven.announce("broadcast", src):
+                self._round.barrier(self.global_rank, f"made a broadcast from rank {src}", in_steps=False)
             dist.broadcast_object_list(box, src)
         return box[0]
 
@@ -352,6 +353,10 @@ class MyDDPStrategy(sync.wrapping.LightningDDPAttributes, _namespace.ParallelStr
             tensor = tensor.float()  # exact: epoch values over uneven shards divide by their mean batch size
         if isinstance(tensor, Tensor) and tail:
             return self._uneven.reduce(tensor, group, reduce_op)
+        if isinstance(tensor, Tensor):  # at an epoch's end, on one rank only: named at once (StepRound.barrier)
+            self._round.barrier(
+                self.global_rank, "made a reduce (self.log(..., sync_dist=True) or strategy.reduce)", in_steps=False
+            )
         return _pl.sync_ddp_if_available(tensor, group, reduce_op=reduce_op) if isinstance(tensor, Tensor) else tensor
 
     @override
@@ -365,7 +370,8 @@ class MyDDPStrategy(sync.wrapping.LightningDDPAttributes, _namespace.ParallelStr
     @override
     def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
         """``(W, *shape)``; uneven first dims: ``(W, max n_r, *rest)`` padded, warned once; else ``ValueError``."""
-        self._uneven.announce("all_gather")
+        if not self._uneven.announce("all_gather"):
+            self._round.barrier(self.global_rank, "made an all_gather", in_steps=False)
         if len(set(shapes := process.gather_shapes(tensor, group))) == 1:
             return super().all_gather(tensor, group=group, sync_grads=sync_grads)
         warn, self._warned_padded_gather = not self._warned_padded_gather, True

@@ -51,6 +51,7 @@ class StepRound:
         self.signalled = [0, 0]  #: this rank's SIGTERM and requeue flags
         self.has_next = False  #: this rank has a batch after the current one (set by sampling.join)
         self.tail = False  #: the current batch is one that some ranks only shadow (set by sampling.join)
+        self.stepping = False  #: from a training step's start to the epoch's end or a validation run's start
         #: the rounds' group, device and world size, from the fit's set-up (``add_fit_callbacks``) to its end
         self.on: tuple[Any, torch.device, int] = (None, torch.device("cpu"), 1)
         self._sent: tuple[torch.Tensor, Any] | None = None
@@ -61,7 +62,7 @@ class StepRound:
         batch's flags."""
         if not self.tail:  # (none after a SIGTERM stop: Lightning raises at the step's or epoch's end)
             self._sent = self.send(stepping=True)
-        self.has_next = self.tail = False
+        self.has_next, self.tail, self.stepping = False, False, True
 
     def send(self, stepping: bool, timeout: timedelta | None = None) -> tuple[torch.Tensor, Any]:
         """Start the all-reduce of ``[*signalled, not has_next, stepping]`` on :attr:`on`'s group and device (none with
@@ -84,25 +85,30 @@ class StepRound:
                 flags, work = flags.to("cpu", non_blocking=True), copier.record_event()  # pinned
         return flags, work
 
-    def barrier(self, rank: int, what: str, device_ids: list[int] | None = None) -> None:
+    def barrier(self, rank: int, what: str, device_ids: list[int] | None = None, in_steps: bool = True) -> None:
         """The strategy's barrier. While a fit runs (:attr:`on` set, more than one rank): a round outside a step
-        (:meth:`send`, waited for), which every rank makes at the same point, but which meets the next step's round of
-        a rank that did not make it; else ``dist.barrier(device_ids=device_ids)``. Collective.
+        (:meth:`send`, waited for), which every rank makes at the same point, but which meets the next step's (or
+        epoch start's, or the fit end's) round of a rank that did not make it; else ``dist.barrier(device_ids=
+        device_ids)``. With ``in_steps=False`` (before a strategy reduce, broadcast or all-gather) the round only
+        outside the training steps (not :attr:`stepping`: at an epoch's end, in validation), and nothing else: there
+        such a collective made on some ranks only would meet the others' epoch-start collectives (gloo: a native
+        abort on a size mismatch). Collective.
 
         Raises:
-            RuntimeError: ``[rank <rank>] <what>`` while another rank went on to its next training step, at once (it
-                names this rank when this one leaves the group: :mod:`ddp_strategy.process.failures`), not at the
-                collective timeout.
+            RuntimeError: ``[rank <rank>] <what>`` while another rank went on, at once (it names this rank when this
+                one leaves the group: :mod:`ddp_strategy.process.failures`), not at the collective timeout.
         """
         if self.on[2] == 1:
-            return dist.barrier(device_ids=device_ids)
-        if self.received(self.send(stepping=False))[3]:
+            return dist.barrier(device_ids=device_ids) if in_steps else None
+        if (in_steps or not self.stepping) and self.received(self.send(stepping=False))[3]:
             raise RuntimeError(
-                f"[rank {rank}] {what} while another rank went on to its next training step or epoch, which waits"
-                " for this one. Both must happen on every rank alike: a barrier (trainer.save_checkpoint, which writes"
-                " on rank 0 alone) outside `if trainer.is_global_zero:`; an epoch's early end decided on every rank, by"
-                " reducing the decision first (trainer.strategy.reduce_boolean_decision(decision, all=False)) or"
-                " broadcasting one rank's (trainer.strategy.broadcast(decision, src=...))."
+                f"[rank {rank}] {what} while another rank went on to its next training step or epoch or to the fit's"
+                " end, which waits for this one. Both must happen on every rank alike: a barrier"
+                " (trainer.save_checkpoint, which writes on rank 0 alone) or a reduce or broadcast (self.log(...,"
+                " sync_dist=True), trainer.strategy.reduce/broadcast) outside `if trainer.is_global_zero:`; an epoch's"
+                " early end decided on every rank, by reducing the decision first"
+                " (trainer.strategy.reduce_boolean_decision(decision, all=False)) or broadcasting one rank's"
+                " (trainer.strategy.broadcast(decision, src=...))."
             )
 
     def received(self, sent: tuple[torch.Tensor, Any] | None = None) -> torch.Tensor:
@@ -147,10 +153,9 @@ class EpochBoundaryCheck(_namespace.Callback):
         epoch, rank, start, timeout = trainer.current_epoch, self.rank, time.monotonic(), self.run.barrier_timeout
         reached = self.run.reports.add(f"checks/{rank}", 1)  # the checks this rank reached (the same on every rank)
         self.round.send(stepping=True, timeout=timeout)  # meets a barrier's round on a rank not here (a save)
-        options = dist.BarrierOptions()
-        options.timeout = timeout  # per operation: it ends on time, none left in flight (which would block teardown)
         try:  # the group looked up, not held: a traceback holding it would keep its connections open on a failure
-            cast(Any, dist.group.WORLD if self.gloo else self.run.barrier_group).barrier(options).wait()
+            # the timeout per operation: it ends on time, none left in flight (which would block teardown)
+            cast(Any, dist.group.WORLD if self.gloo else self.run.barrier_group).barrier(timeout).wait()
         except RuntimeError as e:
             if time.monotonic() - start < 0.9 * timeout.total_seconds():
                 raise  # a connection broke (a peer failed and left): failures.describe_peers names it
@@ -245,7 +250,7 @@ class SignalsAtStepBoundary(_namespace.Callback):
             RuntimeError: on a rank that left alone, at once (the others, waiting for it in their step's gradient
                 all-reduce, name it when it leaves the group: :mod:`ddp_strategy.process.failures`).
         """
-        progress = trainer.fit_loop.epoch_loop.batch_progress
+        progress, self.round.stepping = trainer.fit_loop.epoch_loop.batch_progress, False  # the steps' stretch ends
         if progress.current.started < progress.current.processed or trainer.should_stop and not progress.is_last_batch:
             self.round.barrier(
                 trainer.global_rank,

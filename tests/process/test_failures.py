@@ -56,9 +56,11 @@ JOBS: dict[str, tuple[str, str, int | None]] = {  # the long ones first; spawn (
     "save_alone/popen": ("save_alone", "popen", None),
     "end_alone/popen": ("end_alone", "popen", None),
     "save_epoch_alone/popen": ("save_epoch_alone", "popen", None),
+    "reduce_epoch_alone/popen": ("reduce_epoch_alone", "popen", None),
     "skip_alone/ddp": ("skip_alone", "ddp", None),
     "save_alone/ddp": ("save_alone", "ddp", None),
     "save_epoch_alone/ddp": ("save_epoch_alone", "ddp", None),
+    "reduce_epoch_alone/ddp": ("reduce_epoch_alone", "ddp", None),
 }
 #: Launch variables a fit in this pytest process may have left in os.environ (Lightning's popen launcher and the
 #: rendezvous set MASTER_ADDR/MASTER_PORT in the launching process; a module fixture's fit is not undone by the
@@ -278,10 +280,12 @@ ALONE = {
         0,
         "waited in a barrier (Trainer.save_checkpoint) while another rank went on to its next training step or epoch",
     ),
-    "skip_log": (
+    "reduce_epoch_alone": (
         0,
-        "Where the ranks waited",
-    ),  # (not a rank alone: the ranks' collectives differ; named at the timeout)
+        "made a reduce (self.log(..., sync_dist=True) or strategy.reduce) while another rank went on to its next"
+        " training step or epoch or to the fit's end",
+    ),
+    "skip_log": (0, "Where the ranks waited"),  # (not alone: the ranks' collectives differ; named at the timeout)
     "end_alone": (
         1,
         "ranks [1] ended the fit (trainer.should_stop set there alone, after the epoch's last batch) while",
@@ -291,15 +295,26 @@ ALONE = {
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize(
-    "job", ["skip_alone/popen", "stop_alone/popen", "save_alone/popen", "save_epoch_alone/popen", "end_alone/popen"]
+    "job",
+    [
+        "skip_alone/popen",
+        "stop_alone/popen",
+        "save_alone/popen",
+        "save_epoch_alone/popen",
+        "reduce_epoch_alone/popen",
+        "end_alone/popen",
+    ],
 )
 def test_a_rank_that_leaves_the_others_steps_alone_is_named_on_every_rank_within_seconds(jobs, job):
     """on_train_batch_start returning -1 on rank 1 alone, trainer.should_stop set on rank 1 alone mid-epoch or in
-    on_train_epoch_end (after the last batch: it ends the fit), and trainer.save_checkpoint on rank 0 alone (a 20 s
-    collective timeout): the rank that left names itself and the cause, the other names it as the cause, within 15 s
-    of the divergence (Lightning's ddp: the timeout, unnamed; for the fit's end alone, the others' next step fails
-    once the rank that left exits, unnamed: "Connection closed by peer"). Until 2026-12-06 a fit ended alone waited
-    out the timeout: its fit-end all-reduce met the others' next epoch's barrier."""
+    on_train_epoch_end (after the last batch: it ends the fit), trainer.save_checkpoint on rank 0 alone mid-epoch or
+    at an epoch's end, and self.log(..., sync_dist=True) on rank 0 alone at an epoch's end (a 20 s collective
+    timeout; until 2026-12-06 the last two waited out the timeout, and the reduce met the other rank's epoch-start
+    all-reduce: gloo aborted rank 0 natively, found by a fresh-user tryout): the rank that left names itself and the
+    cause, the other names it as the cause, within 15 s of the divergence (Lightning's ddp: the timeout, unnamed; for
+    the fit's end alone, the others' next step fails once the rank that left exits, unnamed: "Connection closed by
+    peer"). Until 2026-12-06 a fit ended alone waited out the timeout: its fit-end all-reduce met the others' next
+    epoch's barrier."""
     ended = jobs[job].result()
     rank, says = ALONE[job.split("/")[0]]
     assert ended.code != 0 and ended.since_failure < 15, f"exit {ended.code} after {ended.since_failure:.1f} s"
@@ -315,7 +330,9 @@ def test_a_rank_that_leaves_the_others_steps_alone_is_named_on_every_rank_within
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("job", ["skip_alone/ddp", "save_alone/ddp", "save_epoch_alone/ddp", "skip_log/ddp"])
+@pytest.mark.parametrize(
+    "job", ["skip_alone/ddp", "save_alone/ddp", "save_epoch_alone/ddp", "reduce_epoch_alone/ddp", "skip_log/ddp"]
+)
 def test_under_lightnings_ddp_a_rank_that_leaves_alone_fails_at_the_collective_timeout(jobs, job):
     """The same user code under strategy=DDPStrategy(timeout=20 s): every rank waits out the timeout, no rank named."""
     ended = jobs[job].result()

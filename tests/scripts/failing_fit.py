@@ -101,6 +101,11 @@ class Model(DigitsClassifier):
             self.trainer.should_stop = True  # rank 1 alone leaves the fit after this step (min_epochs=1 is met)
         return super().on_train_batch_start(batch, batch_idx)
 
+    def on_train_epoch_end(self):
+        if SCENARIO == "reduce_epoch_alone" and self.global_rank == 0 and self.current_epoch == 0:
+            mark_failing()  # reduced at the epoch's end on rank 0 alone, after the metrics every rank syncs there
+            self.log("rank_0_only", torch.tensor(1.0), sync_dist=True)
+
     def validation_step(self, batch, batch_idx):
         if SCENARIO == "val_raise" and self.global_rank == 0:
             mark_failing()
