@@ -138,8 +138,10 @@ class EpochBoundaryCheck(_namespace.Callback):
     gloo on the world group (its full mesh: no connection more); else on the strategy's gloo side group, whose pairs
     connect on first use (``process.group``): about ``2 log2 W`` peers per rank. Before it each rank counts the
     checks it reached in ``run.reports`` (a store ``add`` to its own key), which a timeout reads to name the ranks
-    missing: the only loop over the world, on the failure path. Per fit: one barrier, one store ``add`` and one
-    all-reduce of W integers per epoch, and one more of each at its end.
+    missing: the only loop over the world, on the failure path. Before the barrier each rank sends a round of
+    ``step_round`` (:meth:`StepRound.send`, with the barrier's timeout, never read), which a strategy barrier, reduce
+    or broadcast on a rank not here meets (a save on one rank at an epoch's end: named at once there). Per fit: one
+    round, one barrier, one store ``add`` and one all-reduce of W integers per epoch, and one more of each at its end.
 
     Raises:
         StalledRankError: a rank did not reach the barrier in ``barrier_timeout``, named (a barrier broken sooner, by
@@ -244,7 +246,7 @@ class SignalsAtStepBoundary(_namespace.Callback):
         """On a rank that may have left the epoch's steps alone (a batch it did not step: its ``on_train_batch_start``
         returned -1, or it was None; ``trainer.should_stop`` before its last batch, which also validates at once):
         one more round (:meth:`StepRound.barrier`), which meets the step another rank took instead, if any. At the
-        epoch's end and at a validation run's start.
+        epoch's end and at a validation run's start, where the training steps' stretch ends (``StepRound.stepping``).
 
         Raises:
             RuntimeError: on a rank that left alone, at once (the others, waiting for it in their step's gradient
