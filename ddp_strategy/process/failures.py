@@ -159,6 +159,10 @@ def on_exception(
             exc_info=(type(exception), exception, exception.__traceback__),
         )
         _best_effort(store, rank, store.set, f"failed/{rank}", summarize(exception))
+        # Its traceback's frames let go of their locals (the traceback itself stays): one holding the world group
+        # (Lightning's LightningModule.all_gather) kept its connections open after the group's destruction, so the
+        # peers waited out their timeout instead of naming this failure (found by a fresh-user tryout).
+        traceback.clear_frames(exception.__traceback__)
         run.own_failure = not isinstance(exception, StalledRankError)  # (it names the ranks missing: not waited on)
 
 

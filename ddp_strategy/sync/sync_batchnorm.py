@@ -69,8 +69,8 @@ class CPUSyncBatchNorm(_BatchNorm):
         self._check_input_dim(x)
         dims = [0, *range(2, x.dim())]
         shape = [1, -1] + [1] * (x.dim() - 2)
-        local_count = x.new_full((1,), x.numel() // x.size(1))
-        totals = dist_fn.all_reduce(torch.cat([x.sum(dims), local_count]), group=group)
+        # [per-channel sums, this rank's element count per channel]
+        totals = dist_fn.all_reduce(torch.cat([x.sum(dims), x.new_full((1,), x.numel() // x.size(1))]), group=group)
         count = totals[-1]
         mean = totals[:-1] / count
         centred = x - mean.view(shape)

@@ -57,6 +57,7 @@ JOBS: dict[str, tuple[str, str, int | None]] = {  # the long ones first; spawn (
     "end_alone/popen": ("end_alone", "popen", None),
     "save_epoch_alone/popen": ("save_epoch_alone", "popen", None),
     "reduce_epoch_alone/popen": ("reduce_epoch_alone", "popen", None),
+    "gather_epoch_alone/popen": ("gather_epoch_alone", "popen", None),
     "skip_alone/ddp": ("skip_alone", "ddp", None),
     "save_alone/ddp": ("save_alone", "ddp", None),
     "save_epoch_alone/ddp": ("save_epoch_alone", "ddp", None),
@@ -285,6 +286,10 @@ ALONE = {
         "made a reduce (self.log(..., sync_dist=True) or strategy.reduce) while another rank went on to its next"
         " training step or epoch or to the fit's end",
     ),
+    "gather_epoch_alone": (
+        0,
+        "made an all_gather while another rank went on to its next training step or epoch or to the fit's end",
+    ),
     "skip_log": (0, "Where the ranks waited"),  # (not alone: the ranks' collectives differ; named at the timeout)
     "end_alone": (
         1,
@@ -302,6 +307,7 @@ ALONE = {
         "save_alone/popen",
         "save_epoch_alone/popen",
         "reduce_epoch_alone/popen",
+        "gather_epoch_alone/popen",
         "end_alone/popen",
     ],
 )
@@ -310,7 +316,9 @@ def test_a_rank_that_leaves_the_others_steps_alone_is_named_on_every_rank_within
     on_train_epoch_end (after the last batch: it ends the fit), trainer.save_checkpoint on rank 0 alone mid-epoch or
     at an epoch's end, and self.log(..., sync_dist=True) on rank 0 alone at an epoch's end (a 20 s collective
     timeout; until 2026-12-06 the last two waited out the timeout, and the reduce met the other rank's epoch-start
-    all-reduce: gloo aborted rank 0 natively, found by a fresh-user tryout): the rank that left names itself and the
+    all-reduce: gloo aborted rank 0 natively, found by a fresh-user tryout), and self.all_gather on rank 0 alone there
+    (whose Lightning frame holds the world group: the failing rank's traceback let go of it only since the same
+    day, before the other rank waited out the epoch barrier's timeout): the rank that left names itself and the
     cause, the other names it as the cause, within 15 s of the divergence (Lightning's ddp: the timeout, unnamed; for
     the fit's end alone, the others' next step fails once the rank that left exits, unnamed: "Connection closed by
     peer"). Until 2026-12-06 a fit ended alone waited out the timeout: its fit-end all-reduce met the others' next

@@ -105,6 +105,9 @@ class Model(DigitsClassifier):
         if SCENARIO == "reduce_epoch_alone" and self.global_rank == 0 and self.current_epoch == 0:
             mark_failing()  # reduced at the epoch's end on rank 0 alone, after the metrics every rank syncs there
             self.log("rank_0_only", torch.tensor(1.0), sync_dist=True)
+        if SCENARIO == "gather_epoch_alone" and self.global_rank == 0 and self.current_epoch == 0:
+            mark_failing()  # Lightning's LightningModule.all_gather holds the world group in its frame
+            self.all_gather(torch.tensor(1.0))
 
     def validation_step(self, batch, batch_idx):
         if SCENARIO == "val_raise" and self.global_rank == 0:
