@@ -89,8 +89,10 @@ class Model(DigitsClassifier):
         return super().training_step(batch, batch_idx)
 
     def log(self, name, value, *args, **kwargs):
-        if not (SCENARIO == "save_epoch_alone" and name == "train_acc"):  # no epoch-end sync: the others go on
-            super().log(name, value, *args, **kwargs)  # to the next epoch's start (a torchmetrics sync: the timeout)
+        if not (SCENARIO in ("save_epoch_alone", "gather_epoch_alone") and name == "train_acc"):  # no epoch-end
+            super().log(
+                name, value, *args, **kwargs
+            )  # sync: the others go on to the next epoch's start (else: timeout)
 
     def on_train_batch_start(self, batch, batch_idx):
         if SCENARIO == "skip_alone" and self.global_rank == 1 and self.global_step == FAIL_STEP:
