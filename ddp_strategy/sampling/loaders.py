@@ -99,8 +99,11 @@ class LoaderSharding:
         """At an evaluation stage's start, every rank: whether the batch counts of the loaders :meth:`prepare` left
         (the user's distributed sampler, an ``IterableDataset``, predict) differ between ranks or are unknown (no
         ``__len__``, or an ``IterableDataset``'s, which is only a hint): one ``all_gather_object``; none, and False,
-        if it left none (the strategy's own shards hold as many batches on every rank)."""
-        pending, self._pending = self._pending, []
+        if it left none (the strategy's own shards hold as many batches on every rank). The loaders stay pending
+        until teardown: a fit's sanity check and every validation run after it use the loaders prepared once, and
+        each run agrees anew (until 2026-12-06 only the first did: the later runs of uneven loaders ran without the
+        join, and a per-step collective met another rank's epoch-end one, found by a fresh-user tryout)."""
+        pending = self._pending
         world = dist.get_world_size() if pending and dist.is_available() and dist.is_initialized() else 1
         gathered = [
             [None if isinstance(getattr(dl, "dataset", None), IterableDataset) else sized_len(dl) for dl in pending]

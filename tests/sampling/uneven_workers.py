@@ -165,6 +165,8 @@ class Probed(pl.LightningModule):
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         x, y, _ = batch
         self.log("val", loss_of(self.layer, x, y), sync_dist=True, batch_size=len(x))
+        if "val_step_log" in self.probes:  # a per-step collective in every validation run: each under the join
+            self.log("val_step", loss_of(self.layer, x, y), on_step=True, sync_dist=True, batch_size=len(x))
 
     def on_validation_end(self) -> None:
         if not self.trainer.sanity_checking:
@@ -399,6 +401,14 @@ def scenario_join(out: Path) -> None:
         enable_progress_bar=True,  # rank 0's bar syncs the epoch-level "x_epoch" alone at the epoch's end
     )
     fit(out, "join_map", own_shard(MAP, MAP_BATCH), own_shard(VAL, VAL_BATCH, VAL_SALT), use_distributed_sampler=False)
+    fit(
+        out,
+        "join_map_val_steps",
+        own_shard(MAP, MAP_BATCH),
+        own_shard(VAL, VAL_BATCH, VAL_SALT),
+        Probed(("val_step_log",)),
+        use_distributed_sampler=False,
+    )
     fit(
         out,
         "join_map_active",
