@@ -98,8 +98,8 @@ class StepRound:
             RuntimeError: ``[rank <rank>] <what>`` while another rank went on, at once (it names this rank when this
                 one leaves the group: :mod:`ddp_strategy.process.failures`), not at the collective timeout.
         """
-        if self.on[2] == 1:
-            return dist.barrier(device_ids=device_ids) if in_steps else None
+        if self.on[2] == 1 and in_steps:
+            return dist.barrier(device_ids=device_ids)
         if (in_steps or not self.stepping) and self.received(self.send(stepping=False))[3]:
             raise RuntimeError(
                 f"[rank {rank}] {what} while another rank went on to its next training step or epoch or to the fit's"
@@ -172,10 +172,9 @@ class EpochBoundaryCheck(_namespace.Callback):
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         """The same at the fit's end (before the fit-end diagnostics' all-reduce), where a rank that ended the fit
-        alone (``trainer.should_stop`` after its epoch's last batch) meets the others' next epoch's start; then the
-        round lets go of the fit (:meth:`StepRound.reset`): a barrier after it is ``dist.barrier``."""
+        alone (``trainer.should_stop`` after its epoch's last batch) meets the others' next epoch's start. The round
+        is reset at teardown (``remove_fit_callbacks``)."""
         self.on_train_epoch_start(trainer, pl_module, end=True)
-        self.round.reset()
 
 
 class SignalsAtStepBoundary(_namespace.Callback):
@@ -200,7 +199,7 @@ class SignalsAtStepBoundary(_namespace.Callback):
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         """Take over SIGTERM and (under SLURM auto-requeue) the requeue signal from Lightning (every rank). The round
-        starts clean: the last fit's end reset it (:meth:`EpochBoundaryCheck.on_train_end`)."""
+        starts clean: the last fit's teardown reset it (:func:`remove_fit_callbacks`)."""
         self._rank, self._launcher = trainer.global_rank, trainer.strategy.launcher
         env = trainer.strategy.cluster_environment
         requeue_signal = getattr(env, "requeue_signal", None) if getattr(env, "auto_requeue", False) else None
@@ -271,8 +270,8 @@ class SignalsAtStepBoundary(_namespace.Callback):
 
     def on_train_end(self, trainer: Any = None, pl_module: Any = None) -> None:
         """Give the requeue signal back to Lightning's handler if ours is still installed (Lightning restores the
-        original at teardown). No collective; the round is reset after the fit-end check
-        (:meth:`EpochBoundaryCheck.on_train_end`), or at teardown."""
+        original at teardown). No collective; the round is reset at teardown (:func:`remove_fit_callbacks`), after
+        the fit-end check (:meth:`EpochBoundaryCheck.on_train_end`)."""
         if self._signal is not None and signal.getsignal(self._signal) == self._note:  # (not again at teardown)
             signal.signal(self._signal, self._lightning_handler)
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import weakref
 from collections.abc import Iterable, Mapping
 from contextlib import ExitStack, suppress
 from typing import TYPE_CHECKING, Any, cast
@@ -45,7 +46,8 @@ class LoaderSharding:
         self.positions: list[dict[str, Any]] = []  #: from the checkpoint, for the training loaders built next
         self.until_teardown = ExitStack()  #: what lasts while a fit runs (see ``state.restore_batch_counter``)
         self._injecting = True
-        self._pending: list[object] = []  #: evaluation loaders whose batch counts need the peers'
+        #: evaluation loaders whose batch counts need the peers' (weak references: until teardown or Lightning's reload)
+        self._pending: list[weakref.ref[Any]] = []
 
     def take_over(self, trainer: Trainer) -> None:
         """Turn Lightning's sampler injection off (kept for predict); ``use_distributed_sampler=False`` is honoured."""
@@ -81,7 +83,8 @@ class LoaderSharding:
         if trainer.state.stage != RunningStage.TRAINING:
             stage = "test" if trainer.state.stage == RunningStage.TESTING else "validation"
             loader = shard_for_evaluation(dataloader, shard, stage, self.exact_evaluation) if ours else dataloader
-            self._pending += [loader] if injected_sampler(loader) is None else []  # not ours (or predict): agree_counts
+            # not ours (or predict): agree_counts; weakly, as Lightning may let go of it (reloading every n epochs)
+            self._pending += [weakref.ref(loader)] if injected_sampler(loader) is None else []
             return loader
         if not ours:
             return dataloader
@@ -103,7 +106,7 @@ class LoaderSharding:
         until teardown: a fit's sanity check and every validation run after it use the loaders prepared once, and
         each run agrees anew (until 2026-12-06 only the first did: the later runs of uneven loaders ran without the
         join, and a per-step collective met another rank's epoch-end one, found by a fresh-user tryout)."""
-        pending = self._pending
+        pending = [loader for ref in self._pending if (loader := ref()) is not None]
         world = dist.get_world_size() if pending and dist.is_available() and dist.is_initialized() else 1
         gathered = [
             [None if isinstance(getattr(dl, "dataset", None), IterableDataset) else sized_len(dl) for dl in pending]
