@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import weakref
 from collections.abc import Iterable, Mapping
 from contextlib import ExitStack, suppress
 from typing import TYPE_CHECKING, Any, cast
@@ -46,8 +45,8 @@ class LoaderSharding:
         self.positions: list[dict[str, Any]] = []  #: from the checkpoint, for the training loaders built next
         self.until_teardown = ExitStack()  #: what lasts while a fit runs (see ``state.restore_batch_counter``)
         self._injecting = True
-        #: evaluation loaders whose batch counts need the peers' (weak references: until teardown or Lightning's reload)
-        self._pending: list[weakref.ref[Any]] = []
+        #: the batch counts (None: unknown) of the evaluation loaders whose counts need the peers', until teardown
+        self._pending: list[int | None] = []
 
     def take_over(self, trainer: Trainer) -> None:
         """Turn Lightning's sampler injection off (kept for predict); ``use_distributed_sampler=False`` is honoured."""
@@ -83,8 +82,8 @@ class LoaderSharding:
         if trainer.state.stage != RunningStage.TRAINING:
             stage = "test" if trainer.state.stage == RunningStage.TESTING else "validation"
             loader = shard_for_evaluation(dataloader, shard, stage, self.exact_evaluation) if ours else dataloader
-            # not ours (or predict): agree_counts; weakly, as Lightning may let go of it (reloading every n epochs)
-            self._pending += [weakref.ref(loader)] if injected_sampler(loader) is None else []
+            unknown = isinstance(getattr(loader, "dataset", None), IterableDataset)  # (its length is only a hint)
+            self._pending += [None if unknown else sized_len(loader)] if injected_sampler(loader) is None else []
             return loader
         if not ours:
             return dataloader
@@ -102,15 +101,13 @@ class LoaderSharding:
         """At an evaluation stage's start, every rank: whether the batch counts of the loaders :meth:`prepare` left
         (the user's distributed sampler, an ``IterableDataset``, predict) differ between ranks or are unknown (no
         ``__len__``, or an ``IterableDataset``'s, which is only a hint): one ``all_gather_object``; none, and False,
-        if it left none (the strategy's own shards hold as many batches on every rank). The loaders stay pending
-        until teardown: a fit's sanity check and every validation run after it use the loaders prepared once, and
-        each run agrees anew (until 2026-12-06 only the first did: the later runs of uneven loaders ran without the
-        join, and a per-step collective met another rank's epoch-end one, found by a fresh-user tryout)."""
-        pending = [loader for ref in self._pending if (loader := ref()) is not None]
-        world = dist.get_world_size() if pending and dist.is_available() and dist.is_initialized() else 1
-        gathered = [
-            [None if isinstance(getattr(dl, "dataset", None), IterableDataset) else sized_len(dl) for dl in pending]
-        ] * world
+        if it left none (the strategy's own shards hold as many batches on every rank). The counts :meth:`prepare`
+        took stay until teardown: a fit's sanity check and every validation run after it use the loaders prepared
+        once, and each run agrees anew (until 2026-12-06 only the first did: the later runs of uneven loaders ran
+        without the join, and a per-step collective met another rank's epoch-end one, found by a fresh-user tryout);
+        loaders reloaded every n epochs add theirs (a run stays under the join once an earlier set differed)."""
+        world = dist.get_world_size() if self._pending and dist.is_available() and dist.is_initialized() else 1
+        gathered = [list(self._pending)] * world
         if world > 1:
             dist.all_gather_object(gathered, gathered[0])
         return len({tuple(counts) for counts in gathered}) > 1 or any(None in counts for counts in gathered)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -18,14 +19,17 @@ from ddp_strategy.sampling.sampler import (
 
 
 def test_counts_that_need_the_peers_are_agreed_at_the_stage_start_only_where_a_loader_is_not_ours():
-    """agree_counts (the strategy's on_*_start), without a process group: a sized loader prepare left pending has
-    this rank's count (uneven: no), an IterableDataset's length is only a hint (uneven: yes); nothing pending: no."""
-    sharding, loader = LoaderSharding(), DataLoader(TensorDataset(torch.arange(9)), batch_size=4)
-    sharding._pending = [loader, [1, 2]]
-    assert sharding.agree_counts() is False and sharding._pending == []
-    sharding._pending = [loader, DataLoader(_Stream())]
-    assert sharding.agree_counts() is True
+    """agree_counts (the strategy's on_*_start), without a process group, on the counts prepare took for loaders that
+    are not ours: a sized loader's and a list of batches' (uneven: no), an IterableDataset's length is only a hint
+    (uneven: yes, at every run: the counts stay until teardown); nothing pending: no."""
+    sharding, trainer = LoaderSharding(), SimpleNamespace(state=SimpleNamespace(stage="validate", fn="validate"))
+    sharding._injecting = False  # (use_distributed_sampler=False: the user's loaders, as prepared)
     assert sharding.agree_counts() is False
+    for loader in (DataLoader(TensorDataset(torch.arange(9)), batch_size=4), [1, 2]):
+        sharding.prepare(loader, trainer, 1, 0, 0)
+    assert sharding._pending == [3, 2] and sharding.agree_counts() is False
+    sharding.prepare(DataLoader(_Stream()), trainer, 1, 0, 0)
+    assert sharding.agree_counts() is True and sharding.agree_counts() is True
 
 
 class _Stream(IterableDataset):
