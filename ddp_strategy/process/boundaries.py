@@ -100,7 +100,7 @@ class StepRound:
         """
         if self.on[2] == 1 and in_steps:
             return dist.barrier(device_ids=device_ids)
-        if (in_steps or not self.stepping) and self.received(self.send(stepping=False))[3]:
+        if (in_steps or not self.stepping) and self.on[2] > 1 and self.received(self.send(stepping=False))[3]:
             raise RuntimeError(
                 f"[rank {rank}] {what} while another rank went on to its next training step or epoch or to the fit's"
                 " end, which waits for this one. Both must happen on every rank alike: a barrier"
