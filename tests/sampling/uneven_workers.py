@@ -294,7 +294,7 @@ class Observed(pl.Callback, logging.Handler):
     def _counted_by_group(self, group: Any, *args: Any, **kwargs: Any) -> Any:
         """A group's own ``allreduce`` (a round: asynchronous, with a timeout), not through torch.distributed's."""
         self._note(sys._getframe(2), True, group is dist.group.WORLD)  # (called by the lambda of __enter__)
-        return self._allreduce(group, *args, **kwargs)
+        return self._allreduce(group, *args, **kwargs)  # (the class's entry, called with the group first)
 
     def _note(self, caller: Any, async_op: bool, world: bool) -> None:
         if f"{os.sep}ddp_strategy{os.sep}" in caller.f_code.co_filename:
@@ -305,14 +305,14 @@ class Observed(pl.Callback, logging.Handler):
 
     def __enter__(self) -> Observed:
         rank_zero.log.addHandler(self)
-        self._allreduce, dist.all_reduce = dist.ProcessGroup.allreduce, self._counted
-        # (the class's own entry, a method descriptor, put back at the exit: the attribute read is a plain function)
-        self._allreduce_entry = vars(dist.ProcessGroup)["allreduce"]
+        # the class's own entry (a method descriptor), put back as it was at the exit: the attribute read is a plain
+        # function, which would not bind the group
+        self._allreduce, dist.all_reduce = vars(dist.ProcessGroup)["allreduce"], self._counted
         dist.ProcessGroup.allreduce = lambda group, *args, **kwargs: self._counted_by_group(group, *args, **kwargs)
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        dist.all_reduce, dist.ProcessGroup.allreduce = self._all_reduce, self._allreduce_entry
+        dist.all_reduce, dist.ProcessGroup.allreduce = self._all_reduce, self._allreduce
         rank_zero.log.removeHandler(self)
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
