@@ -251,8 +251,12 @@ class MyDDPStrategy(sync.wrapping.LightningDDPAttributes, _namespace.ParallelStr
 
     @override
     def pre_backward(self, closure_loss: Tensor) -> None:
-        """Under manual optimization, prepare DDP's reducer before ``manual_backward`` (as Lightning's DDP does)."""
+        """Under manual optimization, prepare DDP's reducer before ``manual_backward`` (as Lightning's DDP does). Before
+        a backward that syncs gradients, the step's round again (``process.boundaries.StepRound.start``), which a
+        collective the others skipped in the step (``self.log(..., sync_dist=True)`` on one rank) meets at once."""
         self._uneven.before_backward()  # in a step some ranks only shadow: announce the all-reduce
+        if getattr(self.model, "require_backward_grad_sync", False):
+            self._round.start()
         if isinstance(self.model, DistributedDataParallel) and not self.model.module.automatic_optimization:
             _pl.prepare_for_backward(self.model, closure_loss)
 
@@ -329,7 +333,7 @@ class MyDDPStrategy(sync.wrapping.LightningDDPAttributes, _namespace.ParallelStr
             self._round.barrier(  # while fitting, named at once where another rank went on to a step instead
                 self.global_rank,
                 f"waited in a barrier ({name or 'strategy.barrier()'})",
-                process.device_ids(self.root_device) if dist.get_backend() == "nccl" else None,
+                device_ids=process.device_ids(self.root_device) if dist.get_backend() == "nccl" else None,
             )
         if name == _pl.SAVE_BARRIER and self._saved is not None:  # rank 0 wrote it: the file as it is now
             self._written.add(self._saved)
@@ -341,7 +345,7 @@ class MyDDPStrategy(sync.wrapping.LightningDDPAttributes, _namespace.ParallelStr
         box = [obj]
         if process.failures.collectives_allowed(self._trainer):
             if not self._uneven.announce("broadcast", src):
-                self._round.barrier(self.global_rank, f"made a broadcast from rank {src}", in_steps=False)
+                self._round.barrier(self.global_rank, f"made a broadcast from rank {src}", "broadcast")
             dist.broadcast_object_list(box, src)
         return box[0]
 
@@ -353,9 +357,9 @@ class MyDDPStrategy(sync.wrapping.LightningDDPAttributes, _namespace.ParallelStr
             tensor = tensor.float()  # exact: epoch values over uneven shards divide by their mean batch size
         if isinstance(tensor, Tensor) and tail:
             return self._uneven.reduce(tensor, group, reduce_op)
-        if isinstance(tensor, Tensor):  # at an epoch's end, on one rank only: named at once (StepRound.barrier)
+        if isinstance(tensor, Tensor) and group in (None, dist.group.WORLD):  # some ranks only: named at once
             self._round.barrier(
-                self.global_rank, "made a reduce (self.log(..., sync_dist=True) or strategy.reduce)", in_steps=False
+                self.global_rank, "made a reduce (self.log(..., sync_dist=True) or strategy.reduce)", "reduce"
             )
         return _pl.sync_ddp_if_available(tensor, group, reduce_op=reduce_op) if isinstance(tensor, Tensor) else tensor
 
@@ -370,8 +374,8 @@ class MyDDPStrategy(sync.wrapping.LightningDDPAttributes, _namespace.ParallelStr
     @override
     def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
         """``(W, *shape)``; uneven first dims: ``(W, max n_r, *rest)`` padded, warned once; else ``ValueError``."""
-        if not self._uneven.announce("all_gather"):
-            self._round.barrier(self.global_rank, "made an all_gather", in_steps=False)
+        if not self._uneven.announce("all_gather") and group in (None, dist.group.WORLD):
+            self._round.barrier(self.global_rank, "made an all_gather", "all_gather")
         if len(set(shapes := process.gather_shapes(tensor, group))) == 1:
             return super().all_gather(tensor, group=group, sync_grads=sync_grads)
         warn, self._warned_padded_gather = not self._warned_padded_gather, True
@@ -396,8 +400,7 @@ class MyDDPStrategy(sync.wrapping.LightningDDPAttributes, _namespace.ParallelStr
     def remove_checkpoint(self, filepath: Any) -> None:
         """Global rank 0 removes the file (no collective, as Lightning's)."""
         self._written.discard(filepath)
-        if self.is_global_zero:
-            self.checkpoint_io.remove_checkpoint(filepath)
+        super().remove_checkpoint(filepath)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:

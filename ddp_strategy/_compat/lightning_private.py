@@ -148,8 +148,7 @@ def load_checkpoint_with_weights_only(path: Any, map_location: Any, weights_only
     Raises:
         FileNotFoundError: no file at ``path``.
     """
-    fs = _namespace.get_filesystem(path)
-    if not fs.exists(path):
+    if not _namespace.get_filesystem(path).exists(path):
         raise FileNotFoundError(f"Checkpoint file not found: {path}")
     return _namespace.get(PRIVATE_NAMES["cloud_load"])(path, map_location=map_location, weights_only=weights_only)
 

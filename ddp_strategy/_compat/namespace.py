@@ -133,3 +133,12 @@ else:
     LightningDataModule = get("pytorch:LightningDataModule")
     ParallelStrategy = get("pytorch.strategies:ParallelStrategy")
     TorchCheckpointIO = get("fabric.plugins.io.torch_io:TorchCheckpointIO")
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (a zombie too; a process of another user included)."""
+    try:
+        os.kill(pid, 0)
+    except OSError as e:  # PermissionError: alive, another user's
+        return not isinstance(e, ProcessLookupError)
+    return True

@@ -33,14 +33,6 @@ _HOST = re.sub(r"[^A-Za-z0-9-]", "-", socket.gethostname()) or "host"  # as it a
 _TMP_PATTERN = re.compile(r"^\.(?P<name>.+)\.(?P<host>[A-Za-z0-9-]+)\.(?P<pid>\d+)\.[A-Za-z0-9_]+\.tmp$")
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except OSError as e:  # PermissionError: alive, another user's
-        return not isinstance(e, ProcessLookupError)
-    return True
-
-
 def remove_stale_temp_files(folder: str | os.PathLike) -> list[Path]:
     """Delete (and return) the :func:`atomic_save` temporary files in ``folder`` whose writer, on this host, died
     (other hosts' are left alone; a missing folder is fine)."""
@@ -50,7 +42,7 @@ def remove_stale_temp_files(folder: str | os.PathLike) -> list[Path]:
         for entry in (folder.iterdir() if folder.is_dir() else ())
         if (m := _TMP_PATTERN.match(entry.name))
         and m["host"] == _HOST
-        and not _pid_alive(int(m["pid"]))  # this process's own are alive too
+        and not _namespace.pid_alive(int(m["pid"]))  # this process's own are alive too
     ]
     for entry in stale:
         entry.unlink(missing_ok=True)

@@ -51,28 +51,28 @@ class StepRound:
         self.signalled = [0, 0]  #: this rank's SIGTERM and requeue flags
         self.has_next = False  #: this rank has a batch after the current one (set by sampling.join)
         self.tail = False  #: the current batch is one that some ranks only shadow (set by sampling.join)
-        self.stepping = False  #: from a training step's start to the epoch's end or a validation run's start
         #: the rounds' group, device and world size, from the fit's set-up (``add_fit_callbacks``) to its end
         self.on: tuple[Any, torch.device, int] = (None, torch.device("cpu"), 1)
         self._sent: tuple[torch.Tensor, Any] | None = None
 
     def start(self) -> None:
-        """At a training step's start (the strategy's ``training_step``: after the hooks that may end the epoch), on
-        every rank that takes it: :meth:`send` this step's flags, unless in a ``tail`` step; then clear the
-        batch's flags."""
+        """At a training step's start (the strategy's ``training_step``: after the hooks that may end the epoch) and
+        before each backward pass that syncs gradients (the strategy's ``pre_backward``: a rank that skipped a
+        collective the others make in the step meets their round there), on every rank that takes the step:
+        :meth:`send` this step's flags, unless in a ``tail`` step (the batch's flags stay until the next batch's
+        ``batch_to_device`` sets them, or the training steps' stretch ends: ``SignalsAtStepBoundary``)."""
         if not self.tail:  # (none after a SIGTERM stop: Lightning raises at the step's or epoch's end)
-            self._sent = self.send(stepping=True)
-        self.has_next, self.tail, self.stepping = False, False, True
+            self._sent = self.send()
 
-    def send(self, stepping: bool, timeout: timedelta | None = None) -> tuple[torch.Tensor, Any]:
-        """Start the all-reduce of ``[*signalled, not has_next, stepping]`` on :attr:`on`'s group and device (none with
-        one rank), ending at ``timeout`` (default: the group's). ``stepping=False`` outside a step (:meth:`barrier`, a
-        rank that may have left the epoch alone) meets the round of a rank that is in a step or at an epoch's start
-        instead (:class:`EpochBoundaryCheck`), if any: the maximum's last flag says so. Returns what :meth:`received`
-        reads."""
+    def send(self, kind: int = 0, timeout: timedelta | None = None) -> tuple[torch.Tensor, Any]:
+        """Start the all-reduce (MAX) of ``[*signalled, not has_next, kind, 255 - kind]`` on :attr:`on`'s group and
+        device (none with one rank), ending at ``timeout`` (default: the group's). ``kind`` is an index of
+        :attr:`KINDS`: 0 in a step and at an epoch's start (:class:`EpochBoundaryCheck`), another before a strategy
+        collective (:meth:`barrier`); where the maximum of ``kind`` is not the minimum (``255 -`` the last flag), the
+        ranks' rounds differ: some rank made another collective, or went on. Returns what :meth:`received` reads."""
         group, device, world_size = self.on
         flags = torch.tensor(  # CUDA: copied from pinned memory, no host-device sync
-            [*self.signalled, int(not self.has_next), int(stepping)],
+            [*self.signalled, int(not self.has_next), kind, 255 - kind],
             dtype=torch.uint8,
             pin_memory=device.type == "cuda",
         ).to(device, non_blocking=True)
@@ -85,39 +85,49 @@ class StepRound:
                 flags, work = flags.to("cpu", non_blocking=True), copier.record_event()  # pinned
         return flags, work
 
-    def barrier(self, rank: int, what: str, device_ids: list[int] | None = None, in_steps: bool = True) -> None:
-        """The strategy's barrier. While a fit runs (:attr:`on` set, more than one rank): a round outside a step
-        (:meth:`send`, waited for), which every rank makes at the same point, but which meets the next step's (or
-        epoch start's, or the fit end's) round of a rank that did not make it; else ``dist.barrier(device_ids=
-        device_ids)``. With ``in_steps=False`` (before a strategy reduce, broadcast or all-gather) the round only
-        outside the training steps (not :attr:`stepping`: at an epoch's end, in validation), and nothing else: there
-        such a collective made on some ranks only would meet the others' epoch-start collectives (gloo: a native
-        abort on a size mismatch). Collective.
+    #: the ``kind`` of a round: a step's (its start, its backward pass), an epoch start's, the fit end's; the
+    #: strategy's collectives' (:meth:`barrier`)
+    KINDS = ("step", "barrier", "reduce", "broadcast", "all_gather")
+
+    def barrier(self, rank: int, what: str, kind: str = "barrier", device_ids: list[int] | None = None) -> None:
+        """Before a strategy collective (``kind``: a barrier, a reduce, a broadcast, an all_gather). While a fit runs
+        (:attr:`on` set, more than one rank): a round of its kind (:meth:`send`, waited for), which every rank makes
+        at the same point, but which meets another rank's other round if it did not make it: the next step's start
+        or backward pass, an epoch's start, the fit's end, another collective. Else, for a barrier,
+        ``dist.barrier(device_ids=device_ids)``, and nothing for the others. Collective.
 
         Raises:
-            RuntimeError: ``[rank <rank>] <what>`` while another rank went on, at once (it names this rank when this
-                one leaves the group: :mod:`ddp_strategy.process.failures`), not at the collective timeout.
+            RuntimeError: ``[rank <rank>] <what>`` while another rank went on or made another collective, at once (it
+                names this rank when this one leaves the group: :mod:`ddp_strategy.process.failures`), not at the
+                collective timeout.
         """
-        if self.on[2] == 1 and in_steps:
-            return dist.barrier(device_ids=device_ids)
-        if (in_steps or not self.stepping) and self.on[2] > 1 and self.received(self.send(stepping=False))[3]:
+        if self.on[2] == 1:  # one process, or outside a fit
+            if kind == "barrier":
+                dist.barrier(device_ids=device_ids)
+            return
+        flags = self.received(self.send(code := self.KINDS.index(kind)))
+        if (high := int(flags[3])) != (low := 255 - int(flags[4])):  # the ranks' kinds differ
+            other = low if high == code else high  # (another rank's: the highest or the lowest)
+            did = (
+                f"made another collective ({self.KINDS[other]}) here"
+                if other
+                else "went on (to its step's backward pass, its next epoch or the fit's end), which waits for this one"
+            )
             raise RuntimeError(
-                f"[rank {rank}] {what} while another rank went on to its next training step or epoch or to the fit's"
-                " end, which waits for this one. Both must happen on every rank alike: a barrier"
-                " (trainer.save_checkpoint, which writes on rank 0 alone) or a reduce or broadcast (self.log(...,"
-                " sync_dist=True), trainer.strategy.reduce/broadcast) outside `if trainer.is_global_zero:`; an epoch's"
-                " early end decided on every rank, by reducing the decision first"
-                " (trainer.strategy.reduce_boolean_decision(decision, all=False)) or broadcasting one rank's"
-                " (trainer.strategy.broadcast(decision, src=...))."
+                f"[rank {rank}] {what} while another rank {did}. Both must happen on every rank alike: a barrier"
+                " (trainer.save_checkpoint, which writes on rank 0 alone), a reduce, broadcast or all_gather"
+                " (self.log(..., sync_dist=True)) outside `if trainer.is_global_zero:`; an epoch's early end decided on"
+                " every rank, by reducing the decision first (trainer.strategy.reduce_boolean_decision(decision,"
+                " all=False)) or broadcasting one rank's (trainer.strategy.broadcast(decision, src=...))."
             )
 
     def received(self, sent: tuple[torch.Tensor, Any] | None = None) -> torch.Tensor:
         """The flags of ``sent`` (by default the last step's round), every rank's maximum: ``[SIGTERM, requeue, some
-        rank lacks a next batch, some rank took the step]``, on the host, waited for (a step's round, sent at its
-        start, has arrived); ``[0, 0, 1, 0]`` before the first. A round may be read again (the next epoch's first step
-        reads the one before a tail): the signal flags are cleared in it once acted on, and a round whose
+        rank lacks a next batch, the highest kind, 255 - the lowest]``, on the host, waited for (a step's round, sent
+        in it, has arrived); ``[0, 0, 1, 0, 255]`` before the first. A round may be read again (the next epoch's
+        first step reads the one before a tail): the signal flags are cleared in it once acted on, and a round whose
         ``has_next`` was read already carried a 1 (the epoch's last batch, or the batch before a tail)."""
-        flags, work = sent or self._sent or (torch.tensor([0, 0, 1, 0], dtype=torch.uint8), None)
+        flags, work = sent or self._sent or (torch.tensor([0, 0, 1, 0, 255], dtype=torch.uint8), None)
         if isinstance(work, torch.cuda.Event):  # its wait() would make a stream wait, not the host
             work.synchronize()
         elif work is not None:
@@ -154,7 +164,7 @@ class EpochBoundaryCheck(_namespace.Callback):
     def on_train_epoch_start(self, trainer: Any, pl_module: Any, end: bool = False) -> None:
         epoch, rank, start, timeout = trainer.current_epoch, self.rank, time.monotonic(), self.run.barrier_timeout
         reached = self.run.reports.add(f"checks/{rank}", 1)  # the checks this rank reached (the same on every rank)
-        self.round.send(stepping=True, timeout=timeout)  # meets a barrier's round on a rank not here (a save)
+        self.round.send(timeout=timeout)  # meets a barrier's round on a rank not here (a save)
         try:  # the group looked up, not held: a traceback holding it would keep its connections open on a failure
             # the timeout per operation: it ends on time, none left in flight (which would block teardown)
             cast(Any, dist.group.WORLD if self.gloo else self.run.barrier_group).barrier(timeout).wait()
@@ -245,13 +255,14 @@ class SignalsAtStepBoundary(_namespace.Callback):
         """On a rank that may have left the epoch's steps alone (a batch it did not step: its ``on_train_batch_start``
         returned -1, or it was None; ``trainer.should_stop`` before its last batch, which also validates at once):
         one more round (:meth:`StepRound.barrier`), which meets the step another rank took instead, if any. At the
-        epoch's end and at a validation run's start, where the training steps' stretch ends (``StepRound.stepping``).
+        epoch's end and at a validation run's start, where the training steps' stretch ends (the
+        batch's flags are cleared here: ``StepRound.start``).
 
         Raises:
             RuntimeError: on a rank that left alone, at once (the others, waiting for it in their step's gradient
                 all-reduce, name it when it leaves the group: :mod:`ddp_strategy.process.failures`).
         """
-        progress, self.round.stepping = trainer.fit_loop.epoch_loop.batch_progress, False  # the steps' stretch ends
+        progress, self.round.has_next, self.round.tail = trainer.fit_loop.epoch_loop.batch_progress, False, False
         if progress.current.started < progress.current.processed or trainer.should_stop and not progress.is_last_batch:
             self.round.barrier(
                 trainer.global_rank,

@@ -52,7 +52,7 @@ import torch.distributed as dist
 
 from ddp_strategy._compat import lightning_private as _pl
 from ddp_strategy._compat import torch_private as _torch
-from ddp_strategy._compat.namespace import SIGTERMException, rank_zero_info
+from ddp_strategy._compat.namespace import SIGTERMException, pid_alive, rank_zero_info
 
 log = logging.getLogger(__name__)
 
@@ -241,11 +241,7 @@ def _gone(pid: int) -> bool:
     """Whether process ``pid`` has exited (a child of ours is left unreaped for its ``Popen``)."""
     with contextlib.suppress(ChildProcessError, AttributeError):  # not our child; no waitid (macOS)
         return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
-    try:
-        os.kill(pid, 0)
-    except OSError as e:  # PermissionError: another user's process, alive
-        return isinstance(e, ProcessLookupError)
-    return False
+    return not pid_alive(pid)
 
 
 def wait_for_peers(store: dist.Store, rank: int, world_size: int, timeout_s: float | None = None) -> None:

@@ -32,7 +32,7 @@ pytestmark = [pytest.mark.multiprocess]
 
 #: job name -> (failing_fit.py's scenario, start method, the signal the test sends once both ranks wait for it)
 JOBS: dict[str, tuple[str, str, int | None]] = {  # the long ones first; spawn (3 processes import) beside popen (1)
-    "skip_log/popen": ("skip_log", "popen", None),
+    "save_metric/popen": ("save_metric", "popen", None),
     "skip_log/ddp": ("skip_log", "ddp", None),
     "stall/popen": ("stall", "popen", None),
     "sigterm/spawn": ("sigterm", "spawn", signal.SIGTERM),
@@ -58,6 +58,8 @@ JOBS: dict[str, tuple[str, str, int | None]] = {  # the long ones first; spawn (
     "save_epoch_alone/popen": ("save_epoch_alone", "popen", None),
     "reduce_epoch_alone/popen": ("reduce_epoch_alone", "popen", None),
     "gather_epoch_alone/popen": ("gather_epoch_alone", "popen", None),
+    "save_sync_alone/popen": ("save_sync_alone", "popen", None),
+    "skip_log/popen": ("skip_log", "popen", None),
     "skip_alone/ddp": ("skip_alone", "ddp", None),
     "save_alone/ddp": ("save_alone", "ddp", None),
     "save_epoch_alone/ddp": ("save_epoch_alone", "ddp", None),
@@ -251,22 +253,24 @@ def test_uneven_batch_counts_are_reported_instead_of_deadlocking(jobs, job):
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("job", ["skip_log/popen"])
+@pytest.mark.parametrize("job", ["save_metric/popen"])
 def test_collectives_out_of_step_are_explained_on_every_rank_with_where_each_rank_waited(jobs, job):
-    """Rank 1 skips one self.log(..., sync_dist=True) (a 10 s collective timeout): rank 0's reduce meets rank 1's
-    gradient all-reduce. Every rank ends at the timeout (telling it sooner would take an agreement before every
-    reduce), none calls it its own failure (until 2026-12-06 rank 1, whose backward pass timed out, published the
-    timeout as its own error and rank 0 said that no rank reported one), and each gives the likely causes and where
-    every rank waited: rank 0 in a collective of its training_step (the log, at its line), rank 1 in the backward
-    pass."""
+    """Rank 0 alone saves at epoch 0's end (a 10 s collective timeout) while rank 1 goes on to its epoch-level
+    torchmetrics sync (not the strategy's: nothing of ours runs on rank 1 there, so nothing meets rank 0's round).
+    Every rank ends at the timeout, none calls it its own failure (until 2026-12-06 the rank that timed out published
+    the timeout as its own error, and the other said that no rank reported one), and each gives the likely causes and
+    where the ranks waited: rank 1 in torchmetrics' barrier; rank 0 (the second to fail: it read rank 1's) in the
+    round of its save, in the callback's on_train_epoch_end, at its line."""
     ended = jobs[job].result()
     assert ended.code != 0 and ended.since_failure < 60, f"exit {ended.code} after {ended.since_failure:.1f} s"
     assert "] failed:" not in ended.out  # neither rank's own error
-    for rank in range(2):
-        said = [line for line in ended.out.splitlines() if line.startswith(f"[rank {rank}] a collective failed")]
-        assert said and "self.log(..., sync_dist=True) on some ranks only" in said[0], ended.out
-        assert " in MyDDPStrategy.training_step, at failing_fit.py:" in said[0].split("ranks [0]: ")[1], said[0]
-        assert said[0].split("ranks [1]: ")[1].startswith("_engine_run_backward in MyDDPStrategy.backward"), said[0]
+    said = {
+        rank: next(line for line in ended.out.splitlines() if line.startswith(f"[rank {rank}] a collective failed"))
+        for rank in range(2)
+    }
+    for line in said.values():
+        assert "self.log(..., sync_dist=True) on some ranks only" in line and "ranks [1]: barrier" in line, line
+    assert " in Events.on_train_epoch_end, at failing_fit.py:" in said[0].split("ranks [0]: ")[1], said[0]
 
 
 #: A rank that leaves the others' step sequence alone: the job, the rank, what it says of itself.
@@ -275,22 +279,28 @@ ALONE = {
     "stop_alone": (1, "ended training epoch 1 early, at batch_idx 3 (here alone: on_train_batch_start returned -1,"),
     "save_alone": (
         0,
-        "waited in a barrier (Trainer.save_checkpoint) while another rank went on to its next training step",
+        "waited in a barrier (Trainer.save_checkpoint) while another rank went on (to its step's backward pass",
     ),
     "save_epoch_alone": (
         0,
-        "waited in a barrier (Trainer.save_checkpoint) while another rank went on to its next training step or epoch",
+        "waited in a barrier (Trainer.save_checkpoint) while another rank went on (to its step's backward pass, its"
+        " next epoch",
     ),
     "reduce_epoch_alone": (
         0,
-        "made a reduce (self.log(..., sync_dist=True) or strategy.reduce) while another rank went on to its next"
-        " training step or epoch or to the fit's end",
+        "made a reduce (self.log(..., sync_dist=True) or strategy.reduce) while another rank went on (to its step's"
+        " backward pass, its next epoch or the fit's end)",
     ),
     "gather_epoch_alone": (
         0,
-        "made an all_gather while another rank went on to its next training step or epoch or to the fit's end",
+        "made an all_gather while another rank went on (to its step's backward pass, its next epoch or the fit's end)",
     ),
-    "skip_log": (0, "Where the ranks waited"),  # (not alone: the ranks' collectives differ; named at the timeout)
+    "skip_log": (
+        0,
+        "made a reduce (self.log(..., sync_dist=True) or strategy.reduce) while another rank went on (to its step's"
+        " backward pass",
+    ),
+    "save_sync_alone": (0, "waited in a barrier (Trainer.save_checkpoint) while another rank made another collective"),
     "end_alone": (
         1,
         "ranks [1] ended the fit (trainer.should_stop set there alone, after the epoch's last batch) while",
@@ -308,6 +318,8 @@ ALONE = {
         "save_epoch_alone/popen",
         "reduce_epoch_alone/popen",
         "gather_epoch_alone/popen",
+        "save_sync_alone/popen",
+        "skip_log/popen",
         "end_alone/popen",
     ],
 )
@@ -329,6 +341,10 @@ def test_a_rank_that_leaves_the_others_steps_alone_is_named_on_every_rank_within
     assert f"[rank {rank}] failed: RuntimeError: [rank {rank}] {says}" in ended.out
     if job.startswith("end_alone"):  # both ranks take part in the same all-reduce at the fit's end: each raises it
         assert f"[rank 0] failed: RuntimeError: [rank 0] {says} the others started training epoch 1" in ended.out
+        return
+    if job.startswith("save_sync_alone"):  # both ranks' rounds differ: each names the other's collective
+        assert "[rank 1] failed: RuntimeError: [rank 1] made a reduce (self.log(..., sync_dist=True) or" in ended.out
+        assert "while another rank made another collective (barrier) here" in ended.out
         return
     assert (
         f"[rank {1 - rank}] a collective failed because another rank did not take part. Cause: rank {rank} failed:"

@@ -76,6 +76,8 @@ class Model(DigitsClassifier):
         if SCENARIO == "sigkill" and self.global_rank == 1 and self.global_step == FAIL_STEP:
             mark_failing()
             os.kill(os.getpid(), signal.SIGKILL)
+        if SCENARIO == "save_sync_alone":  # reduced at the epoch's end, on every rank
+            self.log("synced_epoch", torch.tensor(1.0), on_step=False, on_epoch=True, sync_dist=True)
         if SCENARIO == "skip_log" and not (self.global_rank == 1 and self.global_step == FAIL_STEP):
             self.log("synced", torch.tensor(1.0), on_step=True, sync_dist=True)
         elif SCENARIO == "skip_log":
@@ -89,7 +91,7 @@ class Model(DigitsClassifier):
         return super().training_step(batch, batch_idx)
 
     def log(self, name, value, *args, **kwargs):
-        if not (SCENARIO in ("save_epoch_alone", "gather_epoch_alone") and name == "train_acc"):  # no epoch-end
+        if not (SCENARIO in ("save_epoch_alone", "gather_epoch_alone", "save_sync_alone") and name == "train_acc"):
             super().log(
                 name, value, *args, **kwargs
             )  # sync: the others go on to the next epoch's start (else: timeout)
@@ -141,9 +143,9 @@ class Events(L.Callback):
         if SCENARIO == "epoch_end_raise" and trainer.global_rank == 0 and trainer.current_epoch == 0:
             mark_failing()  # rank 1 goes on to the next epoch's barrier (or waits in an epoch-end metric sync)
             raise ValueError("rank 0 failed at its epoch's end on purpose")
-        if SCENARIO == "save_epoch_alone" and trainer.global_rank == 0 and trainer.current_epoch == 0:
-            mark_failing()
-            trainer.save_checkpoint(OUT / "epoch.ckpt")  # rank 0 alone: its save's barrier meets rank 1's epoch start
+        if SCENARIO in ("save_epoch_alone", "save_sync_alone", "save_metric") and trainer.global_rank == 0:
+            mark_failing()  # rank 0 alone: its save's barrier meets rank 1's epoch start (save_epoch_alone), its
+            trainer.save_checkpoint(OUT / "epoch.ckpt")  # epoch-level reduce (sync_alone), its metric sync (metric)
         if SCENARIO == "end_alone" and trainer.global_rank == 1 and trainer.current_epoch == 0:
             mark_failing()
             trainer.should_stop = True  # rank 1 alone ends the fit after its epoch's last batch; rank 0 goes on
@@ -177,10 +179,10 @@ if __name__ == "__main__":
     L.seed_everything(3)
     start_environ = dict(os.environ)
     timeout = (
-        10 if SCENARIO == "skip_log" else 20 if SCENARIO.endswith("_alone") else 60
-    )  # skip_log waits for it: the ranks' collectives do not match (and its join: not under 10 s on a loaded machine)
+        10 if SCENARIO == "save_metric" else 20 if SCENARIO.endswith("_alone") or SCENARIO == "skip_log" else 60
+    )  # save_metric waits for it: the ranks' collectives do not match (its join: not under 10 s on a loaded machine)
     strategy = (
-        DDPStrategy(timeout=timedelta(seconds=timeout if SCENARIO.endswith("_alone") else 20))
+        DDPStrategy(timeout=timedelta(seconds=20 if timeout == 60 else timeout))
         if START_METHOD == "ddp"
         else MyDDPStrategy(
             start_method=START_METHOD,
