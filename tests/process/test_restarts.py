@@ -166,18 +166,19 @@ def _slurm_job(out: Path, *args: str) -> None:
 
 @pytest.mark.timeout(600)
 def test_slurm_requeue_checkpoint_holds_the_sampler_position_and_resumes_exactly(tmp_path):
-    """SIGUSR1 to rank 1 at step 4: all save Lightning's hpc checkpoint after the next step; the requeue matches."""
+    """SIGUSR1 to rank 1 in step 4's training_step: all save Lightning's hpc checkpoint at that step's end (the round
+    before its backward pass carries it); the requeue matches."""
     first, requeued = tmp_path / "first", tmp_path / "requeued"
     _slurm_job(first, "--max-steps=12", "--usr1-step=4")
     checkpoint = load_file(first / "hpc_ckpt_1.ckpt", weights_only=True)
-    assert checkpoint["global_step"] == 6  # saved at the end of the step after the one the signal came in
-    assert checkpoint[CHECKPOINT_KEY]["loaders"][0]["layers"] == [{"world_size": 2, "consumed": [6 * BATCH] * 2}]
+    assert checkpoint["global_step"] == 5  # saved at the end of the step the signal came in
+    assert checkpoint[CHECKPOINT_KEY]["loaders"][0]["layers"] == [{"world_size": 2, "consumed": [5 * BATCH] * 2}]
     # The requeued job (scontrol is not run here) finds hpc_ckpt_1.ckpt in default_root_dir; no ckpt_path needed.
     requeued.mkdir()
     (requeued / "hpc_ckpt_1.ckpt").write_bytes((first / "hpc_ckpt_1.ckpt").read_bytes())
     _slurm_job(requeued, "--max-steps=12")
     for full, resumed in zip(load_ranks(first, 2), load_ranks(requeued, 2), strict=True):
-        assert resumed["batches"][0][:2] == (0, 6) and resumed["batches"] == full["batches"][6:]
+        assert resumed["batches"][0][:2] == (0, 5) and resumed["batches"] == full["batches"][5:]
         _weights_close(resumed["final"], full["final"])
 
 

@@ -124,15 +124,15 @@ def runs(tmp_path_factory) -> list[dict[str, Any]]:
 
 
 def _expected_stop(step: int) -> int:
-    """global_step when every rank stops for a SIGTERM during step ``step``: the end of the next step (the next
-    epoch's first, after an epoch's last; docs/failures.md)."""
-    return step + 2
+    """global_step when every rank stops for a SIGTERM in step ``step``'s ``training_step``: the end of that step
+    (the round before its backward pass carries the flag; docs/failures.md)."""
+    return step + 1
 
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("signalled", [0, 1])
 def test_sigterm_to_one_rank_stops_every_rank_at_one_step_and_resumes_exactly(runs, signalled):
-    """SIGTERM to rank `signalled` alone at a random step: both stop after the next step; resuming gives the weights."""
+    """SIGTERM to rank `signalled` alone at a random step: both stop after that step; resuming gives the weights."""
     step = SIGNAL_STEPS[signalled]
     stopped = [r[f"signal{signalled}"] for r in runs]
     assert [r["stopped"] for r in stopped] == ["SIGTERMException"] * 2, step
@@ -147,13 +147,13 @@ def test_sigterm_to_one_rank_stops_every_rank_at_one_step_and_resumes_exactly(ru
 
 @pytest.mark.timeout(300)
 def test_sigterm_inside_an_accumulation_window_stops_at_its_end_and_resumes_exactly(runs):
-    """accumulate_grad_batches=2, SIGTERM to rank 1 at a window's last batch: both ranks stop at the end of the
-    next window (not after its first batch, whose gradient the checkpoint cannot hold); the resume is exact."""
+    """accumulate_grad_batches=2, SIGTERM to rank 1 in a window's last batch's training_step: both ranks stop at
+    that window's end (the round before its backward pass carries it; a signal in a window's first batch would stop
+    at the window's end too, not after that batch, whose gradient the checkpoint cannot hold); the resume is exact."""
     step, windows = ACCUMULATED_SIGNAL_STEP, STEPS // 2
     stopped = [r["accumulated_signal"] for r in runs]
     assert [r["stopped"] for r in stopped] == ["SIGTERMException"] * 2, step
-    expected = step + 2
-    assert [r["global_step"] for r in stopped] == [expected] * 2, step
+    assert [r["global_step"] for r in stopped] == [step + 1] * 2, step
     for rank, record in enumerate(r["accumulated_resume"] for r in runs):
         assert record["stopped"] is None and record["global_step"] == EPOCHS * windows
         for name, value in runs[rank]["accumulated_reference"]["weights"].items():

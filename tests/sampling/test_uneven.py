@@ -502,10 +502,10 @@ def test_even_inputs_train_bitwise_as_under_lightning_ddp_and_sharded_loaders_ar
 @pytest.mark.multiprocess
 @pytest.mark.timeout(600)
 def test_steps_every_rank_takes_agree_asynchronously_and_a_step_a_rank_lacks_notifies_the_join(runs):
-    """Under uneven_inputs="join" whether this rank has a next batch rides in each step's one asynchronous all-reduce
-    of the SIGTERM flags (boundaries.py, on the gloo side group), read at the next step: on an even stream (5 and 5
-    batches, 2 epochs) that is the only side-group all-reduce a step makes (beside the barriers, made of one), as on
-    even data, and the policy's
+    """Under uneven_inputs="join" whether this rank has a next batch rides in each step's asynchronous all-reduces of
+    the SIGTERM flags (boundaries.py, on the gloo side group: at the step's start and before its backward pass), read
+    at the next step: on an even stream (5 and 5 batches, 2 epochs) those two are the only side-group all-reduces a
+    step makes (beside the barriers, made of one), as on even data, and the policy's
     world-group all-reduces (each one blocking) come only with the epochs' first steps (the epoch start's count, the
     join's first notify) and ends; on 5 and 4 batches also in the step rank 1 lacks (rank 0's 5th: the join's
     notify, its announcements), which rank 1 answers after its 4th."""
@@ -515,7 +515,7 @@ def test_steps_every_rank_takes_agree_asynchronously_and_a_step_a_rank_lacks_not
         rounds = [(step, module) for step, module in side if module not in ("boundaries.py:barrier", "group.py")]
         epochs = [(0, "boundaries.py:on_train_epoch_start"), (5, "boundaries.py:on_train_epoch_start")]
         fit_end = [(10, "boundaries.py:on_train_epoch_start")]  # (each epoch's start and the fit's end: one more)
-        assert sorted(rounds) == sorted([(step, "boundaries.py:start") for step in range(10)] + epochs + fit_end)
+        assert sorted(rounds) == sorted([(step, "boundaries.py:start") for step in range(10)] * 2 + epochs + fit_end)
         calls = [(step, world) for step, module, _, world in rec["all_reduces"] if module in UNEVEN_MODULES]
         assert {step for step, world in calls if world} == {0, 5, 10}
     records = load(runs, "join_iterable", 2)
