@@ -1,8 +1,8 @@
 """Checks at epoch and step boundaries while fitting: every rank arrives; SIGTERM, SLURM requeue stop all at one step.
 
 :func:`add_fit_callbacks` and :func:`remove_fit_callbacks` put the two callbacks in and out of ``trainer.callbacks``;
-:class:`StepRound` is the one per-step agreement that the signals and the uneven inputs' join share, and the
-strategy's barrier while fitting (a round made outside a step, which tells a rank that the others went on alone).
+:class:`StepRound` is the per-step agreement that the signals and the uneven inputs' join share, and the round
+before every strategy collective while fitting (which tells a rank that the others went on, or made another one).
 """
 
 from __future__ import annotations
@@ -25,22 +25,21 @@ log = logging.getLogger(__name__)
 
 
 class StepRound:
-    """One fit's per-step agreement: at each training step's start every rank that takes the step starts one
-    asynchronous all-reduce (MAX) of four flags, and the result is read at the step's end, arrived long before: no
-    store operation, no host-device sync. Under NCCL on the world group, a tensor on this rank's device: a tree
-    all-reduce of 4 bytes (logarithmic latency) ahead of the step's gradient buckets; the step's stream does not wait
-    for it: a side stream does, then copies the flags to pinned host memory, and the read waits for that copy alone
-    (Lightning's ``ddp`` broadcasts and reads ``.item()`` per step instead, a host-device sync,
-    Lightning-AI/pytorch-lightning#21487). Under gloo, a CPU tensor on the strategy's gloo side group (the world
+    """One fit's per-step agreement: at each training step's start, and again before its backward pass, every rank
+    that takes the step starts one asynchronous all-reduce (MAX) of five flags, and the last result is read at the
+    step's end, arrived long before: no store operation, no host-device sync. Under NCCL on the world group, a tensor on
+    this rank's device: a tree all-reduce of 5 bytes (logarithmic latency) ahead of the step's gradient buckets; the
+    step's stream does not wait for it: a side stream does, then copies the flags to pinned host memory, and the read
+    waits for that copy alone (Lightning's ``ddp`` broadcasts and reads ``.item()`` per step instead, a host-device
+    sync, Lightning-AI/pytorch-lightning#21487). Under gloo, a CPU tensor on the strategy's gloo side group (the world
     group's queue keeps to the gradient buckets), whose pairs connect on first use: the ring's neighbours.
 
     The strategy makes one, starts each round, and gives it to both parties that read it: :class:`SignalsAtStepBoundary`
-    acts on ``signalled`` (this rank's SIGTERM and requeue flags, set until acted on), and the uneven
-    inputs' join (``sampling.join``) reads whether every rank has the next batch (each rank's ``has_next``), so that
-    it need not notify then. ``has_next`` and ``tail`` are the current batch's: set at its start, before its round
-    (``batch_to_device``), and cleared by it; in a ``tail`` step, which some ranks (out of data) only shadow, no round
-    starts, and a flag raised there rides in the next round every rank takes.
-    """
+    acts on ``signalled`` (this rank's SIGTERM and requeue flags, set until acted on), and the uneven inputs' join
+    (``sampling.join``) reads whether every rank has the next batch (each rank's ``has_next``), so that it need not
+    notify then. ``has_next`` and ``tail`` are the current batch's: set at its start, before its rounds
+    (``batch_to_device``), and cleared where the training steps' stretch ends; in a ``tail`` step, which some ranks (out
+    of data) only shadow, no round starts, and a flag raised there rides in the next round every rank takes."""
 
     def __init__(self) -> None:
         self.reset()
@@ -190,18 +189,18 @@ class EpochBoundaryCheck(_namespace.Callback):
 class SignalsAtStepBoundary(_namespace.Callback):
     """SIGTERM and Lightning's SLURM requeue signal, acted on at one step boundary on every rank, whichever got it.
 
-    A signal sets a flag of ``step_round``. At each step's start every rank starts that step's round
-    (:class:`StepRound`, started by the strategy's ``training_step``), and at each step's end waits for it (long done
-    by then). Steps that only some ranks take send nothing: a flag raised in them goes in the next epoch's first round.
-    No step's round starts at an epoch's end; only the check of a rank that ended its epoch early
-    (:meth:`_check_not_alone`), which this callback, first among them, makes before any user callback's (a rank-0-only
-    collective there, a progress bar reading ``trainer.progress_bar_metrics``, which syncs metrics, would wait for the
-    other ranks while they wait in a round). So a signal during step ``s`` acts on every rank at the end of step
-    ``s + 1`` (the next epoch's first, after an epoch's last step or its tail; a validation run in between ends
-    first), where a step is an optimizer step (``accumulate_grad_batches`` batches: a resume from its checkpoint is
-    exact): SIGTERM sets ``trainer.received_sigterm``, Lightning raises ``SIGTERMException`` there
-    (``checkpoint_on_sigterm`` saves);
-    the requeue signal runs Lightning's handler (save, requeue)."""
+    A signal sets a flag of ``step_round``. At each step's start and before its backward pass every rank starts that
+    step's round (:class:`StepRound`, started by the strategy's ``training_step`` and ``pre_backward``), and at each
+    step's end waits for the last (long done by then). Steps that only some ranks take send nothing: a flag raised in
+    them goes in the next epoch's first round. No step's round starts at an epoch's end; only the check of a rank that
+    ended its epoch early (:meth:`_check_not_alone`), which this callback, first among them, makes before any user
+    callback's (a rank-0-only collective there, a progress bar reading ``trainer.progress_bar_metrics``, which syncs
+    metrics, would wait for the other ranks while they wait in a round). So a signal during step ``s`` acts on every
+    rank at the end of step ``s`` if it came before the step's backward pass, else of ``s + 1`` (the next epoch's first,
+    after an epoch's last step or its tail; a validation run in between ends first), where a step is an optimizer step
+    (``accumulate_grad_batches`` batches: a resume from its checkpoint is exact): SIGTERM sets
+    ``trainer.received_sigterm``, Lightning raises ``SIGTERMException`` there (``checkpoint_on_sigterm`` saves); the
+    requeue signal runs Lightning's handler (save, requeue)."""
 
     def __init__(self, step_round: StepRound) -> None:
         self.round, self._signal, self._stopping = step_round, cast("int | None", None), False
