@@ -60,6 +60,7 @@ JOBS: dict[str, tuple[str, str, int | None]] = {  # the long ones first; spawn (
     "gather_epoch_alone/popen": ("gather_epoch_alone", "popen", None),
     "save_sync_alone/popen": ("save_sync_alone", "popen", None),
     "skip_log/popen": ("skip_log", "popen", None),
+    "end_reduce_alone/popen": ("end_reduce_alone", "popen", None),
     "skip_alone/ddp": ("skip_alone", "ddp", None),
     "save_alone/ddp": ("save_alone", "ddp", None),
     "save_epoch_alone/ddp": ("save_epoch_alone", "ddp", None),
@@ -300,6 +301,11 @@ ALONE = {
         "made a reduce (self.log(..., sync_dist=True) or strategy.reduce) while another rank went on (to its step's"
         " backward pass",
     ),
+    "end_reduce_alone": (
+        1,
+        "made a reduce (self.log(..., sync_dist=True) or strategy.reduce) while another rank went on (to its step's"
+        " backward pass, its next epoch or the fit's end)",
+    ),
     "save_sync_alone": (0, "waited in a barrier (Trainer.save_checkpoint) while another rank made another collective"),
     "end_alone": (
         1,
@@ -321,6 +327,7 @@ ALONE = {
         "save_sync_alone/popen",
         "skip_log/popen",
         "end_alone/popen",
+        "end_reduce_alone/popen",
     ],
 )
 def test_a_rank_that_leaves_the_others_steps_alone_is_named_on_every_rank_within_seconds(jobs, job):
@@ -334,7 +341,11 @@ def test_a_rank_that_leaves_the_others_steps_alone_is_named_on_every_rank_within
     cause, the other names it as the cause, within 15 s of the divergence (Lightning's ddp: the timeout, unnamed; for
     the fit's end alone, the others' next step fails once the rank that left exits, unnamed: "Connection closed by
     peer"). Until 2026-12-06 a fit ended alone waited out the timeout: its fit-end all-reduce met the others' next
-    epoch's barrier."""
+    epoch's barrier. Since that day's later change (the round before each backward pass; a kind in each round) also:
+    self.log(..., sync_dist=True) on rank 0 alone inside a training step (skip_log; ddp: the timeout), a save on rank
+    0 alone at an epoch's end where rank 1 reduces an epoch-level sync_dist log (save_sync_alone: both ranks raise,
+    each naming the other's collective), and a strategy.reduce in on_train_end on the rank that ended the fit alone
+    (end_reduce_alone)."""
     ended = jobs[job].result()
     rank, says = ALONE[job.split("/")[0]]
     assert ended.code != 0 and ended.since_failure < 15, f"exit {ended.code} after {ended.since_failure:.1f} s"

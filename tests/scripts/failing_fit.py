@@ -146,9 +146,13 @@ class Events(L.Callback):
         if SCENARIO in ("save_epoch_alone", "save_sync_alone", "save_metric") and trainer.global_rank == 0:
             mark_failing()  # rank 0 alone: its save's barrier meets rank 1's epoch start (save_epoch_alone), its
             trainer.save_checkpoint(OUT / "epoch.ckpt")  # epoch-level reduce (sync_alone), its metric sync (metric)
-        if SCENARIO == "end_alone" and trainer.global_rank == 1 and trainer.current_epoch == 0:
+        if SCENARIO in ("end_alone", "end_reduce_alone") and trainer.global_rank == 1 and trainer.current_epoch == 0:
             mark_failing()
             trainer.should_stop = True  # rank 1 alone ends the fit after its epoch's last batch; rank 0 goes on
+
+    def on_train_end(self, trainer, pl_module):
+        if SCENARIO == "end_reduce_alone":  # every rank's, at its fit's end: rank 1 ended it alone
+            trainer.strategy.reduce(torch.tensor(1.0))
 
     def on_train_epoch_start(self, trainer, pl_module):
         if SCENARIO == "refit" and trainer.current_epoch == 1:
