@@ -143,7 +143,7 @@ class MyDDPStrategy(sync.wrapping.LightningDDPAttributes, _namespace.ParallelStr
     @property
     def node_ranks(self) -> list[int]:
         """Global ranks on this rank's node, e.g. ``[2, 3]`` for node 1 of 2 with 2 devices each."""
-        return list(self._run.node_ranks)
+        return dist.get_process_group_ranks(self.node_group) if self.node_group is not None else []
 
     @property
     def start_method(self) -> process.StartMethod:
@@ -351,9 +351,11 @@ class MyDDPStrategy(sync.wrapping.LightningDDPAttributes, _namespace.ParallelStr
 
     @override
     def reduce(self, tensor: Tensor | Any, group: Any | None = None, reduce_op: Any | None = "mean") -> Tensor | Any:
-        """Lightning's ``DDPStrategy.reduce`` over ``group`` (a collective), but an integer mean is exact float32."""
+        """Lightning's ``DDPStrategy.reduce`` over ``group`` (a collective, in place: ``process.all_reduce``), but an
+        integer mean is exact float32, and Lightning's barrier before the all-reduce is, while fitting, the strategy's
+        round (``process.boundaries.StepRound.barrier``): a reduce on some ranks only is named at once."""
         tail = self._uneven.announce("reduce (e.g. self.log(..., on_step=True, sync_dist=True))")
-        if isinstance(tensor, Tensor) and reduce_op in ("mean", "avg") and not tensor.is_floating_point():
+        if isinstance(tensor, Tensor) and str(reduce_op).lower() in ("mean", "avg") and not tensor.is_floating_point():
             tensor = tensor.float()  # exact: epoch values over uneven shards divide by their mean batch size
         if isinstance(tensor, Tensor) and tail:
             return self._uneven.reduce(tensor, group, reduce_op)
@@ -361,7 +363,7 @@ class MyDDPStrategy(sync.wrapping.LightningDDPAttributes, _namespace.ParallelStr
             self._round.barrier(
                 self.global_rank, "made a reduce (self.log(..., sync_dist=True) or strategy.reduce)", "reduce"
             )
-        return _pl.sync_ddp_if_available(tensor, group, reduce_op=reduce_op) if isinstance(tensor, Tensor) else tensor
+        return process.all_reduce(tensor, group, reduce_op) if isinstance(tensor, Tensor) else tensor
 
     @override
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
@@ -431,7 +433,7 @@ class MyDDPStrategy(sync.wrapping.LightningDDPAttributes, _namespace.ParallelStr
     @override
     def on_train_start(self) -> None:
         """Restore a mid-epoch batch counter. No collective."""
-        sampling.restore_batch_counter(self._trainer, self.world_size, self._sharding.until_teardown)
+        sampling.restore_batch_counter(cast("pl.Trainer", self._trainer), self._sharding.until_teardown)
 
     @override
     def on_exception(self, exception: BaseException) -> None:

@@ -41,7 +41,6 @@ PRIVATE_NAMES: dict[str, str] = {
     "verify_strategy_supports_compile": "pytorch.trainer.trainer:_verify_strategy_supports_compile",
     "BatchNormXd": "pytorch.plugins.layer_sync:_BatchNormXd",
     # Lightning's collectives (fabric/utilities/distributed.py): namespace-neutral, they act on torch.distributed.
-    "sync_ddp_if_available": "fabric.utilities.distributed:_sync_ddp_if_available",
     "all_gather_ddp_if_available": "fabric.utilities.distributed:_all_gather_ddp_if_available",
     "gather_all_tensors": "fabric.utilities.distributed:_gather_all_tensors",
     # Lightning's SIGTERM handling; the strategy agrees on a SIGTERM at a step boundary itself (process/boundaries.py).
@@ -238,9 +237,6 @@ def resumed_batch_count(trainer: pl.Trainer) -> int:
     return epoch_loop.batch_progress.current.completed + int(counts_it)
 
 
-#: ``(tensor, group=None, reduce_op=None)``: all-reduce in place (``"mean"``/``"avg"`` on gloo: sum, then divide);
-#: the tensor itself without a process group. What Lightning's ``DDPStrategy.reduce`` calls.
-sync_ddp_if_available = _namespace.get(PRIVATE_NAMES["sync_ddp_if_available"])
 #: ``(tensor, group=None, sync_grads=False)``: ``(W, *shape)`` of equal shapes; what ``ParallelStrategy.all_gather``
 #: calls.
 all_gather_ddp_if_available = _namespace.get(PRIVATE_NAMES["all_gather_ddp_if_available"])

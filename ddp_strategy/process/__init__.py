@@ -1,8 +1,8 @@
 """Step 1, the process group. Owns: launching and its checks (:mod:`~ddp_strategy.process.launching`), the world group,
 reused by every run in a process as under Lightning's ``ddp`` (:mod:`~ddp_strategy.process.group`), the failure
 protocol (:mod:`~ddp_strategy.process.failures`), the epoch- and step-boundary checks
-(:mod:`~ddp_strategy.process.boundaries`) and ``all_gather`` of uneven tensors
-(:mod:`~ddp_strategy.process.collectives`). Must not touch: loaders, the model or checkpoints.
+(:mod:`~ddp_strategy.process.boundaries`) ``all_gather`` of uneven tensors and the
+strategy's all-reduce (:mod:`~ddp_strategy.process.collectives`). Must not touch: loaders, the model or checkpoints.
 """
 
 from ddp_strategy._compat import namespace as _namespace
@@ -10,6 +10,7 @@ from ddp_strategy.process import boundaries, failures, launching
 from ddp_strategy.process.collectives import (
     all_gather_padded,
     all_gather_rows,
+    all_reduce,
     gather_shapes,
 )
 from ddp_strategy.process.group import (
@@ -31,6 +32,7 @@ __all__ = [
     "StartMethod",
     "all_gather_padded",
     "all_gather_rows",
+    "all_reduce",
     "as_timedelta",
     "boundaries",
     "check_launch_env",

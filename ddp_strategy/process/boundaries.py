@@ -204,7 +204,6 @@ class SignalsAtStepBoundary(_namespace.Callback):
 
     def __init__(self, step_round: StepRound) -> None:
         self.round, self._signal, self._stopping = step_round, cast("int | None", None), False
-        self._lightning_handler = self._launcher = cast(Any, None)  # Lightning's, from on_train_start
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         """Take over SIGTERM and (under SLURM auto-requeue) the requeue signal from Lightning (every rank). The round
@@ -214,7 +213,7 @@ class SignalsAtStepBoundary(_namespace.Callback):
         requeue_signal = getattr(env, "requeue_signal", None) if getattr(env, "auto_requeue", False) else None
         main = threading.current_thread() is threading.main_thread()
         if requeue_signal is not None and main and callable(handler := signal.getsignal(requeue_signal)):
-            self._signal, self._lightning_handler = requeue_signal, handler
+            self._signal, self._lightning_handler = requeue_signal, cast(Any, handler)  # (set here only)
             signal.signal(requeue_signal, self._note)
         _pl.take_over_sigterm(trainer, self._note)  # Lightning's, if it handles SIGTERM (in the main thread)
 

@@ -1,4 +1,5 @@
-"""``all_gather`` for tensors whose first dimension differs between the ranks, on Lightning's own gathers.
+"""``all_gather`` for tensors whose first dimension differs between the ranks, on Lightning's own gathers; the
+strategy's all-reduce (:func:`all_reduce`: Lightning's, without its barrier).
 
 Lightning's ``all_gather`` needs the same shape on every rank, but exact evaluation shards
 (:func:`ddp_strategy.sampling.loaders.shard_for_evaluation`) make per-sample outputs uneven when N is not a
@@ -19,6 +20,24 @@ from torch import Tensor
 
 from ddp_strategy._compat import lightning_private as _pl
 from ddp_strategy._compat.namespace import rank_zero_warn
+
+
+def all_reduce(tensor: Tensor, group: Any | None = None, reduce_op: Any = "mean") -> Tensor:
+    """``tensor`` all-reduced over ``group`` (default: the world) in place and returned, as Lightning's ``_sync_ddp``
+    but without the barrier it makes first (``MyDDPStrategy.reduce`` makes its round there): ``"mean"``/``"avg"`` (any
+    case) the sum divided by the group's size (what Lightning does under gloo, which has no average; under NCCL it
+    asks for NCCL's average), another name the ``torch.distributed.ReduceOp`` of that name, a ``ReduceOp`` as it is.
+    ``tensor`` itself without a process group. A collective.
+
+    Raises:
+        AttributeError: a name that is no ``ReduceOp`` (as Lightning's).
+    """
+    if not dist.is_initialized():
+        return tensor
+    mean = str(reduce_op).lower() in ("mean", "avg")
+    op = getattr(dist.ReduceOp, "SUM" if mean else reduce_op.upper()) if isinstance(reduce_op, str) else reduce_op
+    dist.all_reduce(tensor, op, group)
+    return tensor.div_(dist.get_world_size(group)) if mean else tensor
 
 
 def gather_shapes(tensor: Tensor, group: Any | None = None) -> list[tuple[int, ...]]:

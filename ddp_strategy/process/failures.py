@@ -175,7 +175,7 @@ def teardown(run: Any, rank: int, world_size: int) -> None:
     if not run.failed and run.barrier_group is not None:  # (a failed run's is destroyed with the world group below)
         dist.destroy_process_group(run.barrier_group)
     # no reference to the group outlives the run
-    run.node_group, run.node_ranks, run.barrier_group, run.ifname = None, [], None, None
+    run.node_group, run.barrier_group, run.ifname = None, None, None
     if not run.failed:
         return
     base = _torch.default_store() if dist.is_initialized() else None

@@ -227,12 +227,11 @@ class ProcessGroupRun:
         store: dist.Store | None = None,
     ) -> None:
         self.timeout, self.barrier_timeout, self.init_method, self.store = timeout, barrier_timeout, init_method, store
-        # This run's failure reports (failures.run_reports); this rank's intra-node group (the world on one node) and
-        # its ranks; the gloo side group (process.boundaries). Set by join, dropped at teardown.
+        # This run's failure reports (failures.run_reports); this rank's intra-node group (the world on one node); the
+        # gloo side group (process.boundaries). Set by join, dropped at teardown.
         # The value this run gave GLOO_SOCKET_IFNAME (None: it left it alone), removed at teardown (failures.teardown).
-        self.reports, self.node_group, self.node_ranks, self.barrier_group, self.ifname = cast(
-            "tuple[dist.Store | None, dist.ProcessGroup | None, list[int], Any, str | None]",
-            (None, None, [], None, None),
+        self.reports, self.node_group, self.barrier_group, self.ifname = cast(
+            "tuple[dist.Store | None, dist.ProcessGroup | None, Any, str | None]", (None, None, None, None)
         )
         self.failed = self.own_failure = False  # set by failures.on_exception, cleared when the next run joins
 
@@ -273,7 +272,6 @@ class ProcessGroupRun:
         # MASTER_PORT) alive after the user destroys the group.
         if world_size == num_nodes * num_processes:  # else torch's default where one is needed (PostLocalSGDState's)
             lists = [list(range(n * num_processes, (n + 1) * num_processes)) for n in range(num_nodes)]
-            self.node_ranks = lists[rank // num_processes]
             self.node_group = dist.group.WORLD if num_nodes == 1 else dist.new_subgroups_by_enumeration(lists)[0]
         # The run's gloo side group (process.boundaries), destroyed at its teardown: made with its pairs connected on
         # first use (TORCH_GLOO_LAZY_INIT, unless the user set it), so making it connects nothing and costs no store

@@ -75,7 +75,7 @@ def read_positions(checkpoint: dict[str, Any]) -> list[dict[str, Any]]:
     return list(entry["loaders"]) if readable else []  # type: ignore[index]
 
 
-def restore_batch_counter(trainer: Trainer | None, world_size: int, until_teardown: ExitStack) -> None:
+def restore_batch_counter(trainer: Trainer, until_teardown: ExitStack) -> None:
     """After a mid-epoch resume, set Lightning's batch counter to ``num_training_batches - batches left``.
 
     At ``on_train_start`` (after the fit loop's restart bookkeeping has set ``current_epoch``, before the epoch
@@ -86,9 +86,7 @@ def restore_batch_counter(trainer: Trainer | None, world_size: int, until_teardo
     ``until_teardown`` closes; where a loader cannot resume exactly it stays, with ours: one of several loaders
     that had read all its data this epoch (a ``CombinedLoader`` starts it again), or several on a new world size.
     """
-    if trainer is None:
-        return
-    samplers, epoch = _train_samplers(trainer), trainer.current_epoch
+    samplers, epoch, world_size = _train_samplers(trainer), trainer.current_epoch, trainer.world_size
     pending = [(s, left) for s in samplers if (left := s.pending_resume_batches(epoch)) is not None]
     if not pending:
         return

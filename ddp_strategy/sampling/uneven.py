@@ -83,7 +83,8 @@ class UnevenInputs(StepJoin):
         step_round: the fit's per-step round (``process.boundaries.StepRound``), shared with the signal checks.
 
     Raises:
-        ValueError: an unknown policy. TypeError: ``divide_by_initial_world_size`` not a bool.
+        ValueError: an unknown policy (``divide_by_initial_world_size`` is checked with the strategy's other
+            arguments, :func:`ddp_strategy.options.strategy_options`).
     """
 
     def __init__(self, policy: str, divide_by_initial_world_size: bool, step_round: boundaries.StepRound) -> None:
@@ -92,11 +93,6 @@ class UnevenInputs(StepJoin):
                 f"MyDDPStrategy(uneven_inputs={policy!r}) is not one of {list(POLICIES)}: 'join' trains"
                 " every batch of every rank, 'stop' ends the epoch at the shortest rank's last batch,"
                 " 'error' refuses ranks with different numbers of batches."
-            )
-        if not isinstance(divide_by_initial_world_size, bool):
-            raise TypeError(
-                f"MyDDPStrategy(divide_by_initial_world_size=...) must be True or False, got"
-                f" {divide_by_initial_world_size!r}."
             )
         super().__init__(divide_by_initial_world_size, step_round)
         self.policy = policy

@@ -218,12 +218,11 @@ def _end(procs: list[Any]) -> None:
 def _alive_in(process: Path, groups: list[int]) -> bool:
     """Whether the process of ``/proc/<pid>`` is alive and in one of the process ``groups``. Not
     ``os.killpg(pgid, 0)``: it succeeds for a zombie, and an orphan's zombie may wait for its reaper (proc(5))."""
-    try:
+    with contextlib.suppress(OSError):  # gone meanwhile: False
         stat = (process / "stat").read_text()
-    except OSError:  # gone meanwhile
-        return False
-    state, _, group = stat[stat.rindex(")") + 2 :].split()[:3]
-    return state != "Z" and int(group) in groups
+        state, _, group = stat[stat.rindex(")") + 2 :].split()[:3]
+        return state != "Z" and int(group) in groups
+    return False
 
 
 def _wait(procs: list[Any], folder: Path, deadline: float) -> bool:

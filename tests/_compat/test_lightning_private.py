@@ -390,13 +390,11 @@ def test_the_popen_launcher_starts_the_supervisor_alone_and_only_for_the_ranks_i
 
 
 def test_lightnings_collectives_keep_their_signatures_and_world_of_one_behaviour(namespace):
-    """_sync_ddp_if_available, _all_gather_ddp_if_available and _gather_all_tensors take the arguments the strategy
-    passes; without a process group the first two return the tensor itself (the strategy relies on that)."""
-    assert signature_of(_private(namespace, "sync_ddp_if_available")) == ["result", "group", "reduce_op"]
+    """_all_gather_ddp_if_available and _gather_all_tensors take the arguments the strategy passes; without a
+    process group the first returns the tensor itself (the strategy relies on that)."""
     assert signature_of(_private(namespace, "all_gather_ddp_if_available")) == ["tensor", "group", "sync_grads"]
     assert signature_of(_private(namespace, "gather_all_tensors")) == ["result", "group"]
     t = torch.ones(2)
-    assert _private(namespace, "sync_ddp_if_available")(t, reduce_op="sum") is t
     assert _private(namespace, "all_gather_ddp_if_available")(t, sync_grads=True) is t
 
 

@@ -134,10 +134,11 @@ def test_a_mid_epoch_resume_sets_lightnings_batch_counter_and_silences_its_warni
         limit_train_batches=1.0,
         num_training_batches=5,
         current_epoch=0,
+        world_size=1,
         fit_loop=SimpleNamespace(epoch_loop=SimpleNamespace(batch_progress=progress)),
     )
     sharding, before = LoaderSharding(), list(warnings.filters)
-    restore_batch_counter(trainer, 1, sharding.until_teardown)
+    restore_batch_counter(trainer, sharding.until_teardown)
     assert progress.current.ready == progress.total.completed == 2 and injected_sampler(loader).batch_offset == 2
     assert warnings.filters[0][0] == "ignore" and warnings.filters[0][1].match(LIGHTNING_NOT_RESUMABLE_WARNING)
     assert [i for b in loader for i in b.tolist()] == [4, 5, 6, 7, 8, 9]
