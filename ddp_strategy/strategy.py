@@ -251,12 +251,13 @@ class MyDDPStrategy(sync.wrapping.LightningDDPAttributes, _namespace.ParallelStr
 
     @override
     def pre_backward(self, closure_loss: Tensor) -> None:
-        """Under manual optimization, prepare DDP's reducer before ``manual_backward`` (as Lightning's DDP does). Before
-        a backward that syncs gradients, the step's round again (``process.boundaries.StepRound.start``), which a
+        """Under manual optimization, prepare DDP's reducer before ``manual_backward`` (as Lightning's DDP does). In a
+        backward that syncs gradients, the step's round again (``process.boundaries.StepRound.start``), by a hook on
+        ``closure_loss`` (so after the ``on_before_backward`` hooks, before the first gradient bucket), which a
         collective the others skipped in the step (``self.log(..., sync_dist=True)`` on one rank) meets at once."""
         self._uneven.before_backward()  # in a step some ranks only shadow: announce the all-reduce
-        if getattr(self.model, "require_backward_grad_sync", False):
-            self._round.start()
+        if getattr(self.model, "require_backward_grad_sync", False) and closure_loss.requires_grad:
+            closure_loss.register_hook(self._round.start)
         if isinstance(self.model, DistributedDataParallel) and not self.model.module.automatic_optimization:
             _pl.prepare_for_backward(self.model, closure_loss)
 

@@ -54,10 +54,11 @@ class StepRound:
         self.on: tuple[Any, torch.device, int] = (None, torch.device("cpu"), 1)
         self._sent: tuple[torch.Tensor, Any] | None = None
 
-    def start(self) -> None:
+    def start(self, *_: Any) -> None:
         """At a training step's start (the strategy's ``training_step``: after the hooks that may end the epoch) and
-        before each backward pass that syncs gradients (the strategy's ``pre_backward``: a rank that skipped a
-        collective the others make in the step meets their round there), on every rank that takes the step:
+        at the start of each backward pass that syncs gradients (a hook on the loss, from the strategy's
+        ``pre_backward``; its gradient is ignored: a rank that skipped a collective the others make in the step meets
+        their round there), on every rank that takes the step:
         :meth:`send` this step's flags, unless in a ``tail`` step (the batch's flags stay until the next batch's
         ``batch_to_device`` sets them, or the training steps' stretch ends: ``SignalsAtStepBoundary``)."""
         if not self.tail:  # (none after a SIGTERM stop: Lightning raises at the step's or epoch's end)

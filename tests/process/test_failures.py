@@ -60,6 +60,7 @@ JOBS: dict[str, tuple[str, str, int | None]] = {  # the long ones first; spawn (
     "gather_epoch_alone/popen": ("gather_epoch_alone", "popen", None),
     "save_sync_alone/popen": ("save_sync_alone", "popen", None),
     "skip_log/popen": ("skip_log", "popen", None),
+    "skip_log_backward/popen": ("skip_log_backward", "popen", None),
     "end_reduce_alone/popen": ("end_reduce_alone", "popen", None),
     "skip_alone/ddp": ("skip_alone", "ddp", None),
     "save_alone/ddp": ("save_alone", "ddp", None),
@@ -306,6 +307,11 @@ ALONE = {
         "made a reduce (self.log(..., sync_dist=True) or strategy.reduce) while another rank went on (to its step's"
         " backward pass, its next epoch or the fit's end)",
     ),
+    "skip_log_backward": (
+        0,
+        "made a reduce (self.log(..., sync_dist=True) or strategy.reduce) while another rank went on (to its step's"
+        " backward pass",
+    ),
     "save_sync_alone": (0, "waited in a barrier (Trainer.save_checkpoint) while another rank made another collective"),
     "end_alone": (
         1,
@@ -326,6 +332,7 @@ ALONE = {
         "gather_epoch_alone/popen",
         "save_sync_alone/popen",
         "skip_log/popen",
+        "skip_log_backward/popen",
         "end_alone/popen",
         "end_reduce_alone/popen",
     ],
@@ -342,9 +349,11 @@ def test_a_rank_that_leaves_the_others_steps_alone_is_named_on_every_rank_within
     the fit's end alone, the others' next step fails once the rank that left exits, unnamed: "Connection closed by
     peer"). Until 2026-12-06 a fit ended alone waited out the timeout: its fit-end all-reduce met the others' next
     epoch's barrier. Since that day's later change (the round before each backward pass; a kind in each round) also:
-    self.log(..., sync_dist=True) on rank 0 alone inside a training step (skip_log; ddp: the timeout), a save on rank
-    0 alone at an epoch's end where rank 1 reduces an epoch-level sync_dist log (save_sync_alone: both ranks raise,
-    each naming the other's collective), and a strategy.reduce in on_train_end on the rank that ended the fit alone
+    self.log(..., sync_dist=True) on rank 0 alone inside a training step (skip_log; ddp: the timeout) or in
+    on_before_backward (skip_log_backward: after the strategy's pre_backward, found by a fresh-user tryout), a save
+    on rank 0 alone at an epoch's end where rank 1 reduces an epoch-level sync_dist log (save_sync_alone: both ranks
+    raise, each naming the other's collective), and a strategy.reduce in on_train_end on the rank that ended the fit
+    alone
     (end_reduce_alone)."""
     ended = jobs[job].result()
     rank, says = ALONE[job.split("/")[0]]

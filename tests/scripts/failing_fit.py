@@ -90,6 +90,11 @@ class Model(DigitsClassifier):
                 time.sleep(0.05)
         return super().training_step(batch, batch_idx)
 
+    def on_before_backward(self, loss):  # after the strategy's pre_backward: the round goes with the backward pass
+        if SCENARIO == "skip_log_backward" and self.global_rank == 0 and self.global_step == FAIL_STEP:
+            mark_failing()
+            self.log("before_backward", loss.detach(), on_step=True, sync_dist=True)  # rank 0 alone
+
     def log(self, name, value, *args, **kwargs):
         if not (SCENARIO in ("save_epoch_alone", "gather_epoch_alone", "save_sync_alone") and name == "train_acc"):
             super().log(
@@ -183,7 +188,11 @@ if __name__ == "__main__":
     L.seed_everything(3)
     start_environ = dict(os.environ)
     timeout = (
-        10 if SCENARIO == "save_metric" else 20 if SCENARIO.endswith("_alone") or SCENARIO == "skip_log" else 60
+        10
+        if SCENARIO == "save_metric"
+        else 20
+        if SCENARIO.endswith("_alone") or SCENARIO.startswith("skip_log")
+        else 60
     )  # save_metric waits for it: the ranks' collectives do not match (its join: not under 10 s on a loaded machine)
     strategy = (
         DDPStrategy(timeout=timedelta(seconds=20 if timeout == 60 else timeout))
