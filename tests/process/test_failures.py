@@ -325,16 +325,16 @@ ALONE = {
     "job",
     [
         "skip_alone/popen",
-        "stop_alone/popen",
+        pytest.param("stop_alone/popen", marks=pytest.mark.slow),  # (the fast suite's time: skip_alone's kind)
         "save_alone/popen",
         "save_epoch_alone/popen",
         "reduce_epoch_alone/popen",
-        "gather_epoch_alone/popen",
+        pytest.param("gather_epoch_alone/popen", marks=pytest.mark.slow),
         "save_sync_alone/popen",
         "skip_log/popen",
         "skip_log_backward/popen",
         "end_alone/popen",
-        "end_reduce_alone/popen",
+        pytest.param("end_reduce_alone/popen", marks=pytest.mark.slow),
     ],
 )
 def test_a_rank_that_leaves_the_others_steps_alone_is_named_on_every_rank_within_seconds(jobs, job):
