@@ -101,7 +101,9 @@ class MyDDPStrategy(sync.wrapping.LightningDDPAttributes, _namespace.ParallelStr
         self._run = process.ProcessGroupRun(self._options.timeout, self._options.barrier_timeout, init_method, store)
         self._sharding = sampling.LoaderSharding(exact_evaluation)
         self._round = process.boundaries.StepRound()  # the per-step flags the signals and the uneven inputs share
-        self._uneven = sampling.UnevenInputs(uneven_inputs, divide_by_initial_world_size, self._round)
+        self._uneven = sampling.UnevenInputs(
+            uneven_inputs, divide_by_initial_world_size, self._round, self._sharding.until_teardown
+        )
         self._warned_padded_gather = self._buffers_due = False  # rank 0's buffers: due at a validation step
         self._gradients_steps = 0  # optimizer steps (for the unused-parameter check and verify_sync_every_n_steps)
         self._written = checkpoint.WrittenFiles()  # checkpoints saved by this run, trusted when loaded back unchanged

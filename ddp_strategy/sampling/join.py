@@ -141,6 +141,11 @@ class StepJoin(Joinable, JoinHook):
         self._trainer: Any = None
         self._run: _Run | None = None
 
+    def __deepcopy__(self, memo: dict) -> StepJoin:
+        """Itself: a deep copy of a module whose metrics sync through :meth:`gather` (``copy.deepcopy(pl_module)``
+        during a fit, an EMA callback's) copies the metrics, not the strategy's state (its groups cannot be)."""
+        return self
+
     @property
     def tail(self) -> bool:
         """Whether this rank is in a step that some ranks, out of data, only shadow."""
@@ -268,8 +273,9 @@ class StepJoin(Joinable, JoinHook):
 
     def gather(self, tensor: torch.Tensor, group: Any = None, op: str | None = "sum") -> list[torch.Tensor]:
         """Every rank's ``tensor`` (torchmetrics' ``gather_all_tensors``: shapes may differ), in a tail step only the
-        active ranks' (the ranks out of data give an empty one): :meth:`reduce`'s, and an evaluation's metric syncs
-        (their ``dist_sync_fn``). A collective, on every rank.
+        active ranks' (the ranks out of data give an empty one): :meth:`reduce`'s, and the metric syncs of a fit or of
+        an evaluation under the join (their ``dist_sync_fn``); outside a tail step, over the world, while fitting, the
+        strategy's round first (``process.boundaries.StepRound.barrier``). A collective, on every rank.
 
         Raises:
             UnevenInputsError: in a tail step, on every rank, for a process group other than the world, a dtype
@@ -277,6 +283,8 @@ class StepJoin(Joinable, JoinHook):
         """
         if self.tail and (group not in (None, dist.group.WORLD) or tensor.dtype not in _DTYPES or op not in _OPS):
             self._exchange("refuse", list(Refusal).index(Refusal.OTHER))  # raises here and on the ranks out of data
+        if not self.tail and group in (None, dist.group.WORLD):  # a metric synced on some ranks only: named at once
+            self._round.barrier(dist.get_rank(), "synced a metric (a torchmetrics Metric's compute)", "all_gather")
         active = (
             self._exchange("gather", tensor.ndim, _DTYPES.index(tensor.dtype)).active
             if self.tail

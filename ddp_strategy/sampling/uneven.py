@@ -81,13 +81,16 @@ class UnevenInputs(StepJoin):
         divide_by_initial_world_size: ``"join"``'s tail step divides its gradient sum by W (True, DDP's default for
             ``DistributedDataParallel.join``: a sample weighs ``1 / (W * B)`` in every step) or by its ranks.
         step_round: the fit's per-step round (``process.boundaries.StepRound``), shared with the signal checks.
+        until_teardown: an ``ExitStack`` closed at the strategy's teardown (the metrics' own sync given back there).
 
     Raises:
         ValueError: an unknown policy (``divide_by_initial_world_size`` is checked with the strategy's other
             arguments, :func:`ddp_strategy.options.strategy_options`).
     """
 
-    def __init__(self, policy: str, divide_by_initial_world_size: bool, step_round: boundaries.StepRound) -> None:
+    def __init__(
+        self, policy: str, divide_by_initial_world_size: bool, step_round: boundaries.StepRound, until_teardown: Any
+    ) -> None:
         if policy not in POLICIES:
             raise ValueError(
                 f"MyDDPStrategy(uneven_inputs={policy!r}) is not one of {list(POLICIES)}: 'join' trains"
@@ -96,7 +99,7 @@ class UnevenInputs(StepJoin):
             )
         super().__init__(divide_by_initial_world_size, step_round)
         self.policy = policy
-        self.callback = _EpochEnd(self)  #: first among the callbacks: ends an uneven epoch or evaluation run
+        self.callback = _EpochEnd(self, until_teardown)  #: first among the callbacks: ends an uneven epoch or run
         self.epochs: dict[int, tuple[int, ...]] = {}  #: epoch whose counts differed -> batches each rank trained
         self._uncut: int | None = None  #: ``"stop"`` with known counts (the epoch cut at its start): its length
 
@@ -288,8 +291,8 @@ class _EpochEnd(_namespace.Callback):
     the epoch's end (put first among the callbacks; the strategy's collectives check too, :meth:`StepJoin.announce`);
     logs the fit's counts at its end."""
 
-    def __init__(self, uneven: UnevenInputs) -> None:
-        self.uneven = uneven
+    def __init__(self, uneven: UnevenInputs, until_teardown: Any) -> None:
+        self.uneven, self.until_teardown = uneven, until_teardown
 
     def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
         self.uneven.announce("validation")
@@ -301,8 +304,14 @@ class _EpochEnd(_namespace.Callback):
     on_validation_epoch_end = on_test_epoch_end = on_predict_epoch_end = on_train_epoch_end
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
-        """Forget the last fit's counts."""
+        """Forget the last fit's counts. Until the teardown, the module's torchmetrics metrics without a sync of their
+        own (``dist_sync_fn``) sync through :meth:`StepJoin.gather`, which makes the strategy's round first: a metric
+        synced on some ranks only, or where another rank makes another collective (a save on rank 0 alone at an
+        epoch's end, the others computing their epoch-level metrics), is named at once, not at the timeout."""
         self.uneven.epochs = {}
+        for metric in [m for m in pl_module.modules() if getattr(m, "dist_sync_fn", False) is None]:
+            metric.dist_sync_fn = self.uneven.gather
+            self.until_teardown.callback(setattr, metric, "dist_sync_fn", None)
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         """Rank 0 logs, for the fit summary, the policy and the batches each rank trained in each uneven epoch."""

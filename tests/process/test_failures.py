@@ -32,7 +32,7 @@ pytestmark = [pytest.mark.multiprocess]
 
 #: job name -> (failing_fit.py's scenario, start method, the signal the test sends once both ranks wait for it)
 JOBS: dict[str, tuple[str, str, int | None]] = {  # the long ones first; spawn (3 processes import) beside popen (1)
-    "save_metric/popen": ("save_metric", "popen", None),
+    "raw_barrier/popen": ("raw_barrier", "popen", None),
     "skip_log/ddp": ("skip_log", "ddp", None),
     "stall/popen": ("stall", "popen", None),
     "sigterm/spawn": ("sigterm", "spawn", signal.SIGTERM),
@@ -59,6 +59,7 @@ JOBS: dict[str, tuple[str, str, int | None]] = {  # the long ones first; spawn (
     "reduce_epoch_alone/popen": ("reduce_epoch_alone", "popen", None),
     "gather_epoch_alone/popen": ("gather_epoch_alone", "popen", None),
     "save_sync_alone/popen": ("save_sync_alone", "popen", None),
+    "save_metric_alone/popen": ("save_metric_alone", "popen", None),
     "skip_log/popen": ("skip_log", "popen", None),
     "skip_log_backward/popen": ("skip_log_backward", "popen", None),
     "end_reduce_alone/popen": ("end_reduce_alone", "popen", None),
@@ -255,24 +256,22 @@ def test_uneven_batch_counts_are_reported_instead_of_deadlocking(jobs, job):
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("job", ["save_metric/popen"])
+@pytest.mark.parametrize("job", ["raw_barrier/popen"])
 def test_collectives_out_of_step_are_explained_on_every_rank_with_where_each_rank_waited(jobs, job):
-    """Rank 0 alone saves at epoch 0's end (a 10 s collective timeout) while rank 1 goes on to its epoch-level
-    torchmetrics sync (not the strategy's: nothing of ours runs on rank 1 there, so nothing meets rank 0's round).
-    Every rank ends at the timeout, none calls it its own failure (until 2026-12-06 the rank that timed out published
-    the timeout as its own error, and the other said that no rank reported one), and each gives the likely causes and
-    where the ranks waited: rank 1 in torchmetrics' barrier; rank 0 (the second to fail: it read rank 1's) in the
-    round of its save, in the callback's on_train_epoch_end, at its line."""
+    """Rank 1 alone makes a torch.distributed.barrier() of its own in a training step (a 10 s collective timeout), not
+    the strategy's: nothing of ours runs before it, and it meets rank 0's gradient all-reduce. Every rank ends at the
+    timeout, as under ddp; none calls it its own failure (until 2026-12-06 the rank that timed out published the
+    timeout as its own error, and the other said that no rank reported one), and each gives the likely causes and
+    where every rank waited: rank 1 in a collective of its training_step (at its line), rank 0 in the backward
+    pass."""
     ended = jobs[job].result()
     assert ended.code != 0 and ended.since_failure < 60, f"exit {ended.code} after {ended.since_failure:.1f} s"
     assert "] failed:" not in ended.out  # neither rank's own error
-    said = {
-        rank: next(line for line in ended.out.splitlines() if line.startswith(f"[rank {rank}] a collective failed"))
-        for rank in range(2)
-    }
-    for line in said.values():
-        assert "self.log(..., sync_dist=True) on some ranks only" in line and "ranks [1]: barrier" in line, line
-    assert " in Events.on_train_epoch_end, at failing_fit.py:" in said[0].split("ranks [0]: ")[1], said[0]
+    for rank in range(2):
+        said = [line for line in ended.out.splitlines() if line.startswith(f"[rank {rank}] a collective failed")]
+        assert said and "self.log(..., sync_dist=True) on some ranks only" in said[0], ended.out
+        assert " in MyDDPStrategy.training_step, at failing_fit.py:" in said[0].split("ranks [1]: ")[1], said[0]
+        assert said[0].split("ranks [0]: ")[1].startswith("_engine_run_backward in MyDDPStrategy.backward"), said[0]
 
 
 #: A rank that leaves the others' step sequence alone: the job, the rank, what it says of itself.
@@ -312,6 +311,10 @@ ALONE = {
         "made a reduce (self.log(..., sync_dist=True) or strategy.reduce) while another rank went on (to its step's"
         " backward pass",
     ),
+    "save_metric_alone": (
+        0,
+        "waited in a barrier (Trainer.save_checkpoint) while another rank made another collective (all_gather) here",
+    ),
     "save_sync_alone": (0, "waited in a barrier (Trainer.save_checkpoint) while another rank made another collective"),
     "end_alone": (
         1,
@@ -331,6 +334,7 @@ ALONE = {
         "reduce_epoch_alone/popen",
         pytest.param("gather_epoch_alone/popen", marks=pytest.mark.slow),
         "save_sync_alone/popen",
+        "save_metric_alone/popen",
         "skip_log/popen",
         "skip_log_backward/popen",
         "end_alone/popen",
@@ -352,8 +356,9 @@ def test_a_rank_that_leaves_the_others_steps_alone_is_named_on_every_rank_within
     self.log(..., sync_dist=True) on rank 0 alone inside a training step (skip_log; ddp: the timeout) or in
     on_before_backward (skip_log_backward: after the strategy's pre_backward, found by a fresh-user tryout), a save
     on rank 0 alone at an epoch's end where rank 1 reduces an epoch-level sync_dist log (save_sync_alone: both ranks
-    raise, each naming the other's collective), and a strategy.reduce in on_train_end on the rank that ended the fit
-    alone
+    raise, each naming the other's collective) or computes its torchmetrics metrics there (save_metric_alone: the
+    metrics sync through the strategy while fitting), and a strategy.reduce in on_train_end on the rank that ended the
+    fit alone
     (end_reduce_alone)."""
     ended = jobs[job].result()
     rank, says = ALONE[job.split("/")[0]]
@@ -362,8 +367,9 @@ def test_a_rank_that_leaves_the_others_steps_alone_is_named_on_every_rank_within
     if job.startswith("end_alone"):  # both ranks take part in the same all-reduce at the fit's end: each raises it
         assert f"[rank 0] failed: RuntimeError: [rank 0] {says} the others started training epoch 1" in ended.out
         return
-    if job.startswith("save_sync_alone"):  # both ranks' rounds differ: each names the other's collective
-        assert "[rank 1] failed: RuntimeError: [rank 1] made a reduce (self.log(..., sync_dist=True) or" in ended.out
+    if job.startswith(("save_sync_alone", "save_metric_alone")):  # the rounds differ: each names the other's kind
+        did = "made a reduce (self.log(..., sync_dist=True) or" if "sync" in job else "synced a metric (a torchmetrics"
+        assert f"[rank 1] failed: RuntimeError: [rank 1] {did}" in ended.out
         assert "while another rank made another collective (barrier) here" in ended.out
         return
     assert (

@@ -78,6 +78,9 @@ class Model(DigitsClassifier):
             os.kill(os.getpid(), signal.SIGKILL)
         if SCENARIO == "save_sync_alone":  # reduced at the epoch's end, on every rank
             self.log("synced_epoch", torch.tensor(1.0), on_step=False, on_epoch=True, sync_dist=True)
+        if SCENARIO == "raw_barrier" and self.global_rank == 1 and self.global_step == FAIL_STEP:
+            mark_failing()  # not the strategy's: nothing of ours runs before it
+            torch.distributed.barrier()  # rank 1 alone; rank 0 goes on to its gradient all-reduce
         if SCENARIO == "skip_log" and not (self.global_rank == 1 and self.global_step == FAIL_STEP):
             self.log("synced", torch.tensor(1.0), on_step=True, sync_dist=True)
         elif SCENARIO == "skip_log":
@@ -148,7 +151,7 @@ class Events(L.Callback):
         if SCENARIO == "epoch_end_raise" and trainer.global_rank == 0 and trainer.current_epoch == 0:
             mark_failing()  # rank 1 goes on to the next epoch's barrier (or waits in an epoch-end metric sync)
             raise ValueError("rank 0 failed at its epoch's end on purpose")
-        if SCENARIO in ("save_epoch_alone", "save_sync_alone", "save_metric") and trainer.global_rank == 0:
+        if SCENARIO in ("save_epoch_alone", "save_sync_alone", "save_metric_alone") and trainer.global_rank == 0:
             mark_failing()  # rank 0 alone: its save's barrier meets rank 1's epoch start (save_epoch_alone), its
             trainer.save_checkpoint(OUT / "epoch.ckpt")  # epoch-level reduce (sync_alone), its metric sync (metric)
         if SCENARIO in ("end_alone", "end_reduce_alone") and trainer.global_rank == 1 and trainer.current_epoch == 0:
@@ -189,11 +192,11 @@ if __name__ == "__main__":
     start_environ = dict(os.environ)
     timeout = (
         10
-        if SCENARIO == "save_metric"
+        if SCENARIO == "raw_barrier"
         else 20
         if SCENARIO.endswith("_alone") or SCENARIO.startswith("skip_log")
         else 60
-    )  # save_metric waits for it: the ranks' collectives do not match (its join: not under 10 s on a loaded machine)
+    )  # raw_barrier waits for it: the ranks' collectives do not match (its join: not under 10 s on a loaded machine)
     strategy = (
         DDPStrategy(timeout=timedelta(seconds=20 if timeout == 60 else timeout))
         if START_METHOD == "ddp"
