@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler
 
@@ -252,7 +251,7 @@ class GradientTracker:
     ``names[i]`` received a gradient.
     """
 
-    def __init__(self, module: nn.Module) -> None:
+    def __init__(self, module: torch.nn.Module) -> None:
         params = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
         self.names: list[str] = [name for name, _ in params]
         self.seen: list[bool] = [False] * len(params)
@@ -282,7 +281,6 @@ class FitDiagnostics(_namespace.Callback):
 
     def __init__(self, ddp_options: dict[str, Any], start_method: str) -> None:
         self.ddp_options, self.start_method = ddp_options, start_method
-        self.summary: FitSummary | None = None
         self.tracker: GradientTracker | None = None
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -344,7 +342,7 @@ class FitDiagnostics(_namespace.Callback):
         wrapper was built in (world size 1 too), on every rank, before the wrapper is released; the gradient
         hooks are removed."""
         tracker, self.tracker = self.tracker, None
-        if tracker is None or self.summary is None:
+        if tracker is None:  # (on_train_start sets self.summary before the tracker)
             return
         tracker.close()
         data = _torch_private.ddp_logging_data(trainer.strategy.model)

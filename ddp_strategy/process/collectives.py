@@ -16,13 +16,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import Tensor
 
 from ddp_strategy._compat import lightning_private as _pl
 from ddp_strategy._compat.namespace import rank_zero_warn
 
 
-def all_reduce(tensor: Tensor, group: Any | None = None, reduce_op: Any = "mean") -> Tensor:
+def all_reduce(tensor: torch.Tensor, group: Any | None = None, reduce_op: Any = "mean") -> torch.Tensor:
     """``tensor`` all-reduced over ``group`` (default: the world) in place and returned, as Lightning's ``_sync_ddp``
     but without the barrier it makes first (``MyDDPStrategy.reduce`` makes its round there): ``"mean"``/``"avg"`` (any
     case) the sum divided by the group's size (what Lightning does under gloo, which has no average; under NCCL it
@@ -40,7 +39,7 @@ def all_reduce(tensor: Tensor, group: Any | None = None, reduce_op: Any = "mean"
     return tensor.div_(dist.get_world_size(group)) if mean else tensor
 
 
-def gather_shapes(tensor: Tensor, group: Any | None = None) -> list[tuple[int, ...]]:
+def gather_shapes(tensor: torch.Tensor, group: Any | None = None) -> list[tuple[int, ...]]:
     """Every rank's ``tensor.shape``, in rank order (``[tensor.shape]`` without a group). A collective (Lightning's
     ``_gather_all_tensors``, so the ranks' tensors may differ in dimensions)."""
     if not dist.is_initialized():
@@ -69,12 +68,12 @@ def _dealing_order(sizes: list[int]) -> list[tuple[int, int]]:
 
 
 def all_gather_padded(
-    tensor: Tensor,
+    tensor: torch.Tensor,
     shapes: list[tuple[int, ...]],
     group: Any | None = None,
     sync_grads: bool = False,
     warn: bool = False,
-) -> Tensor:
+) -> torch.Tensor:
     """Gather each rank's ``(n_r, *rest)`` tensor into ``(W, M, *rest)``, ``M = max n_r``, rows ``n_r..M-1`` filled
     as a ``DistributedSampler`` pads (module docstring). A collective; ``shapes`` from :func:`gather_shapes`;
     ``warn``: warn (rank 0) that ``flatten(0, 1)`` counts the repeats twice. ``ValueError``: see
@@ -99,7 +98,7 @@ def all_gather_padded(
     return stacked.index_select(0, index).reshape(world, most, *rest)
 
 
-def all_gather_rows(tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
+def all_gather_rows(tensor: torch.Tensor, group: Any | None = None, sync_grads: bool = False) -> torch.Tensor:
     """Every rank's rows, each exactly once: ``self.all_gather(x).flatten(0, 1)`` without padding or repeats.
 
     Rows come in the order a ``DistributedSampler`` deals them: for a whole evaluation epoch with

@@ -31,7 +31,6 @@ from typing import Any, NamedTuple, cast
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms import Join, Joinable, JoinHook
-from torch.nn.parallel import DistributedDataParallel
 from torchmetrics.utilities.distributed import gather_all_tensors
 
 from ddp_strategy._compat import lightning_private as _pl
@@ -152,7 +151,7 @@ class StepJoin(Joinable, JoinHook):
         return self._run is not None and self._run.tail
 
     @property
-    def ddp(self) -> DistributedDataParallel:
+    def ddp(self) -> torch.nn.parallel.DistributedDataParallel:
         """The strategy's DDP wrapper (``sync.wrap`` wraps every module that fits)."""
         return self._trainer.strategy.model
 

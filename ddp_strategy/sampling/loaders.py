@@ -44,7 +44,7 @@ class LoaderSharding:
         self.exact_evaluation = exact_evaluation
         self.positions: list[dict[str, Any]] = []  #: from the checkpoint, for the training loaders built next
         self.until_teardown = ExitStack()  #: what lasts while a fit runs (see ``state.restore_batch_counter``)
-        self._injecting = True
+        # self._injecting (whether the strategy injects samplers) is set by take_over, before any prepare
         #: the batch counts (None: unknown) of the evaluation loaders whose counts need the peers', until teardown
         self._pending: list[int | None] = []
 

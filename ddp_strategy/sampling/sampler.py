@@ -135,8 +135,7 @@ class _EpochShards:
                 )
                 + " Make __len__ return the number of items __iter__ yields."
             )
-        stream = stream[: self.length]
-        n = len(stream)
+        n = min(len(stream), self.length)  # the items read: positions below n
         resume, self._resume = self._resume, None
         resuming = resume is not None and int(resume["epoch"]) == self.epoch
         if resume is not None and not resuming:

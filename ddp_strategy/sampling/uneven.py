@@ -26,7 +26,6 @@ from torch.utils.data import IterableDataset
 from ddp_strategy._compat import lightning_private as _pl
 from ddp_strategy._compat import namespace as _namespace
 from ddp_strategy._compat import torch_private as _tp
-from ddp_strategy._compat.namespace import rank_zero_warn
 from ddp_strategy.process import boundaries
 from ddp_strategy.sampling.join import StepJoin, UnevenInputsError, _Run
 from ddp_strategy.sampling.loaders import flat_loaders
@@ -160,7 +159,8 @@ class UnevenInputs(StepJoin):
                     f"[rank {trainer.global_rank}] the ranks' numbers of training batches in epoch {epoch} differ"
                     f" ({dict(enumerate(counts))}),{message}"
                 )
-            rank_zero_warn(  # an even stream runs as under ddp; an uneven one fails at the first step a rank lacks
+            # an even stream runs as under ddp; an uneven one fails at the first step a rank lacks
+            _namespace.rank_zero_warn(
                 "The ranks' numbers of training batches are unknown (a loader without a length, or an"
                 f" IterableDataset),{message} Where they turn out to differ, the first step a rank lacks fails there,"
                 " naming the likely cause."

@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from ddp_strategy._compat import lightning_private as _pl
 
 
-def parameter_checksums(module: nn.Module) -> tuple[list[str], torch.Tensor]:
+def parameter_checksums(module: torch.nn.Module) -> tuple[list[str], torch.Tensor]:
     """``(names, sums)``: parameter names and a float64 CPU tensor (P, 2) of each one's sum and sum of |x|."""
     rows = [
         (name, torch.stack([p.detach().double().sum(), p.detach().double().abs().sum()]).cpu())
@@ -24,7 +23,7 @@ def parameter_checksums(module: nn.Module) -> tuple[list[str], torch.Tensor]:
     return [name for name, _ in rows], torch.stack([r for _, r in rows]) if rows else torch.zeros(0, 2).double()
 
 
-def verify_parameters_in_sync(module: nn.Module, step: int, device: torch.device) -> None:
+def verify_parameters_in_sync(module: torch.nn.Module, step: int, device: torch.device) -> None:
     """Raise on every rank if any parameter of ``module`` differs between ranks.
 
     A collective: every rank must call it, with the same module structure. All-gathers (Lightning's
