@@ -287,7 +287,7 @@ class StepJoin(Joinable, JoinHook):
         active = (
             self._exchange("gather", tensor.ndim, _DTYPES.index(tensor.dtype)).active
             if self.tail
-            else range(self._trainer.world_size)
+            else range(dist.get_world_size(group))  # (the whole group; no trainer before a resumed fit's epoch)
         )
         return [row for r, row in enumerate(gather_all_tensors(tensor, group)) if r in active]
 
