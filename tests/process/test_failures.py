@@ -330,7 +330,7 @@ ALONE = {
         "skip_alone/popen",
         pytest.param("stop_alone/popen", marks=pytest.mark.slow),  # (the fast suite's time: skip_alone's kind)
         "save_alone/popen",
-        "save_epoch_alone/popen",
+        pytest.param("save_epoch_alone/popen", marks=pytest.mark.slow),
         "reduce_epoch_alone/popen",
         pytest.param("gather_epoch_alone/popen", marks=pytest.mark.slow),
         "save_sync_alone/popen",
