@@ -124,8 +124,10 @@ def test_parameter_unused_on_one_rank_is_named_on_every_rank_within_seconds(reco
 @pytest.mark.slow
 def test_parameter_unused_on_one_rank_under_lightning_waits_for_the_timeout(tmp_path):
     """The same per-rank branch under "ddp" (10 s collective timeout): rank 1 raises DDP's unused-parameter error
-    at its next forward, rank 0 only the collective's timeout, naming nobody (ours: both name the parameters)."""
+    at its next forward, rank 0 only the collective's timeout or, where rank 1's exit comes first, gloo's "Connection
+    closed by peer" (seen once in CI), naming nobody (ours: both name the parameters)."""
     launch(bw.scenario_rank_branch_ddp, 2, tmp_path, timeout_s=120)
     rank0, rank1 = load(tmp_path, "rank_branch_ddp", 2)
     assert rank1["error"].startswith(f"RuntimeError: {LIGHTNING_UNUSED}"), rank1["error"]
-    assert "Timed out" in rank0["error"] and "aux" not in rank0["error"], rank0["error"]
+    assert any(w in rank0["error"] for w in ("Timed out", "Connection closed")), rank0["error"]
+    assert "aux" not in rank0["error"] and "Cause" not in rank0["error"], rank0["error"]
